@@ -1,0 +1,202 @@
+"""Batches for a step, addressed by step number so that resume and micro-batching see the same data.
+
+`BatchSource.global_batch(step)` is a pure function of (seed, step): synthetic data draws it
+from a generator seeded by both, local data takes a seeded permutation. Micro-batches are
+slices of the global batch, so any micro-batch size trains on exactly the same samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..recipe import ImageFolderData, Recipe, SyntheticData, Task, TextFilesData
+from .model import BuildError, infer_task
+
+IGNORE = -100  # label of positions that do not count towards the loss
+MASK_ID = 1  # token that replaces masked positions in masked_lm
+
+
+@dataclass
+class Batch:
+    inputs: dict[str, torch.Tensor]
+    labels: torch.Tensor
+    by_keyword: bool  # transformers models take keyword inputs; torchvision/python take one tensor
+
+    def slice(self, start: int, stop: int) -> Batch:
+        return Batch({k: v[start:stop] for k, v in self.inputs.items()}, self.labels[start:stop], self.by_keyword)
+
+    def to(self, device: torch.device) -> Batch:
+        moved = {k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}
+        return Batch(moved, self.labels.to(device, non_blocking=True), self.by_keyword)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.inputs.values(), self.labels]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the model expects, read from its config so data always fits the model."""
+
+    task: Task
+    by_keyword: bool
+    vocab_size: int = 0
+    num_classes: int = 0
+    image_size: int = 224
+    channels: int = 3
+
+
+def describe_inputs(recipe: Recipe, model: torch.nn.Module) -> Shape:
+    data, spec = recipe.data, recipe.model
+    task = data.task or infer_task(spec)
+    if task is None:
+        raise BuildError("data.task", f"cannot tell what {spec.name} learns; set data.task (masked_lm, causal_lm, "
+                         "seq2seq, sequence_classification or image_classification)")
+    config = getattr(model, "config", None)
+    vocab = getattr(data, "vocab_size", None) or getattr(config, "vocab_size", None) or getattr(model, "vocab_size", 0)
+    classes = getattr(data, "num_classes", None) or getattr(config, "num_labels", None) or spec.config.get("num_classes", 1000)
+    image = getattr(data, "image_size", None) or getattr(config, "image_size", 224)
+    channels = getattr(data, "channels", None) or getattr(config, "num_channels", 3)
+    if task != "image_classification" and not vocab:
+        raise BuildError("data.vocab_size", f"{spec.name} has no vocab_size; set data.vocab_size")
+    return Shape(task, spec.source == "transformers", int(vocab), int(classes), int(image), int(channels))
+
+
+def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + salt)
+
+
+def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_prob: float) -> Batch:
+    """Turn a [batch, seq] block of token ids into the task's inputs and labels."""
+    ids = tokens.clone()
+    attention = torch.ones_like(ids)
+    if shape.task == "masked_lm":
+        masked = torch.rand(ids.shape, generator=gen) < mask_prob
+        labels = torch.where(masked, ids, IGNORE)
+        ids[masked] = MASK_ID
+    elif shape.task == "causal_lm":
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
+    elif shape.task == "seq2seq":
+        labels = torch.randint(2, shape.vocab_size, ids.shape, generator=gen)
+        decoder = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
+        inputs = {"input_ids": ids, "attention_mask": attention, "decoder_input_ids": decoder}
+        return Batch(inputs, labels, shape.by_keyword)
+    else:  # sequence_classification
+        labels = torch.randint(0, shape.num_classes, (ids.shape[0],), generator=gen)
+    if not shape.by_keyword:
+        return Batch({"input_ids": ids}, labels, False)
+    return Batch({"input_ids": ids, "attention_mask": attention}, labels, True)
+
+
+def epoch_rows(count: int, step: int, batch_size: int, seed: int) -> list[int]:
+    """Sample rows of the global batch at `step`: each epoch walks its own seeded permutation."""
+    first = step * batch_size
+    return [int(_permutation(count, seed, i // count)[i % count]) for i in range(first, first + batch_size)]
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(count: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(count, generator=_generator(seed, epoch, 2))
+
+
+class SyntheticSource:
+    def __init__(self, data: SyntheticData, shape: Shape, batch_size: int, seed: int):
+        self.data, self.shape, self.batch_size, self.seed = data, shape, batch_size, seed
+
+    def global_batch(self, step: int) -> Batch:
+        gen = _generator(self.seed, step)
+        if self.shape.task == "image_classification":
+            size, channels = self.shape.image_size, self.shape.channels
+            images = torch.randn(self.batch_size, channels, size, size, generator=gen)
+            labels = torch.randint(0, self.shape.num_classes, (self.batch_size,), generator=gen)
+            key = "pixel_values" if self.shape.by_keyword else "images"
+            return Batch({key: images}, labels, self.shape.by_keyword)
+        tokens = markov_tokens(self.batch_size, self.data.seq_len, self.shape.vocab_size, self.seed, gen)
+        return shape_tokens(tokens, self.shape, gen, self.data.mask_prob)
+
+
+def markov_tokens(batch: int, length: int, vocab: int, seed: int, gen: torch.Generator) -> torch.Tensor:
+    """Token sequences a model can learn: each token has 4 possible successors (fixed by the seed),
+    drawn Zipf-like as word frequencies are, so even a few steps learn the frequent tokens.
+
+    Uniform random tokens would be unlearnable (the loss would sit at ln(vocab) forever), and a
+    loss that goes down is how a user sees that training works.
+    """
+    successors = _successor_table(vocab, seed)
+    choices = torch.randint(0, 4, (batch, length), generator=gen)
+    tokens = torch.empty(batch, length, dtype=torch.long)
+    tokens[:, 0] = torch.randint(2, vocab, (batch,), generator=gen)
+    for position in range(1, length):
+        tokens[:, position] = successors[tokens[:, position - 1], choices[:, position]]
+    return tokens
+
+
+@functools.lru_cache(maxsize=2)
+def _successor_table(vocab: int, seed: int) -> torch.Tensor:
+    cumulative = torch.cumsum(1.0 / torch.arange(1, vocab - 1, dtype=torch.float64), 0)
+    draws = torch.rand(vocab, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    # inverse-CDF sampling of Zipf(1) over ids 2..vocab-1; a vocab x vocab table would not fit
+    return 2 + torch.searchsorted(cumulative, draws * cumulative[-1]).clamp(max=vocab - 3)
+
+
+class TextFilesSource:
+    """Local text, tokenised once, cut into seq_len samples, visited in a seeded order per epoch."""
+
+    def __init__(self, data: TextFilesData, shape: Shape, batch_size: int, seed: int):
+        self.data, self.shape, self.batch_size, self.seed = data, shape, batch_size, seed
+        stream = self._tokens(self._files())
+        count = len(stream) // data.seq_len
+        if count < 1:
+            raise BuildError("data.paths", f"the text files hold {len(stream)} tokens, fewer than one sample of {data.seq_len}")
+        self.samples = stream[: count * data.seq_len].view(count, data.seq_len)
+
+    def _files(self) -> list[Path]:
+        files = sorted({Path(f) for pattern in self.data.paths for f in glob.glob(str(Path(pattern).expanduser()))})
+        files = [f for f in files if f.is_file()]
+        if not files:
+            raise BuildError("data.paths", f"no files match {', '.join(self.data.paths)}")
+        return files
+
+    def _tokens(self, files: list[Path]) -> torch.Tensor:
+        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+        if self.data.tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.data.tokenizer, local_files_only=True)
+            return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+        raw = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+        return (raw + 2) % self.shape.vocab_size  # ids 0 and 1 stay free for padding and [MASK]
+
+    def global_batch(self, step: int) -> Batch:
+        rows = epoch_rows(len(self.samples), step, self.batch_size, self.seed)
+        return shape_tokens(self.samples[rows], self.shape, _generator(self.seed, step, 1), self.data.mask_prob)
+
+
+class ImageFolderSource:
+    def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int):
+        from torchvision import datasets, transforms
+
+        transform = transforms.Compose([
+            transforms.Resize(data.image_size), transforms.CenterCrop(data.image_size), transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ])
+        self.dataset = datasets.ImageFolder(str(Path(data.root).expanduser()), transform=transform)
+        if len(self.dataset) == 0:
+            raise BuildError("data.root", f"{data.root} holds no images")
+        self.shape, self.batch_size, self.seed = shape, batch_size, seed
+
+    def global_batch(self, step: int) -> Batch:
+        rows = epoch_rows(len(self.dataset), step, self.batch_size, self.seed)
+        images, labels = zip(*(self.dataset[r] for r in rows))
+        key = "pixel_values" if self.shape.by_keyword else "images"
+        return Batch({key: torch.stack(images)}, torch.tensor(labels), self.shape.by_keyword)
+
+
+def build_data(recipe: Recipe, model: torch.nn.Module):
+    shape = describe_inputs(recipe, model)
+    sources = {"synthetic": SyntheticSource, "text": TextFilesSource, "image_folder": ImageFolderSource}
+    return sources[recipe.data.source](recipe.data, shape, recipe.train.batch_size, recipe.train.seed)

@@ -1,0 +1,82 @@
+"""`ckrun`: one module per verb; verbs outside runner (tune, report) plug in by entry point.
+
+`ckrun RECIPE [k=v ...]` is short for `ckrun run RECIPE [k=v ...]`. Bad input of any kind is
+printed as one line per problem on stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Callable
+
+from ..problems import EXIT_BAD_INPUT, InputError
+
+log = logging.getLogger("ckrun")
+
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    epilog: str = ""  # examples shown by --help
+
+
+def _commands() -> dict[str, Command]:
+    # every module in this package is one verb
+    found = {info.name: importlib.import_module(f"{__name__}.{info.name}").COMMAND for info in pkgutil.iter_modules(__path__)}
+    for entry in entry_points(group="ckrun.commands"):
+        if entry.name not in found:
+            found[entry.name] = entry  # loaded only when used: keeps `ckrun validate` fast
+    return found
+
+
+def _parser(commands: dict) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckrun",
+        description="Train PyTorch models from YAML recipes; find the fastest memory plan under a cap.",
+        epilog="examples:\n  ckrun recipes/bert_tiny.yaml train.steps=10\n  ckrun tune --max-mem 40GB\n"
+        "  ckrun estimate recipes/bert_large.yaml --device cuda --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name, command in commands.items():
+        if not isinstance(command, Command):
+            command = commands[name] = command.load()
+        sub = verbs.add_parser(
+            name, help=command.help, description=command.help, epilog=command.epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = _commands()
+    first = next((a for a in argv if a not in ("-v", "--verbose")), None)
+    if first is not None and not first.startswith("-") and first not in commands:
+        argv.insert(argv.index(first), "run")  # `ckrun RECIPE ...` means `ckrun run RECIPE ...`
+    args = _parser(commands).parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if args.verb is None:
+        _parser(commands).print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return commands[args.verb].run(args) or 0
+    except InputError as err:
+        for problem in err.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("ckrun: interrupted", file=sys.stderr)
+        return 130

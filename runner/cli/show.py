@@ -1,0 +1,30 @@
+"""`ckrun show RECIPE [k=v ...]`: the resolved recipe (defaults filled in, overrides applied) as YAML."""
+
+from __future__ import annotations
+
+from ..library import resolve_recipe
+from ..load import load_recipe
+from ..yamlio import dump_yaml
+from . import Command
+
+
+def add_arguments(parser):
+    parser.add_argument("recipe", help="recipe file or library name")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    parser.add_argument("--blocks", action="store_true", help="list the model's repeated blocks instead")
+
+
+def run(args) -> int:
+    recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    if args.blocks:
+        from ..memory.blocks import print_blocks
+
+        return print_blocks(recipe)
+    print(dump_yaml(recipe.model_dump(mode="json")), end="")
+    return 0
+
+
+COMMAND = Command(
+    "show", "print the resolved recipe as YAML (or its blocks with --blocks)", add_arguments, run,
+    epilog="examples:\n  ckrun show recipes/bert_tiny.yaml train.steps=10\n  ckrun show bert_large --blocks",
+)

@@ -1,0 +1,25 @@
+"""`ckrun validate RECIPE [k=v ...]`: every problem at once, or `OK`."""
+
+from __future__ import annotations
+
+from ..library import resolve_recipe
+from ..load import load_recipe
+from . import Command
+
+
+def add_arguments(parser):
+    parser.add_argument("recipe", help="recipe file or library name")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+
+
+def run(args) -> int:
+    path = resolve_recipe(args.recipe)
+    load_recipe(path, args.overrides)
+    print(f"{path}: OK")
+    return 0
+
+
+COMMAND = Command(
+    "validate", "check a recipe and report every problem, one line each", add_arguments, run,
+    epilog="examples:\n  ckrun validate recipes/bert_large.yaml\n  ckrun validate my.yaml train.steps=10",
+)

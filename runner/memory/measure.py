@@ -1,0 +1,75 @@
+"""Peak memory of a training step, measured the honest way for each device.
+
+CUDA: the caching allocator's own peaks (reserved is what the card really gives up; allocated
+is what tensors use), its retries (a sign of fragmentation near the limit) and the CUDA
+context, which a card-level cap must include. CPU: the live-tensor-bytes tracker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+def format_bytes(count: int | float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(count) >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{int(count)} B"
+
+
+@dataclass
+class Peak:
+    """What one measured step reports into metrics.jsonl."""
+
+    peak_mem_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {"peak_mem_bytes": int(self.peak_mem_bytes), **self.extra}
+
+
+def cuda_context_bytes(device: torch.device) -> int:
+    """Memory the driver holds for this process beyond the allocator: the CUDA context, cuBLAS workspaces."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
+class PeakMeter:
+    def __init__(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.device, self.model, self.optimizer = device, model, optimizer
+
+    @contextlib.contextmanager
+    def measure(self):
+        peak = Peak()
+        if self.device.type == "cuda":
+            with self._cuda(peak):
+                yield peak
+        else:
+            with self._cpu(peak):
+                yield peak
+
+    @contextlib.contextmanager
+    def _cuda(self, peak: Peak):
+        torch.cuda.reset_peak_memory_stats(self.device)
+        retries_before = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        yield
+        stats = torch.cuda.memory_stats(self.device)
+        peak.peak_mem_bytes = torch.cuda.max_memory_reserved(self.device)
+        peak.extra = {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+            "alloc_retries": stats.get("num_alloc_retries", 0) - retries_before,
+            "cuda_context_bytes": cuda_context_bytes(self.device),
+        }
+
+    @contextlib.contextmanager
+    def _cpu(self, peak: Peak):
+        from .tracker import LiveBytesTracker
+
+        tracker = LiveBytesTracker()
+        tracker.track(self.model, self.optimizer)
+        with tracker:
+            yield
+        peak.peak_mem_bytes = tracker.peak_bytes

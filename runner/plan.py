@@ -1,0 +1,117 @@
+"""The memory plan: the recipe's `memory` section, which the tuner searches over.
+
+Every closed choice is a discriminated union on `policy`, so a plan is plain data that can be
+written into a recipe, compared, hashed and proposed by the tuner.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+
+
+class Strict(BaseModel):
+    """Base of every recipe section: strict types, unknown keys rejected, docstrings as help."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+# --- activation checkpointing --------------------------------------------------------------
+
+
+class NoCheckpointing(Strict):
+    policy: Literal["none"] = "none"
+    """Keep every activation: fastest, most memory."""
+
+
+class FullCheckpointing(Strict):
+    policy: Literal["full"]
+    """Recompute every block in backward: about one extra forward of the blocks."""
+
+
+class EveryKthCheckpointing(Strict):
+    policy: Literal["every"]
+    every: int = Field(gt=0)
+    """Checkpoint blocks 0, k, 2k, ...: most of the saving at a fraction of the recompute."""
+
+
+class LayerListCheckpointing(Strict):
+    policy: Literal["layers"]
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    """Indices of the blocks to checkpoint (0-based, as `ckrun show --blocks` lists them)."""
+
+    @field_validator("layers")
+    @classmethod
+    def _unique(cls, layers: list[int]) -> list[int]:
+        if len(set(layers)) != len(layers):
+            raise ValueError("a block index is listed twice")
+        return sorted(layers)
+
+
+class SqrtCheckpointing(Strict):
+    policy: Literal["sqrt"]
+    """Split the blocks into about sqrt(L) segments and keep only segment boundaries."""
+
+
+class SelectiveCheckpointing(Strict):
+    policy: Literal["selective"]
+    save_ops: list[str] = Field(
+        default_factory=lambda: ["mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                                 "_scaled_dot_product_flash_attention_for_cpu"]
+    )
+    """aten ops whose outputs are kept; every other op in a block is recomputed in backward."""
+
+
+Checkpointing = Annotated[
+    NoCheckpointing
+    | FullCheckpointing
+    | EveryKthCheckpointing
+    | LayerListCheckpointing
+    | SqrtCheckpointing
+    | SelectiveCheckpointing,
+    Field(discriminator="policy"),
+]
+
+# --- activation offload ---------------------------------------------------------------------
+
+
+class NoOffload(Strict):
+    policy: Literal["none"] = "none"
+    """Saved activations stay on the device."""
+
+
+class AllBlocksOffload(Strict):
+    policy: Literal["all"]
+    min_bytes: ByteSize = ByteSize(1 << 20)
+    """Saved tensors smaller than this stay on the device (copying them costs more than it saves)."""
+
+
+class LayerListOffload(Strict):
+    policy: Literal["layers"]
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    """Indices of the blocks whose saved activations go to pinned host memory."""
+    min_bytes: ByteSize = ByteSize(1 << 20)
+    """Saved tensors smaller than this stay on the device."""
+
+
+Offload = Annotated[NoOffload | AllBlocksOffload | LayerListOffload, Field(discriminator="policy")]
+
+
+class MemoryPlan(Strict):
+    """How a step trades time for memory. Changing it never changes what is computed."""
+
+    micro_batch: int | None = Field(default=None, gt=0)
+    """Samples per forward pass; must divide train.batch_size. Gradient accumulation makes up the
+    rest, so the global batch stays the same. Unset: the whole batch in one pass."""
+    checkpointing: Checkpointing = Field(default_factory=NoCheckpointing)
+    """Which blocks recompute their activations in backward instead of keeping them."""
+    offload: Offload = Field(default_factory=NoOffload)
+    """Which blocks move their saved activations to host memory (CUDA only)."""
+    blocks: str | None = None
+    """Dotted path of the repeated-block container (e.g. `bert.encoder.layer`) when discovery guesses wrong."""
+    compile: bool = False
+    """Run the model through torch.compile (slow first step, faster after)."""
+    max_mem: ByteSize | None = None
+    """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""

@@ -1,0 +1,60 @@
+"""Located problems in user input, reported all at once, one line each.
+
+Every user-facing error in ckrun ends up as a `Problem`: where it is (a file with line and
+column, or a command-line override), the dotted key, and what to do. The CLI prints them and
+exits with status 2; nothing here raises a traceback at the user.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a value came from: `file:line:col`, or the override that set it."""
+
+    file: str
+    line: int = 0  # 1-based; 0 when unknown
+    col: int = 0
+    override: str | None = None
+
+    def __str__(self) -> str:
+        if self.override is not None:
+            return f"override {self.override!r}"
+        if self.line:
+            return f"{self.file}:{self.line}:{self.col}"
+        return self.file
+
+
+@dataclass(frozen=True)
+class Problem:
+    place: Place
+    key: str  # dotted path, e.g. "train.steps"; "" for the whole document
+    message: str
+
+    def __str__(self) -> str:
+        key = f" {self.key}:" if self.key else ""
+        return f"{self.place}:{key} {self.message}"
+
+
+class InputError(Exception):
+    """One or more problems with what the user gave us; the CLI prints them and exits 2."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def suggest(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def dotted(path: Iterable[object]) -> str:
+    return ".".join(str(part) for part in path)

@@ -1,0 +1,249 @@
+"""The recipe schema: model, data, training, precision, memory plan and output.
+
+A recipe is plain data; `runner.load` turns a YAML file into one and reports every problem
+with its file, line and key. References to things outside the file (classes, builders, import
+paths, directories) are checked here too, so `ckrun validate` catches them before training.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from .plan import MemoryPlan, Strict
+from .problems import suggest
+
+Task = Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification", "image_classification"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class ModelSpec(Strict):
+    source: Literal["transformers", "torchvision", "python"]
+    """Where the model comes from: a transformers class, a torchvision builder, or your own code."""
+    name: str
+    """`BertForMaskedLM` (transformers), `resnet50` (torchvision), or `package.module:factory`."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the transformers config class, the torchvision builder or the factory."""
+    pretrained: str | None = None
+    """A local directory with weights to start from (no downloads happen at run time)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_exists(cls, name: str, info: ValidationInfo) -> str:
+        source = info.data.get("source")
+        if source == "transformers":
+            _transformers_class(name)
+        elif source == "torchvision":
+            import torchvision
+
+            known = torchvision.models.list_models()
+            if name not in known:
+                raise ValueError(f"no torchvision model named {name!r}{suggest(name, known)}")
+        elif source == "python":
+            resolve_import_path(name)
+        return name
+
+    @field_validator("pretrained")
+    @classmethod
+    def _directory_exists(cls, pretrained: str | None) -> str | None:
+        if pretrained is not None and not Path(pretrained).expanduser().is_dir():
+            raise ValueError(f"no local directory {pretrained!r}; give a directory holding the weights")
+        return pretrained
+
+
+def _transformers_class(name: str):
+    import transformers
+
+    if not name.isidentifier() or not hasattr(transformers, name):
+        known = [n for n in dir(transformers) if n.endswith(("Model", "LM", "Generation", "Classification"))]
+        raise ValueError(f"transformers has no class {name!r}{suggest(name, known)}")
+    model_class = getattr(transformers, name)
+    if getattr(model_class, "config_class", None) is None:
+        raise ValueError(f"transformers.{name} is not a model class with a config")
+    return model_class
+
+
+def resolve_import_path(path: str):
+    """`package.module:attribute` -> the attribute; a one-line ValueError when it cannot be found."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"{path!r} is not an import path; write it as package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # any import-time failure of user code is a bad-input problem
+        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    if not hasattr(module, attribute):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise ValueError(f"module {module_name!r} has no {attribute!r}{suggest(attribute, names)}")
+    return getattr(module, attribute)
+
+
+# --- data -----------------------------------------------------------------------------------
+
+
+class SyntheticData(Strict):
+    source: Literal["synthetic"] = "synthetic"
+    """Random inputs of the right shapes and vocabulary, the same for the same seed and step."""
+    task: Task | None = None
+    """What the model learns; inferred from the model class when unset."""
+    seq_len: int = Field(default=128, gt=0)
+    """Tokens per sample (text tasks)."""
+    image_size: int = Field(default=224, gt=0)
+    """Height and width of square images (vision tasks)."""
+    channels: int = Field(default=3, gt=0)
+    """Image channels."""
+    num_classes: int | None = Field(default=None, gt=1)
+    """Classes for classification; taken from the model's config when unset."""
+    mask_prob: float = Field(default=0.15, gt=0, lt=1)
+    """Fraction of tokens masked for masked_lm."""
+    vocab_size: int | None = Field(default=None, gt=1)
+    """Token ids are drawn below this; taken from the model's config when unset."""
+
+
+class TextFilesData(Strict):
+    source: Literal["text"]
+    """Local UTF-8 text files, tokenised and cut into fixed-length samples."""
+    paths: list[str] = Field(min_length=1)
+    """Files or glob patterns."""
+    task: Task | None = None
+    """What the model learns; inferred from the model class when unset."""
+    seq_len: int = Field(default=128, gt=0)
+    """Tokens per sample."""
+    tokenizer: str | None = None
+    """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
+    mask_prob: float = Field(default=0.15, gt=0, lt=1)
+    """Fraction of tokens masked for masked_lm."""
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_dir(cls, tokenizer: str | None) -> str | None:
+        if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
+            raise ValueError(f"no local tokenizer directory {tokenizer!r}")
+        return tokenizer
+
+
+class ImageFolderData(Strict):
+    source: Literal["image_folder"]
+    """A torchvision ImageFolder: ROOT/CLASS_NAME/IMAGE files."""
+    root: str
+    """The folder holding one sub-folder per class."""
+    image_size: int = Field(default=224, gt=0)
+    """Images are resized and centre-cropped to this size."""
+    task: Literal["image_classification"] = "image_classification"
+
+    @field_validator("root")
+    @classmethod
+    def _root_dir(cls, root: str) -> str:
+        if not Path(root).expanduser().is_dir():
+            raise ValueError(f"no local directory {root!r}; give a folder with one sub-folder per class")
+        return root
+
+
+Data = Annotated[SyntheticData | TextFilesData | ImageFolderData, Field(discriminator="source")]
+
+# --- training -------------------------------------------------------------------------------
+
+
+class AdamW(Strict):
+    name: Literal["adamw"]
+    lr: float = Field(default=1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.01, ge=0)
+    eps: float = Field(default=1e-8, gt=0)
+
+
+class SGD(Strict):
+    name: Literal["sgd"]
+    lr: float = Field(default=0.1, gt=0)
+    momentum: float = Field(default=0.9, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    nesterov: bool = False
+
+
+class ConstantSchedule(Strict):
+    name: Literal["constant"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warm-up from 0 before the constant rate."""
+
+
+class CosineSchedule(Strict):
+    name: Literal["cosine"]
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warm-up from 0, then cosine decay over the remaining steps."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """The final learning rate as a fraction of the peak."""
+
+
+class TrainSpec(Strict):
+    batch_size: int = Field(gt=0)
+    """The global batch per optimizer step; memory.micro_batch never changes it."""
+    steps: int = Field(gt=0)
+    """Optimizer steps to run."""
+    optimizer: Annotated[AdamW | SGD, Field(discriminator="name")] = Field(default_factory=lambda: AdamW(name="adamw"))
+    """`adamw` (fused on CUDA) or `sgd`."""
+    scheduler: Annotated[ConstantSchedule | CosineSchedule, Field(discriminator="name")] = Field(
+        default_factory=ConstantSchedule
+    )
+    """Learning-rate schedule: `constant` or `cosine`, each with optional warm-up."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this; null turns clipping off."""
+    seed: int = 0
+    """Seeds weights, data and dropout: the same seed gives the same run."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: `auto` takes the GPU when there is one."""
+
+
+class OutputSpec(Strict):
+    dir: str = "runs/default"
+    """Where metrics.jsonl, the resolved recipe and checkpoints go."""
+    log_every: int = Field(default=10, gt=0)
+    """Steps between log lines (every step is still written to metrics.jsonl)."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Steps between training-state checkpoints; 0 saves none."""
+    keep_checkpoints: int = Field(default=2, gt=0)
+    """How many complete checkpoints to keep; older ones are deleted."""
+
+
+class Recipe(Strict):
+    description: str = ""
+    """One line on what this recipe trains, shown by `ckrun ls`."""
+    family: str = ""
+    """Grouping for `ckrun ls` (language, vision, classic)."""
+    model: ModelSpec
+    data: Data = Field(default_factory=SyntheticData)
+    train: TrainSpec
+    precision: Precision = "fp32"
+    """`fp32`, `bf16` (autocast) or `fp16` (autocast with a GradScaler)."""
+    memory: MemoryPlan = Field(default_factory=MemoryPlan)
+    """The memory plan: micro-batching, checkpointing, offload, compile, cap."""
+    output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @model_validator(mode="after")
+    def _micro_batch_divides(self) -> Recipe:
+        micro = self.memory.micro_batch
+        if micro is not None and self.train.batch_size % micro:
+            raise KeyedValueError(
+                ("memory", "micro_batch"),
+                f"memory.micro_batch {micro} does not divide train.batch_size {self.train.batch_size}; "
+                f"use a divisor such as {largest_divisor_at_most(self.train.batch_size, micro)}"
+            )
+        return self
+
+    @property
+    def micro_batch(self) -> int:
+        return self.memory.micro_batch or self.train.batch_size
+
+
+class KeyedValueError(ValueError):
+    """A cross-field problem that belongs to one key, so the loader can point at its line."""
+
+    def __init__(self, path: tuple[str | int, ...], message: str):
+        super().__init__(message)
+        self.path = path
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)

@@ -1,0 +1,104 @@
+"""Training-state checkpoints that are complete or invisible.
+
+A checkpoint is written into a temporary directory, every file fsync'd, a COMPLETE marker
+written last, then the directory is renamed into place. Resume only ever looks at directories
+whose name is final and whose marker exists, so a save that died halfway is never picked.
+Loading uses `torch.load(weights_only=True)`: no pickled code is ever run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+
+log = logging.getLogger("ckrun")
+
+MARKER = "COMPLETE"
+_FINAL = re.compile(r"^step-(\d{8})$")
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Atomically write `state` as ROOT/step-NNNNNNNN; older complete checkpoints beyond `keep` go."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    temporary = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    try:
+        torch.save(state, temporary / "state.pt")
+        _fsync_path(temporary / "state.pt")
+        (temporary / MARKER).write_text(f"{step}\n")
+        _fsync_path(temporary / MARKER)
+        _fsync_path(temporary)
+        if final.exists():
+            shutil.rmtree(final)
+        temporary.rename(final)
+        _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    _prune(root, keep)
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first; temporary and unmarked ones are ignored."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _FINAL.match(p.name) and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(_FINAL.match(p.name).group(1)))
+
+
+def load_latest(root: Path, device: torch.device) -> dict[str, Any] | None:
+    checkpoints = complete_checkpoints(root)
+    if not checkpoints:
+        return None
+    latest = checkpoints[-1]
+    log.info("resuming from %s", latest)
+    return torch.load(latest / "state.pt", map_location=device, weights_only=True)
+
+
+def _prune(root: Path, keep: int) -> None:
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step-*"):
+        if not stale.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a run that was killed mid-save
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    kind, keys, position, has_gauss, cached = numpy.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(numpy.int64)), position, has_gauss, cached),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    numpy.random.set_state((kind, keys.numpy().astype(numpy.uint32), position, has_gauss, cached))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,0 +1,236 @@
+"""The training loop: recipe in, metrics.jsonl and checkpoints out.
+
+Order of work, as in the recipe's data flow: build model (on the device), apply the memory
+plan, build data and optimizer, restore state when resuming, then run steps. Every step is
+timed between device synchronisations and its peak memory measured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..build.data import build_data
+from ..build.model import BuildError, build_model
+from ..build.optim import build_optimizer, build_scheduler
+from ..memory.measure import PeakMeter, format_bytes
+from ..problems import InputError, Place, Problem
+from ..recipe import Recipe
+from ..yamlio import dump_yaml
+from .checkpoint import complete_checkpoints, load_latest, restore_rng_state, rng_state, save_checkpoint
+from .step import make_precision, run_step
+
+log = logging.getLogger("ckrun")
+
+
+class MemoryCapExceeded(RuntimeError):
+    """A step's measured peak went over memory.max_mem (or the device ran out under the cap)."""
+
+    def __init__(self, cap: int, peak: int, step: int):
+        self.cap, self.peak, self.step = cap, peak, step
+        super().__init__(f"memory cap {format_bytes(cap)} exceeded: step {step} peaked at {format_bytes(peak)}")
+
+
+def pick_device(recipe: Recipe) -> torch.device:
+    wanted = recipe.train.device
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise InputError([Problem(Place("<recipe>"), "train.device", "cuda asked for but no CUDA GPU is visible; use auto or cpu")])
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(wanted)
+
+
+@dataclass
+class RunResult:
+    steps_done: int
+    losses: list[float] = field(default_factory=list)
+    peak_mem_bytes: int = 0
+    samples_per_s: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, source: str = "<recipe>", out_dir: Path | None = None, write: bool = True):
+        self.recipe, self.source, self.write = recipe, source, write
+        self.out_dir = Path(out_dir or recipe.output.dir)
+        self.device = pick_device(recipe)
+        self.precision = make_precision(recipe.precision, self.device, source)
+        torch.manual_seed(recipe.train.seed)
+        try:
+            self._build()
+        except BuildError as err:
+            raise err.as_input_error(source) from None
+
+    def _build(self) -> None:
+        recipe = self.recipe
+        self.model = build_model(recipe.model, self.device)
+        self.model.train()
+        self.plan = _apply_plan(self.model, recipe, self.device, self.source)
+        self.forward_model = torch.compile(self.model) if recipe.memory.compile else self.model
+        self.data = build_data(recipe, self.model)
+        self.optimizer = build_optimizer(self.model, recipe.train, self.device)
+        self.scheduler = build_scheduler(self.optimizer, recipe.train)
+        self.scaler = self.precision.grad_scaler()
+        self.meter = PeakMeter(self.device, self.model, self.optimizer)
+        self.step = 0
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {
+            "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
+            "rng": rng_state(self.device),
+        }
+
+    def restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        restore_rng_state(state["rng"], self.device)
+        self.step = int(state["step"])
+
+    # --- running ----------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        """Run the next optimizer step and return its metrics record."""
+        batch = self.data.global_batch(self.step).to(self.device)
+        lr = self.scheduler.get_last_lr()[0]
+        _synchronize(self.device)
+        with self.meter.measure() as peak:
+            started = time.perf_counter()
+            result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
+                              self.precision, self.scaler, self.recipe.train.grad_clip)
+            _synchronize(self.device)
+            seconds = time.perf_counter() - started
+        self.scheduler.step()
+        self.step += 1
+        record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
+                  "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
+        if result.skipped:
+            record["skipped"] = True
+            log.info("step %d: fp16 loss scaler found inf/nan gradients; the update was skipped", self.step)
+        self._check_cap(record)
+        return record
+
+    def _check_cap(self, record: dict) -> None:
+        cap = self.recipe.memory.max_mem
+        if cap is not None and record["peak_mem_bytes"] > cap:
+            raise MemoryCapExceeded(int(cap), record["peak_mem_bytes"], self.step)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _apply_plan(model, recipe: Recipe, device: torch.device, source: str):
+    from ..memory.apply import apply_plan
+
+    try:
+        return apply_plan(model, recipe.memory, device)
+    except ValueError as err:
+        key, _, message = str(err).partition(": ")
+        if not key.startswith("memory."):
+            key, message = "memory", str(err)
+        raise InputError([Problem(Place(source), key, message)]) from None
+
+
+def _progress(total: int, initial: int):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def prepare_output(out_dir: Path, resume: bool, source: str) -> None:
+    """Refuse to overwrite a finished or running run unless resuming it."""
+    holds_run = (out_dir / "metrics.jsonl").exists() or complete_checkpoints(out_dir / "checkpoints")
+    if holds_run and not resume:
+        raise InputError([Problem(Place(source), "output.dir", f"{out_dir} already holds a run; pass --resume to "
+                                  f"continue it, or choose another directory with output.dir=...")])
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None) -> RunResult:
+    out_dir = Path(out_dir or recipe.output.dir)
+    prepare_output(out_dir, resume, source)
+    trainer = Trainer(recipe, source, out_dir)
+    if resume:
+        _resume(trainer, out_dir)
+    _write_atomic(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")))
+    log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
+             recipe.train.steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+    return _run(trainer, out_dir)
+
+
+def _resume(trainer: Trainer, out_dir: Path) -> None:
+    state = load_latest(out_dir / "checkpoints", trainer.device)
+    if state is None:
+        log.info("--resume: no complete checkpoint in %s, starting from step 0", out_dir / "checkpoints")
+    else:
+        trainer.restore(state)
+    _truncate_metrics(out_dir / "metrics.jsonl", trainer.step)
+
+
+def _run(trainer: Trainer, out_dir: Path) -> RunResult:
+    recipe, result = trainer.recipe, RunResult(trainer.step)
+    every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step)
+    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as metrics:
+        while trainer.step < recipe.train.steps:
+            record = trainer.train_step()
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            _note(result, record)
+            _report(record, bar, recipe.output.log_every, recipe.train.steps)
+            if every and trainer.step % every == 0:
+                save_checkpoint(out_dir / "checkpoints", trainer.step, trainer.state(), recipe.output.keep_checkpoints)
+    if bar is not None:
+        bar.close()
+    if result.skipped_steps:
+        log.info("fp16: %d of %d steps were skipped by the loss scaler", result.skipped_steps, len(result.losses))
+    return result
+
+
+def _note(result: RunResult, record: dict) -> None:
+    result.steps_done = record["step"]
+    result.losses.append(record["loss"])
+    result.samples_per_s.append(record["samples_per_s"])
+    result.peak_mem_bytes = max(result.peak_mem_bytes, record["peak_mem_bytes"])
+    result.skipped_steps += bool(record.get("skipped"))
+
+
+def _report(record: dict, bar, log_every: int, total: int) -> None:
+    text = (f"step {record['step']}/{total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+            f"{record['samples_per_s']:.1f} samples/s  peak {format_bytes(record['peak_mem_bytes'])}")
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix_str(f"loss {record['loss']:.4f}")
+        if record["step"] % log_every == 0:
+            bar.write(text)
+    elif record["step"] % log_every == 0 or record["step"] == total:
+        log.info(text)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics of steps after the checkpoint: they will be run again."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line and json.loads(line)["step"] <= step]
+    _write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)

@@ -1,0 +1,94 @@
+"""One optimizer step over micro-batches: the code that training, probing and estimating share.
+
+The loss is summed over every label of the global batch and divided by their total count, so
+splitting the batch into micro-batches changes memory, never the gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..build.data import IGNORE, Batch
+from ..problems import InputError, Place, Problem
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    device_type: str
+
+    def autocast(self):
+        dtype = _DTYPES[self.name]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
+        return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
+
+
+def make_precision(name: str, device: torch.device, source: str = "<recipe>") -> Precision:
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        gpu = torch.cuda.get_device_name(device)
+        raise InputError([Problem(Place(source), "precision", f"bf16 needs an Ampere or newer GPU; {gpu} has none - use fp16")])
+    return Precision(name, device.type)
+
+
+def call_model(model: nn.Module, batch: Batch):
+    output = model(**batch.inputs) if batch.by_keyword else model(*batch.inputs.values())
+    return output.logits if hasattr(output, "logits") else output
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the labelled positions (token tasks) or samples (classification)."""
+    logits = logits.float()  # the softmax of a large vocabulary is unstable in half precision
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def label_count(labels: torch.Tensor) -> torch.Tensor:
+    return (labels != IGNORE).sum().clamp(min=1)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # a 0-dim tensor on the device: read it only when logging, it syncs
+    skipped: bool  # fp16: the scaler found inf/nan gradients and skipped the update
+
+
+def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precision,
+             scaler: torch.amp.GradScaler | None, grad_clip: float | None) -> StepResult:
+    total = label_count(batch.labels)
+    loss = torch.zeros((), device=batch.labels.device)
+    for start in range(0, len(batch.labels), micro_batch):
+        micro = batch.slice(start, start + micro_batch)
+        with precision.autocast():
+            logits = call_model(model, micro)
+        micro_loss = loss_sum(logits, micro.labels) / total
+        del logits  # frees the logits before backward allocates the gradients
+        (scaler.scale(micro_loss) if scaler else micro_loss).backward()
+        loss += micro_loss.detach()
+    skipped = _optimizer_step(model, optimizer, scaler, grad_clip)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, skipped)
+
+
+def _optimizer_step(model, optimizer, scaler, grad_clip) -> bool:
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+    if scaler is None:
+        optimizer.step()
+        return False
+    scale = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() < scale
