@@ -20,7 +20,7 @@ import torch
 from ..build.data import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler
-from ..memory.measure import PeakMeter, format_bytes
+from ..memory.measure import PeakMeter, cuda_context_bytes, format_bytes
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
@@ -57,12 +57,13 @@ class RunResult:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, source: str = "<recipe>", out_dir: Path | None = None, write: bool = True):
-        self.recipe, self.source, self.write = recipe, source, write
-        self.out_dir = Path(out_dir or recipe.output.dir)
+    def __init__(self, recipe: Recipe, source: str = "<recipe>"):
+        self.recipe, self.source = recipe, source
         self.device = pick_device(recipe)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
+        if recipe.memory.max_mem is not None and self.device.type == "cuda":
+            limit_cuda_memory(self.device, int(recipe.memory.max_mem))
         try:
             self._build()
         except BuildError as err:
@@ -106,12 +107,17 @@ class Trainer:
         batch = self.data.global_batch(self.step).to(self.device)
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
-        with self.meter.measure() as peak:
-            started = time.perf_counter()
-            result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
-                              self.precision, self.scaler, self.recipe.train.grad_clip)
-            _synchronize(self.device)
-            seconds = time.perf_counter() - started
+        try:
+            with self.meter.measure() as peak:
+                started = time.perf_counter()
+                result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
+                                  self.precision, self.scaler, self.recipe.train.grad_clip)
+                _synchronize(self.device)
+                seconds = time.perf_counter() - started
+        except torch.OutOfMemoryError:
+            # under a cap the allocator stops at the cap, so this is the cap being hit
+            cap = int(self.recipe.memory.max_mem or torch.cuda.get_device_properties(self.device).total_memory)
+            raise MemoryCapExceeded(cap, torch.cuda.max_memory_reserved(self.device), self.step + 1) from None
         self.scheduler.step()
         self.step += 1
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
@@ -126,6 +132,19 @@ class Trainer:
         cap = self.recipe.memory.max_mem
         if cap is not None and record["peak_mem_bytes"] > cap:
             raise MemoryCapExceeded(int(cap), record["peak_mem_bytes"], self.step)
+
+
+def limit_cuda_memory(device: torch.device, cap: int) -> None:
+    """Make the allocator fail at `cap` on a larger card, as a card of that size would."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if cap >= total:
+        log.info("memory cap %s is not below the card's %s: nothing to limit", format_bytes(cap), format_bytes(total))
+        return
+    context = cuda_context_bytes(device)
+    fraction = max(0.0, (cap - context) / total)  # the CUDA context counts against a card-level cap too
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    log.info("memory cap %s: allocator limited to %.1f%% of %s (CUDA context %s)", format_bytes(cap),
+             100 * fraction, format_bytes(total), format_bytes(context))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -165,7 +184,7 @@ def prepare_output(out_dir: Path, resume: bool, source: str) -> None:
 def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None) -> RunResult:
     out_dir = Path(out_dir or recipe.output.dir)
     prepare_output(out_dir, resume, source)
-    trainer = Trainer(recipe, source, out_dir)
+    trainer = Trainer(recipe, source)
     if resume:
         _resume(trainer, out_dir)
     _write_atomic(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")))

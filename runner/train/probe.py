@@ -1,0 +1,46 @@
+"""Measure one recipe's plan: warm-up steps, then timed steps; the tuner's view of a run.
+
+This is the only thing the tuner asks of training: a recipe in, a small dict of measurements
+out. It runs in whatever process calls it; the tuner runs it in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+
+import torch
+
+from ..recipe import Recipe
+from .loop import MemoryCapExceeded, Trainer
+
+
+def probe(recipe: Recipe, warmup_steps: int = 1, timed_steps: int = 3, source: str = "<probe>") -> dict:
+    """{"status": "ok"|"over_cap", "peak_mem_bytes", "samples_per_s" (median of timed steps), ...}."""
+    trainer = Trainer(recipe, source)
+    records = []
+    try:
+        for _ in range(warmup_steps + timed_steps):
+            records.append(trainer.train_step())
+    except MemoryCapExceeded as err:
+        return {"status": "over_cap", "peak_mem_bytes": err.peak, "step": err.step, "reason": str(err), **_device(trainer)}
+    timed = records[warmup_steps:]
+    return {
+        "status": "ok",
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "losses": [r["loss"] for r in records],
+        **{k: max(r.get(k, 0) for r in records) for k in ("peak_allocated_bytes", "cuda_context_bytes")},
+        **_device(trainer),
+    }
+
+
+def _device(trainer: Trainer) -> dict:
+    device = trainer.device
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device": props.name, "device_total_bytes": props.total_memory, "torch": torch.__version__,
+                "cuda": torch.version.cuda}
+    return {"device": f"cpu ({platform.processor() or platform.machine()})", "device_total_bytes": 0,
+            "torch": torch.__version__, "cuda": None}
