@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -38,7 +39,7 @@ def validate_document(doc: Document) -> Recipe:
 
 
 def _problems(err: ValidationError, doc: Document) -> list[Problem]:
-    problems = []
+    problems, typo_targets = [], set()
     for error in err.errors(include_url=False):
         path = _data_path(error["loc"], doc.data)
         cause = (error.get("ctx") or {}).get("error")
@@ -46,8 +47,18 @@ def _problems(err: ValidationError, doc: Document) -> list[Problem]:
             path, message = cause.path, str(cause)
         else:
             message = _message(error, path, doc.data)
-        problems.append(Problem(doc.place_of(path), dotted(path), message))
-    return sorted(set(problems), key=lambda p: (p.place.line, p.key))
+        if error["type"] == "extra_forbidden":
+            typo_targets |= {path[:-1] + (k,) for k in _close_keys(path, doc.data)}
+        # a missing key has no place of its own: point at the mapping that lacks it
+        place = doc.place_of(path[:-1] if error["type"] == "missing" else path)
+        problems.append((path, error["type"], Problem(place, dotted(path), message)))
+    # `trian:` already says "did you mean train?"; "train is missing" would only repeat it
+    kept = [p for path, kind, p in problems if not (kind == "missing" and path in typo_targets)]
+    return sorted(dict.fromkeys(kept), key=lambda p: (p.place.line, p.key))
+
+
+def _close_keys(path: tuple, data: Any) -> list[str]:
+    return difflib.get_close_matches(str(path[-1]), _known_keys(path[:-1], data), n=1, cutoff=0.6)
 
 
 _TAG_KEYS = ("policy", "name", "source")

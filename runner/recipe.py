@@ -8,6 +8,7 @@ paths, directories) are checked here too, so `ckrun validate` catches them befor
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -46,6 +47,13 @@ class ModelSpec(Strict):
             resolve_import_path(name)
         return name
 
+    @field_validator("config")
+    @classmethod
+    def _config_keys_exist(cls, config: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if info.data.get("source") == "transformers" and "name" in info.data:
+            check_config_keys(_transformers_class(info.data["name"]).config_class, config)
+        return config
+
     @field_validator("pretrained")
     @classmethod
     def _directory_exists(cls, pretrained: str | None) -> str | None:
@@ -64,6 +72,16 @@ def _transformers_class(name: str):
     if getattr(model_class, "config_class", None) is None:
         raise ValueError(f"transformers.{name} is not a model class with a config")
     return model_class
+
+
+def check_config_keys(config_class, given: dict) -> None:
+    # transformers configs keep unknown kwargs as attributes, so a typo would be silently ignored
+    known = set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters)
+    known |= set(getattr(config_class, "attribute_map", {}))
+    unknown = [key for key in given if key not in known]
+    if unknown:
+        raise KeyedValueError(("model", "config", unknown[0]),
+                              f"{config_class.__name__} has no setting {unknown[0]!r}{suggest(unknown[0], known)}")
 
 
 def resolve_import_path(path: str):

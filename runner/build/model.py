@@ -40,20 +40,10 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Modul
 def _build_transformers(spec: ModelSpec) -> nn.Module:
     model_class = _transformers_class(spec.name)
     config_class = model_class.config_class
-    _check_config_keys(config_class, spec.config)
     if spec.pretrained:
         return model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
     config = config_class(**spec.config)
     return model_class(config)
-
-
-def _check_config_keys(config_class, given: dict) -> None:
-    # transformers configs keep unknown kwargs as attributes, so a typo would be silently ignored
-    known = set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters)
-    known |= set(getattr(config_class, "attribute_map", {}))
-    for key in given:
-        if key not in known:
-            raise BuildError(f"model.config.{key}", f"{config_class.__name__} has no setting {key!r}{suggest(key, known)}")
 
 
 def _build_torchvision(spec: ModelSpec) -> nn.Module:

@@ -1,0 +1,35 @@
+"""Shared helpers: run the real CLI in-process and tiny recipe overrides that train in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runner.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+BERT_TINY = str(ROOT / "recipes" / "bert_tiny.yaml")
+
+# bert_tiny made smaller still: a step takes a few milliseconds on one core
+TINY_BERT = [
+    "model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.vocab_size=256",
+    "model.config.max_position_embeddings=32", "data.seq_len=32", "train.batch_size=8", "train.device=cpu",
+]
+
+
+@pytest.fixture
+def ckrun(capsys):
+    """Run `ckrun ARGS` in this process; returns (exit code, stdout, stderr)."""
+
+    def run(*args: str):
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,90 @@
+"""Every malformed recipe or override: exactly one line naming file:line:col (or the override)
+and the key, exit status 2, no traceback."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import BERT_TINY
+
+GOOD = Path(BERT_TINY).read_text()
+
+# (what is wrong, replace this text in bert_tiny.yaml, with this, expected fragment of the one line)
+FILE_CASES = [
+    ("unknown key", "  steps: 30", "  stepz: 30", ":29:3: train.stepz: unknown key (did you mean steps?)"),
+    ("misspelled section", "train:\n", "trian:\n", ":27:1: trian: unknown key (did you mean train?)"),
+    ("wrong type", "  steps: 30", "  steps: thirty", ":29:3: train.steps: input should be a valid integer"),
+    ("bad size", "memory:\n", "memory:\n  max_mem: 40XB\n", "memory.max_mem: '40XB' is not a size"),
+    ("micro-batch does not divide", "memory:\n", "memory:\n  micro_batch: 5\n", "memory.micro_batch: memory.micro_batch 5 does not divide"),
+    ("missing model directory", "  name: BertForMaskedLM\n", "  name: BertForMaskedLM\n  pretrained: /no/such/dir\n",
+     "model.pretrained: no local directory '/no/such/dir'"),
+    ("unknown torchvision model", "  source: transformers\n  name: BertForMaskedLM", "  source: torchvision\n  name: resnet5",
+     "model.name: no torchvision model named 'resnet5' (did you mean resnet50?)"),
+    ("failing import path", "  source: transformers\n  name: BertForMaskedLM", "  source: python\n  name: no_such_pkg.models:net",
+     "model.name: cannot import 'no_such_pkg.models'"),
+    ("import path without attribute", "  source: transformers\n  name: BertForMaskedLM", "  source: python\n  name: json:nope",
+     "model.name: module 'json' has no 'nope'"),
+    ("unknown transformers class", "BertForMaskedLM", "BertForMaskedLN", "(did you mean BertForMaskedLM?)"),
+    ("typo in transformers config", "    hidden_size: 128", "    hiden_size: 128", "model.config.hiden_size: BertConfig has no setting 'hiden_size' (did you mean hidden_size?)"),
+    ("precision typo", "precision: fp32", "precision: bf61", "precision: 'bf61' is not one of fp32, bf16, fp16 (did you mean bf16?)"),
+    ("duplicate key", "  steps: 30", "  steps: 30\n  steps: 40", "train.steps: duplicate key (first set at line 29)"),
+    ("python tag", "  seed: 0", "  seed: !!python/object/apply:os.getpid []", "tag 'tag:yaml.org,2002:python/object/apply:os.getpid' is not allowed"),
+    ("unknown checkpoint policy", "{policy: none}", "{policy: ful}", "memory.checkpointing: unknown policy 'ful' (did you mean full?)"),
+    ("every zero", "{policy: none}", "{policy: every, every: 0}", "memory.checkpointing.every: input should be greater than 0"),
+    ("negative learning rate", "lr: 1e-3", "lr: -1e-3", "train.optimizer.lr: input should be greater than 0"),
+    ("unknown optimizer", "name: adamw", "name: adam", "train.optimizer: unknown name 'adam' (did you mean adamw?)"),
+    ("text data without paths", "  source: synthetic ", "  source: text ", "data.paths: required key is missing"),
+    ("YAML syntax error", "  seed: 0", "  seed: [0", "invalid YAML"),
+]
+
+OVERRIDE_CASES = [
+    (["train.steps=ten"], "override 'train.steps=ten': train.steps: input should be a valid integer"),
+    (["train.batch_size=0"], "override 'train.batch_size=0': train.batch_size: input should be greater than 0"),
+    (["memory.micro_batch=3"], "override 'memory.micro_batch=3': memory.micro_batch: memory.micro_batch 3 does not divide train.batch_size 16"),
+    (["model.config.num_hiden_layers=2"], "model.config.num_hiden_layers: BertConfig has no setting 'num_hiden_layers' (did you mean num_hidden_layers?)"),
+    (["train.steps"], "override 'train.steps': an override looks like dotted.key=value"),
+    (["memory.checkpointing.policy=layers"], "override 'memory.checkpointing.policy=layers': memory.checkpointing.layers: required key is missing"),
+]
+
+
+@pytest.mark.parametrize("name, old, new, expected", FILE_CASES, ids=[c[0] for c in FILE_CASES])
+def test_bad_recipe_file_gives_one_located_line(tmp_path, ckrun, name, old, new, expected):
+    assert old in GOOD, f"test case {name!r} no longer matches bert_tiny.yaml"
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace(old, new, 1))
+    code, out, err = ckrun("validate", recipe)
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{recipe}:") and expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("overrides, expected", OVERRIDE_CASES, ids=[c[0][0] for c in OVERRIDE_CASES])
+def test_bad_override_names_the_override(ckrun, overrides, expected):
+    code, out, err = ckrun("validate", BERT_TINY, *overrides)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_every_problem_in_a_file_is_reported_at_once(tmp_path, ckrun):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace("  steps: 30", "  stepz: 30").replace("precision: fp32", "precision: fp64")
+                      .replace("lr: 1e-3", "lr: 0"))
+    code, _, err = ckrun("validate", recipe)
+    keys = [line.split(": ")[1] for line in err.splitlines()]
+    assert code == 2 and keys == ["train.stepz", "train.optimizer.lr", "precision"]  # "steps missing" is implied by stepz
+
+
+def test_missing_recipe_file_lists_library(ckrun):
+    code, _, err = ckrun("validate", "bert_tinny")
+    assert code == 2 and "did you mean bert_tiny?" in err and len(err.splitlines()) == 1
+
+
+def test_bad_input_through_the_installed_console_script(tmp_path):
+    import subprocess
+
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace("  steps: 30", "  stepz: 30"))
+    done = subprocess.run(["ckrun", str(recipe)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().endswith("train.stepz: unknown key (did you mean steps?)")
