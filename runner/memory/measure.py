@@ -42,13 +42,14 @@ class PeakMeter:
         self.device, self.model, self.optimizer = device, model, optimizer
 
     @contextlib.contextmanager
-    def measure(self):
+    def measure(self, batch_tensors=()):
+        """Measure the step run inside; `batch_tensors` exist before it and count towards the peak."""
         peak = Peak()
         if self.device.type == "cuda":
             with self._cuda(peak):
                 yield peak
         else:
-            with self._cpu(peak):
+            with self._cpu(peak, batch_tensors):
                 yield peak
 
     @contextlib.contextmanager
@@ -65,11 +66,13 @@ class PeakMeter:
         }
 
     @contextlib.contextmanager
-    def _cpu(self, peak: Peak):
+    def _cpu(self, peak: Peak, batch_tensors):
         from .tracker import LiveBytesTracker
 
-        tracker = LiveBytesTracker()
-        tracker.track(self.model, self.optimizer)
-        with tracker:
-            yield
+        tracker = LiveBytesTracker(self.device).track(self.model, self.optimizer, extra_tensors=batch_tensors)
+        try:
+            with tracker:
+                yield
+        finally:
+            tracker.close()
         peak.peak_mem_bytes = tracker.peak_bytes

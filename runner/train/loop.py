@@ -108,7 +108,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         try:
-            with self.meter.measure() as peak:
+            with self.meter.measure(batch.tensors()) as peak:
                 started = time.perf_counter()
                 result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
                                   self.precision, self.scaler, self.recipe.train.grad_clip)

@@ -1,0 +1,302 @@
+"""Checkpointing changes memory, never results: exact losses, gradients and BatchNorm statistics
+against no plan (fp32, dropout on, same seed), recompute proven by backward FLOP counts and the
+saving by the bytes autograd saves."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+import torchvision
+import transformers
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from runner.memory.apply import apply_plan
+from runner.memory.blocks import find_blocks
+from runner.memory.checkpointing import sqrt_segments
+from runner.plan import MemoryPlan
+
+torch.set_num_threads(2)
+TEXT = dict(vocab_size=100, max_position_embeddings=32)
+
+
+def _text_batch():
+    ids = torch.randint(0, 100, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0  # padding makes the attention mask a real kwarg of every layer
+    return lambda m: m(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+
+def bert():
+    config = transformers.BertConfig(**TEXT, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                                     intermediate_size=128)  # dropout 0.1 by default
+    model = transformers.BertForMaskedLM(config)
+    return model, _text_batch()
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=4, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    return model, _text_batch()
+
+
+def t5():
+    config = transformers.T5Config(vocab_size=100, d_model=64, d_ff=128, d_kv=32, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(1, 100, (2, 16))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
+
+
+def vit():
+    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=4,
+                                    num_attention_heads=2, intermediate_size=128, num_labels=10,
+                                    hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = transformers.ViTForImageClassification(config)
+    images, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    return model, lambda m: m(pixel_values=images, labels=labels).loss
+
+
+def resnet():
+    model = torchvision.models.resnet18(num_classes=10)
+    images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    return model, lambda m: nn.functional.cross_entropy(m(images), labels)
+
+
+MODELS = {"bert": bert, "gpt2": gpt2, "t5": t5, "vit": vit, "resnet": resnet}
+POLICIES = {
+    "full": {"policy": "full"},
+    "every2": {"policy": "every", "every": 2},
+    "layers": {"policy": "layers", "layers": [1, 2]},
+    "sqrt": {"policy": "sqrt"},
+    "selective": {"policy": "selective"},
+}
+
+
+def plan(checkpointing: dict | None = None, **memory) -> MemoryPlan:
+    return MemoryPlan.model_validate({"checkpointing": checkpointing or {"policy": "none"}, **memory})
+
+
+def train(name: str, checkpointing: dict | None, steps: int = 3):
+    """Losses of `steps` SGD steps, then the last gradients, parameters and buffers."""
+    torch.manual_seed(0)
+    model, loss_of = MODELS[name]()
+    model.train()
+    applied = apply_plan(model, plan(checkpointing), "cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)  # the same dropout masks in every run
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(model)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    applied.remove()
+    return losses, grads, dict(model.named_parameters()), dict(model.named_buffers())
+
+
+@functools.cache
+def baseline(name: str):
+    return train(name, None)
+
+
+def assert_identical(expected, actual):
+    for want, got in zip(expected, actual):
+        if isinstance(want, list):
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), "losses differ"
+        else:
+            assert want.keys() == got.keys()
+            different = [key for key in want if not torch.equal(want[key], got[key])]
+            assert not different, f"not bit-identical: {different[:5]}"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit", "resnet", "t5"])
+def test_every_policy_is_exact(name, policy):
+    # all policies are bit-identical on CPU: the recompute replays the same ops on the same inputs
+    # with the RNG restored, and selective only replaces recomputed values by the saved ones
+    assert_identical(baseline(name), train(name, POLICIES[policy]))
+
+
+def test_batchnorm_statistics_move_once_per_forward():
+    torch.manual_seed(0)
+    model, loss_of = resnet()
+    apply_plan(model, plan({"policy": "full"}), "cpu")
+    loss_of(model).backward()  # the backward recomputes every block, BatchNorms included
+    tracked = [m.num_batches_tracked.item() for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert tracked == [1] * len(tracked)
+
+
+def test_autocast_and_an_input_without_grad():
+    # the first block's input does not require grad; the block's weights still get gradients
+    def run(checkpointing):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.2)) for _ in range(4)])
+        apply_plan(model, plan(checkpointing), "cpu")
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(8, 32)).float().square().mean()
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()]
+
+    loss, grads = run(None)
+    for checkpointing in ({"policy": "full"}, {"policy": "selective"}, {"policy": "sqrt"}):
+        other_loss, other_grads = run(checkpointing)
+        assert torch.equal(loss, other_loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, other_grads))
+
+
+def test_remove_puts_the_model_back_and_a_new_plan_applies():
+    torch.manual_seed(0)
+    model, loss_of = gpt2()
+    assert model.config.use_cache
+    applied = apply_plan(model, plan({"policy": "full"}), "cpu")
+    assert not model.config.use_cache  # a recompute would write the KV cache a second time
+    applied.remove()
+    applied.remove()  # twice is harmless
+    assert model.config.use_cache
+    assert all("forward" not in module.__dict__ for module in model.modules())
+    with apply_plan(model, plan({"policy": "every", "every": 3}), "cpu") as applied:
+        assert applied.checkpointed == [0, 3]
+        assert sum("forward" in block.module.__dict__ for block in applied.blocks) == 2
+    assert all("forward" not in module.__dict__ for module in model.modules())
+
+
+def test_decisions_are_logged(caplog):
+    model, _ = bert()
+    with caplog.at_level(logging.INFO, logger="ckrun"):
+        apply_plan(model, plan({"policy": "every", "every": 2}), "cpu").remove()
+    assert "checkpointing 2 of 4 blocks (every 2nd: 0,2)" in caplog.text
+
+
+# --- recompute, counted ----------------------------------------------------------------------
+
+
+def _parameter_storages(model):
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def measure(name: str, checkpointing: dict | None):
+    """(forward FLOPs by module, backward FLOPs, bytes of activations autograd saved outside checkpoints)."""
+    torch.manual_seed(0)
+    model, loss_of = MODELS[name]()
+    applied = apply_plan(model, plan(checkpointing), "cpu")
+    weights, saved = _parameter_storages(model), [0]
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in weights:
+            saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with FlopCounterMode(display=False) as counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = loss_of(model)
+        forward = {module: sum(counts.values()) for module, counts in counter.get_flop_counts().items()}
+        loss.backward()
+    backward = counter.get_total_flops() - forward["Global"]
+    prefix = type(model).__name__ + "."
+    block_flops = [forward[prefix + block.name] for block in applied.blocks or find_blocks(model)]
+    return block_flops, backward, saved[0]
+
+
+@pytest.mark.parametrize("name", ["bert", "resnet"])
+def test_backward_recomputes_exactly_the_checkpointed_blocks(name):
+    block_flops, backward, _ = measure(name, None)
+    for policy in ("full", "every2", "layers", "sqrt"):
+        _, checkpointed_backward, _ = measure(name, POLICIES[policy])
+        torch.manual_seed(0)
+        model, _ = MODELS[name]()
+        chosen = apply_plan(model, plan(POLICIES[policy]), "cpu").checkpointed
+        assert checkpointed_backward - backward == sum(block_flops[i] for i in chosen), policy
+
+
+def test_saved_bytes_fall_and_selective_keeps_matmuls():
+    _, backward, none = measure("bert", None)
+    _, full_backward, full = measure("bert", POLICIES["full"])
+    _, _, every2 = measure("bert", POLICIES["every2"])
+    _, selective_backward, selective = measure("bert", POLICIES["selective"])
+    assert full < every2 < none
+    assert full < selective < none
+    # FlopCounterMode counts matmuls and attention only; selective keeps exactly those, so its
+    # backward recomputes no counted FLOP while full recomputes every block
+    assert selective_backward == backward < full_backward
+
+
+def chain(blocks: int = 16, width: int = 64):
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)])
+
+
+def test_sqrt_keeps_only_segment_boundaries():
+    # cheap blocks (saved activations about twice the block input): here sqrt segments beat per-block
+    def saved_bytes(checkpointing):
+        model = chain()
+        applied = apply_plan(model, plan(checkpointing), "cpu")
+        weights, saved = _parameter_storages(model), [0]
+
+        def pack(tensor):
+            saved[0] += 0 if tensor.untyped_storage().data_ptr() in weights else tensor.numel() * 4
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+        return saved[0], applied
+
+    boundary = 8 * 64 * 4
+    full, _ = saved_bytes({"policy": "full"})
+    sqrt, applied = saved_bytes({"policy": "sqrt"})
+    assert sqrt_segments(applied.blocks) == [list(range(i, i + 4)) for i in (0, 4, 8, 12)]
+    assert full == 16 * boundary  # every block's input
+    assert sqrt == 3 * boundary + 4 * 2 * boundary  # 3 segment inputs + the last segment, not checkpointed
+
+
+def test_sqrt_segments_stay_inside_their_container():
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=100, d_model=64, d_ff=128, d_kv=32, num_layers=5, num_heads=2))
+    blocks = find_blocks(model)
+    assert sqrt_segments(blocks) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]
+
+
+def test_sqrt_refuses_a_forward_that_skips_a_block():
+    class Skipping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = chain(4)
+
+        def forward(self, x):
+            return self.layers[2](self.layers[0](x))  # leaves segment [0, 1] open
+
+    model = Skipping()
+    apply_plan(model, plan({"policy": "sqrt"}), "cpu")
+    with pytest.raises(RuntimeError, match="skipped"):
+        model(torch.randn(2, 64))
+    model.layers(torch.randn(2, 64)).sum().backward()  # the abandoned region left no hooks behind
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_layer_out_of_range():
+    model, _ = bert()
+    with pytest.raises(ValueError) as error:
+        apply_plan(model, plan({"policy": "layers", "layers": [1, 30]}), "cpu")
+    assert str(error.value) == ("memory.checkpointing.layers: block 30 is out of range; "
+                                "the model has 4 blocks (0-3)")
+    assert all("forward" not in module.__dict__ for module in model.modules())
+
+
+def test_bad_block_path():
+    model, _ = bert()
+    with pytest.raises(ValueError, match=r"^memory.blocks: .*'bert.encoder.layers' \(did you mean bert.encoder.layer\?\)"):
+        apply_plan(model, plan({"policy": "full"}, blocks="bert.encoder.layers"), "cpu")
+
+
+def test_no_plan_needs_no_blocks():
+    model = nn.Linear(4, 4)  # nothing repeated: fine while the plan asks for nothing
+    assert apply_plan(model, plan(), "cpu").blocks is None
+    with pytest.raises(ValueError, match="memory.blocks: found no repeated blocks"):
+        apply_plan(model, plan({"policy": "full"}), "cpu")
