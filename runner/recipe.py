@@ -76,8 +76,12 @@ def _transformers_class(name: str):
 
 def check_config_keys(config_class, given: dict) -> None:
     # transformers configs keep unknown kwargs as attributes, so a typo would be silently ignored
-    known = set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters)
+    known = set(config_class().to_dict())
+    for base in config_class.__mro__:  # base-class settings such as num_labels reach __init__ via **kwargs
+        if "__init__" in vars(base):
+            known |= set(inspect.signature(base.__init__).parameters)
     known |= set(getattr(config_class, "attribute_map", {}))
+    known |= {name for name, attr in inspect.getmembers(config_class) if isinstance(attr, property) and attr.fset}
     unknown = [key for key in given if key not in known]
     if unknown:
         raise KeyedValueError(("model", "config", unknown[0]),
@@ -109,10 +113,10 @@ class SyntheticData(Strict):
     """What the model learns; inferred from the model class when unset."""
     seq_len: int = Field(default=128, gt=0)
     """Tokens per sample (text tasks)."""
-    image_size: int = Field(default=224, gt=0)
-    """Height and width of square images (vision tasks)."""
-    channels: int = Field(default=3, gt=0)
-    """Image channels."""
+    image_size: int | None = Field(default=None, gt=0)
+    """Height and width of square images (vision tasks); the model config's, else 224, when unset."""
+    channels: int | None = Field(default=None, gt=0)
+    """Image channels; the model config's, else 3, when unset."""
     num_classes: int | None = Field(default=None, gt=1)
     """Classes for classification; taken from the model's config when unset."""
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
