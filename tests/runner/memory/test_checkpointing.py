@@ -19,7 +19,6 @@ from runner.memory.blocks import find_blocks
 from runner.memory.checkpointing import sqrt_segments
 from runner.plan import MemoryPlan
 
-torch.set_num_threads(2)
 TEXT = dict(vocab_size=100, max_position_embeddings=32)
 
 
@@ -65,6 +64,15 @@ def resnet():
     model = torchvision.models.resnet18(num_classes=10)
     images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     return model, lambda m: nn.functional.cross_entropy(m(images), labels)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models: thread start-up and spinning cost more than the math, badly so on a busy machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 MODELS = {"bert": bert, "gpt2": gpt2, "t5": t5, "vit": vit, "resnet": resnet}
@@ -258,7 +266,7 @@ def test_sqrt_segments_stay_inside_their_container():
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=100, d_model=64, d_ff=128, d_kv=32, num_layers=5, num_heads=2))
     blocks = find_blocks(model)
-    assert sqrt_segments(blocks) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]
+    assert sqrt_segments(blocks) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]  # 3 per segment, split per stack
 
 
 def test_sqrt_refuses_a_forward_that_skips_a_block():
@@ -300,3 +308,19 @@ def test_no_plan_needs_no_blocks():
     assert apply_plan(model, plan(), "cpu").blocks is None
     with pytest.raises(ValueError, match="memory.blocks: found no repeated blocks"):
         apply_plan(model, plan({"policy": "full"}), "cpu")
+
+
+def test_selective_recomputes_attention_that_draws_dropout():
+    # on the GPU, fused attention with dropout draws random numbers: caching it would let the
+    # recompute skip that draw and shift every later dropout mask of the block
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from runner.memory.checkpointing import _selective_policy
+
+    policy = _selective_policy(frozenset({"mm", "_scaled_dot_product_efficient_attention"}))
+    attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.empty(1, 1, 4, 8)
+    assert policy(None, torch.ops.aten.mm.default, q[0, 0], q[0, 0].T) is CheckpointPolicy.MUST_SAVE
+    assert policy(None, attention, q, q, q, None, False, 0.0) is CheckpointPolicy.MUST_SAVE
+    assert policy(None, attention, q, q, q, None, False, 0.1) is CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, torch.ops.aten.native_dropout.default, q, 0.1, True) is CheckpointPolicy.PREFER_RECOMPUTE

@@ -1,0 +1,81 @@
+"""`apply_plan`: the one call that puts a recipe's memory plan onto a built model.
+
+It finds the blocks, checks the plan against them (every error names its recipe key, e.g.
+`memory.checkpointing.layers: ...`), wraps checkpointing first and offload around it, and returns
+an `AppliedPlan` whose `remove()` puts the model back, so the tuner or the estimator can try
+another plan on the same model. Micro-batching, precision and compile are the trainer's part.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..plan import MemoryPlan
+from .blocks import BlockList, Undo, find_blocks
+from .checkpointing import apply_checkpointing, chosen_blocks
+from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
+
+log = logging.getLogger("ckrun")
+
+
+@dataclass
+class AppliedPlan:
+    plan: MemoryPlan
+    blocks: BlockList | None  # None when the plan needs no blocks (nothing to checkpoint or offload)
+    checkpointed: list[int] = field(default_factory=list)
+    offloaded: list[int] = field(default_factory=list)
+    offload: ActivationOffload | None = None  # its pool and byte counts, when offloading
+    _undo: list[Undo] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Undo the wrapping (offload first, then checkpointing); calling it twice is harmless."""
+        while self._undo:
+            self._undo.pop()()
+
+    def __enter__(self) -> AppliedPlan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str,
+               use_side_stream: bool = True) -> AppliedPlan:
+    """Apply `plan`'s checkpointing and offload to `model`'s blocks (after the model is on `device`)."""
+    device = torch.device(device)
+    needs_blocks = plan.checkpointing.policy != "none" or plan.offload.policy != "none"
+    check_combination(plan, device)
+    if not needs_blocks and plan.blocks is None:
+        return AppliedPlan(plan, None)
+    blocks = find_blocks(model, plan.blocks)
+    applied = AppliedPlan(plan, blocks, chosen_blocks(plan.checkpointing, blocks), offloaded_blocks(plan.offload, blocks))
+    if needs_blocks:
+        log.info("memory plan on %d blocks of %s", len(blocks), blocks.container_name or type(model).__name__)
+    applied._undo.append(apply_checkpointing(blocks, plan.checkpointing))
+    try:
+        undo_offload, applied.offload = apply_offload(blocks, plan.offload, device, use_side_stream)
+    except BaseException:
+        applied.remove()
+        raise
+    applied._undo.append(undo_offload)
+    return applied
+
+
+def check_combination(plan: MemoryPlan, device: torch.device) -> None:
+    """Plan problems that need no model: a ValueError whose message starts with the key to change."""
+    if plan.offload.policy != "none" and device.type != "cuda":
+        raise ValueError(CPU_REFUSAL)
+    if plan.compile and plan.checkpointing.policy == "sqrt":
+        # a segment's checkpoint region opens in one block's forward and closes in another's,
+        # which torch.compile cannot trace
+        raise ValueError("memory.checkpointing: policy sqrt cannot be combined with memory.compile: true; "
+                         "use policy full, every, layers or selective")
+    if plan.offload.policy != "none" and plan.checkpointing.policy == "sqrt":
+        # a sqrt segment's checkpoint region spans several blocks, but offload hooks open and close
+        # around each block: the two would interleave on autograd's saved-tensor hook stack
+        raise ValueError("memory.offload: cannot be combined with memory.checkpointing.policy: sqrt; "
+                         "use policy full, every or layers with offload")

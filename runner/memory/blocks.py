@@ -1,0 +1,169 @@
+"""The model's repeated blocks: what a memory plan's block indices count.
+
+Checkpointing and offload act on "blocks": the transformer layers, the ResNet bottlenecks, the
+children of a user's `nn.Sequential`. They are found generically: the blocks are the children of
+an `nn.ModuleList` / `nn.Sequential` that share one class, and when several classes qualify the
+one holding the most parameters wins. Every container of the winning class contributes, in module
+order, so T5's `encoder.block` and `decoder.block`, or ResNet's `layer1`..`layer4`, make one list.
+`memory.blocks: "path.to.container"` overrides the guess.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+from torch import nn
+
+from ..problems import InputError, Place, Problem, suggest
+
+log = logging.getLogger("ckrun")
+
+CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+Undo = Callable[[], None]  # puts back what a plan changed on the model
+
+
+class Block(NamedTuple):
+    index: int  # position in the plan's numbering, 0-based
+    name: str  # qualified name in the model, e.g. "bert.encoder.layer.3"
+    module: nn.Module
+
+
+@dataclass
+class BlockList:
+    container_name: str  # "bert.encoder.layer"; several joined by ", " (T5, ResNet)
+    blocks: list[Block]
+    containers: list[str] = field(default_factory=list)  # one entry per block: the container it sits in
+    root: nn.Module | None = field(default=None, repr=False)  # the model the blocks were found in
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+    def __getitem__(self, index: int) -> Block:
+        return self.blocks[index]
+
+    def check_indices(self, key: str, indices: list[int]) -> None:
+        """A ValueError naming the recipe key when an index is past the last block."""
+        for index in indices:
+            if index >= len(self):
+                raise ValueError(f"{key}: block {index} is out of range; the model has {len(self)} blocks "
+                                 f"(0-{len(self) - 1})")
+
+
+def find_blocks(model: nn.Module, explicit: str | None = None) -> BlockList:
+    """The repeated blocks of `model`, or of the container at dotted path `explicit`."""
+    if explicit is not None:
+        return _explicit_blocks(model, explicit)
+    groups = _candidate_groups(model)
+    if not groups:
+        raise ValueError(
+            f"memory.blocks: found no repeated blocks in {type(model).__name__} (no nn.ModuleList or nn.Sequential holding 2 or "
+            'more modules of one class); name the container with memory.blocks: "path.to.container"'
+        )
+    # the most parameters wins; on a tie the class found first (the outermost) wins
+    best_class, best = max(groups.items(), key=lambda item: item[1]["params"])
+    names = [name for name, _ in best["members"]]
+    containers = [name.rpartition(".")[0] for name in names]
+    log.debug("blocks: %d x %s in %s, the repeated class holding the most parameters (%s); other candidates: %s",
+              len(names), best_class.__name__, ", ".join(dict.fromkeys(containers)) or "the model", f"{best['params']:,}",
+              ", ".join(cls.__name__ for cls in groups if cls is not best_class) or "none")
+    blocks = [Block(i, name, module) for i, (name, module) in enumerate(best["members"])]
+    return BlockList(", ".join(dict.fromkeys(containers)), blocks, containers, model)
+
+
+def _candidate_groups(model: nn.Module) -> dict[type, dict]:
+    """Per child class: the same-class children of every container, in module order, and their parameters."""
+    groups: dict[type, dict] = {}
+    taken: set[int] = set()  # a module counts once, even if two containers hold it
+    for name, module in model.named_modules():
+        if not isinstance(module, CONTAINERS):
+            continue
+        by_class = defaultdict(list)
+        for child_name, child in module.named_children():
+            by_class[type(child)].append((_join(name, child_name), child))
+        for cls, members in by_class.items():
+            members = [(n, m) for n, m in members if id(m) not in taken]
+            if len(members) < 2:
+                continue
+            taken.update(id(m) for _, m in members)
+            group = groups.setdefault(cls, {"members": [], "params": 0})
+            group["members"] += members
+            group["params"] += sum(_param_count(m) for _, m in members)
+    return groups
+
+
+def _explicit_blocks(model: nn.Module, path: str) -> BlockList:
+    try:
+        container = model.get_submodule(path)
+    except AttributeError:
+        known = [name for name, m in model.named_modules() if isinstance(m, CONTAINERS) and name]
+        raise ValueError(f"memory.blocks: {type(model).__name__} has no module {path!r}{suggest(path, known)}") from None
+    if not isinstance(container, CONTAINERS):
+        raise ValueError(f"memory.blocks: {path!r} is a {type(container).__name__}, not an nn.ModuleList or nn.Sequential")
+    children = list(container.named_children())
+    if not children:
+        raise ValueError(f"memory.blocks: {path!r} is empty")
+    blocks = [Block(i, _join(path, name), child) for i, (name, child) in enumerate(children)]
+    return BlockList(path, blocks, [path] * len(blocks), model)
+
+
+def wrap_forward(module: nn.Module, make: Callable, *make_args) -> Undo:
+    """Set `module.forward = make(forward, *make_args)` on the instance; wrappers stack (offload over
+    checkpoint), and the returned undo puts back exactly the forward it replaced."""
+    had_own = "forward" in module.__dict__
+    inner = module.forward
+    module.forward = make(inner, *make_args)
+
+    def undo() -> None:
+        if had_own:
+            module.forward = inner
+        else:
+            del module.forward
+    return undo
+
+
+def undo_all(undos: list[Undo]) -> Undo:
+    def undo() -> None:
+        for step in reversed(undos):
+            step()
+    return undo
+
+
+def short_list(indices: list[int], most: int = 6) -> str:
+    """'0,2,4,6,8,10,...,22': enough indices for a log line."""
+    shown = ",".join(str(i) for i in indices[:most])
+    return shown + (f",...,{indices[-1]}" if len(indices) > most else "")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())  # numel works on the meta device
+
+
+def print_blocks(recipe) -> int:
+    """`ckrun show RECIPE --blocks`: the blocks a plan's indices refer to, built on the meta device."""
+    from ..build.model import BuildError, build_model
+
+    try:
+        model = build_model(recipe.model, device="meta")
+        blocks = find_blocks(model, recipe.memory.blocks)
+    except BuildError as err:
+        raise err.as_input_error("<recipe>") from None
+    except ValueError as err:
+        key, _, message = str(err).partition(": ")
+        raise InputError([Problem(Place("<recipe>"), key, message)]) from None
+    classes = sorted({type(block.module).__name__ for block in blocks})
+    print(f"{blocks.container_name or type(model).__name__}: {len(blocks)} blocks ({', '.join(classes)})")
+    width = max(len(block.name) for block in blocks)
+    for block in blocks:
+        print(f"{block.index:>4}  {block.name:<{width}}  {_param_count(block.module):>14,} parameters")
+    return 0

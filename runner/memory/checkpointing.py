@@ -1,0 +1,340 @@
+"""Activation checkpointing of chosen blocks: recompute their activations in backward.
+
+Every policy wraps the chosen blocks' `forward` (an instance attribute, so `undo` is a `del`)
+in non-reentrant `torch.utils.checkpoint` with the RNG state preserved: dropout masks are the
+same in the recompute, so gradients are bit-identical to a run without the plan. Kwargs (HF
+attention masks, position embeddings) pass straight through; inputs need not require grad.
+
+BatchNorm would update its running statistics a second time while recomputing; the recompute
+context snapshots them on entry and puts them back on exit, so they move once per forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _checkpoint_without_reentrant_generator,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+from ..plan import Checkpointing
+from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
+
+log = logging.getLogger("ckrun")
+
+
+def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:
+    """Wrap the blocks `policy` chooses; the returned function puts the model back as it was."""
+    if policy.policy == "none":
+        return undo_all([])
+    undos = [_kv_cache_off(blocks.root)]
+    if policy.policy == "sqrt":
+        undos.append(_apply_segments(blocks, sqrt_segments(blocks)))
+        return undo_all(undos)
+    chosen = chosen_blocks(policy, blocks)
+    save_ops = frozenset(policy.save_ops) if policy.policy == "selective" else None
+    log.info("checkpointing %d of %d blocks (%s)", len(chosen), len(blocks), _reason(policy, chosen))
+    for i in chosen:
+        undos.append(wrap_forward(blocks[i].module, _checkpointed, *_context_fns([blocks[i].module], save_ops)))
+    return undo_all(undos)
+
+
+def chosen_blocks(policy: Checkpointing, blocks: BlockList) -> list[int]:
+    """The indices `policy` checkpoints; a ValueError naming the key when one is out of range."""
+    count = len(blocks)
+    if policy.policy == "sqrt":
+        return [index for segment in sqrt_segments(blocks)[:-1] for index in segment]
+    if policy.policy in ("full", "selective"):
+        return list(range(count))
+    if policy.policy == "every":
+        return list(range(0, count, policy.every))
+    if policy.policy == "layers":
+        blocks.check_indices("memory.checkpointing.layers", policy.layers)
+        return list(policy.layers)
+    return []
+
+
+def _reason(policy: Checkpointing, chosen: list[int]) -> str:
+    if policy.policy == "every":
+        return f"every {_ordinal(policy.every)}: {short_list(chosen)}"
+    if policy.policy == "selective":
+        return f"selective: keeping outputs of {', '.join(policy.save_ops)}; recomputing the rest"
+    return "all" if policy.policy == "full" else f"layers {short_list(chosen)}"
+
+
+def _ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return "block" if k == 1 else f"{k}{suffix}"
+
+
+def _kv_cache_off(root: nn.Module | None) -> Undo:
+    """Turn off transformers' KV cache: a recompute would append each layer's keys to it a second time."""
+    configs = {id(c): c for m in (root.modules() if root is not None else ())
+               if getattr(c := getattr(m, "config", None), "use_cache", False) is True}
+    if configs:
+        log.info("memory.checkpointing: turned off the KV cache (config.use_cache); training does not read it "
+                 "and a recompute would write it again")
+    for config in configs.values():
+        config.use_cache = False
+
+    def undo() -> None:
+        for config in configs.values():
+            config.use_cache = True
+    return undo
+
+
+def _checkpointed(forward: Callable, eager_context_fn: Callable, compiled_context_fn: Callable) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        context_fn = compiled_context_fn if torch.compiler.is_compiling() else eager_context_fn
+        if context_fn is not noop_context_fn:  # dynamo traces checkpoint only without a no-op context_fn
+            kwargs = {"context_fn": context_fn, "respect_saved_tensors_hooks": True, **kwargs}
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return run
+
+
+# --- what a recompute may and may not do --------------------------------------------------
+
+
+def _context_fns(modules: list[nn.Module], save_ops: frozenset[str] | None) -> tuple[Callable, Callable]:
+    """checkpoint's `context_fn` eager and under torch.compile: selective caching when asked, and
+    (eager only) BatchNorm statistics kept. Under compile the partitioner recomputes on a
+    functional graph that applies buffer updates once, and context_fn may only give dispatch modes."""
+    norms = [m for module in modules for m in module.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    selective = noop_context_fn if save_ops is None else functools.partial(
+        create_selective_checkpoint_contexts, _selective_policy(save_ops))
+    if not norms:
+        return selective, selective
+
+    def with_norms():
+        forward_context, recompute_context = selective()
+        # outside the selective cache: its clone/copy_ would otherwise count as ops of the block
+        return forward_context, _nested(_running_stats_kept(norms), recompute_context)
+    return with_norms, selective
+
+
+@contextlib.contextmanager
+def _nested(outer, inner):
+    with outer, inner:
+        yield
+
+
+@contextlib.contextmanager
+def _running_stats_kept(norms: list[nn.Module]):
+    with torch.no_grad():
+        saved = [(buffer, buffer.clone()) for norm in norms for buffer in norm.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def _selective_policy(save_ops: frozenset[str]) -> Callable:
+    def policy(ctx, func, *args, **kwargs):
+        name = getattr(getattr(func, "_overloadpacket", func), "__name__", "")  # aten.mm.default -> "mm"
+        if name in save_ops and not _draws_random(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _draws_random(func, args, kwargs) -> bool:
+    """True for a call that consumes the RNG (attention with dropout_p > 0).
+
+    Such a call must be recomputed, not cached: the recompute replays the RNG from the block's
+    start, and skipping one draw would shift the dropout masks of every later op in the block.
+    """
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    names = [argument.name for argument in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    position = names.index("dropout_p")
+    dropout_p = args[position] if position < len(args) else kwargs.get("dropout_p", 0.0)
+    return dropout_p != 0
+
+
+# --- sqrt: segments of consecutive blocks, each checkpointed as one unit -------------------
+#
+# Why segments and not "every ceil(sqrt(L))-th block": checkpointing single blocks keeps every
+# chosen block's input plus the full activations of every block left alone, so that gives no
+# sqrt(L) saving. checkpoint_sequential's saving comes from keeping only each segment's input and
+# recomputing the whole segment in backward. HF models call their layers in their own loop with
+# kwargs, so we cannot call a segment ourselves; instead a segment's checkpoint region opens when
+# its first block is called and closes when its last block returns, while we record each block's
+# call. The recompute replays the recorded calls, feeding each block the replayed outputs of the
+# blocks before it (matched by tensor identity), so the intermediate boundaries are not kept.
+# Code the model runs between two blocks is not replayed: if it saved tensors for backward,
+# torch's count check raises CheckpointError in backward rather than computing a wrong gradient.
+# As in checkpoint_sequential the last segment is not checkpointed: backward needs it first.
+# Segments never cross containers (T5's encoder and decoder stacks have code in between).
+
+
+def sqrt_segments(blocks: BlockList) -> list[list[int]]:
+    """About sqrt(L) runs of consecutive block indices, split at container boundaries."""
+    count = len(blocks)
+    size = math.ceil(count / max(1, round(math.sqrt(count)))) if count else 1
+    runs: dict[str, list[int]] = {}  # container -> its block indices
+    for index, container in enumerate(blocks.containers or [""] * count):
+        runs.setdefault(container, []).append(index)
+    segments = []
+    for run in runs.values():
+        # near-equal pieces, longer first: 5 blocks at up to 4 a segment split 3+2, not 4+1
+        base, longer = divmod(len(run), math.ceil(len(run) / size))
+        while run:
+            take = base + (1 if longer > 0 else 0)
+            segments.append(run[:take])
+            run, longer = run[take:], longer - 1
+    return segments
+
+
+def _apply_segments(blocks: BlockList, segments: list[list[int]]) -> Undo:
+    checkpointed = segments[:-1]
+    log.info("checkpointing %d of %d blocks (sqrt: %d segments of up to %d blocks, each recomputed as one unit; "
+             "the last segment %s is kept)", sum(map(len, checkpointed)), len(blocks), len(segments),
+             max(map(len, segments), default=0), _span(segments[-1]) if segments else "-")
+    runner = _SegmentRunner()
+    undos = []
+    for segment in checkpointed:
+        context_fn, _ = _context_fns([blocks[i].module for i in segment], None)
+        for position, index in enumerate(segment):
+            undos.append(wrap_forward(blocks[index].module, runner.wrapper, segment, position, context_fn, blocks[index].name))
+    if blocks.root is not None and checkpointed:
+        handle = blocks.root.register_forward_hook(runner.after_model, always_call=True)
+        undos.append(handle.remove)
+    undos.append(runner.abandon)
+    return undo_all(undos)
+
+
+def _span(segment: list[int]) -> str:
+    return f"{segment[0]}-{segment[-1]}" if len(segment) > 1 else str(segment[0])
+
+
+class _Ref:
+    """Stands in a recorded call for a tensor that an earlier block of the segment returned."""
+
+    def __init__(self, call: int, leaf: int):
+        self.call, self.leaf = call, leaf
+
+
+class _Recording:
+    """The calls of one segment run; the recompute replays them. Holds no intermediate boundary."""
+
+    def __init__(self, first: Callable):
+        self.calls: list[tuple[Callable, tuple, dict]] = []
+        self.first = first
+        self.produced: dict[int, tuple[weakref.ref, int, int]] = {}  # id(tensor) -> (ref, call, leaf)
+
+    def record(self, forward: Callable, args: tuple, kwargs: dict) -> bool:
+        """Record a call; False when it takes nothing an earlier block of the segment returned."""
+        found = []
+
+        def template(x):
+            hit = self.produced.get(id(x)) if isinstance(x, torch.Tensor) else None
+            if hit is None or hit[0]() is not x:
+                return x
+            found.append(hit)
+            return _Ref(hit[1], hit[2])
+        args, kwargs = tree_map(template, (args, kwargs))
+        self.calls.append((forward, args, kwargs))
+        return bool(found)
+
+    def returned(self, output) -> None:
+        call = len(self.calls)
+        for leaf, x in enumerate(tree_leaves(output)):
+            if isinstance(x, torch.Tensor):
+                self.produced[id(x)] = (weakref.ref(x), call, leaf)
+
+    def replay(self, *args, **kwargs) -> None:
+        outputs = [tree_leaves(self.first(*args, **kwargs))]
+        for forward, call_args, call_kwargs in self.calls:
+            call_args, call_kwargs = tree_map(lambda x: outputs[x.call][x.leaf] if isinstance(x, _Ref) else x,
+                                              (call_args, call_kwargs), is_leaf=lambda x: isinstance(x, _Ref))
+            outputs.append(tree_leaves(forward(*call_args, **call_kwargs)))
+
+
+class _SegmentRunner:
+    """Opens a checkpoint region at a segment's first block and closes it after its last."""
+
+    def __init__(self):
+        self.open = None  # (segment, generator, recording, next position) while a region is open
+        self.warned: set[str] = set()
+
+    def wrapper(self, forward: Callable, segment: list[int], position: int, context_fn: Callable, name: str):
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            recording = self._enter(segment, position, forward, args, kwargs, context_fn, name)
+            try:
+                output = forward(*args, **kwargs)
+            except BaseException as error:
+                self.abandon(error)
+                raise
+            if recording is not None:
+                self._returned(recording, output, position == len(segment) - 1)
+            return output
+        return run
+
+    def _enter(self, segment, position, forward, args, kwargs, context_fn, name):
+        if position == 0:
+            self.abandon()  # a region left open by a forward that raised between blocks
+            recording = _Recording(forward)
+            region = _checkpoint_without_reentrant_generator(
+                recording.replay, True, context_fn, "default", False, True, *args,
+                respect_saved_tensors_hooks=True, **kwargs)
+            next(region)
+            self.open = [segment, region, recording, 1]
+            return recording
+        if self.open is None:
+            return None  # its segment's first block ran without grad: nothing to join
+        open_segment, _, recording, expected = self.open
+        if open_segment is not segment or expected != position:
+            self.abandon()
+            raise RuntimeError(f"memory.checkpointing: sqrt needs the blocks of a segment called one after another; "
+                               f"{name} was called out of order - use policy full or every for this model")
+        if not recording.record(forward, args, kwargs) and name not in self.warned:
+            self.warned.add(name)
+            log.warning("memory.checkpointing: sqrt: %s does not take the previous block's output, so its input is "
+                        "kept in memory too", name)
+        self.open[3] += 1
+        return recording
+
+    def _returned(self, recording: _Recording, output, last: bool) -> None:
+        recording.returned(output)
+        if last:
+            region = self.open[1]
+            self.open = None
+            next(region, None)  # runs the checkpoint's post-forward logic and ends the region
+
+    def abandon(self, error: BaseException | None = None) -> None:
+        if self.open is None:
+            return
+        region = self.open[1]
+        self.open = None
+        if error is None:
+            region.close()
+            return
+        with contextlib.suppress(BaseException):
+            region.throw(error)
+
+    def after_model(self, module, args, output) -> None:
+        if self.open is not None:
+            self.abandon()
+            raise RuntimeError("memory.checkpointing: sqrt: the model's forward ended inside a segment "
+                               "(a block was skipped) - use policy full or every for this model")
