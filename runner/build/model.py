@@ -43,6 +43,10 @@ def _build_transformers(spec: ModelSpec) -> nn.Module:
     if spec.pretrained:
         return model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
     config = config_class(**spec.config)
+    if getattr(config, "use_cache", False) and "use_cache" not in spec.config:
+        # a KV cache serves generation; in training it only holds every layer's keys and values
+        config.use_cache = False
+        log.debug("%s: use_cache off for training (the KV cache would hold every layer's K/V)", spec.name)
     return model_class(config)
 
 
