@@ -41,13 +41,14 @@ def _build_transformers(spec: ModelSpec) -> nn.Module:
     model_class = _transformers_class(spec.name)
     config_class = model_class.config_class
     if spec.pretrained:
-        return model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
-    config = config_class(**spec.config)
-    if getattr(config, "use_cache", False) and "use_cache" not in spec.config:
+        model = model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
+    else:
+        model = model_class(config_class(**spec.config))
+    if getattr(model.config, "use_cache", False) and "use_cache" not in spec.config:
         # a KV cache serves generation; in training it only holds every layer's keys and values
-        config.use_cache = False
+        model.config.use_cache = False
         log.debug("%s: use_cache off for training (the KV cache would hold every layer's K/V)", spec.name)
-    return model_class(config)
+    return model
 
 
 def _build_torchvision(spec: ModelSpec) -> nn.Module:

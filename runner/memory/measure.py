@@ -76,3 +76,33 @@ class PeakMeter:
         finally:
             tracker.close()
         peak.peak_mem_bytes = tracker.peak_bytes
+
+
+class SavedBytes:
+    """Bytes of activations autograd saves for backward inside `with SavedBytes(model) as saved:`.
+
+    Parameters are saved by reference and cost nothing extra, so they are left out; a storage
+    saved twice (a view and its base) counts once. Inside a checkpointed block only what the
+    checkpoint keeps is seen, which is exactly what checkpointing is meant to shrink.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._parameters and key not in self._seen:
+            self._seen.add(key)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
