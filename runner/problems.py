@@ -58,3 +58,12 @@ def suggest(word: str, choices: Iterable[str]) -> str:
 
 def dotted(path: Iterable[object]) -> str:
     return ".".join(str(part) for part in path)
+
+
+def keyed_error(err: ValueError, source: str, default_key: str) -> InputError:
+    """An InputError from a ValueError whose text starts with the recipe key it is about
+    ("memory.checkpointing.layers: block 30 is out of range ..."), as the memory plan raises them."""
+    key, _, message = str(err).partition(": ")
+    if not key.startswith(default_key) or " " in key:
+        key, message = default_key, str(err)
+    return InputError([Problem(Place(source), key, message)])

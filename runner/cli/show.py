@@ -15,11 +15,12 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    path = resolve_recipe(args.recipe)
+    recipe = load_recipe(path, args.overrides)
     if args.blocks:
         from ..memory.blocks import print_blocks
 
-        return print_blocks(recipe)
+        return print_blocks(recipe, str(path))
     print(dump_yaml(recipe.model_dump(mode="json")), end="")
     return 0
 

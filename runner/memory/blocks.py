@@ -17,7 +17,8 @@ from typing import Callable, NamedTuple
 
 from torch import nn
 
-from ..problems import InputError, Place, Problem, suggest
+from ..build.model import count_parameters
+from ..problems import keyed_error, suggest
 
 log = logging.getLogger("ckrun")
 
@@ -94,7 +95,7 @@ def _candidate_groups(model: nn.Module) -> dict[type, dict]:
             taken.update(id(m) for _, m in members)
             group = groups.setdefault(cls, {"members": [], "params": 0})
             group["members"] += members
-            group["params"] += sum(_param_count(m) for _, m in members)
+            group["params"] += sum(count_parameters(m) for _, m in members)
     return groups
 
 
@@ -145,11 +146,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())  # numel works on the meta device
-
-
-def print_blocks(recipe) -> int:
+def print_blocks(recipe, source: str = "<recipe>") -> int:
     """`ckrun show RECIPE --blocks`: the blocks a plan's indices refer to, built on the meta device."""
     from ..build.model import BuildError, build_model
 
@@ -157,13 +154,12 @@ def print_blocks(recipe) -> int:
         model = build_model(recipe.model, device="meta")
         blocks = find_blocks(model, recipe.memory.blocks)
     except BuildError as err:
-        raise err.as_input_error("<recipe>") from None
+        raise err.as_input_error(source) from None
     except ValueError as err:
-        key, _, message = str(err).partition(": ")
-        raise InputError([Problem(Place("<recipe>"), key, message)]) from None
+        raise keyed_error(err, source, "memory") from None
     classes = sorted({type(block.module).__name__ for block in blocks})
     print(f"{blocks.container_name or type(model).__name__}: {len(blocks)} blocks ({', '.join(classes)})")
     width = max(len(block.name) for block in blocks)
     for block in blocks:
-        print(f"{block.index:>4}  {block.name:<{width}}  {_param_count(block.module):>14,} parameters")
+        print(f"{block.index:>4}  {block.name:<{width}}  {count_parameters(block.module):>14,} parameters")
     return 0

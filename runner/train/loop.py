@@ -21,7 +21,7 @@ from ..build.data import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler
 from ..memory.measure import PeakMeter, cuda_context_bytes, format_bytes
-from ..problems import InputError, Place, Problem
+from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import complete_checkpoints, load_latest, restore_rng_state, rng_state, save_checkpoint
@@ -158,10 +158,7 @@ def _apply_plan(model, recipe: Recipe, device: torch.device, source: str):
     try:
         return apply_plan(model, recipe.memory, device)
     except ValueError as err:
-        key, _, message = str(err).partition(": ")
-        if not key.startswith("memory."):
-            key, message = "memory", str(err)
-        raise InputError([Problem(Place(source), key, message)]) from None
+        raise keyed_error(err, source, "memory") from None
 
 
 def _progress(total: int, initial: int):
