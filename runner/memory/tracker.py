@@ -1,0 +1,244 @@
+"""Live tensor bytes per device: the ground truth for CPU peaks and the meter of the estimate.
+
+`LiveBytesTracker` is a dispatch mode that sees every aten op's output tensors, counts each
+untyped storage once (views and in-place results share their input's storage, so they add
+nothing) and subtracts a storage's bytes when it is freed (a weakref callback on the storage:
+torch keeps one Python object per storage for its whole life, so the callback fires exactly
+when the memory goes). Fake tensors have a fake storage with the real byte size, so a step run
+under `FakeTensorMode` measures the same peak as the real step without allocating anything.
+
+Tensors that exist before the region (parameters, gradients, optimizer state, the batch) are
+invisible to a dispatch mode; `track()` / `count_existing()` register them so they are part of
+the baseline and their frees are seen.
+
+Categories, and how each is decided (honest, not exact for attribution; the total is exact):
+- `parameters`: storages of the model's parameters and buffers, registered by `track()`.
+- `gradients`: `param.grad` storages: those present at `track()` time, and each new one when
+  autograd's AccumulateGrad stores it (a post-accumulate-grad hook re-labels the storage, which
+  was created by a backward op and counted as `activations` until then).
+- `optimizer_state`: tensors in `optimizer.state` at `track()` time and after each step (a step
+  post-hook re-labels them; on the very first step they count as `activations` until the step
+  ends, steady-state steps find them already labelled).
+- `inputs`: tensors given as `extra_tensors` / `count_existing()` (the batch).
+- `activations`: everything else created inside the region: saved activations, recomputed
+  activations, forward/backward temporaries, activation gradients, optimizer-step temporaries.
+
+Not seen: memory that kernels allocate internally without returning it (workspaces), work done
+inside a `torch.compile`d region (the mode is suspended there), tensors created outside the
+region that were never registered (until an op returns them, e.g. an in-place op).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations")
+
+
+class _Record:
+    """One live storage: its counted bytes, device, category and the weakref that reports its free."""
+
+    __slots__ = ("nbytes", "device", "category", "ref")
+
+    def __init__(self, nbytes: int, device: torch.device, category: str, ref: weakref.ref):
+        self.nbytes, self.device, self.category, self.ref = nbytes, device, category, ref
+
+
+class _DeviceBytes:
+    """Running totals of one device; the breakdown is copied whenever the peak rises."""
+
+    __slots__ = ("total", "peak", "by_category", "peak_breakdown")
+
+    def __init__(self):
+        self.total = self.peak = 0
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_breakdown = dict(self.by_category)
+
+    def add(self, category: str, nbytes: int) -> None:
+        self.by_category[category] += nbytes
+        self.total += nbytes
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_breakdown = dict(self.by_category)
+
+    def reset_peak(self) -> None:
+        self.peak = self.total
+        self.peak_breakdown = dict(self.by_category)
+
+
+def _normalize(device: str | torch.device) -> torch.device:
+    """`cuda` -> `cuda:0`, as tensors report it; `cpu` stays index-less, as CPU tensors report it."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "meta") and device.index is None:
+        return torch.device(device.type, 0)
+    return device
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Peak of live tensor bytes per device over the regions run inside `with tracker:`.
+
+    Usage::
+
+        tracker = LiveBytesTracker("cpu").track(model, optimizer, extra_tensors=batch.values())
+        with tracker:
+            loss = model(**batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+        tracker.peak_bytes, tracker.breakdown_at_peak
+        tracker.close()  # removes the gradient/optimizer hooks that track() installed
+
+    The peak starts at the registered baseline; `reset_peak()` restarts it from the current
+    bytes (once per step when one tracker serves many steps). With `record_events`, every
+    allocation and free is appended to `events` as `(key, signed bytes, device)` (+ allocates,
+    - frees the storage `key`), in order, for an allocator model to replay.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", record_events: bool = False):
+        super().__init__()
+        self.device = _normalize(device)
+        self.events: list[tuple[int, int, torch.device]] | None = [] if record_events else None
+        self._live: dict[int, _Record] = {}  # id(storage) -> record; ids are unique while it lives
+        self._devices: dict[torch.device, _DeviceBytes] = {}
+        self._hooks: list[Any] = []
+
+    # --- registering what already exists ------------------------------------------------------
+
+    def track(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+              extra_tensors: Iterable[torch.Tensor] = ()) -> LiveBytesTracker:
+        """Count the model's parameters, buffers and grads, the optimizer state and `extra_tensors`,
+        and install the hooks that label new gradients and optimizer state as they appear."""
+        if model is not None:
+            self.count_existing(model.parameters(), "parameters")
+            self.count_existing(model.buffers(), "parameters")
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.count_existing((p.grad for p in params if p.grad is not None), "gradients")
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        if optimizer is not None:
+            self.count_existing(_state_tensors(optimizer), "optimizer_state")
+            self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_step))
+        self.count_existing(extra_tensors, "inputs")
+        return self
+
+    def count_existing(self, tensors: Iterable[torch.Tensor], category: str = "inputs") -> None:
+        """Register live tensors (each storage once) under `category`; a known storage is re-labelled."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}; use one of {', '.join(CATEGORIES)}")
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._see(tensor, category, relabel=True)
+
+    def close(self) -> None:
+        """Remove the hooks and forget every storage (the totals and peaks stay readable)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._live.clear()
+
+    # --- results --------------------------------------------------------------------------------
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes live at once on the tracker's device since registration or `reset_peak()`."""
+        return self._on(self.device).peak
+
+    @property
+    def current_bytes(self) -> int:
+        return self._on(self.device).total
+
+    @property
+    def breakdown_at_peak(self) -> dict[str, int]:
+        """Bytes per category (see the module docstring) at the moment of the peak; sums to the peak."""
+        return dict(self._on(self.device).peak_breakdown)
+
+    @property
+    def current_breakdown(self) -> dict[str, int]:
+        return dict(self._on(self.device).by_category)
+
+    @property
+    def peak_by_device(self) -> dict[str, int]:
+        return {str(device): stats.peak for device, stats in self._devices.items()}
+
+    def reset_peak(self) -> None:
+        for stats in self._devices.values():
+            stats.reset_peak()
+
+    # --- the mode -------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._see_outputs(out)
+        return out
+
+    def _see_outputs(self, out: Any) -> None:
+        # Ops return a tensor, a tuple/list of tensors (foreach ops), or tuples of lists (fused
+        # optimizers); walking them by hand is several times cheaper than pytree on this hot path.
+        if isinstance(out, torch.Tensor):
+            self._see(out, "activations", relabel=False)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                self._see_outputs(item)
+
+    def _see(self, tensor: torch.Tensor, category: str, relabel: bool) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+            return
+        record = self._live.get(id(storage))
+        if record is None:
+            self._add(storage, tensor.device, category)
+            return
+        nbytes = storage.nbytes()
+        if nbytes != record.nbytes:  # resized in place (resize_): new memory replaces the old
+            self._on(record.device).add(record.category, nbytes - record.nbytes)
+            if self.events is not None:
+                self.events += [(id(storage), -record.nbytes, record.device), (id(storage), nbytes, record.device)]
+            record.nbytes = nbytes
+        if relabel and record.category != category:
+            self._relabel(record, category)
+
+    def _add(self, storage: torch.UntypedStorage, device: torch.device, category: str) -> None:
+        key = id(storage)
+        nbytes = storage.nbytes()
+        ref = weakref.ref(storage, partial(self._on_free, key))
+        self._live[key] = _Record(nbytes, device, category, ref)
+        self._on(device).add(category, nbytes)
+        if self.events is not None:
+            self.events.append((key, nbytes, device))
+
+    def _on_free(self, key: int, _ref: weakref.ref) -> None:
+        record = self._live.pop(key, None)
+        if record is not None:
+            self._on(record.device).add(record.category, -record.nbytes)
+            if self.events is not None:
+                self.events.append((key, -record.nbytes, record.device))
+
+    def _relabel(self, record: _Record, category: str) -> None:
+        # Moving bytes between categories never changes the total, so the peak is untouched.
+        stats = self._on(record.device)
+        stats.by_category[record.category] -= record.nbytes
+        stats.by_category[category] += record.nbytes
+        record.category = category
+
+    def _on(self, device: torch.device) -> _DeviceBytes:
+        stats = self._devices.get(device)
+        if stats is None:
+            stats = self._devices[device] = _DeviceBytes()
+        return stats
+
+    # --- hooks that label what appears during the step -----------------------------------------
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._see(param.grad, "gradients", relabel=True)
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+        self.count_existing(_state_tensors(optimizer), "optimizer_state")
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    for state in optimizer.state.values():
+        yield from (value for value in state.values() if isinstance(value, torch.Tensor))
