@@ -1,0 +1,309 @@
+"""What a CUDA training step would do with memory, reproduced on fake CPU tensors.
+
+Fake CUDA tensors run forward without a GPU, but autograd's engine asks the driver about the
+device before any backward ("hasPrimaryContext expects a valid device index"), so the estimate
+runs the step on fake CPU tensors and reproduces here the CUDA behaviour that changes memory:
+
+- `CudaOnCpu`: (1) `F.scaled_dot_product_attention` goes to the kernel a GPU (sm80+) picks, in
+  torch's priority order: flash (fp16/bf16, no mask, head dim <= 256, GQA allowed), else
+  memory-efficient (mask allowed, a bool mask becoming an additive bias as on CUDA; no GQA), else
+  the math path. Flash and efficient save the output and a log-sum-exp, not the S x S attention
+  matrix of CPU's math path. (2) `F.dropout` uses CUDA's fused kernel, which saves a bool mask
+  (CPU saves one in the input's dtype). (3) Under autocast, CUDA's fp32 ops (layer_norm,
+  group_norm, softmax, exp, pow, ...) run in fp32 and cat/stack promote without a copy, as on
+  CUDA; the lower-precision ops (mm, linear, conv, ...) and the cast-weight cache are the same
+  on both devices, so CPU autocast does that part.
+- `CachingAllocatorModel`: turns the order of allocations and frees into reserved bytes, as
+  c10's CUDACachingAllocator does (see the class).
+- `offload_hooks`: activation offload as `runner.memory.offload` does it, with a fake host copy.
+
+Checked against fake CUDA tensors, whose forward does run (tests): the forward of BERT, GPT-2,
+Llama, T5 and ViT gives the same bytes, ResNet within its BatchNorm statistics (CUDA keeps them in
+fp32, fake CPU in the input dtype: 4 bytes per channel and layer).
+Not modelled: kernel workspaces (cuBLAS ~32 MiB, cuDNN convolution), the CUDA context, cuDNN
+attention, CPU autocast fp32 ops that CUDA keeps in low precision beyond those listed here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import TorchFunctionMode
+
+HALF = (torch.float16, torch.bfloat16)
+_FP32_OPS = frozenset({  # CUDA autocast's fp32 list (autocast_mode.cpp), the ones models call
+    "layer_norm", "group_norm", "exp", "expm1", "log", "log1p", "log2", "log10", "pow", "__pow__", "__rpow__",
+    "rsqrt", "reciprocal", "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "logsumexp",
+    "cosine_similarity", "dist", "cdist", "renorm", "binary_cross_entropy_with_logits", "l1_loss",
+    "smooth_l1_loss", "huber_loss", "mse_loss", "kl_div", "nll_loss", "interpolate",
+})
+_FP32_DTYPE_OPS = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod"})  # run with dtype=fp32
+# in CPU autocast's lists but in none of CUDA's: CUDA runs them as called (cat promotes by itself)
+_NOT_CAST_ON_CUDA = frozenset({"cat", "concat", "concatenate", "stack", "index_copy", "pad", "grid_sample",
+                               "max_pool3d", "avg_pool3d", "adaptive_avg_pool3d", "stft"})
+_DROPOUT = F.dropout  # torch's own, for the fallback
+
+
+class CudaOnCpu:
+    """While open: CUDA's attention and dropout kernels (`F.scaled_dot_product_attention` and
+    `F.dropout` replaced, so that calls from inside other functional code such as
+    nn.MultiheadAttention are routed too, which a torch-function mode would not see) and CUDA
+    autocast's op lists on top of CPU autocast (a torch-function mode). See the module docstring."""
+
+    def __enter__(self) -> CudaOnCpu:
+        self._saved = (F.scaled_dot_product_attention, F.dropout)  # nested use restores the outer's
+        F.scaled_dot_product_attention, F.dropout = attention_as_on_cuda, _dropout_as_on_cuda
+        self._mode = _CudaAutocastLists()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        F.scaled_dot_product_attention, F.dropout = self._saved
+
+
+class _CudaAutocastLists(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_autocast_enabled("cpu"):
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _FP32_OPS:
+            args, kwargs = _to_fp32((args, kwargs))
+        elif name in _FP32_DTYPE_OPS and "dtype" not in kwargs and _has_half(args):
+            kwargs = {**kwargs, "dtype": torch.float32}
+        elif name in _NOT_CAST_ON_CUDA:
+            with torch.autocast("cpu", enabled=False):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def in_cuda_mode(forward):
+    """A block's forward that runs under `CudaOnCpu` also when checkpointing recomputes it in
+    backward: autograd runs backward (and so the recompute) without torch-function modes."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with CudaOnCpu():
+            return forward(*args, **kwargs)
+    return run
+
+
+def _has_half(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype in HALF for a in args)
+
+
+def _to_fp32(tree):
+    cast = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in HALF else t  # noqa: E731
+    return torch.utils._pytree.tree_map(cast, tree)
+
+
+def attention_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    """`F.scaled_dot_product_attention` through the kernel CUDA would pick (module docstring)."""
+    low = _autocast_dtype()
+    if low is not None:  # CUDA autocast casts attention inputs to the low dtype before choosing
+        query, key, value = (t.to(low) if t.dtype == torch.float32 else t for t in (query, key, value))
+    head_dim = query.size(-1)
+    dense = query.dim() == 4 and key.size(-1) == value.size(-1) == head_dim
+    if dense and query.dtype in HALF and attn_mask is None and head_dim <= 256:  # flash takes GQA as it is
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if dense and not enable_gqa and head_dim % (8 if query.dtype in HALF else 4) == 0:
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, -math.inf)
+        needs_lse = any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, needs_lse, dropout_p, is_causal, scale=scale)[0]
+    # the math path, as CUDA runs it (the CPU dispatcher would pick its own flash kernel)
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    # "cuda" too, so the same routing serves fake CUDA tensors (where the GPU's choice is unknown)
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _dropout_as_on_cuda(input, p=0.5, training=True, inplace=False):
+    # CUDA's fused kernel keeps a bool mask for backward; CPU keeps one in the input's dtype
+    if training and 0 < p < 1 and not inplace and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+    return _DROPOUT(input, p, training, inplace)
+
+
+# --- activation offload ----------------------------------------------------------------------
+
+
+def offload_hooks(module: torch.nn.Module, device: torch.device, min_bytes: int) -> saved_tensors_hooks:
+    """The saved-tensor hooks `ActivationOffload` puts around one block's forward, on fake tensors:
+    a saved tensor on `device` of at least `min_bytes` that is not the block's weight moves to a
+    host copy (a fake meta tensor, so the tracker counts it apart from the device) and comes back
+    as a fresh device copy when backward unpacks it."""
+    own = {id(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
+    seen: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id -> (the tensor, its host copy)
+
+    def pack(tensor: torch.Tensor):
+        big = tensor.numel() * tensor.element_size() >= min_bytes
+        if tensor.device != device or tensor.layout is not torch.strided or not big:
+            return tensor
+        if id(tensor.untyped_storage()) in own:
+            return tensor
+        hit = seen.get(id(tensor))
+        if hit is None or hit[0]() is not tensor:  # a tensor saved twice is copied once
+            hit = seen[id(tensor)] = (weakref.ref(tensor), tensor.to("meta"))
+        return (hit[1], device)
+
+    def unpack(packed):
+        return packed[0].to(packed[1]) if isinstance(packed, tuple) else packed
+
+    return saved_tensors_hooks(pack, unpack)
+
+
+def offloading(forward, module: torch.nn.Module, device: torch.device, min_bytes: int):
+    """A block forward wrapped like `ActivationOffload.wrapper`, for `blocks.wrap_forward`."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with offload_hooks(module, device, min_bytes):
+            return forward(*args, **kwargs)
+    return run
+
+
+# --- the caching allocator --------------------------------------------------------------------
+
+MIN_BLOCK = 512  # every request is rounded up to a multiple of this
+SMALL_SIZE = 1 << 20  # requests up to 1 MiB come from the small pool
+SMALL_SEGMENT = 2 << 20  # the small pool grows in 2 MiB segments
+MIN_LARGE_ALLOC = 10 << 20  # large requests below 10 MiB get a 20 MiB segment ...
+LARGE_SEGMENT = 20 << 20
+ROUND_LARGE = 2 << 20  # ... larger ones a segment rounded up to 2 MiB
+
+
+class _Block:
+    __slots__ = ("segment", "offset", "size", "free", "prev", "next")
+
+    def __init__(self, segment: int, offset: int, size: int, prev=None, next=None):
+        self.segment, self.offset, self.size, self.free, self.prev, self.next = segment, offset, size, True, prev, next
+
+
+class CachingAllocatorModel:
+    """Reserved bytes of CUDA's caching allocator for a sequence of allocations and frees.
+
+    The model (c10/cuda/CUDACachingAllocator.cpp, default settings, one stream):
+    - a request is rounded up to a multiple of 512 B;
+    - requests up to 1 MiB are served from a small pool of 2 MiB segments, larger ones from a
+      large pool whose new segments are 20 MiB for requests under 10 MiB and the request rounded
+      up to 2 MiB otherwise;
+    - a request takes the smallest free block of its pool that fits (best fit), split when the
+      rest is at least 512 B (small pool) or more than 1 MiB (large pool); only when none fits is a
+      new segment reserved (cudaMalloc);
+    - a freed block merges with free neighbours of its segment; segments are never returned (no
+      empty_cache), so reserved bytes only grow, and their maximum is the reserved peak.
+    Not modelled: expandable segments, max_split_size / garbage-collection settings, the release of
+    cached segments and retry that happens only when a cudaMalloc fails near the card's limit.
+    """
+
+    def __init__(self):
+        self.reserved = 0
+        self.allocated = 0
+        self.peak_allocated = 0
+        self._free = {True: [], False: []}  # small pool? -> sorted (size, segment, offset) of free blocks
+        self._blocks: dict[tuple[int, int], _Block] = {}  # (segment, offset) -> free block
+        self._live: dict[int, list[_Block]] = {}  # key -> its blocks (a key reused while live stacks)
+        self._segment_small: list[bool] = []  # per segment: in the small pool?
+
+    def alloc(self, key: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+        small = size <= SMALL_SIZE
+        block = self._take(small, size) or self._new_segment(small, size)
+        block.free = False
+        self._live.setdefault(key, []).append(block)
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, key: int) -> None:
+        blocks = self._live.get(key)
+        if not blocks:
+            return
+        block = blocks.pop()
+        if not blocks:
+            del self._live[key]
+        self.allocated -= block.size
+        small = self._segment_small[block.segment]
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._unlist(small, neighbour)
+                block = self._merge(block, neighbour)
+        self._list(small, block)
+
+    def _take(self, small: bool, size: int) -> _Block | None:
+        pool = self._free[small]
+        at = bisect.bisect_left(pool, (size, -1, -1))
+        if at == len(pool):
+            return None
+        block = self._blocks.pop(pool.pop(at)[1:])
+        rest = block.size - size
+        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+            tail = _Block(block.segment, block.offset + size, rest, block, block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, size
+            self._list(small, tail)
+        return block
+
+    def _new_segment(self, small: bool, size: int) -> _Block:
+        if small:
+            segment_size = SMALL_SEGMENT
+        elif size < MIN_LARGE_ALLOC:
+            segment_size = LARGE_SEGMENT
+        else:
+            segment_size = -(-size // ROUND_LARGE) * ROUND_LARGE
+        self._segment_small.append(small)
+        self.reserved += segment_size
+        block = _Block(len(self._segment_small) - 1, 0, segment_size)
+        self._list(small, block)
+        return self._take(small, size)
+
+    def _merge(self, block: _Block, neighbour: _Block) -> _Block:
+        first, second = (neighbour, block) if neighbour.offset < block.offset else (block, neighbour)
+        first.size += second.size
+        first.next = second.next
+        if second.next is not None:
+            second.next.prev = first
+        first.free = True
+        return first
+
+    def _list(self, small: bool, block: _Block) -> None:
+        block.free = True
+        bisect.insort(self._free[small], (block.size, block.segment, block.offset))
+        self._blocks[(block.segment, block.offset)] = block
+
+    def _unlist(self, small: bool, block: _Block) -> None:
+        pool = self._free[small]
+        del pool[bisect.bisect_left(pool, (block.size, block.segment, block.offset))]
+        del self._blocks[(block.segment, block.offset)]
+
+
+def replay(events, device: torch.device, baseline: int, repeats: int = 2) -> CachingAllocatorModel:
+    """Run `events[:baseline]` once (what exists before the step) and the step's events after it
+    `repeats` times (the second step already finds the first step's cached segments)."""
+    model = CachingAllocatorModel()
+    steps = [e for e in events[baseline:] if e[2] == device]
+    for key, nbytes, where in [e for e in events[:baseline] if e[2] == device] + steps * repeats:
+        if nbytes > 0:
+            model.alloc(key, nbytes)
+        else:
+            model.free(key)
+    return model

@@ -1,0 +1,242 @@
+"""Predict a step's peak memory without allocating it: the real training step on fake tensors.
+
+`Estimator(recipe, device)` builds the model, optimizer and a batch of the recipe's shapes once
+on fake tensors (sizes and dtypes, no data: seconds even for large models), runs one untracked
+warm-up step so the optimizer state exists as in every later step, then `estimate(plan)` applies
+the plan, runs `runner.train.step.run_step` (the training code itself: micro-batches, autocast,
+clipping, optimizer step) under `LiveBytesTracker`, and removes the plan again.
+
+CPU: the peak is the tracker's live tensor bytes, which is exactly what training on CPU reports.
+CUDA (with or without a GPU here): the step runs on fake CPU tensors with CUDA's attention
+kernels, autocast fp32 ops, fused AdamW and activation offload reproduced (`cuda_model`), and the
+order of allocations is replayed through a model of the caching allocator to predict reserved
+bytes, which is what a cap on the card limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from ..build.data import Batch, SyntheticSource, describe_inputs
+from ..build.model import build_model
+from ..build.optim import build_optimizer
+from ..plan import MemoryPlan, NoOffload
+from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData, _transformers_class
+from ..train.step import Precision, run_step
+from .apply import apply_plan, check_combination
+from .blocks import find_blocks, undo_all, wrap_forward
+from .cuda_model import CudaOnCpu, in_cuda_mode, offloading, replay
+from .measure import format_bytes
+from .offload import offloaded_blocks
+from .tracker import LiveBytesTracker
+
+CPU = torch.device("cpu")
+HOST = torch.device("meta")  # where offloaded activations land in an estimate (fake host memory)
+
+
+class EstimateUnavailable(RuntimeError):
+    """The step cannot run on fake tensors (the model reads tensor values, or an op has no fake kernel)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    peak_bytes: int
+    """What a memory cap is compared with: live tensor bytes on CPU, predicted reserved bytes on CUDA."""
+    breakdown: dict[str, int]
+    """Bytes per category at the peak (tracker categories; on CUDA also `allocator_cache`); sums to peak_bytes."""
+    notes: list[str] = field(default_factory=list)
+    """What the number includes or leaves out, one line each."""
+    live_peak_bytes: int = 0
+    """The most tensor bytes live at once (before the allocator's rounding and caching)."""
+    device: str = "cpu"
+
+    def record(self) -> dict:
+        return {"device": self.device, "peak_bytes": self.peak_bytes, "live_peak_bytes": self.live_peak_bytes,
+                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+
+
+def estimate_peak(recipe: Recipe, device: str = "cpu") -> Estimate:
+    """The predicted peak of one training step of `recipe` with its own memory plan and precision."""
+    return Estimator(recipe, device).estimate()
+
+
+class Estimator:
+    """A recipe's model built once on fake tensors; `estimate(plan)` is cheap enough to call per plan."""
+
+    def __init__(self, recipe: Recipe, device: str = "cpu"):
+        self.recipe = recipe
+        self.cuda = torch.device(device).type == "cuda"
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise ValueError(f"cannot estimate for device {device!r}; use cpu or cuda")
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with _unavailable("building the model"), self.fake_mode, self._device_behaviour():
+            torch.manual_seed(recipe.train.seed)
+            with weight_init_skipped():
+                self.model = _build_for_shapes(recipe.model)
+            self.model.train()
+        # a real batch, made outside the mode: synthetic data indexes and masks by value
+        self.batch, self.batch_only = _to_fake(_stand_in_batch(recipe, self.model), self.fake_mode)
+        with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour():
+            # fused AdamW on a CUDA target, as the trainer builds it (it makes no temporaries)
+            self.optimizer = build_optimizer(self.model, recipe.train, torch.device("cuda" if self.cuda else "cpu"))
+            self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
+
+    def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None) -> Estimate:
+        plan = self.recipe.memory if plan is None else plan
+        precision = precision or self.recipe.precision
+        micro = _micro_batch(plan, self.recipe.train.batch_size)
+        check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
+        tracker = LiveBytesTracker(CPU, record_events=self.cuda)
+        with self.fake_mode, self._device_behaviour(), self._applied(plan):
+            tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
+            baseline = len(tracker.events or ())
+            try:
+                with _unavailable("the training step"), tracker:
+                    self._step(micro, precision)
+            finally:
+                tracker.close()
+        return self._result(tracker, baseline, plan, precision)
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def _step(self, micro_batch: int, precision: PrecisionName) -> None:
+        # fp16's GradScaler reads found-inf flags (.item()), which fake tensors do not have; it only
+        # adds a few scalars, so the estimate runs without it
+        run_step(self.model, self.optimizer, self.batch, micro_batch, Precision(precision, "cpu"), None,
+                 self.recipe.train.grad_clip)
+
+    def _device_behaviour(self):
+        return CudaOnCpu() if self.cuda else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _applied(self, plan: MemoryPlan):
+        """The plan on the model for one step: checkpointing via apply_plan, offload reproduced here
+        (the real offload skips fake tensors and needs CUDA streams)."""
+        undos = []
+        try:
+            blocks = None if plan.checkpointing.policy == "none" and plan.offload.policy == "none" else \
+                find_blocks(self.model, plan.blocks)
+            if self.cuda and plan.checkpointing.policy != "none":  # inside the checkpoint: its recompute too
+                undos += [wrap_forward(block.module, in_cuda_mode) for block in blocks]
+            undos.append(apply_plan(self.model, plan.model_copy(update={"offload": NoOffload()}), CPU).remove)
+            if plan.offload.policy != "none":  # outside the checkpoint, as apply_plan stacks them
+                min_bytes = int(plan.offload.min_bytes)
+                undos += [wrap_forward(blocks[i].module, offloading, blocks[i].module, CPU, min_bytes)
+                          for i in offloaded_blocks(plan.offload, blocks)]
+            yield
+        finally:
+            undo_all(undos)()
+
+    # --- reporting -------------------------------------------------------------------------------
+
+    def _result(self, tracker: LiveBytesTracker, baseline: int, plan: MemoryPlan, precision: str) -> Estimate:
+        live = tracker.peak_bytes
+        breakdown = tracker.breakdown_at_peak
+        notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
+                 f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists"]
+        if plan.compile:
+            notes.append("memory.compile: estimated as eager; compiled code usually needs less")
+        if precision == "fp16":
+            notes.append("fp16: the GradScaler's few scalar tensors are left out")
+        if not self.cuda:
+            return Estimate(live, breakdown, notes, live, "cpu")
+        allocator = replay(tracker.events, CPU, baseline)
+        breakdown["allocator_cache"] = allocator.reserved - live
+        notes.append(f"CUDA caching allocator model: {format_bytes(allocator.reserved)} reserved for "
+                     f"{format_bytes(live)} of live tensors; the CUDA context (~0.5 GB) and kernel workspaces are extra")
+        host = tracker.peak_by_device.get(str(HOST), 0)
+        if host:
+            notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")
+        return Estimate(allocator.reserved, breakdown, notes, live, "cuda")
+
+
+# --- building on fake tensors --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def weight_init_skipped():
+    """torch.nn.init's in-place initialisers as no-ops while building: fake weights have no values
+    to set, and some (trunc_normal_'s rejection loop) read them, which fake tensors cannot."""
+    saved = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)
+             if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.nn.init, name))}
+    for name in saved:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
+    """The model with the right shapes; pretrained weights are not read (they change no shape),
+    except a transformers directory's config, which defines the architecture."""
+    if not spec.pretrained:
+        return build_model(spec, CPU)
+    if spec.source != "transformers":
+        return build_model(spec.model_copy(update={"pretrained": None}), CPU)
+    model_class = _transformers_class(spec.name)
+    config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
+    return model_class(config)
+
+
+def _stand_in_batch(recipe: Recipe, model: torch.nn.Module) -> Batch:
+    """A real batch of the recipe's shapes; synthetic, so no local data is read (contents do not
+    change memory)."""
+    data = recipe.data
+    shape = describe_inputs(recipe, model)
+    synthetic = SyntheticData(task=shape.task, seq_len=getattr(data, "seq_len", 128), image_size=shape.image_size,
+                              channels=shape.channels, mask_prob=getattr(data, "mask_prob", 0.15))
+    return SyntheticSource(synthetic, shape, recipe.train.batch_size, recipe.train.seed).global_batch(0)
+
+
+def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch.Tensor]]:
+    """The batch as fake tensors, and the inputs the model is not given.
+
+    An all-ones attention mask is left out of the model's inputs: transformers skips such a mask
+    in a real run (so SDPA may use flash attention), but cannot tell it is all ones on fake
+    tensors. It still counts as memory, as part of the batch."""
+    inputs = dict(batch.inputs)
+    dropped = []
+    mask = inputs.get("attention_mask")
+    if mask is not None and bool(mask.all()):
+        dropped.append(inputs.pop("attention_mask"))
+    fake = lambda t: fake_mode.from_tensor(t)  # noqa: E731
+    return (Batch({k: fake(v) for k, v in inputs.items()}, fake(batch.labels), batch.by_keyword),
+            [fake(t) for t in dropped])
+
+
+def _micro_batch(plan: MemoryPlan, batch_size: int) -> int:
+    micro = plan.micro_batch or batch_size
+    if batch_size % micro:
+        raise ValueError(f"memory.micro_batch {micro} does not divide train.batch_size {batch_size}")
+    return micro
+
+
+@contextlib.contextmanager
+def _unavailable(stage: str):
+    """Errors of running on fake tensors -> EstimateUnavailable with a one-line reason."""
+    try:
+        yield
+    except DataDependentOutputException as err:
+        raise EstimateUnavailable(f"{stage}: the model reads tensor values ({err.func}), which fake tensors "
+                                  "do not have; measure the plan instead") from err
+    except DynamicOutputShapeException as err:
+        raise EstimateUnavailable(f"{stage}: an output's shape depends on tensor values ({err.func}); "
+                                  "measure the plan instead") from err
+    except UnsupportedOperatorException as err:
+        raise EstimateUnavailable(f"{stage}: {err.func} has no fake-tensor implementation") from err
+    except (RuntimeError, NotImplementedError) as err:
+        if isinstance(err, EstimateUnavailable):
+            raise
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise EstimateUnavailable(f"{stage}: {type(err).__name__}: {first}") from err
