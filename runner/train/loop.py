@@ -79,7 +79,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, recipe.train, self.device)
         self.scheduler = build_scheduler(self.optimizer, recipe.train)
         self.scaler = self.precision.grad_scaler()
-        self.meter = PeakMeter(self.device, self.model, self.optimizer)
+        self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
 
     # --- state ------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         try:
-            with self.meter.measure(batch.tensors()) as peak:
+            with self.meter.measure(batch.tensors(), self.step + 1) as peak:
                 started = time.perf_counter()
                 result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
                                   self.precision, self.scaler, self.recipe.train.grad_clip)

@@ -15,8 +15,11 @@ from ..recipe import Recipe
 from .loop import MemoryCapExceeded, Trainer
 
 
-def probe(recipe: Recipe, warmup_steps: int = 1, timed_steps: int = 3, source: str = "<probe>") -> dict:
-    """{"status": "ok"|"over_cap", "peak_mem_bytes", "samples_per_s" (median of timed steps), ...}."""
+def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: str = "<probe>") -> dict:
+    """{"status": "ok"|"over_cap", "peak_mem_bytes", "samples_per_s" (median of timed steps), ...}.
+
+    The peak is measured in the warm-up steps (on CPU the tracker watches the first two, the
+    second being the first with optimizer state); the timed steps run without it."""
     trainer = Trainer(recipe, source)
     records = []
     try:
