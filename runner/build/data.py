@@ -26,16 +26,20 @@ class Batch:
     inputs: dict[str, torch.Tensor]
     labels: torch.Tensor
     by_keyword: bool  # transformers models take keyword inputs; torchvision/python take one tensor
+    positions: torch.Tensor | None = None
+    """[batch, k] indices of the only positions that carry labels (masked_lm), so the loss can
+    skip the rest; a fixed k per row keeps shapes static (fake tensors, torch.compile)."""
 
     def slice(self, start: int, stop: int) -> Batch:
-        return Batch({k: v[start:stop] for k, v in self.inputs.items()}, self.labels[start:stop], self.by_keyword)
+        positions = None if self.positions is None else self.positions[start:stop]
+        return Batch({k: v[start:stop] for k, v in self.inputs.items()}, self.labels[start:stop], self.by_keyword, positions)
 
     def to(self, device: torch.device) -> Batch:
-        moved = {k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}
-        return Batch(moved, self.labels.to(device, non_blocking=True), self.by_keyword)
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch({k: move(v) for k, v in self.inputs.items()}, move(self.labels), self.by_keyword, move(self.positions))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.inputs.values(), self.labels]
+        return [*self.inputs.values(), self.labels, *([] if self.positions is None else [self.positions])]
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,12 @@ def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_
     ids = tokens.clone()
     attention = torch.ones_like(ids)
     if shape.task == "masked_lm":
-        masked = torch.rand(ids.shape, generator=gen) < mask_prob
-        labels = torch.where(masked, ids, IGNORE)
-        ids[masked] = MASK_ID
+        # the same number of masked tokens in every row, so the loss's shapes never depend on data
+        count = max(1, round(mask_prob * ids.shape[1]))
+        positions = torch.rand(ids.shape, generator=gen).argsort(dim=1)[:, :count].sort(dim=1).values
+        labels = torch.full_like(ids, IGNORE).scatter_(1, positions, ids.gather(1, positions))
+        ids.scatter_(1, positions, MASK_ID)
+        return Batch({"input_ids": ids, "attention_mask": attention}, labels, shape.by_keyword, positions)
     elif shape.task == "causal_lm":
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
     elif shape.task == "seq2seq":

@@ -66,10 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     first = next((a for a in argv if a not in ("-v", "--verbose")), None)
     if first is not None and not first.startswith("-") and first not in commands:
         argv.insert(argv.index(first), "run")  # `ckrun RECIPE ...` means `ckrun run RECIPE ...`
-    args = _parser(commands).parse_args(argv)
+    parser = _parser(commands)
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling KEY=VALUE positionals at the first flag; gather the ones after it
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     if args.verb is None:
-        _parser(commands).print_help()
+        parser.print_help()
         return EXIT_BAD_INPUT
     try:
         return commands[args.verb].run(args) or 0

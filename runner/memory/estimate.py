@@ -211,7 +211,8 @@ def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch
     if mask is not None and bool(mask.all()):
         dropped.append(inputs.pop("attention_mask"))
     fake = lambda t: fake_mode.from_tensor(t)  # noqa: E731
-    return (Batch({k: fake(v) for k, v in inputs.items()}, fake(batch.labels), batch.by_keyword),
+    positions = None if batch.positions is None else fake(batch.positions)
+    return (Batch({k: fake(v) for k, v in inputs.items()}, fake(batch.labels), batch.by_keyword, positions),
             [fake(t) for t in dropped])
 
 

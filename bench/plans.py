@@ -1,0 +1,75 @@
+"""Step time and saved-activation bytes of every checkpointing policy, relative to no plan.
+
+    python bench/plans.py [--layers 4] [--hidden 256] [--seq 128] [--batch 16] [--steps 5]
+
+A small BERT masked LM on this machine (CPU unless a GPU is visible). Time is the median of
+timed optimizer steps after one warm-up step; bytes are what autograd saves for backward in
+one forward (parameters excluded). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+
+from runner.build.data import build_data
+from runner.build.model import build_model
+from runner.build.optim import build_optimizer
+from runner.load import load_recipe
+from runner.memory.apply import apply_plan
+from runner.memory.measure import SavedBytes
+from runner.train.step import call_model, loss_sum, make_precision, run_step
+
+POLICIES = {
+    "none": "{policy: none}", "full": "{policy: full}", "every 2": "{policy: every, every: 2}",
+    "layers [0,1]": "{policy: layers, layers: [0, 1]}", "sqrt": "{policy: sqrt}", "selective": "{policy: selective}",
+}
+
+
+def measure(args, policy: str) -> tuple[float, int]:
+    recipe = load_recipe("recipes/bert_tiny.yaml", [
+        f"model.config.num_hidden_layers={args.layers}", f"model.config.hidden_size={args.hidden}",
+        f"model.config.intermediate_size={4 * args.hidden}", f"model.config.num_attention_heads={args.hidden // 64}",
+        f"data.seq_len={args.seq}", f"train.batch_size={args.batch}", f"memory.checkpointing={policy}",
+    ])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = build_model(recipe.model, device).train()
+    apply_plan(model, recipe.memory, device)
+    data, optimizer = build_data(recipe, model), build_optimizer(model, recipe.train, device)
+    precision = make_precision(recipe.precision, device)
+    times = []
+    for step in range(args.steps + 1):
+        batch = data.global_batch(step).to(device)
+        started = time.perf_counter()
+        run_step(model, optimizer, batch, recipe.micro_batch, precision, None, 1.0).loss.item()
+        times.append(time.perf_counter() - started)
+    batch = data.global_batch(0).to(device)
+    with SavedBytes(model) as saved:
+        loss_sum(call_model(model, batch), batch.labels, batch.positions)
+    return statistics.median(times[1:]), saved.bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("layers", 4), ("hidden", 256), ("seq", 128), ("batch", 16), ("steps", 5)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args()
+    results = {name: measure(args, policy) for name, policy in POLICIES.items()}
+    base_time, base_bytes = results["none"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    print(f"BERT MLM {args.layers} layers x {args.hidden}, seq {args.seq}, batch {args.batch}, fp32; {device}; "
+          f"torch {torch.__version__}; {datetime.date.today()}\n")
+    print("| policy | step time (s) | time vs none | saved activations (MB) | bytes vs none |")
+    print("|---|---|---|---|---|")
+    for name, (seconds, saved) in results.items():
+        print(f"| {name} | {seconds:.3f} | {seconds / base_time:.2f}x | {saved / 1e6:.1f} | {saved / base_bytes:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
