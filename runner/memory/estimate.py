@@ -166,15 +166,22 @@ class Estimator:
 def weight_init_skipped():
     """torch.nn.init's in-place initialisers as no-ops while building: fake weights have no values
     to set, and some (trunc_normal_'s rejection loop) read them, which fake tensors cannot."""
-    saved = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)
-             if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.nn.init, name))}
-    for name in saved:
-        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    tables = [vars(torch.nn.init)]
+    try:  # transformers 5 keeps its own references to the originals
+        from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+        tables.append(TORCH_INIT_FUNCTIONS)
+    except ImportError:
+        pass
+    saved = [(table, name, function) for table in tables for name, function in list(table.items())
+             if name.endswith("_") and not name.startswith("_") and callable(function)]
+    for table, name, _ in saved:
+        table[name] = lambda tensor, *args, **kwargs: tensor
     try:
         yield
     finally:
-        for name, function in saved.items():
-            setattr(torch.nn.init, name, function)
+        for table, name, function in saved:
+            table[name] = function
 
 
 def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
