@@ -173,6 +173,12 @@ class AdamW(Strict):
     name: Literal["adamw"]
     lr: float = Field(default=1e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's decay rates for the first and second moments, written `[0.9, 0.95]` in YAML."""
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _list_as_pair(cls, betas):
+        return tuple(betas) if isinstance(betas, list) else betas  # YAML has lists, not tuples
     weight_decay: float = Field(default=0.01, ge=0)
     eps: float = Field(default=1e-8, gt=0)
 
