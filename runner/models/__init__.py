@@ -1,0 +1,1 @@
+"""Small models shipped with ckrun, reachable from a recipe as `runner.models.MODULE:FACTORY`."""

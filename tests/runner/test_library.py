@@ -1,0 +1,139 @@
+"""The recipe library through the real CLI: `ckrun ls`, `ckrun cp`, names resolved anywhere a path is."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from runner import library
+from runner.library import library_recipes, resolve_recipe
+from runner.problems import InputError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# published sizes; ckrun's counts are built from the recipes, so they must agree within 1%
+KNOWN_SIZES = {"bert_large": 335e6, "gpt2": 124e6, "gpt2_xl": 1.56e9, "resnet50": 25.6e6, "vit_b_16": 86.6e6,
+               "roberta_large": 355e6, "llama_1b": 1.1e9, "t5_base": 223e6, "resnet152": 60.2e6, "vit_l_16": 304e6}
+
+
+def parse_count(text: str) -> float:
+    units = {"k": 1e3, "M": 1e6, "B": 1e9}
+    return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+
+
+def ls_rows(ckrun, *args) -> dict[str, list[str]]:
+    code, out, err = ckrun("ls", *args)
+    assert code == 0, err
+    header, *rows = out.splitlines()
+    assert header.split()[:3] == ["NAME", "FAMILY", "PARAMS"]
+    return {row.split()[0]: row.split(maxsplit=3)[1:] for row in rows}
+
+
+def test_ls_lists_every_recipe_with_family_count_and_description(ckrun):
+    rows = ls_rows(ckrun)
+    assert set(rows) == set(library_recipes())
+    for name, (family, count, description) in rows.items():
+        assert family in ("language", "vision", "classic") and parse_count(count) > 0 and description, name
+
+
+def test_ls_counts_match_the_published_sizes_within_one_percent(ckrun):
+    rows = ls_rows(ckrun)
+    for name, size in KNOWN_SIZES.items():
+        assert parse_count(rows[name][1]) == pytest.approx(size, rel=0.01), name
+    assert rows["bert_large"][1] == "335.2M" and rows["gpt2_xl"][1] == "1.56B"
+
+
+def test_ls_counts_are_computed_from_the_recipe(ckrun, monkeypatch, tmp_path):
+    recipe = tmp_path / "deeper.yaml"
+    text = (ROOT / "recipes" / "bert_tiny.yaml").read_text()
+    recipe.write_text(text.replace("num_hidden_layers: 2", "num_hidden_layers: 4"))
+    monkeypatch.setattr(library, "library_recipes", lambda: {"deeper": recipe, "bert_tiny": ROOT / "recipes" / "bert_tiny.yaml"})
+    rows = ls_rows(ckrun)
+    layer = 4 * 128 * 128 + 2 * 128 * 512 + 512 + 9 * 128  # one BERT layer of width 128, intermediate 512
+    assert parse_count(rows["deeper"][1]) - parse_count(rows["bert_tiny"][1]) == pytest.approx(2 * layer, rel=0.01)
+
+
+def test_ls_shows_the_rest_when_one_recipe_is_broken(ckrun, monkeypatch, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text((ROOT / "recipes" / "bert_tiny.yaml").read_text().replace("  steps: 30", "  stepz: 30"))
+    monkeypatch.setattr(library, "library_recipes", lambda: {"broken": broken, "gpt2": ROOT / "recipes" / "gpt2.yaml"})
+    code, out, err = ckrun("ls")
+    assert code == 2 and "train.stepz: unknown key" in err and len(err.splitlines()) == 1
+    assert "124.4M" in out and "ckrun validate broken" in out
+
+
+def test_ls_filters_by_family(ckrun):
+    rows = ls_rows(ckrun, "vision")
+    assert set(rows) >= {"resnet50", "resnet152", "vit_b_16", "vit_l_16"}
+    assert {family for family, _, _ in rows.values()} == {"vision"}
+    code, _, err = ckrun("ls", "visoin")
+    assert code == 2 and "no such family" in err and len(err.splitlines()) == 1
+
+
+def test_cp_copies_the_file_with_its_comments(ckrun, tmp_path):
+    dest = tmp_path / "my.yaml"
+    code, out, _ = ckrun("cp", "gpt2", dest)
+    assert code == 0 and str(dest) in out
+    assert dest.read_text() == (ROOT / "recipes" / "gpt2.yaml").read_text()
+    assert dest.read_text().startswith("# ckrun recipes/gpt2.yaml")
+    code, out, err = ckrun("validate", dest)
+    assert code == 0, err
+
+
+def test_cp_refuses_to_overwrite_unless_forced(ckrun, tmp_path):
+    dest = tmp_path / "my.yaml"
+    dest.write_text("# my edits\n")
+    code, _, err = ckrun("cp", "gpt2", dest)
+    assert code == 2 and len(err.splitlines()) == 1 and "--force" in err
+    assert dest.read_text() == "# my edits\n"
+    code, _, _ = ckrun("cp", "gpt2", dest, "--force")
+    assert code == 0 and dest.read_text() == (ROOT / "recipes" / "gpt2.yaml").read_text()
+
+
+def test_cp_into_a_folder_keeps_the_file_name(ckrun, tmp_path):
+    code, _, _ = ckrun("cp", "resnet50", tmp_path)
+    assert code == 0 and (tmp_path / "resnet50.yaml").is_file()
+
+
+def test_cp_unknown_name_lists_close_matches(ckrun, tmp_path):
+    code, _, err = ckrun("cp", "gtp2", tmp_path / "x.yaml")
+    assert code == 2 and "did you mean gpt2" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_unknown_names_list_every_close_recipe():
+    with pytest.raises(InputError) as caught:
+        resolve_recipe("bert")
+    assert all(name in str(caught.value) for name in ("bert_base", "bert_tiny", "bert_large"))
+    with pytest.raises(InputError, match="llama_1b"):
+        resolve_recipe("llama")
+
+
+def test_names_resolve_with_or_without_yaml_and_paths_win(tmp_path, monkeypatch):
+    assert resolve_recipe("gpt2") == resolve_recipe("gpt2.yaml") == library_recipes()["gpt2"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt2.yaml").write_text("x: 1\n")
+    assert resolve_recipe("gpt2.yaml") == Path("gpt2.yaml")  # a file that exists is never shadowed
+    with pytest.raises(InputError):
+        resolve_recipe("configs/gpt2.yaml")  # a path that does not exist is not a library name
+
+
+def test_every_command_takes_a_library_name(ckrun):
+    code, out, _ = ckrun("validate", "classic_conv20")
+    assert code == 0 and out.strip().endswith("classic_conv20.yaml: OK")
+    code, out, _ = ckrun("show", "classic_conv20", "model.config.depth=8")
+    assert code == 0 and "depth: 8" in out
+
+
+def test_the_wheel_carries_every_recipe(tmp_path):
+    pytest.importorskip("setuptools", reason="building without isolation needs setuptools installed")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(ROOT),
+                    "-w", str(tmp_path)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("ckrun-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"recipes/{path.relative_to(ROOT / 'recipes').as_posix()}" for path in library_recipes().values()} <= names
+    assert {"recipes/__init__.py", "runner/models/classics.py"} <= names
