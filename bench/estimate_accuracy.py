@@ -25,8 +25,8 @@ MODELS = {
     "bert_tiny (4 layers x 128)": ["model.config.num_hidden_layers=4", "train.batch_size=8"],
     "GPT-2 style (4 x 64)": ["model.name=GPT2LMHeadModel", "model.config={n_layer: 4, n_embd: 64, n_head: 2, "
                              "vocab_size: 512, n_positions: 64}", "data.seq_len=64", "train.batch_size=8"],
-    "ResNet-18 (32 px)": ["model.source=torchvision", "model.name=resnet18", "model.config={num_classes: 10}",
-                          "data.image_size=32", "train.batch_size=8"],
+    "ResNet-18 (96 px, SGD)": ["model.source=torchvision", "model.name=resnet18", "model.config={num_classes: 10}",
+                               "data.image_size=96", "train.batch_size=8", "train.optimizer={name: sgd}"],
     "ViT (4 x 64, 32 px)": ["model.name=ViTForImageClassification", "model.config={image_size: 32, patch_size: 4, "
                             "num_hidden_layers: 4, num_attention_heads: 2, hidden_size: 64, intermediate_size: 128, "
                             "num_labels: 10}", "train.batch_size=8"],

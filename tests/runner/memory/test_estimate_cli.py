@@ -12,8 +12,8 @@ MODELS = {
     "bert_tiny": ["model.config.vocab_size=1024", "data.seq_len=64", "train.batch_size=8"],
     "gpt2": ["model.name=GPT2LMHeadModel", "model.config={n_layer: 4, n_embd: 64, n_head: 2, vocab_size: 512, n_positions: 64}",
              "data.seq_len=64", "train.batch_size=8"],
-    "resnet": ["model.source=torchvision", "model.name=resnet18", "model.config={num_classes: 10}", "data.image_size=32",
-               "train.batch_size=8"],
+    "resnet": ["model.source=torchvision", "model.name=resnet18", "model.config={num_classes: 10}", "data.image_size=96",
+               "train.batch_size=8", "train.optimizer={name: sgd}"],
     "vit": ["model.name=ViTForImageClassification", "model.config={image_size: 32, patch_size: 4, num_hidden_layers: 4, "
             "num_attention_heads: 2, hidden_size: 64, intermediate_size: 128, num_labels: 10}", "train.batch_size=8"],
 }
