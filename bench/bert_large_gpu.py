@@ -19,7 +19,7 @@ import torch
 
 from runner.load import load_recipe
 from runner.memory.estimate import Estimator
-from runner.train.loop import Trainer
+from runner.train.loop import MemoryCapExceeded, Trainer
 
 PLANS = {"none": "{policy: none}", "full": "{policy: full}", "every 2": "{policy: every, every: 2}",
          "selective": "{policy: selective}"}
@@ -55,7 +55,7 @@ def prediction_table(steps: int) -> None:
             predicted = Estimator(load_recipe("recipes/bert_large.yaml", overrides), "cuda").estimate().peak_bytes
             try:
                 _, measured = measure(overrides, min(steps, 2))
-            except torch.OutOfMemoryError:
+            except MemoryCapExceeded:  # the trainer reports a CUDA out-of-memory as the card's cap
                 print(f"| {batch} | {name} | {predicted / 1e9:.2f} | out of memory | |", flush=True)
                 continue
             errors.append((predicted - measured) / measured)
