@@ -11,6 +11,7 @@ import statistics
 
 import torch
 
+from ..memory.measure import cuda_context_bytes
 from ..recipe import Recipe
 from .loop import MemoryCapExceeded, Trainer
 
@@ -26,7 +27,9 @@ def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: s
         for _ in range(warmup_steps + timed_steps):
             records.append(trainer.train_step())
     except MemoryCapExceeded as err:
-        return {"status": "over_cap", "peak_mem_bytes": err.peak, "step": err.step, "reason": str(err), **_device(trainer)}
+        context = cuda_context_bytes(trainer.device) if trainer.device.type == "cuda" else 0
+        return {"status": "over_cap", "peak_mem_bytes": err.peak, "cuda_context_bytes": context, "step": err.step,
+                "reason": str(err), **_device(trainer)}
     timed = records[warmup_steps:]
     return {
         "status": "ok",
