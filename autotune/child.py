@@ -1,0 +1,161 @@
+"""The probe child: measures one candidate in a fresh process.
+
+A fresh process per candidate means a crash, an out-of-memory or a hang costs one probe and never
+the tuner, and every measurement starts from an empty allocator. The tuner starts it as the leader
+of a new session, so killing its process group also takes anything it started (compile workers).
+
+    python -m autotune.child probe  RECIPE.json RESULT.json --parent PID --trial N --warmup W --timed T
+    python -m autotune.child device RECIPE.json RESULT.json --parent PID
+
+The result is written atomically; no result file means the process died before it could report.
+
+Test hook (read only here): CKRUN_PROBE_FAULT=KIND:TRIAL[,KIND:TRIAL...] injects a fault into the
+probe of trial TRIAL. KIND is `oom` (torch.OutOfMemoryError, as a step that ran out would raise),
+`crash` (the process kills itself with SIGSEGV before reporting) or `hang` (starts a grandchild,
+then sleeps: the tuner's timeout must kill both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from .files import write_atomic
+
+FAULT_ENV = "CKRUN_PROBE_FAULT"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _die_with_parent(args.parent)
+    recipe_json = Path(args.recipe).read_text(encoding="utf-8")
+    if args.what == "device":
+        result = _guarded(lambda: device_info(_recipe(recipe_json)))
+    else:
+        result = _guarded(lambda: _probe(recipe_json, args.trial, args.warmup, args.timed))
+    write_atomic(Path(args.result), json.dumps(result, indent=1))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m autotune.child")
+    parser.add_argument("what", choices=["probe", "device"])
+    parser.add_argument("recipe", help="the candidate recipe as JSON")
+    parser.add_argument("result", help="where the result JSON goes")
+    parser.add_argument("--parent", type=int, required=True, help="the tuner's pid; its death ends this process")
+    parser.add_argument("--trial", type=int, default=-1)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timed", type=int, default=3)
+    return parser
+
+
+def _die_with_parent(parent: int) -> None:
+    """A tuner killed by SIGKILL cannot clean up: each child watches for it and takes its group down."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        if os.getpgrp() == os.getpid():  # only as the group leader the tuner made us: never kill a shell's group
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def _recipe(text: str):
+    from runner.recipe import Recipe
+
+    return Recipe.model_validate_json(text)  # JSON mode: strict fields accept lists for tuples
+
+
+def _guarded(work) -> dict:
+    """Turn every failure into a result the tuner can record: the reason is one line, the rest is logged."""
+    from runner.problems import InputError
+
+    try:
+        return work()
+    except InputError as err:
+        return {"status": "bad_input", "reason": "; ".join(str(p) for p in err.problems)}
+    except Exception as err:  # a candidate that breaks must not stop the search: record it and move on
+        if _is_out_of_memory(err):
+            return {"status": "oom", "reason": f"out of memory: {_first_line(err)}"}
+        traceback.print_exc()
+        return {"status": "crash", "reason": f"{type(err).__name__}: {_first_line(err)}"}
+
+
+def _is_out_of_memory(err: Exception) -> bool:
+    torch = sys.modules.get("torch")  # not imported means not even started: it cannot have run out of memory
+    return torch is not None and isinstance(err, torch.OutOfMemoryError)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> dict:
+    fault = _fault_for(trial)
+    if fault:
+        _inject(fault)
+    return measure(_recipe(recipe_json), warmup, timed)
+
+
+def measure(recipe, warmup: int, timed: int) -> dict:
+    """Warm-up and timed steps of `recipe`; adds `measured_peak_bytes`, the number held against the cap."""
+    from runner.train.probe import probe
+
+    result = probe(recipe, warmup, timed, source="<candidate>")
+    # on CUDA a card-level cap must also hold the context the driver keeps beside the allocator
+    result["measured_peak_bytes"] = result["peak_mem_bytes"] + (result.get("cuda_context_bytes") or 0)
+    return result
+
+
+def device_info(recipe) -> dict:
+    """The device the recipe trains on and what it can do, asked once in a child so the tuner never inits CUDA."""
+    import torch
+    from runner.train.loop import pick_device
+
+    device = pick_device(recipe)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
+        return {"status": "ok", "kind": "cuda", "name": props.name, "total_bytes": props.total_memory,
+                "precisions": precisions, "torch": torch.__version__, "cuda": torch.version.cuda}
+    # fp16 autocast on a CPU is emulated and slower than fp32: only bf16 is worth a probe there
+    return {"status": "ok", "kind": "cpu", "name": f"cpu ({platform.processor() or platform.machine()})",
+            "total_bytes": 0, "precisions": ["fp32", "bf16"], "torch": torch.__version__, "cuda": None}
+
+
+def _fault_for(trial: int) -> str | None:
+    for item in os.environ.get(FAULT_ENV, "").split(","):
+        kind, _, number = item.strip().partition(":")
+        if number.strip().isdigit() and int(number) == trial:
+            return kind
+    return None
+
+
+def _inject(kind: str) -> None:
+    import torch
+
+    print(f"{FAULT_ENV}: injecting {kind}", file=sys.stderr, flush=True)
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected by {FAULT_ENV})")
+    if kind == "crash":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if kind == "hang":
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "ckrun-probe-grandchild"])
+        time.sleep(3600)
+    raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r}; use oom, crash or hang")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

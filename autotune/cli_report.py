@@ -1,0 +1,39 @@
+"""`ckrun report DIR`: the Pareto table of a study, finished or still running, and its plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+
+from runner.cli import Command
+from runner.problems import InputError, Place, Problem
+
+from .report import publish
+from .study import STUDY_NAME, trial_records
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("directory", metavar="DIR", help="a study directory written by `ckrun tune`")
+
+
+def run(args) -> int:
+    directory = Path(args.directory)
+    journal = directory / "study.journal"
+    if not journal.is_file():
+        raise InputError([Problem(Place(str(directory)), "", "holds no study (no study.journal); give the directory "
+                                  "`ckrun tune` wrote, by default the recipe's output.dir + /tune")])
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # reading the journal takes no lock: a report of a running study is fine
+    study = optuna.load_study(study_name=STUDY_NAME, storage=JournalStorage(JournalFileBackend(str(journal))))
+    print(publish(directory, trial_records(study), study.user_attrs["config"]))
+    return 0
+
+
+COMMAND = Command(
+    "report", "print the Pareto table of a tuning study and write its plot", add_arguments, run,
+    epilog="examples:\n  ckrun report runs/bert_tiny/tune\n"
+    "  ckrun report runs/t   # also while `ckrun tune --output runs/t` is running",
+)

@@ -1,0 +1,241 @@
+"""`ckrun tune [RECIPE] [k=v ...] --max-mem SIZE`: find the fastest memory plan under a cap,
+write DIR/tuned.yaml, then train with it.
+
+Exit status: 0 a plan was found (and trained), 2 bad input, 3 nothing fits under the cap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from runner.cli import Command
+from runner.library import DEFAULT_RECIPE, resolve_recipe
+from runner.load import load_recipe_document
+from runner.memory.blocks import BlockList
+from runner.memory.measure import format_bytes
+from runner.problems import EXIT_BAD_INPUT, InputError, Place, Problem
+from runner.recipe import Recipe
+from runner.yamlio import dump_yaml
+
+from .files import StudyLock
+from .probe import ProbeRunner, ProbeSettings
+from .report import publish, ranked_feasible
+from .space import Device, Space, build_space
+from .cap import Cap
+from .study import Budget, Tuner, estimator_predictor, open_study, trial_records
+from .train import nothing_fits, train_with_fallback
+from .tuned import write_tuned
+
+log = logging.getLogger("ckrun")
+
+EXIT_NOTHING_FITS = 3
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("recipe", nargs="?",
+                        help=f"recipe file or library name; default ./ckrun.yaml, else {DEFAULT_RECIPE}")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.batch_size=32")
+    parser.add_argument("--max-mem", required=True, metavar="SIZE", help="the cap on peak memory: 40GB, 40GiB, 512MB")
+    parser.add_argument("--trials", type=int, default=20,
+                        help="most new plans to measure; the finalists' re-runs come on top (default 20)")
+    parser.add_argument("--time-budget", metavar="DURATION", help="stop proposing after this long: 90s, 10m, 1h")
+    parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune)")
+    parser.add_argument("--no-train", action="store_true", help="stop after writing DIR/tuned.yaml")
+    parser.add_argument("--resume", action="store_true", help="continue the study in DIR; finished trials are kept")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed proposes the same plans")
+    parser.add_argument("--margin", type=float, default=0.05, help="fraction of the cap kept free (default 0.05)")
+    parser.add_argument("--search-precision", action="store_true", help="search fp32/bf16/fp16 instead of the recipe's")
+    parser.add_argument("--search-compile", action="store_true", help="try torch.compile on and off")
+    parser.add_argument("--finalists", type=int, default=2, metavar="K",
+                        help="measure the K fastest plans until each has 3 runs, and rank them by the median "
+                             "(default 2; 0 trusts one probe per plan)")
+    parser.add_argument("--no-screen", action="store_true",
+                        help="no predictions: probe every plan, also those the estimator puts over the cap, "
+                             "and start at the whole batch")
+    parser.add_argument("--probe-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="wall-clock limit of one probe; a probe over it counts as infeasible (default 600)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps per probe (default 1)")
+    parser.add_argument("--timed-steps", type=int, default=3, help="timed steps per probe; the median counts (default 3)")
+
+
+def run(args) -> int:
+    path, overrides = _recipe_source(args.recipe, args.overrides)
+    recipe, doc = load_recipe_document(path, overrides)
+    cap, budget = _cap(args), _budget(args)
+    directory = _directory(args.output, recipe)
+    log.info("tune: %s, batch %d, on %s; cap %s, limit %s", recipe.model.name, recipe.train.batch_size,
+             recipe.train.device, format_bytes(cap.bytes), cap.describe())
+    log.debug("tune: resolved recipe:\n%s", dump_yaml(recipe.model_dump(mode="json")))
+    with StudyLock(directory):
+        if not args.no_train:
+            _check_training_output(recipe, args.resume, str(path))  # before the search, not an hour later
+        runner = ProbeRunner(directory, ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps))
+        device = _device(runner, recipe)
+        _check_cap_fits(cap, device, args.max_mem)
+        space = build_space(recipe, _blocks(recipe), device, args.search_precision, args.search_compile)
+        records, config = _search(args, recipe, directory, cap, budget, runner, space, device)
+        print(publish(directory, records, config))
+        return _conclude(args, records, doc, cap, space, device, directory, str(path), overrides)
+
+
+def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: Device, directory: Path,
+              source: str, overrides: list[str]) -> int:
+    """tuned.yaml for the winner, then training (falling back down the ranking), or why nothing fits."""
+    ranked = ranked_feasible(records)
+    if not ranked:
+        print(f"ckrun tune: {nothing_fits(records, cap, space, device, directory)}", file=sys.stderr)
+        return EXIT_NOTHING_FITS
+
+    def tuned_for(record: dict):
+        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records))
+
+    if args.no_train:
+        tuned_path, _ = tuned_for(ranked[0])
+        log.info("tune: wrote %s; --no-train: train it with `ckrun %s`", tuned_path, tuned_path)
+        return 0
+    return 0 if train_with_fallback(ranked, tuned_for, args.resume) else EXIT_NOTHING_FITS
+
+
+def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, runner: ProbeRunner, space: Space,
+            device: Device) -> tuple[list[dict], dict]:
+    config = _config(recipe, space, cap, args, device)
+    study, fresh = open_study(directory, config, args.resume)
+    evaluate = lambda candidate, number: runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
+    predict = None if args.no_screen else estimator_predictor(recipe, device.kind)
+    if args.no_screen:
+        log.info("screening: off (--no-screen): every new plan is probed")
+    tuner = Tuner(study, space, cap, evaluate, predict, args.seed)
+    if fresh:
+        tuner.start(recipe)
+    else:
+        log.info("tune: --resume: %d trials already in %s are kept, not run again", len(study.trials), directory)
+    started = time.monotonic()
+    tuner.run(budget)
+    tuner.confirm(args.finalists)
+    log.info("tune: searched for %.0f s, %d plans measured", time.monotonic() - started, tuner.probes)
+    return trial_records(study), config
+
+
+def _recipe_source(given: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
+    """RECIPE may be left out: `ckrun tune train.steps=5 --max-mem 1GB` has overrides only."""
+    overrides = list(overrides)
+    if given is not None and "=" in given and not Path(given).exists():
+        overrides.insert(0, given)
+        given = None
+    if given is not None:
+        return resolve_recipe(given), overrides
+    if Path("ckrun.yaml").is_file():
+        log.info("tune: no recipe given: using ./ckrun.yaml")
+        return Path("ckrun.yaml"), overrides
+    log.info("tune: no recipe given and no ./ckrun.yaml here: using the library's %s", DEFAULT_RECIPE)
+    return resolve_recipe(DEFAULT_RECIPE), overrides
+
+
+def _cap(args) -> Cap:
+    try:
+        cap = int(TypeAdapter(ByteSize).validate_python(args.max_mem))
+    except ValidationError:
+        raise _bad("--max-mem", f"{args.max_mem!r} is not a size; write it like 40GB, 40GiB or 512MB") from None
+    if cap <= 0:
+        raise _bad("--max-mem", f"the cap must be positive but got {args.max_mem!r}")
+    if not 0 <= args.margin < 0.5:
+        raise _bad("--margin", f"a fraction of the cap in [0, 0.5) but got {args.margin}")
+    return Cap(cap, args.margin)
+
+
+def _budget(args) -> Budget:
+    if args.trials < 1:
+        raise _bad("--trials", f"at least 1 plan must be measured but got {args.trials}")
+    if args.finalists < 0:
+        raise _bad("--finalists", f"cannot be negative but got {args.finalists}")
+    if args.probe_timeout <= 0 or args.warmup_steps < 0 or args.timed_steps < 1:
+        raise _bad("--probe-timeout/--warmup-steps/--timed-steps", "need a positive timeout, warm-up >= 0, timed >= 1")
+    return Budget(args.trials, parse_duration(args.time_budget) if args.time_budget else None)
+
+
+def parse_duration(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not match or float(match[1]) <= 0:
+        raise _bad("--time-budget", f"{text!r} is not a duration; write it like 90s, 10m or 1h")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
+
+
+def _bad(flag: str, message: str) -> InputError:
+    return InputError([Problem(Place(flag), "", message)])
+
+
+def _directory(output: str | None, recipe: Recipe) -> Path:
+    if output:
+        directory = Path(output)
+    else:
+        directory = Path(recipe.output.dir) / "tune"
+        log.info("tune: study directory %s (the recipe's output.dir + /tune; --output to change)", directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _check_training_output(recipe: Recipe, resume: bool, source: str) -> None:
+    from runner.train.loop import prepare_output
+
+    prepare_output(Path(recipe.output.dir), resume, source)
+
+
+def _device(runner: ProbeRunner, recipe: Recipe) -> Device:
+    import torch
+
+    from .child import device_info
+
+    # is_available() only counts devices, it creates no CUDA context; a CPU run needs no child to ask
+    if recipe.train.device == "cpu" or not torch.cuda.is_available():
+        result = device_info(recipe)  # an InputError (cuda asked for, none here) goes straight to the user
+    else:
+        result = runner.device(recipe)  # properties need CUDA initialised: that happens in a child, not here
+    if result.get("status") != "ok":
+        raise InputError([Problem(Place("<device>"), "train.device", f"cannot probe the device: {result.get('reason')}")])
+    device = Device.from_json(result)
+    log.info("tune: device %s%s", device.name, f", {format_bytes(device.total_bytes)}" if device.total_bytes else "")
+    return device
+
+
+def _check_cap_fits(cap: Cap, device: Device, typed: str) -> None:
+    if device.total_bytes and cap.bytes > device.total_bytes:
+        raise _bad(f"--max-mem {typed}", f"more than the {device.name} has ({format_bytes(device.total_bytes)}); "
+                                         f"give at most --max-mem {device.total_bytes // 10**9}GB")
+
+
+def _blocks(recipe: Recipe) -> BlockList:
+    """The blocks plans act on, found on the meta device: nothing is allocated, CUDA is not touched."""
+    from runner.build.model import BuildError, build_model
+    from runner.memory.blocks import find_blocks
+
+    try:
+        return find_blocks(build_model(recipe.model, device="meta"), recipe.memory.blocks)
+    except BuildError as err:
+        raise err.as_input_error("<recipe>") from None
+    except ValueError as err:
+        raise InputError([Problem(Place("<recipe>"), "memory.blocks", str(err))]) from None
+
+
+def _config(recipe: Recipe, space: Space, cap: Cap, args, device: Device) -> dict:
+    """What a resumed study must share with the one it continues."""
+    measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps"}})
+    return {"recipe": hashlib.sha256(measured.encode()).hexdigest()[:16], "cap": cap.bytes, "margin": cap.margin,
+            "seed": args.seed, "space": {"choices": space.choices, "fixed": space.fixed}, "device": device.name,
+            "probe_steps": [args.warmup_steps, args.timed_steps]}
+
+
+COMMAND = Command(
+    "tune", "search memory plans under a cap, write tuned.yaml, then train with the fastest", add_arguments, run,
+    epilog="examples:\n  ckrun tune recipes/bert_large.yaml --max-mem 40GB\n"
+    "  ckrun tune --max-mem 24GB --trials 30 --time-budget 20m      # ./ckrun.yaml, else the default recipe\n"
+    "  ckrun tune bert_tiny --max-mem 150MB --no-train --output runs/t  # then: ckrun runs/t/tuned.yaml\n"
+    "  ckrun tune bert_tiny --max-mem 150MB --output runs/t --resume    # continue a stopped study\n"
+    f"exit status: 0 tuned (and trained), {EXIT_BAD_INPUT} bad input, {EXIT_NOTHING_FITS} nothing fits under the cap",
+)

@@ -1,0 +1,121 @@
+"""The tuner's side of a probe: run the child, wait with a wall-clock limit, read its result.
+
+Whatever happens in the child comes back as a dict with a `status` and, when it did not
+measure, a one-line `reason`: ok, over_cap, oom, crash, bad_input (the child said so), timeout
+(we killed it), died (it exited without a result: a segfault, the kernel's OOM killer). The
+child's process group is killed after every probe, so nothing it started outlives the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.recipe import Recipe
+
+from .files import write_atomic
+
+log = logging.getLogger("ckrun")
+
+CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of autotune.child (same arguments)
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    timeout_s: float = 600.0
+    warmup_steps: int = 1
+    timed_steps: int = 3
+
+
+class ProbeRunner:
+    """Runs probes for one study; each gets DIR/probes/trial-N.{recipe.json,result.json,log}."""
+
+    def __init__(self, directory: Path, settings: ProbeSettings):
+        self.directory = directory / "probes"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.settings = settings
+
+    def probe(self, recipe: Recipe, trial: int) -> dict:
+        stem = self.directory / f"trial-{trial}"
+        extra = ["--trial", str(trial), "--warmup", str(self.settings.warmup_steps),
+                 "--timed", str(self.settings.timed_steps)]
+        started = time.monotonic()
+        result = self._run("probe", recipe, stem, extra, self.settings.timeout_s, trial)
+        result["probe_s"] = round(time.monotonic() - started, 2)
+        return result
+
+    def device(self, recipe: Recipe, timeout_s: float = 300.0) -> dict:
+        return self._run("device", recipe, self.directory / "device", [], timeout_s, None)
+
+    def _run(self, what: str, recipe: Recipe, stem: Path, extra: list[str], timeout_s: float,
+             trial: int | None) -> dict:
+        recipe_path, result_path, log_path = (stem.with_name(f"{stem.name}.{s}") for s in
+                                              ("recipe.json", "result.json", "log"))
+        write_atomic(recipe_path, recipe.model_dump_json(indent=1))
+        result_path.unlink(missing_ok=True)  # a result left by a killed tuner must not be read as this one's
+        command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.child"), what, str(recipe_path),
+                   str(result_path), "--parent", str(os.getpid()), *extra]
+        with open(log_path, "w", encoding="utf-8") as log_file:
+            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+            self._note_launch(what, trial, process.pid)
+            code = _wait(process, timeout_s)
+        return _result(result_path, log_path, code, timeout_s)
+
+    def _note_launch(self, what: str, trial: int | None, pid: int) -> None:
+        """probes.log: one line per child started, so a resumed study shows what it did not re-run."""
+        with open(self.directory / "probes.log", "a", encoding="utf-8") as launches:
+            launches.write(json.dumps({"what": what, "trial": trial, "pid": pid, "time": time.time()}) + "\n")
+
+
+def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
+    """The exit status, or None when the probe ran out of time; the process group is gone either way."""
+    exited = False
+    try:
+        exited = _wait_unreaped(process.pid, timeout_s)
+    finally:
+        # on exit, timeout or Ctrl-C alike, and before reaping: an unreaped leader keeps its pid, so the
+        # group id still names only this probe's processes (compile workers, a hung grandchild)
+        _kill_group(process.pid)
+        code = process.wait()
+    return code if exited else None
+
+
+def _wait_unreaped(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already empty
+
+
+def _result(result_path: Path, log_path: Path, code: int | None, timeout_s: float) -> dict:
+    if code is None:
+        return {"status": "timeout", "reason": f"timed out after {timeout_s:g} s; the probe was killed "
+                                               f"(raise --probe-timeout if steps are this slow)"}
+    if result_path.exists():
+        return json.loads(result_path.read_text(encoding="utf-8"))
+    return {"status": "died", "reason": f"the probe process {_exit_words(code)} before reporting; see {log_path}"}
+
+
+def _exit_words(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (the kernel's OOM killer, or a kill from outside)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {code}"

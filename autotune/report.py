@@ -1,0 +1,154 @@
+"""What a study found: report.json with every trial, the Pareto front of peak memory against
+throughput as a terminal table, and the same as a PNG plot.
+
+The front holds the measured plans that no other plan beats on both counts (less memory and more
+samples/s); the winner is the fastest plan whose measured peak stays within the limit (the cap
+minus the margin). A plan measured more than once counts by the median of its throughputs and
+the largest of its peaks. Works on a finished study and on one still running.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+
+from runner.memory.measure import format_bytes
+
+from .cap import Cap
+from .files import write_atomic
+
+log = logging.getLogger("ckrun")
+
+
+def plans(records: list[dict]) -> list[dict]:
+    """One entry per measured plan, in trial order: its first trial with every run of it folded in
+    (finalists are measured again). Throughput is the median of the runs; the peak is the largest,
+    and the plan fits only if every run did: the cap must hold whichever run training resembles."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        if record["state"] != "duplicate" and "key" in record:
+            groups.setdefault(record["key"], []).append(record)
+    found = []
+    for group in groups.values():
+        runs = [r for r in group if r.get("samples_per_s") and r.get("measured_peak")]
+        if not runs:
+            continue
+        misfit = next((r for r in group if r["state"] != "feasible"), None)
+        found.append({**group[0], "samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
+                      "measured_peak": max(r["measured_peak"] for r in runs), "runs": len(runs),
+                      **({"state": misfit["state"], "reason": misfit.get("reason", "")} if misfit else {})})
+    return found
+
+
+def ranked_feasible(records: list[dict]) -> list[dict]:
+    """Plans that fit, best first: fastest; on a tie the smaller peak, then the earlier trial."""
+    feasible = [p for p in plans(records) if p["state"] == "feasible"]
+    return sorted(feasible, key=lambda p: (-p["samples_per_s"], p["measured_peak"], p["number"]))
+
+
+def pareto_front(records: list[dict]) -> list[dict]:
+    """Measured plans not beaten on both peak and throughput by another, smallest peak first."""
+    front, best_speed = [], 0.0
+    for plan in sorted(plans(records), key=lambda p: (p["measured_peak"], -p["samples_per_s"], p["number"])):
+        if plan["samples_per_s"] > best_speed:
+            front.append(plan)
+            best_speed = plan["samples_per_s"]
+    return front
+
+
+def winner_reason(records: list[dict], limit: int) -> str:
+    ranked = ranked_feasible(records)
+    if not ranked:
+        return "no measured plan stays within the limit"
+    best = ranked[0]
+    faster = sorted((r for r in plans(records) if r["state"] != "feasible"
+                     and r["samples_per_s"] > best["samples_per_s"]), key=lambda r: -r["samples_per_s"])
+    why = (f"trial {best['number']} is the fastest of {len(ranked)} plan(s) whose measured peak stays within "
+           f"{format_bytes(limit)}")
+    if faster:
+        over = ", ".join(f"trial {r['number']} ({format_bytes(r['measured_peak'])})" for r in faster[:3])
+        why += f"; {len(faster)} faster plan(s) went over it: {over}"
+    return why
+
+
+def summary(records: list[dict]) -> str:
+    counts: dict[str, int] = {}
+    for record in records:
+        counts[record["state"]] = counts.get(record["state"], 0) + 1
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def format_table(records: list[dict], cap: int, limit: int) -> str:
+    """The Pareto front as a table, the winner marked `*`, and why it won."""
+    front, ranked = pareto_front(records), ranked_feasible(records)
+    winner = ranked[0]["number"] if ranked else None
+    lines = [f"{len(records)} trials: {summary(records)}",
+             f"Pareto front (peak memory vs throughput; cap {format_bytes(cap)}, limit {format_bytes(limit)}):",
+             f"  {'':1} {'trial':>5}  {'peak':>9}  {'samples/s':>9}  {'runs':>4}  {'fits':<4}  plan"]
+    for plan in front:
+        mark = "*" if plan["number"] == winner else ""
+        fits = "yes" if plan["state"] == "feasible" else "no"
+        lines.append(f"  {mark:1} {plan['number']:>5}  {format_bytes(plan['measured_peak']):>9}  "
+                     f"{plan['samples_per_s']:>9.2f}  {plan['runs']:>4}  {fits:<4}  {plan['label']}")
+    lines.append(f"winner: {winner_reason(records, limit)}" if ranked else f"no winner: {winner_reason(records, limit)}")
+    return "\n".join(lines)
+
+
+def write_report(directory: Path, records: list[dict], config: dict) -> Path:
+    ranked = ranked_feasible(records)
+    report = {"cap_bytes": config["cap"], "margin": config["margin"], "limit_bytes": _limit(config),
+              "winner": ranked[0]["number"] if ranked else None, "ranked_feasible": [r["number"] for r in ranked],
+              "pareto_front": [r["number"] for r in pareto_front(records)], "trials": records}
+    path = directory / "report.json"
+    write_atomic(path, json.dumps(report, indent=1, default=str))
+    return path
+
+
+def _limit(config: dict) -> int:
+    return Cap(config["cap"], config["margin"]).limit
+
+
+def plot(directory: Path, records: list[dict], config: dict) -> Path:
+    """DIR/pareto.png: every measured plan, the front, the cap and limit, the winner starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: works without a display, also under a test runner
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    measured = plans(records)
+    groups = {("fits", "o", "tab:green"): [p for p in measured if p["state"] == "feasible"],
+              ("over the limit", "x", "tab:red"): [p for p in measured if p["state"] != "feasible"]}
+    for (label, marker, color), group in ((style, group) for style, group in groups.items() if group):
+        ax.scatter([r["measured_peak"] / 1e6 for r in group], [r["samples_per_s"] for r in group], label=label,
+                   marker=marker, color=color)
+    front = pareto_front(records)
+    ax.step([r["measured_peak"] / 1e6 for r in front], [r["samples_per_s"] for r in front], where="post",
+            color="grey", linewidth=1, label="Pareto front")
+    ax.axvline(config["cap"] / 1e6, color="black", linestyle="--", linewidth=1, label="cap")
+    ax.axvline(_limit(config) / 1e6, color="black", linestyle=":", linewidth=1, label="limit (cap - margin)")
+    ranked = ranked_feasible(records)
+    if ranked:
+        best = ranked[0]
+        ax.scatter([best["measured_peak"] / 1e6], [best["samples_per_s"]], marker="*", s=250, color="gold",
+                   edgecolors="black", zorder=3, label=f"winner (trial {best['number']})")
+    ax.set_xlabel("measured peak memory (MB)")
+    ax.set_ylabel("samples/s")
+    ax.set_title("ckrun tune: plans measured")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = directory / "pareto.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def publish(directory: Path, records: list[dict], config: dict) -> str:
+    """Write report.json and pareto.png, return the table: what `tune` and `report` both print."""
+    report_path = write_report(directory, records, config)
+    plot_path = plot(directory, records, config) if plans(records) else None
+    table = format_table(records, config["cap"], _limit(config))
+    log.info("report: %s%s", report_path, f", plot: {plot_path}" if plot_path else " (no measured plan to plot)")
+    return table

@@ -1,0 +1,281 @@
+"""The search: an optuna study over the space, one probe per new plan, kept on disk for --resume.
+
+Every evaluated trial is told to optuna as COMPLETE with its throughput as the value and one
+constraint, `(peak - limit) / cap`, positive when the plan does not fit, set with
+`Trial.set_constraint` (optuna 5 deprecates TPESampler's `constraints_func` for it; TPE reads both
+the same way). An out-of-memory, a crash or a timeout is such an infeasible trial too: TPE learns
+from it to stay away, where a FAILed trial would teach it nothing. Plans predicted far over the
+cap are told the same way without a probe. After the search, the fastest plans are measured
+again (`confirm`) and ranked by the median of their runs.
+
+Determinism: the sampler is re-seeded before each proposal from (seed, proposals so far), so the
+same seed proposes the same sequence in one run, and again after a kill and `--resume`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import optuna
+import torch
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import FrozenTrial, Trial, TrialState
+
+from runner.memory.apply import check_combination
+from runner.memory.measure import format_bytes
+from runner.problems import InputError, Place, Problem
+
+from .cap import Cap
+from .report import ranked_feasible
+from .space import Candidate, Space
+
+log = logging.getLogger("ckrun")
+
+STUDY_NAME = "ckrun-tune"
+STARTUP_TRIALS = 5  # trials (starting points included) before TPE models the space instead of drawing at random
+CONVERGED_AFTER = 10  # proposals in a row of already-measured plans that end the search
+FINALIST_RUNS = 3  # runs of each finalist: the median of three ignores one outlier, of two it is the mean
+UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad as a plan twice the cap
+
+Evaluate = Callable[[Candidate, int], dict]  # (candidate, trial number) -> the probe child's result
+Predict = Callable[[Candidate], "int | None"]  # predicted peak bytes, None when no prediction is possible
+
+
+@dataclass(frozen=True)
+class Budget:
+    trials: int = 20  # probes, i.e. measurements; screened and repeated proposals cost none
+    time_s: float | None = None
+
+
+def open_study(directory: Path, config: dict, resume: bool) -> tuple[optuna.Study, bool]:
+    """The study in DIR/study.journal and whether it is new; a finished or running one needs --resume."""
+    path = directory / "study.journal"
+    if path.exists() and path.stat().st_size and not resume:
+        raise InputError([Problem(Place(str(directory)), "", "already holds a study; pass --resume to continue it, "
+                                  "or --output ANOTHER_DIR to start a new one")])
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # ckrun logs each trial itself, with the plan
+    directory.mkdir(parents=True, exist_ok=True)
+    storage = JournalStorage(JournalFileBackend(str(path)))
+    study = optuna.create_study(study_name=STUDY_NAME, storage=storage, direction="maximize", load_if_exists=True)
+    config = json.loads(json.dumps(config))  # as the storage gives it back: tuples become lists
+    stored = study.user_attrs.get("config")
+    if stored is None:
+        study.set_user_attr("config", config)
+        return study, True
+    changed = sorted(k for k in config.keys() | stored.keys() if config.get(k) != stored.get(k))
+    if changed:
+        raise InputError([Problem(Place(str(directory)), "", f"--resume: this study was started with other "
+                                  f"{', '.join(changed)}; use the same recipe and options, or --output ANOTHER_DIR")])
+    return study, False
+
+
+class Tuner:
+    """Asks TPE for plans, evaluates each new one once (probe, or screen by prediction) and tells
+    optuna; a plan proposed again reuses its measurement instead of being probed twice."""
+
+    def __init__(self, study: optuna.Study, space: Space, cap: Cap, evaluate: Evaluate,
+                 predict: Predict | None = None, seed: int = 0):
+        self.study, self.space, self.cap, self.seed = study, space, cap, seed
+        self.evaluate, self.predict = evaluate, predict
+        self.first_of: dict[str, FrozenTrial] = {}  # plan key -> the trial that evaluated it
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if "duplicate_of" not in trial.user_attrs and "repeat_of" not in trial.user_attrs:
+                self.first_of.setdefault(trial.user_attrs["key"], trial)
+        self.duplicates_in_a_row = 0
+        self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
+
+    def start(self, recipe) -> None:
+        """Queue the starting points; with predictions, each at the largest micro-batch predicted to fit."""
+        starts = self.space.starting_points(recipe, self._predicted_to_fit if self.predict else None)
+        for params in starts:
+            self.study.enqueue_trial(params)
+        how = "the largest micro-batch predicted to fit" if self.predict else "the whole batch (no predictions)"
+        log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
+                 "; ".join(self.space.candidate(p).describe() for p in starts))
+
+    def _predicted_to_fit(self, candidate: Candidate) -> bool:
+        predicted = self._prediction(candidate)
+        return predicted is None or predicted <= self.cap.limit
+
+    def _prediction(self, candidate: Candidate) -> int | None:
+        if candidate.key not in self.predicted:
+            self.predicted[candidate.key] = self.predict(candidate) if self.predict else None
+        return self.predicted[candidate.key]
+
+    def run(self, budget: Budget) -> str:
+        """Propose, evaluate and tell until the budget is spent; returns why it stopped."""
+        started = time.monotonic()
+        self._redo_interrupted()
+        while True:
+            reason = self._stop_reason(budget, started)
+            if reason:
+                log.info("tune: stopping: %s", reason)
+                return reason
+            self.study.sampler = self._sampler()
+            trial = self.study.ask(self.space.distributions())
+            self._evaluate(trial, self.space.candidate(trial.params))
+
+    @property
+    def probes(self) -> int:
+        return sum(1 for t in self.first_of.values() if t.user_attrs.get("probe_s") is not None)
+
+    def _stop_reason(self, budget: Budget, started: float) -> str | None:
+        if self.probes >= budget.trials:
+            return f"{self.probes} plans measured (--trials {budget.trials})"
+        if len(self.first_of) >= self.space.size:
+            return f"every plan in the space ({self.space.size}) has been tried"
+        if budget.time_s is not None and time.monotonic() - started >= budget.time_s:
+            return f"the time budget of {budget.time_s:g} s is spent"
+        if self.duplicates_in_a_row >= CONVERGED_AFTER:
+            return f"the sampler proposed {CONVERGED_AFTER} already-measured plans in a row: it has converged"
+        return None
+
+    def _sampler(self) -> optuna.samplers.TPESampler:
+        """A sampler seeded for this proposal: the count of proposals so far (interrupted ones not counted)."""
+        count = len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING,
+                                                                  TrialState.WAITING)))
+        return optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + count) % 2**32,
+                                          n_startup_trials=STARTUP_TRIALS, constant_liar=False)
+
+    def _redo_interrupted(self) -> None:
+        """A trial left RUNNING by a killed tuner never finished: fail it and measure its plan again first."""
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            self.study.tell(trial.number, state=TrialState.FAIL)
+            # a second run of a finalist is left to confirm(), which decides again which plans need one
+            if set(trial.params) == set(self.space.choices) and "repeat_of" not in trial.user_attrs:
+                self.study.enqueue_trial(trial.params)
+                log.info("tune: trial %d was interrupted mid-probe; measuring its plan again", trial.number)
+
+    def confirm(self, finalists: int) -> None:
+        """Measure the fastest plans again until the top `finalists` have FINALIST_RUNS runs each: on a
+        busy machine one probe's throughput can be off by more than the gap between the best plans.
+        Runs made before an interruption count; the extra probes are bounded."""
+        params = {t.number: t.params for t in self.study.get_trials(deepcopy=False)}
+        for _ in range(2 * finalists * (FINALIST_RUNS - 1)):
+            short = [p for p in ranked_feasible(trial_records(self.study))[:finalists] if p["runs"] < FINALIST_RUNS]
+            if not short:
+                return
+            number = short[0]["number"]
+            self.study.enqueue_trial(params[number], user_attrs={"repeat_of": number})
+            trial = self.study.ask(self.space.distributions())
+            log.info("trial %d: measuring the plan of trial %d again (a finalist, run %d of %d)", trial.number,
+                     number, short[0]["runs"] + 1, FINALIST_RUNS)
+            self._evaluate(trial, self.space.candidate(trial.params))
+
+    def _evaluate(self, trial: Trial, candidate: Candidate) -> None:
+        earlier = self.first_of.get(candidate.key)
+        repeat = "repeat_of" in trial.user_attrs  # a finalist measured again on purpose: not a duplicate
+        if earlier is not None and not repeat:
+            self._tell_duplicate(trial, earlier)
+            return
+        self.duplicates_in_a_row = 0
+        record = self._record(trial.number, candidate, screen=not repeat)
+        trial.set_constraint("peak", record.pop("constraint"))
+        for name, value in record.items():
+            trial.set_user_attr(name, value)
+        told = self.study.tell(trial, record.get("samples_per_s") or 0.0)
+        self.first_of.setdefault(candidate.key, told)
+        _log_trial(trial.number, candidate, record)
+
+    def _tell_duplicate(self, trial: Trial, earlier: FrozenTrial) -> None:
+        self.duplicates_in_a_row += 1
+        trial.set_user_attr("duplicate_of", earlier.number)
+        for name, value in earlier.user_attrs.items():
+            trial.set_user_attr(name, value)
+        trial.set_constraint("peak", earlier.constraints["peak"])
+        self.study.tell(trial, earlier.value)
+        log.info("trial %d: same plan as trial %d; reusing its measurement", trial.number, earlier.number)
+
+    def _record(self, number: int, candidate: Candidate, screen: bool = True) -> dict:
+        """Measure the candidate, unless it is invalid or (`screen`) predicted clearly over the cap."""
+        record = {"key": candidate.key, "plan": candidate.plan.model_dump(mode="json"),
+                  "precision": candidate.precision, "label": candidate.describe()}
+        invalid = _invalid_reason(candidate, self.space) if screen else None
+        if invalid:
+            return {**record, "state": "invalid", "reason": invalid, "constraint": UNMEASURED}
+        predicted = self._prediction(candidate) if screen else None
+        record["predicted_peak"] = predicted
+        if predicted is not None and predicted > self.cap.screen_above:
+            reason = f"predicted {format_bytes(predicted)} > cap {format_bytes(self.cap.bytes)}; not probed"
+            return {**record, "state": "screened", "reason": reason, "constraint": self.cap.constraint(predicted)}
+        log.info("trial %d: probing %s", number, candidate.describe())
+        return {**record, **self._measured(self.evaluate(candidate, number))}
+
+    def _measured(self, result: dict) -> dict:
+        peak = result.get("measured_peak_bytes", result.get("peak_mem_bytes"))
+        out = {"measured_peak": peak, "probe_s": result.get("probe_s", 0.0), "reason": result.get("reason", ""),
+               "device": {k: result.get(k) for k in ("device", "device_total_bytes", "torch", "cuda")},
+               "constraint": self.cap.constraint(peak) if peak is not None else UNMEASURED}
+        if result["status"] != "ok":
+            return {**out, "state": result["status"], "constraint": max(out["constraint"], 1e-6)}
+        out["samples_per_s"] = result["samples_per_s"]
+        if peak > self.cap.limit:
+            return {**out, "state": "over_limit",
+                    "reason": f"measured {format_bytes(peak)} > limit {self.cap.describe()}"}
+        return {**out, "state": "feasible"}
+
+
+def _invalid_reason(candidate: Candidate, space: Space) -> str | None:
+    """Combinations apply_plan refuses (offload with sqrt segments) are told infeasible, never probed."""
+    try:
+        check_combination(candidate.plan, torch.device(space.device_kind))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _log_trial(number: int, candidate: Candidate, record: dict) -> None:
+    peak = record.get("measured_peak") or record.get("predicted_peak")
+    speed = record.get("samples_per_s")
+    numbers = ", ".join(x for x in (f"peak {format_bytes(peak)}" if peak else "",
+                                    f"{speed:.1f} samples/s" if speed else "") if x)
+    log.info("trial %d: %s: %s%s%s", number, record["state"], candidate.describe(),
+             f" ({numbers})" if numbers else "", f" - {record['reason']}" if record.get("reason") else "")
+
+
+def trial_records(study: optuna.Study) -> list[dict]:
+    """Every trial as plain data for the report: number, state, plan, peaks, throughput, reason."""
+    records = []
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state == TrialState.WAITING:
+            continue
+        attrs = dict(trial.user_attrs)
+        if trial.state == TrialState.RUNNING:
+            attrs["state"] = "running"
+        elif trial.state == TrialState.FAIL:
+            attrs.setdefault("state", "interrupted")
+            attrs.setdefault("reason", "the tuner stopped mid-probe; the plan was measured again later")
+        if "duplicate_of" in attrs:
+            attrs["state"] = "duplicate"
+        records.append({"number": trial.number, **attrs, "label": attrs.get("label") or str(trial.params)})
+    return records
+
+
+def estimator_predictor(recipe, device_kind: str) -> Predict | None:
+    """Predicted peaks from runner's estimator, for screening; None (probe everything) when it cannot predict."""
+    try:
+        from runner.memory.estimate import EstimateUnavailable, Estimator
+    except ImportError:
+        log.info("screening: off (runner.memory.estimate is not available): every new plan is probed")
+        return None
+    try:
+        estimator = Estimator(recipe, device_kind)
+    except Exception as err:  # screening is an optimisation: without it every plan is measured, nothing is lost
+        log.info("screening: off (the estimator cannot model this recipe: %s): every new plan is probed", err)
+        return None
+
+    def predict(candidate: Candidate) -> int | None:
+        try:
+            return int(estimator.estimate(candidate.plan, candidate.precision).peak_bytes)
+        except (EstimateUnavailable, ValueError) as err:
+            log.info("screening: no prediction for %s (%s): it is probed", candidate.describe(), err)
+            return None
+
+    log.info("screening: a plan predicted over %s is told infeasible without a probe", "the cap plus the margin")
+    return predict

@@ -1,0 +1,94 @@
+"""After the search: train with the winner, falling back down the ranking when a real run breaches
+the cap, and the one line that explains an impossible cap.
+
+A probe runs a few steps; a training run can still go over (other batches, allocator
+fragmentation over time). The trainer holds every step to memory.max_mem, so a breach surfaces in
+the first steps as MemoryCapExceeded; the next-best feasible plan then takes over, resuming from
+the newest checkpoint if one was written (plans never change what is computed).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from runner.memory.measure import format_bytes
+from runner.recipe import Recipe
+from runner.train.loop import MemoryCapExceeded, RunResult, train
+
+from .report import summary
+from .space import Device, Space
+from .cap import Cap
+
+log = logging.getLogger("ckrun")
+
+TunedFor = Callable[[dict], "tuple[Path, Recipe]"]  # a ranked trial -> (tuned.yaml written for it, its recipe)
+
+
+def train_with_fallback(ranked: list[dict], tuned_for: TunedFor, resume: bool,
+                        train_fn: Callable[..., RunResult] = train) -> bool:
+    """Train the best plan that stays under the cap in real training; False when none does."""
+    for position, record in enumerate(ranked):
+        path, recipe = tuned_for(record)
+        log.info("train: %s (trial %d: %s), every step held to the cap %s", path, record["number"], record["label"],
+                 format_bytes(int(recipe.memory.max_mem)))
+        try:
+            result = train_fn(recipe, str(path), resume=resume or position > 0)
+        except MemoryCapExceeded as err:
+            _explain_breach(err, record, ranked[position + 1] if position + 1 < len(ranked) else None)
+            _release_memory()
+            continue
+        log.info("train: done, %d steps, peak %s under the cap", result.steps_done, format_bytes(result.peak_mem_bytes))
+        return True
+    log.error("train: every feasible plan went over the cap in training; raise --max-mem or --margin")
+    return False
+
+
+def _explain_breach(err: MemoryCapExceeded, record: dict, following: dict | None) -> None:
+    probed = format_bytes(record["measured_peak"])
+    if following is None:
+        log.warning("train: %s, although the probe measured %s; no feasible plan is left to fall back to", err, probed)
+        return
+    log.warning("train: %s, although the probe measured %s (real batches and a longer-lived allocator can use more); "
+                "falling back to the next-best feasible plan, trial %d (%s, probed at %s)", err, probed,
+                following["number"], following["label"], format_bytes(following["measured_peak"]))
+
+
+def _release_memory() -> None:
+    """The failed trainer is gone; give its cached blocks back before the next plan builds."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def nothing_fits(records: list[dict], cap: Cap, space: Space, device: Device, directory: Path) -> str:
+    """One line: the cap, the smallest peak seen, and the knob that would help."""
+    head = f"nothing fits within {cap.describe()}"
+    seen = [r for r in records if r.get("measured_peak") and r["state"] != "duplicate"]
+    if not seen:
+        return f"{head}: no probe measured a peak ({summary(records)}); see {directory / 'probes'}/*.log"
+    smallest = min(seen, key=lambda r: r["measured_peak"])
+    return (f"{head}: the smallest peak seen was {format_bytes(smallest['measured_peak'])} "
+            f"(trial {smallest['number']}: {smallest['label']}); {_knob(smallest, space, device)}")
+
+
+def _knob(smallest: dict, space: Space, device: Device) -> str:
+    plan = smallest["plan"]
+    if "precision" not in space.choices and smallest["precision"] == "fp32" and len(device.precisions) > 1:
+        halves = "/".join(p for p in device.precisions if p != "fp32")
+        return f"--search-precision would try {halves}, which halves activations"
+    untried = []
+    if plan["micro_batch"] > min(space.choices["micro_batch"]):
+        untried.append("a smaller memory.micro_batch")
+    if plan["checkpointing"]["policy"] != "full":
+        untried.append("full checkpointing")
+    if device.kind == "cuda" and plan["offload"]["policy"] == "none":
+        untried.append("offload")
+    if untried:
+        return f"that plan could still use {' and '.join(untried)}: try more --trials"
+    return ("even micro_batch 1 with every block checkpointed is over: parameters, gradients and optimizer state "
+            "take most of it; raise --max-mem or use a smaller model")

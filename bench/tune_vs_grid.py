@@ -1,0 +1,209 @@
+"""`ckrun tune` against an exhaustive grid over the same space, on the CPU.
+
+For a small BERT and a small ResNet: measure every plan of the space (the grid), set the cap so
+that its limit lies halfway between the smallest peak and the no-plan peak, then run `ckrun tune`
+with a third of the grid's probes (the re-runs of its best plan included). The question: does the
+tuner's plan reach >= 0.95 of the grid-best feasible throughput? One measurement per plan is noisy
+on a shared CPU, so the tuner's plan, the grid's best and the plan one writes by hand (every block
+checkpointed, the largest micro-batch that fits) are then measured again side by side, interleaved,
+CONFIRM times each; the ratios use those medians. Probes run single-threaded (OMP_NUM_THREADS=1)
+so that they fight less with other jobs.
+
+    python bench/tune_vs_grid.py                       # both models: 10 minutes idle, an hour busy
+    python bench/tune_vs_grid.py --cases bert --out runs/bench_tune
+
+Writes OUT/CASE/{grid,tune,confirm}/, OUT/CASE/results.json and a markdown section to
+docs/benchmarks_tune.md (`--report-only` rewrites the section from OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from autotune.cap import Cap
+from autotune.child import device_info
+from autotune.probe import ProbeRunner, ProbeSettings
+from autotune.space import Device, build_space, checkpointing_label
+from autotune.study import FINALIST_RUNS
+from runner.build.model import build_model
+from runner.cli import main as ckrun
+from runner.load import load_recipe
+from runner.memory.blocks import find_blocks
+from runner.memory.measure import format_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+MARGIN = 0.05
+CASES = {
+    "bert": (ROOT / "recipes/bert_tiny.yaml", [
+        "model.config.num_hidden_layers=4", "model.config.hidden_size=64", "model.config.intermediate_size=256",
+        "model.config.vocab_size=2048", "data.seq_len=64", "train.batch_size=4", "train.device=cpu"]),
+    "resnet": (ROOT / "recipes/resnet50.yaml", [
+        "model.name=resnet18", "model.config.num_classes=10", "data.image_size=224", "train.batch_size=4",
+        "train.device=cpu", "precision=fp32", "memory.micro_batch=null"]),
+}
+SETTINGS = ProbeSettings(timeout_s=600, warmup_steps=1, timed_steps=3)  # the tuner's defaults
+CONFIRM = 3
+FINALISTS = 1  # the tuner's best plan is measured FINALIST_RUNS times, within the third of the grid
+
+
+def _space(path: Path, overrides: list[str]):
+    recipe = load_recipe(path, overrides)
+    return recipe, build_space(recipe, find_blocks(build_model(recipe.model, "meta")), Device.from_json(device_info(recipe)))
+
+
+def run_grid(path: Path, overrides: list[str], directory: Path) -> list[dict]:
+    """Every plan of the space, measured the way the tuner measures (one child per plan)."""
+    recipe, space = _space(path, overrides)
+    runner, rows = ProbeRunner(directory, SETTINGS), []
+    for number, params in enumerate(space.all_params()):
+        candidate = space.candidate(params)
+        result = runner.probe(candidate.recipe(recipe, 10**12), number)  # no cap: measure everything
+        rows.append({"key": candidate.key, "label": candidate.describe(), "micro_batch": candidate.plan.micro_batch,
+                     "checkpointing": checkpointing_label(candidate.plan), "status": result["status"],
+                     "peak": result.get("measured_peak_bytes"), "speed": result.get("samples_per_s"),
+                     "reason": result.get("reason")})
+        logging.info("grid %d/%d: %s: %s", number + 1, space.size, candidate.describe(), _row_text(rows[-1]))
+    return rows
+
+
+def _row_text(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']} ({row['reason']})"
+    return f"{format_bytes(row['peak'])}, {row['speed']:.2f} samples/s"
+
+
+def choose_cap(rows: list[dict], batch_size: int) -> int:
+    """The cap whose limit (cap minus margin) lies halfway between the smallest and the no-plan peak."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    no_plan = next(r for r in ok if r["label"].startswith(f"micro_batch {batch_size}, checkpointing none"))
+    return int((no_plan["peak"] + min(r["peak"] for r in ok)) / 2 / (1 - MARGIN))
+
+
+def run_tuner(path: Path, overrides: list[str], directory: Path, cap: int, probes: int) -> dict:
+    """`ckrun tune` held to `probes` in all: the search gets what the finalists' re-runs leave."""
+    extra = FINALISTS * (FINALIST_RUNS - 1)
+    code = ckrun(["tune", str(path), *overrides, f"output.dir={directory}", "--output", str(directory),
+                  "--max-mem", str(cap), "--trials", str(probes - extra), "--finalists", str(FINALISTS),
+                  "--no-train", "--seed", "0"])
+    report = json.loads((directory / "report.json").read_text())
+    report["exit"] = code
+    launched = (directory / "probes" / "probes.log").read_text().splitlines()
+    report["probes"] = sum(1 for line in launched if json.loads(line)["what"] == "probe")
+    return report
+
+
+def confirm(path: Path, overrides: list[str], directory: Path, plans: dict[str, str]) -> dict[str, dict]:
+    """Each named plan (by key) probed CONFIRM times, interleaved so that they share the machine's moods."""
+    recipe, space = _space(path, overrides)
+    candidates = {space.candidate(p).key: space.candidate(p) for p in space.all_params()}
+    runner, speeds = ProbeRunner(directory, SETTINGS), {name: [] for name in plans}
+    for round_ in range(CONFIRM):
+        for index, (name, key) in enumerate(plans.items()):
+            result = runner.probe(candidates[key].recipe(recipe, 10**12), round_ * len(plans) + index)
+            speeds[name].append(result.get("samples_per_s", 0.0))
+    return {name: {"median": statistics.median(values), "runs": values} for name, values in speeds.items()}
+
+
+def compare(rows: list[dict], report: dict, cap: int, batch_size: int) -> dict:
+    limit = Cap(cap, MARGIN).limit
+    feasible = [r for r in rows if r["status"] == "ok" and r["peak"] <= limit]
+    trials = {t["number"]: t for t in report["trials"]}
+    # the plan one writes by hand: checkpoint every block, then lower the micro-batch until it fits
+    full = max((r for r in feasible if r["checkpointing"] == "full"), key=lambda r: r["micro_batch"], default=None)
+    return {
+        "cap": cap, "grid_probes": len(rows), "feasible_in_grid": len(feasible),
+        "tuner_probes": report["probes"],
+        "grid_best": max(feasible, key=lambda r: r["speed"]),
+        "winner": trials[report["winner"]] if report["winner"] is not None else None,
+        "full": full,
+    }
+
+
+def markdown(results: dict[str, dict], run: dict) -> str:
+    lines = [
+        "## `ckrun tune` vs an exhaustive grid (CPU)", "",
+        f"`python bench/tune_vs_grid.py` on {run['started']}: {platform.machine()}, {os.cpu_count()} cores shared "
+        f"with other jobs (load average {run['load']:.1f} at the end), single-threaded probes of 1 warm-up + 3 timed "
+        f"steps, {run['minutes']:.0f} min in all. Cap: its limit (cap minus the {MARGIN:.0%} margin) halfway between "
+        f"the grid's smallest peak and the no-plan peak. Samples/s: the median of {CONFIRM} interleaved "
+        f"re-measurements of each plan (the runs in brackets); a plan is chosen by the grid's or the tuner's own "
+        f"single measurement.", "",
+        "| model | grid probes | tuner probes | feasible | grid-best plan | tuner's plan | tuner / best | "
+        "<= 1/3 probes | >= 0.95 | full checkpointing, largest micro-batch that fits | tuned / full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, c in results.items():
+        best, won, again = c["grid_best"], c["winner"], c["confirmed"]
+        same = won["key"] == best["key"]  # then the two series differ only by noise: the ratio is 1
+        ratio = 1.0 if same else again["tuner"]["median"] / again["grid best"]["median"]
+        full = c["full"]
+        if full is None:
+            full_text, vs_full = "no micro-batch fits", "n/a"
+        else:
+            full_text = f"{full['label']}: {_speeds(again['full'])}"
+            vs_full = "same plan" if won["key"] == full["key"] else \
+                f"{again['tuner']['median'] / again['full']['median']:.2f}x"
+        lines.append(
+            f"| {name} (cap {format_bytes(c['cap'])}) | {c['grid_probes']} | {c['tuner_probes']} "
+            f"| {c['feasible_in_grid']} | {best['label']}: {_speeds(again['grid best'])} "
+            f"| {'the same plan' if same else won['label']}: {_speeds(again['tuner'])} | {ratio:.2f} "
+            f"| {'yes' if 3 * c['tuner_probes'] <= c['grid_probes'] else 'no'} | {'yes' if ratio >= 0.95 else 'no'} "
+            f"| {full_text} | {vs_full} |")
+    lines += ["", *(f"- {name}: `{CASES[name][0].relative_to(ROOT)}` {' '.join(CASES[name][1])}" for name in results)]
+    lines += ["", "Caveat: on a shared 2-core machine the same plan measures differently from run to run (the "
+              "runs in brackets show how much), so the grid's best is the best of single noisy measurements and "
+              "a ratio near 1 is within the noise either way.", ""]
+    return "\n".join(lines)
+
+
+def _speeds(confirmed: dict) -> str:
+    return f"{confirmed['median']:.2f}/s (runs {', '.join(f'{v:.2f}' for v in confirmed['runs'])})"
+
+
+def measure_case(name: str, out: Path) -> dict:
+    path, overrides = CASES[name]
+    batch = load_recipe(path, overrides).train.batch_size
+    shutil.rmtree(out / name, ignore_errors=True)  # a study directory must be new without --resume
+    rows = run_grid(path, overrides, out / name / "grid")
+    (out / name / "grid.json").write_text(json.dumps(rows, indent=1))
+    cap = choose_cap(rows, batch)
+    result = compare(rows, run_tuner(path, overrides, out / name / "tune", cap, len(rows) // 3), cap, batch)
+    if result["winner"] is None:
+        raise SystemExit(f"{name}: the tuner found no plan under {cap} bytes; see {out / name / 'tune'}")
+    plans = {"tuner": result["winner"]["key"], "grid best": result["grid_best"]["key"]}
+    if result["full"] is not None:
+        plans["full"] = result["full"]["key"]
+    result["confirmed"] = confirm(path, overrides, out / name / "confirm", plans)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--out", type=Path, default=ROOT / "runs/bench_tune")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the markdown from OUT/*/results.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every probe child
+    if not args.report_only:
+        started, clock = time.strftime("%Y-%m-%d %H:%M %Z"), time.monotonic()
+        for name in args.cases:
+            (args.out / name / "results.json").write_text(json.dumps(measure_case(name, args.out), indent=1))
+        run = {"started": started, "minutes": (time.monotonic() - clock) / 60, "load": os.getloadavg()[0]}
+        (args.out / "run.json").write_text(json.dumps(run))
+    results = {path.parent.name: json.loads(path.read_text()) for path in sorted(args.out.glob("*/results.json"))}
+    text = markdown(results, json.loads((args.out / "run.json").read_text()))
+    (ROOT / "docs/benchmarks_tune.md").write_text(text, encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""A probe child for tests: autotune.child itself (its arguments, parent watchdog, fault hook and
+atomic result) with only the measurement replaced by a formula, so that a study's outcome does
+not depend on how busy the machine is. The tuner runs it when CKRUN_PROBE_CHILD=fake_child and
+this folder is on PYTHONPATH. FAKE_PROBE_SECONDS makes each probe take that long."""
+
+import json
+import os
+import sys
+import time
+
+from autotune import child
+
+# activation memory kept, and step time, relative to no checkpointing
+KEPT = {"none": 1.0, "full": 0.25, "sqrt": 0.5, "selective": 0.55}
+SLOWER = {"none": 1.0, "full": 1.35, "sqrt": 1.2, "selective": 1.1}
+
+
+def measure(recipe: dict, warmup: int, timed: int) -> dict:
+    time.sleep(float(os.environ.get("FAKE_PROBE_SECONDS", "0")))
+    memory, batch = recipe["memory"], recipe["train"]["batch_size"]
+    micro, checkpointing = memory["micro_batch"], memory["checkpointing"]
+    every = checkpointing.get("every")
+    kept = 1 - 0.75 / every if every else KEPT[checkpointing["policy"]]
+    slower = 1 + 0.35 / every if every else SLOWER[checkpointing["policy"]]
+    peak = 1_000_000 + int(micro * 400_000 * kept)  # parameters and optimizer state, then activations
+    speed = batch / (0.01 * batch / micro + 0.02 * batch * slower)  # a fixed cost per micro-batch
+    device = {"device": "fake", "device_total_bytes": 0, "torch": "fake", "cuda": None}
+    if peak > memory["max_mem"]:
+        return {"status": "over_cap", "peak_mem_bytes": peak, "measured_peak_bytes": peak, **device,
+                "reason": f"memory cap exceeded: step 1 peaked at {peak} B"}
+    return {"status": "ok", "peak_mem_bytes": peak, "measured_peak_bytes": peak, "samples_per_s": speed, **device}
+
+
+if __name__ == "__main__":
+    child.measure = measure
+    child._recipe = json.loads  # plain data: validating the recipe would import transformers in every probe
+    sys.exit(child.main())

@@ -1,0 +1,74 @@
+"""`ckrun tune` end to end with real probes: a tiny BERT, a cap below its no-plan peak."""
+
+import pytest
+import yaml
+
+from conftest import BERT_TINY, TINY_BERT, read_metrics
+from runner.cli import main
+from runner.load import load_recipe
+from runner.train.probe import probe
+from tune_helpers import launches, report, survivors
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tuned")
+    no_plan_peak = probe(load_recipe(BERT_TINY, TINY_BERT), 1, 1)["peak_mem_bytes"]
+    cap = int(no_plan_peak * 0.85)  # the recipe as written does not fit: the tuner must find a plan that does
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # the probe children, like this process (conftest), use one thread
+        code = _tune(out, cap)
+    return out / "tune", cap, no_plan_peak, code
+
+
+def _tune(out, cap):
+    return main(["tune", BERT_TINY, *TINY_BERT, f"output.dir={out / 'run'}", "--max-mem", str(cap),
+                 "--output", str(out / "tune"), "--trials", "3", "--finalists", "0", "--warmup-steps", "1",
+                 "--timed-steps", "1", "--no-train"])  # a fit is what is tested here, not the ranking
+
+
+def test_the_winner_fits_under_a_cap_the_recipe_does_not(study):
+    directory, cap, no_plan_peak, code = study
+    assert code == 0
+    found = report(directory)
+    trials = {t["number"]: t for t in found["trials"]}
+    first = trials[0]  # the no-plan starting point
+    assert first["plan"]["checkpointing"]["policy"] == "none"
+    if first["plan"]["micro_batch"] == 8:  # without predictions the whole batch is tried, and is over
+        assert first["state"] in ("over_cap", "over_limit")
+    else:  # runner's estimator moved it to the largest micro-batch predicted to fit
+        assert first["state"] == "feasible"
+    winner = trials[found["winner"]]
+    assert winner["state"] == "feasible"
+    assert winner["measured_peak"] <= found["limit_bytes"] < cap < no_plan_peak
+    assert not survivors([launch["pid"] for launch in launches(directory)])
+
+
+def test_tuned_yaml_validates_and_trains_under_the_cap(study, ckrun, tmp_path):
+    directory, cap, _, _ = study
+    tuned = directory / "tuned.yaml"
+    header = tuned.read_text().split("\n\n")[0]
+    assert "Tuned by `ckrun tune`" in header and "device:" in header and "samples/s" in header
+    winner = report(directory)["trials"][report(directory)["winner"]]
+    data = yaml.safe_load(tuned.read_text())
+    assert data["memory"]["micro_batch"] == winner["plan"]["micro_batch"]
+    assert data["memory"]["max_mem"] == str(cap)
+    assert ckrun("validate", tuned)[0] == 0
+    code, _, err = ckrun(tuned, "train.steps=3", f"output.dir={tmp_path}")
+    assert code == 0, err
+    assert max(m["peak_mem_bytes"] for m in read_metrics(tmp_path)) <= cap
+
+
+def test_report_reprints_the_front_and_the_plot(study, ckrun):
+    directory = study[0]
+    (directory / "pareto.png").unlink()
+    code, out, _ = ckrun("report", directory)
+    assert code == 0
+    assert "Pareto front" in out and "winner: trial" in out
+    assert any(line.lstrip().startswith("*") for line in out.splitlines())
+    assert (directory / "pareto.png").stat().st_size > 1000
+
+
+def test_report_of_a_directory_without_a_study(ckrun, tmp_path):
+    code, _, err = ckrun("report", tmp_path)
+    assert code == 2 and "holds no study" in err and len(err.strip().splitlines()) == 1

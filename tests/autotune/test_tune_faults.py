@@ -1,0 +1,82 @@
+"""Probes that run out of memory, crash or hang cost one trial each, never the tuner; an
+impossible cap, a bad flag and a training run that breaches the cap each get a clear answer."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from autotune.cli_tune import _check_cap_fits
+from autotune.space import Device
+from autotune.cap import Cap
+from autotune.train import train_with_fallback
+from conftest import BERT_TINY, TINY_BERT
+from runner.problems import InputError
+from runner.train.loop import MemoryCapExceeded, RunResult
+from tune_helpers import launches, survivors, trials_by_number, use_fake_child
+
+
+def _tune(ckrun, directory, *extra):
+    return ckrun("tune", BERT_TINY, *TINY_BERT, f"output.dir={directory}", "--output", directory, "--no-train",
+                 "--no-screen", *extra)  # the fake child measures a formula, not what the estimator predicts
+
+
+def test_oom_crash_and_hang_are_survived(ckrun, monkeypatch, tmp_path):
+    use_fake_child(monkeypatch)
+    monkeypatch.setenv("CKRUN_PROBE_FAULT", "oom:0,crash:1,hang:2")  # the child's documented test hook
+    code, out, err = _tune(ckrun, tmp_path, "--max-mem", "10MB", "--trials", "4", "--probe-timeout", "15")
+    assert code == 0, err
+    trials = trials_by_number(tmp_path)
+    assert trials[0]["state"] == "oom" and "injected by CKRUN_PROBE_FAULT" in trials[0]["reason"]
+    assert trials[1]["state"] == "died" and "SIGSEGV" in trials[1]["reason"]
+    assert trials[2]["state"] == "timeout" and "timed out after 15 s" in trials[2]["reason"]
+    assert trials[3]["state"] == "feasible"
+    assert not survivors([launch["pid"] for launch in launches(tmp_path)])  # the hang's grandchild included
+
+
+def test_an_impossible_cap_says_what_was_seen_and_what_would_help(ckrun, monkeypatch, tmp_path):
+    use_fake_child(monkeypatch)
+    code, _, err = _tune(ckrun, tmp_path, "--max-mem", "1MB", "--trials", "3")
+    assert code == 3
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(r"nothing fits within 950.0 kB \(1.0 MB cap minus 5% margin\): the smallest peak seen was "
+                     r"[\d.]+ MB \(trial \d: micro_batch \d, checkpointing \w+, fp32\)", err)
+    assert "--search-precision would try bf16" in err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-mem", "lots", "'lots' is not a size"),
+    ("--time-budget", "soon", "'soon' is not a duration"),
+    ("--trials", "0", "at least 1 plan"),
+    ("--margin", "0.7", "in [0, 0.5)"),
+])
+def test_bad_flags_are_one_line_and_status_2(ckrun, tmp_path, flag, value, message):
+    extra = [flag, value] if flag == "--max-mem" else ["--max-mem", "1GB", flag, value]
+    code, _, err = _tune(ckrun, tmp_path, *extra)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not launches(tmp_path)
+
+
+def test_a_cap_larger_than_the_card_is_refused():
+    card = Device("cuda", "NVIDIA H100 80GB HBM3", 85_000_000_000, ("fp32", "bf16"), "2.x", "12.8")
+    with pytest.raises(InputError, match=r"more than the NVIDIA H100 80GB HBM3 has \(85.0 GB\); give at most"):
+        _check_cap_fits(Cap(200 * 10**9, 0.05), card, "200GB")
+
+
+def test_a_breach_in_training_falls_back_to_the_next_best_plan(tmp_path):
+    ranked = [{"number": 4, "label": "fast", "measured_peak": 90}, {"number": 7, "label": "lean", "measured_peak": 60}]
+    trained = []
+
+    def tuned_for(record):
+        from runner.load import load_recipe
+
+        return Path(f"tuned-{record['number']}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
+
+    def train(recipe, source, resume):
+        trained.append((source, resume))
+        if source == "tuned-4.yaml":
+            raise MemoryCapExceeded(100, 120, 2)
+        return RunResult(3, peak_mem_bytes=80)
+
+    assert train_with_fallback(ranked, tuned_for, resume=False, train_fn=train)
+    assert trained == [("tuned-4.yaml", False), ("tuned-7.yaml", True)]  # the fallback continues the same run

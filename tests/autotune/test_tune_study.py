@@ -1,0 +1,161 @@
+"""The search loop with a formula for a measurement, in this process: seeding, resume after an
+interruption, repeated proposals, screening, and failures told as infeasible trials."""
+
+import json
+
+import pytest
+from optuna.trial import TrialState
+
+from autotune.cli_tune import parse_duration
+from autotune.space import Device, build_space
+from autotune.cap import Cap
+from autotune.study import Budget, Tuner, open_study, trial_records
+from autotune.report import ranked_feasible
+from conftest import BERT_TINY, TINY_BERT
+from fake_child import measure
+from runner.build.model import build_model
+from runner.load import load_recipe
+from runner.memory.blocks import find_blocks
+from runner.problems import InputError
+
+CAP = Cap(2_500_000, 0.05)  # the formula puts no-plan at micro_batch 8 at 4.2 MB: most plans must shrink
+
+
+@pytest.fixture(scope="module")
+def setting():
+    recipe = load_recipe(BERT_TINY, TINY_BERT + ["model.config.num_hidden_layers=4"])
+    device = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
+    return recipe, build_space(recipe, find_blocks(build_model(recipe.model, "meta")), device)
+
+
+class Counting:
+    """The formula as a probe, remembering what it was asked; `stop_at` interrupts like a kill would."""
+
+    def __init__(self, recipe, stop_at=None, status=None):
+        self.recipe, self.stop_at, self.status, self.asked = recipe, stop_at, status or {}, []
+
+    def __call__(self, candidate, number):
+        if number == self.stop_at:
+            raise KeyboardInterrupt  # the tuner dies mid-probe: the trial stays RUNNING in the journal
+        self.asked.append(candidate.key)
+        if number in self.status:
+            return {"status": self.status[number], "reason": f"injected {self.status[number]}"}
+        return measure(json.loads(candidate.recipe(self.recipe, CAP.bytes).model_dump_json()), 1, 1)
+
+
+def _tune(directory, setting, probe, trials=8, seed=0, resume=False, predict=None):
+    recipe, space = setting
+    study, fresh = open_study(directory, {"seed": seed}, resume)
+    tuner = Tuner(study, space, CAP, probe, predict, seed)
+    if fresh:
+        tuner.start(recipe)
+    tuner.run(Budget(trials))
+    return trial_records(study)
+
+
+def _sequence(records):
+    """The plans in the order they were first evaluated."""
+    return [r["key"] for r in records if r["state"] not in ("duplicate", "interrupted")]
+
+
+def test_same_seed_same_proposals_and_a_feasible_winner(tmp_path, setting):
+    first = _tune(tmp_path / "a", setting, Counting(setting[0]), seed=7)
+    again = _tune(tmp_path / "b", setting, Counting(setting[0]), seed=7)
+    other = _tune(tmp_path / "c", setting, Counting(setting[0]), seed=8)
+    assert _sequence(first) == _sequence(again)
+    assert _sequence(first) != _sequence(other)
+    winner = ranked_feasible(first)[0]
+    assert winner["measured_peak"] <= CAP.limit and winner["state"] == "feasible"
+    assert [r["label"] for r in first[:2]] == ["micro_batch 8, checkpointing none, fp32",
+                                               "micro_batch 8, checkpointing full, fp32"]
+
+
+def test_interrupted_study_resumes_without_rerunning_and_ends_the_same(tmp_path, setting):
+    whole = _tune(tmp_path / "whole", setting, Counting(setting[0]), seed=3)
+    with pytest.raises(KeyboardInterrupt):
+        _tune(tmp_path / "cut", setting, Counting(setting[0], stop_at=4), seed=3)
+    with pytest.raises(InputError, match="already holds a study; pass --resume"):
+        _tune(tmp_path / "cut", setting, Counting(setting[0]), seed=3)
+    rest = Counting(setting[0])
+    resumed = _tune(tmp_path / "cut", setting, rest, seed=3, resume=True)
+    finished_before = {r["key"] for r in resumed if r["number"] < 4}
+    assert not finished_before & set(rest.asked)  # finished trials were not measured again
+    assert _sequence(resumed) == _sequence(whole)
+    assert ranked_feasible(resumed)[0]["key"] == ranked_feasible(whole)[0]["key"]
+    assert [r["state"] for r in resumed].count("interrupted") == 1
+
+
+def test_resume_with_other_options_is_refused(tmp_path, setting):
+    _tune(tmp_path, setting, Counting(setting[0]), trials=1, seed=1)
+    with pytest.raises(InputError, match="started with other seed"):
+        _tune(tmp_path, setting, Counting(setting[0]), trials=2, seed=2, resume=True)
+
+
+def test_repeated_proposals_reuse_the_measurement(tmp_path, setting):
+    probe = Counting(setting[0])
+    records = _tune(tmp_path, setting, probe, trials=30)  # more than the 15 plans: proposals must repeat
+    assert len(probe.asked) == len(set(probe.asked)) == setting[1].size
+    for duplicate in (r for r in records if r["state"] == "duplicate"):
+        first = next(r for r in records if r["number"] == duplicate["duplicate_of"])
+        assert (duplicate["key"], duplicate["measured_peak"]) == (first["key"], first["measured_peak"])
+
+
+def test_screening_skips_plans_predicted_over_the_cap(tmp_path, setting):
+    probe = Counting(setting[0])
+    predict = lambda candidate: 10 * CAP.bytes if candidate.plan.checkpointing.policy == "none" else None  # noqa: E731
+    records = _tune(tmp_path, setting, probe, trials=15, predict=predict)  # the whole space
+    assert records[0]["label"] == "micro_batch 8, checkpointing full, fp32"  # no-plan start: none predicted to fit
+    screened = [r for r in records if r["state"] == "screened"]
+    assert screened and all(r["reason"].startswith("predicted 25.0 MB > cap 2.5 MB") for r in screened)
+    assert not {r["key"] for r in screened} & set(probe.asked)
+
+
+def test_failed_probes_are_infeasible_trials_and_the_search_goes_on(tmp_path, setting):
+    probe = Counting(setting[0], status={0: "oom", 1: "timeout", 2: "died"})
+    records = _tune(tmp_path, setting, probe, trials=5)
+    assert [r["state"] for r in records[:3]] == ["oom", "timeout", "died"]
+    assert ranked_feasible(records)  # later trials still found a plan
+
+
+def test_the_time_budget_stops_proposing(tmp_path, setting):
+    recipe, space = setting
+    study, _ = open_study(tmp_path, {}, False)
+    tuner = Tuner(study, space, CAP, Counting(recipe))
+    tuner.start(recipe)
+    assert tuner.run(Budget(trials=20, time_s=1e-9)) == "the time budget of 1e-09 s is spent"
+    assert not study.get_trials(states=(TrialState.COMPLETE,))
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("10m", 600), ("1.5h", 5400), ("45", 45)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+class Lucky(Counting):
+    """The formula, except that the first run of one plan comes out 30% faster, as a quiet moment would."""
+
+    def __init__(self, recipe, lucky_label):
+        super().__init__(recipe)
+        self.lucky_label, self.runs = lucky_label, {}
+
+    def __call__(self, candidate, number):
+        result = super().__call__(candidate, number)
+        self.runs[candidate.key] = self.runs.get(candidate.key, 0) + 1
+        if candidate.describe() == self.lucky_label and self.runs[candidate.key] == 1:
+            result["samples_per_s"] *= 1.3
+        return result
+
+
+def test_finalists_are_measured_three_times_and_one_lucky_run_does_not_win(tmp_path, setting):
+    honest = _tune(tmp_path / "honest", setting, Counting(setting[0]), trials=15)  # the whole space
+    best, second = ranked_feasible(honest)[:2]
+    recipe, space = setting
+    study, _ = open_study(tmp_path / "lucky", {}, False)
+    tuner = Tuner(study, space, CAP, Lucky(recipe, second["label"]))
+    tuner.start(recipe)
+    tuner.run(Budget(15))
+    assert ranked_feasible(trial_records(study))[0]["key"] == second["key"]  # one probe each: the lucky run wins
+    tuner.confirm(2)
+    ranked = ranked_feasible(trial_records(study))
+    assert ranked[0]["key"] == best["key"] and [p["runs"] for p in ranked[:2]] == [3, 3]
+    assert ranked[1]["samples_per_s"] == pytest.approx(second["samples_per_s"])  # the median drops the lucky run
