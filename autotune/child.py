@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("result", help="where the result JSON goes")
     parser.add_argument("--parent", type=int, required=True, help="the tuner's pid; its death ends this process")
     parser.add_argument("--trial", type=int, default=-1)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timed", type=int, default=3)
     return parser
 

@@ -61,7 +61,8 @@ def add_arguments(parser) -> None:
                              "and start at the whole batch")
     parser.add_argument("--probe-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="wall-clock limit of one probe; a probe over it counts as infeasible (default 600)")
-    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps per probe (default 1)")
+    parser.add_argument("--warmup-steps", type=int, default=2,
+                        help="untimed steps per probe (default 2: the peak is measured there, step 2 being the first with optimizer state)")
     parser.add_argument("--timed-steps", type=int, default=3, help="timed steps per probe; the median counts (default 3)")
 
 

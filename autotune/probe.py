@@ -30,7 +30,7 @@ CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of autotun
 @dataclass(frozen=True)
 class ProbeSettings:
     timeout_s: float = 600.0
-    warmup_steps: int = 1
+    warmup_steps: int = 2  # steps 1-2 measure the peak (step 2 is the first with optimizer state)
     timed_steps: int = 3
 
 
