@@ -30,6 +30,12 @@ class Command:
     epilog: str = ""  # examples shown by --help
 
 
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """RECIPE [KEY=VALUE ...], as every verb that reads a recipe takes them."""
+    parser.add_argument("recipe", help="recipe file or library name (see `ckrun ls`)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
+
+
 def _commands() -> dict[str, Command]:
     # every module in this package is one verb
     found = {info.name: importlib.import_module(f"{__name__}.{info.name}").COMMAND for info in pkgutil.iter_modules(__path__)}

@@ -8,12 +8,11 @@ import time
 from ..library import resolve_recipe
 from ..load import load_recipe
 from ..problems import InputError, Place, Problem, keyed_error
-from . import Command
+from . import Command, add_recipe_arguments
 
 
 def add_arguments(parser):
-    parser.add_argument("recipe", help="recipe file or library name")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    add_recipe_arguments(parser)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="the device to predict for (default cuda: works without a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

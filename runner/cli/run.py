@@ -7,7 +7,7 @@ import sys
 
 from ..library import resolve_recipe
 from ..load import load_recipe
-from . import Command
+from . import Command, add_recipe_arguments
 
 log = logging.getLogger("ckrun")
 
@@ -15,8 +15,7 @@ EXIT_OVER_CAP = 3  # the run itself was fine until its measured peak went over m
 
 
 def add_arguments(parser):
-    parser.add_argument("recipe", help="recipe file or library name")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
+    add_recipe_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
 
 

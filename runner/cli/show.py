@@ -5,12 +5,11 @@ from __future__ import annotations
 from ..library import resolve_recipe
 from ..load import load_recipe
 from ..yamlio import dump_yaml
-from . import Command
+from . import Command, add_recipe_arguments
 
 
 def add_arguments(parser):
-    parser.add_argument("recipe", help="recipe file or library name")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    add_recipe_arguments(parser)
     parser.add_argument("--blocks", action="store_true", help="list the model's repeated blocks instead")
 
 

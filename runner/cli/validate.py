@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from ..library import resolve_recipe
 from ..load import load_recipe
-from . import Command
+from . import Command, add_recipe_arguments
 
 
 def add_arguments(parser):
-    parser.add_argument("recipe", help="recipe file or library name")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    add_recipe_arguments(parser)
 
 
 def run(args) -> int:
