@@ -53,3 +53,17 @@ def test_memory_cap_stops_the_run_with_one_line(tmp_path, ckrun):
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=3", "memory.max_mem=1MB", f"output.dir={tmp_path / 'r'}")
     line = err.strip().splitlines()[-1]
     assert code == 3 and "memory cap 1.0 MB exceeded: step 1 peaked at" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["{policy: none}", "{policy: full}"])
+def test_compiled_model_trains_close_to_eager(tmp_path, ckrun, policy):
+    # dropout off: inductor draws its masks with its own RNG, so they differ from eager's
+    no_dropout = ["model.config.hidden_dropout_prob=0.0", "model.config.attention_probs_dropout_prob=0.0"]
+    common = [BERT_TINY, *TINY_BERT, *no_dropout, "train.steps=3", f"memory.checkpointing={policy}"]
+    assert ckrun(*common, f"output.dir={tmp_path / 'eager'}")[0] == 0
+    code, _, err = ckrun(*common, "memory.compile=true", f"output.dir={tmp_path / 'compiled'}")
+    assert code == 0, err
+    eager = [m["loss"] for m in read_metrics(tmp_path / "eager")]
+    compiled = [m["loss"] for m in read_metrics(tmp_path / "compiled")]
+    assert compiled == pytest.approx(eager, rel=1e-4)  # inductor fuses and reorders float ops
