@@ -68,12 +68,14 @@ def _release_memory() -> None:
 def nothing_fits(records: list[dict], cap: Cap, space: Space, device: Device, directory: Path) -> str:
     """One line: the cap, the smallest peak seen, and the knob that would help."""
     head = f"nothing fits within {cap.describe()}"
-    seen = [r for r in records if r.get("measured_peak") and r["state"] != "duplicate"]
-    if not seen:
-        return f"{head}: no probe measured a peak ({summary(records)}); see {directory / 'probes'}/*.log"
-    smallest = min(seen, key=lambda r: r["measured_peak"])
-    return (f"{head}: the smallest peak seen was {format_bytes(smallest['measured_peak'])} "
-            f"(trial {smallest['number']}: {smallest['label']}); {_knob(smallest, space, device)}")
+    # prefer what a probe measured; when every plan was screened out, what the estimate predicted
+    for key, verb in (("measured_peak", "seen"), ("predicted_peak", "predicted")):
+        seen = [r for r in records if r.get(key) and r["state"] != "duplicate"]
+        if seen:
+            smallest = min(seen, key=lambda r: r[key])
+            return (f"{head}: the smallest peak {verb} was {format_bytes(smallest[key])} "
+                    f"(trial {smallest['number']}: {smallest['label']}); {_knob(smallest, space, device)}")
+    return f"{head}: no probe measured a peak ({summary(records)}); see {directory / 'probes'}/*.log"
 
 
 def _knob(smallest: dict, space: Space, device: Device) -> str:
