@@ -42,6 +42,33 @@ def make_precision(name: str, device: torch.device, source: str = "<recipe>") ->
     return Precision(name, device.type)
 
 
+@contextlib.contextmanager
+def predict_only_at(model: nn.Module, positions: torch.Tensor | None):
+    """Masked LM: feed the output projection only the masked positions ("sparse prediction").
+
+    Only ~15% of the tokens carry a label, yet a transformers MLM head projects every position
+    onto the whole vocabulary: on BERT-large at seq 512 those logits and their gradient are
+    about 1 GB per micro-batch of 16. A forward pre-hook on `get_output_embeddings()` gathers
+    the labelled rows first, so the logits come out [batch, k, vocab]. A compiled model keeps
+    full logits (a hook added per call would recompile it); `loss_sum` gathers them then."""
+    head = None
+    if positions is not None and not hasattr(model, "_orig_mod") and hasattr(model, "get_output_embeddings"):
+        head = model.get_output_embeddings()
+    if head is None:
+        yield
+        return
+
+    def gather(_module, args):
+        hidden = args[0]
+        return (hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), *args[1:])
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def call_model(model: nn.Module, batch: Batch):
     output = model(**batch.inputs) if batch.by_keyword else model(*batch.inputs.values())
     return output.logits if hasattr(output, "logits") else output
@@ -54,7 +81,8 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor
     its log-softmax and their gradients then cover ~15% of the tokens instead of all of them,
     which on BERT-large at seq 512 is most of the activation memory outside the blocks."""
     if positions is not None:
-        logits = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        if logits.shape[1] != positions.shape[1]:  # full logits: the head was not sparse
+            logits = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         labels = labels.gather(1, positions)
     logits = logits.float()  # the softmax of a large vocabulary is unstable in half precision
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
@@ -76,7 +104,7 @@ def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precis
     loss = torch.zeros((), device=batch.labels.device)
     for start in range(0, len(batch.labels), micro_batch):
         micro = batch.slice(start, start + micro_batch)
-        with precision.autocast():
+        with precision.autocast(), predict_only_at(model, micro.positions):
             logits = call_model(model, micro)
         micro_loss = loss_sum(logits, micro.labels, micro.positions) / total
         del logits  # frees the logits before backward allocates the gradients

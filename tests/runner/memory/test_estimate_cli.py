@@ -45,9 +45,9 @@ def test_bert_large_for_cuda_on_a_cpu_machine(ckrun):
     full = _cuda_estimate(ckrun, "{policy: full}")
     assert time.perf_counter() - started < 60
     ratio = none["breakdown"]["activations"] / full["breakdown"]["activations"]
-    # 4.2x: the blocks' own activations fall ~8x, but the 24 fp32 block boundaries (LayerNorm
-    # runs in fp32 under autocast) and the MLM head's full-vocabulary logit gradient stay
-    assert ratio > 4, ratio
+    # what stays under full checkpointing: the 24 fp32 block boundaries (LayerNorm runs in fp32
+    # under autocast) and the MLM head's logits at the masked positions
+    assert ratio > 5, ratio
     assert none["peak_bytes"] > full["peak_bytes"] > 5e9
 
 
