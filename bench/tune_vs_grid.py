@@ -49,7 +49,7 @@ CASES = {
         "model.name=resnet18", "model.config.num_classes=10", "data.image_size=224", "train.batch_size=4",
         "train.device=cpu", "precision=fp32", "memory.micro_batch=null"]),
 }
-SETTINGS = ProbeSettings(timeout_s=600, warmup_steps=1, timed_steps=3)  # the tuner's defaults
+SETTINGS = ProbeSettings()  # the tuner's defaults
 CONFIRM = 3
 FINALISTS = 1  # the tuner's best plan is measured FINALIST_RUNS times, within the third of the grid
 
@@ -131,7 +131,7 @@ def markdown(results: dict[str, dict], run: dict) -> str:
     lines = [
         "## `ckrun tune` vs an exhaustive grid (CPU)", "",
         f"`python bench/tune_vs_grid.py` on {run['started']}: {platform.machine()}, {os.cpu_count()} cores shared "
-        f"with other jobs (load average {run['load']:.1f} at the end), single-threaded probes of 1 warm-up + 3 timed "
+        f"with other jobs (load average {run['load']:.1f} at the end), single-threaded probes of {SETTINGS.warmup_steps} warm-up + {SETTINGS.timed_steps} timed "
         f"steps, {run['minutes']:.0f} min in all. Cap: its limit (cap minus the {MARGIN:.0%} margin) halfway between "
         f"the grid's smallest peak and the no-plan peak. Samples/s: the median of {CONFIRM} interleaved "
         f"re-measurements of each plan (the runs in brackets); a plan is chosen by the grid's or the tuner's own "
