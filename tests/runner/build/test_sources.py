@@ -2,7 +2,6 @@
 
 import textwrap
 
-import pytest
 import torch
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics

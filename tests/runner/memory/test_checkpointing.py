@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from runner.memory.apply import apply_plan
 from runner.memory.blocks import find_blocks
 from runner.memory.checkpointing import sqrt_segments
+from runner.memory.measure import SavedBytes
 from runner.plan import MemoryPlan
 
 TEXT = dict(vocab_size=100, max_position_embeddings=32)
@@ -186,31 +187,20 @@ def test_decisions_are_logged(caplog):
 # --- recompute, counted ----------------------------------------------------------------------
 
 
-def _parameter_storages(model):
-    return {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-
 def measure(name: str, checkpointing: dict | None):
     """(forward FLOPs by module, backward FLOPs, bytes of activations autograd saved outside checkpoints)."""
     torch.manual_seed(0)
     model, loss_of = MODELS[name]()
     applied = apply_plan(model, plan(checkpointing), "cpu")
-    weights, saved = _parameter_storages(model), [0]
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in weights:
-            saved[0] += tensor.numel() * tensor.element_size()
-        return tensor
-
     with FlopCounterMode(display=False) as counter:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with SavedBytes(model) as saved:
             loss = loss_of(model)
         forward = {module: sum(counts.values()) for module, counts in counter.get_flop_counts().items()}
         loss.backward()
     backward = counter.get_total_flops() - forward["Global"]
     prefix = type(model).__name__ + "."
     block_flops = [forward[prefix + block.name] for block in applied.blocks or find_blocks(model)]
-    return block_flops, backward, saved[0]
+    return block_flops, backward, saved.bytes
 
 
 @pytest.mark.parametrize("name", ["bert", "resnet"])
@@ -245,9 +235,9 @@ def test_sqrt_keeps_only_segment_boundaries():
     def saved_bytes(checkpointing):
         model = chain()
         applied = apply_plan(model, plan(checkpointing), "cpu")
-        weights, saved = _parameter_storages(model), [0]
+        weights, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, [0]
 
-        def pack(tensor):
+        def pack(tensor):  # every save counts, also two saves of one storage: the exact sums below rely on it
             saved[0] += 0 if tensor.untyped_storage().data_ptr() in weights else tensor.numel() * 4
             return tensor
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
