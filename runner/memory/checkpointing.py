@@ -21,16 +21,11 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    _checkpoint_without_reentrant_generator,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from ..plan import Checkpointing
 from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
+from .torch_features import checkpoint_options, segment_generator
 
 log = logging.getLogger("ckrun")
 
@@ -100,7 +95,7 @@ def _checkpointed(forward: Callable, eager_context_fn: Callable, compiled_contex
     def run(*args, **kwargs):
         context_fn = compiled_context_fn if torch.compiler.is_compiling() else eager_context_fn
         if context_fn is not noop_context_fn:  # dynamo traces checkpoint only without a no-op context_fn
-            kwargs = {"context_fn": context_fn, "respect_saved_tensors_hooks": True, **kwargs}
+            kwargs = {"context_fn": context_fn, **checkpoint_options(), **kwargs}
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     return run
 
@@ -295,9 +290,8 @@ class _SegmentRunner:
         if position == 0:
             self.abandon()  # a region left open by a forward that raised between blocks
             recording = _Recording(forward)
-            region = _checkpoint_without_reentrant_generator(
-                recording.replay, True, context_fn, "default", False, True, *args,
-                respect_saved_tensors_hooks=True, **kwargs)
+            region = segment_generator()(recording.replay, True, context_fn, "default", False, True, *args,
+                                         **checkpoint_options(), **kwargs)
             next(region)
             self.open = [segment, region, recording, 1]
             return recording
