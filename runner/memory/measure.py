@@ -93,30 +93,63 @@ class PeakMeter:
 
 
 class SavedBytes:
-    """Bytes of activations autograd saves for backward inside `with SavedBytes(model) as saved:`.
+    """Bytes a forward pass leaves alive for backward, measured inside `with SavedBytes(model) as saved:`.
 
-    Parameters are saved by reference and cost nothing extra, so they are left out; a storage
-    saved twice (a view and its base) counts once. Inside a checkpointed block only what the
-    checkpoint keeps is seen, which is exactly what checkpointing is meant to shrink.
+    `saved.bytes` is the size of the tensor storages that were created inside the region and are
+    still alive when it ends, on the model's device: the activations autograd saved, and what each
+    checkpointed block keeps (its inputs; under selective checkpointing also the outputs its policy
+    caches). It is read from the live-bytes tracker (tracker.py), not from saved-tensor hooks:
+    selective checkpointing caches its outputs outside autograd's saved tensors, and only torch >=
+    2.14 shows them to hooks around the checkpoint, so counting what stays alive is what sees them on
+    every torch. Each storage counts once, however many views or saves share it.
+
+    Not counted: storages that existed before the region (parameters, buffers, the batch, any other
+    tensor Python can reach), even where the forward views them or updates them in place; tensors
+    freed before the region ends (temporaries, outputs nobody keeps). The graph of every forward of
+    `model` run inside is held until the region ends, so the caller need not keep the loss. Counted
+    too: whatever the caller still holds at the end (a loss is a few bytes; logits it keeps count)
+    and state the model keeps from a forward (a cache it fills).
     """
 
     def __init__(self, model: torch.nn.Module):
-        self._parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._seen: set[int] = set()
+        self.model = model
         self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._tracker = None
+        self._graphs: list = []  # grad_fn of each output of `model`: keeps its graph alive until the end
+        self._hook = None
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._parameters and key not in self._seen:
-            self._seen.add(key)
-            self.bytes += storage.nbytes()
-        return tensor
+    def _keep_graph(self, _module, _args, output) -> None:
+        pending = [output]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, torch.Tensor):
+                if item.grad_fn is not None:
+                    self._graphs.append(item.grad_fn)
+            elif isinstance(item, dict):  # transformers' ModelOutput is a dict
+                pending.extend(item.values())
+            elif isinstance(item, (tuple, list)):
+                pending.extend(item)
 
     def __enter__(self) -> SavedBytes:
-        self._hooks.__enter__()
+        import gc
+
+        from .tracker import LiveBytesTracker
+
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self._tracker = LiveBytesTracker(device)
+        # every tensor alive now is baseline; type(), not isinstance(): some proxies warn when asked their class
+        self._tracker.count_existing((o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)), "inputs")
+        self._tracker.count_existing(self.model.parameters(), "parameters")
+        self._tracker.count_existing(self.model.buffers(), "parameters")
+        self._hook = self.model.register_forward_hook(self._keep_graph)
+        self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+        try:
+            self._tracker.__exit__(*exc)
+        finally:
+            self._hook.remove()
+            self.bytes = self._tracker.current_breakdown["activations"]
+            self._tracker.close()
+            self._graphs.clear()
