@@ -115,7 +115,7 @@ def measure(recipe, warmup: int, timed: int) -> dict:
 
     result = probe(recipe, warmup, timed, source="<candidate>")
     # on CUDA a card-level cap must also hold the context the driver keeps beside the allocator
-    result["measured_peak_bytes"] = result["peak_mem_bytes"] + (result.get("cuda_context_bytes") or 0)
+    result["measured_peak_bytes"] = result["card_peak_bytes"]
     return result
 
 
@@ -126,10 +126,13 @@ def device_info(recipe) -> dict:
 
     device = pick_device(recipe)
     if device.type == "cuda":
+        from runner.memory.measure import context_after_kernels
+
         props = torch.cuda.get_device_properties(device)
         precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
         return {"status": "ok", "kind": "cuda", "name": props.name, "total_bytes": props.total_memory,
-                "precisions": precisions, "torch": torch.__version__, "cuda": torch.version.cuda}
+                "precisions": precisions, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "context_bytes": context_after_kernels(device)}
     # fp16 autocast on a CPU is emulated and slower than fp32: only bf16 is worth a probe there
     return {"status": "ok", "kind": "cpu", "name": f"cpu ({platform.processor() or platform.machine()})",
             "total_bytes": 0, "precisions": ["fp32", "bf16"], "torch": torch.__version__, "cuda": None}

@@ -109,7 +109,7 @@ def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, run
     config = _config(recipe, space, cap, args, device)
     study, fresh = open_study(directory, config, args.resume)
     evaluate = lambda candidate, number: runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
-    predict = None if args.no_screen else estimator_predictor(recipe, device.kind)
+    predict = None if args.no_screen else estimator_predictor(recipe, device.kind, device.context_bytes)
     if args.no_screen:
         log.info("screening: off (--no-screen): every new plan is probed")
     tuner = Tuner(study, space, cap, evaluate, predict, args.seed)

@@ -39,11 +39,12 @@ class Device:
     precisions: tuple[str, ...]  # the autocast precisions the device runs
     torch: str
     cuda: str | None = None
+    context_bytes: int = 0  # the CUDA context once a step's kernels are loaded; counts against a card-level cap
 
     @classmethod
     def from_json(cls, data: dict) -> Device:
         return cls(data["kind"], data["name"], data["total_bytes"], tuple(data["precisions"]), data["torch"],
-                   data.get("cuda"))
+                   data.get("cuda"), int(data.get("context_bytes") or 0))
 
 
 @dataclass(frozen=True)

@@ -257,8 +257,11 @@ def trial_records(study: optuna.Study) -> list[dict]:
     return records
 
 
-def estimator_predictor(recipe, device_kind: str) -> Predict | None:
-    """Predicted peaks from runner's estimator, for screening; None (probe everything) when it cannot predict."""
+def estimator_predictor(recipe, device_kind: str, context_bytes: int = 0) -> Predict | None:
+    """Predicted peaks from runner's estimator, for screening; None (probe everything) when it cannot predict.
+
+    A prediction is the allocator's reserve; `context_bytes` (the CUDA context the device child
+    measured) is added so that predictions and probes count the same thing against the cap."""
     try:
         from runner.memory.estimate import EstimateUnavailable, Estimator
     except ImportError:
@@ -272,7 +275,7 @@ def estimator_predictor(recipe, device_kind: str) -> Predict | None:
 
     def predict(candidate: Candidate) -> int | None:
         try:
-            return int(estimator.estimate(candidate.plan, candidate.precision).peak_bytes)
+            return int(estimator.estimate(candidate.plan, candidate.precision).peak_bytes) + context_bytes
         except (EstimateUnavailable, ValueError) as err:
             log.info("screening: no prediction for %s (%s): it is probed", candidate.describe(), err)
             return None

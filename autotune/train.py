@@ -26,6 +26,7 @@ from .cap import Cap
 
 log = logging.getLogger("ckrun")
 
+BROKEN = ("crash", "died", "timeout", "bad_input")  # probe states that say nothing about memory
 TunedFor = Callable[[dict], "tuple[Path, Recipe]"]  # a ranked trial -> (tuned.yaml written for it, its recipe)
 
 
@@ -40,7 +41,9 @@ def train_with_fallback(ranked: list[dict], tuned_for: TunedFor, resume: bool,
             result = train_fn(recipe, str(path), resume=resume or position > 0)
         except MemoryCapExceeded as err:
             _explain_breach(err, record, ranked[position + 1] if position + 1 < len(ranked) else None)
-            _release_memory()
+            result = None
+        if result is None:
+            _release_memory()  # only now: the exception's traceback held the failed trainer until its block ended
             continue
         log.info("train: done, %d steps, peak %s under the cap", result.steps_done, format_bytes(result.peak_mem_bytes))
         return True
@@ -68,7 +71,14 @@ def _release_memory() -> None:
 def nothing_fits(records: list[dict], cap: Cap, space: Space, device: Device, directory: Path) -> str:
     """One line: the cap, the smallest peak seen, and the knob that would help."""
     head = f"nothing fits within {cap.describe()}"
-    # prefer what a probe measured; when every plan was screened out, what the estimate predicted
+    # prefer what a probe measured; then probes that broke (their reason, not a prediction, is the news);
+    # when every plan was screened out, what the estimate predicted
+    measured = [r for r in records if r.get("measured_peak") and r["state"] != "duplicate"]
+    broken = [r for r in records if r["state"] in BROKEN and not r.get("measured_peak")]
+    if not measured and broken:
+        return (f"{head}: {len(broken)} probe(s) failed before measuring a peak, e.g. trial {broken[0]['number']} "
+                f"({broken[0]['label']}): {broken[0].get('reason') or broken[0]['state']}; "
+                f"see {directory / 'probes'}/trial-{broken[0]['number']}.log")
     for key, verb in (("measured_peak", "seen"), ("predicted_peak", "predicted")):
         seen = [r for r in records if r.get(key) and r["state"] != "duplicate"]
         if seen:

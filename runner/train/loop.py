@@ -7,6 +7,7 @@ timed between device synchronisations and its peak memory measured.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import torch
 from ..build.data import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler
-from ..memory.measure import PeakMeter, cuda_context_bytes, format_bytes
+from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes, format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
@@ -44,7 +45,8 @@ def pick_device(recipe: Recipe) -> torch.device:
         raise InputError([Problem(Place("<recipe>"), "train.device", "cuda asked for but no CUDA GPU is visible; use auto or cpu")])
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(wanted)
+    # an index, because per-device calls (set_per_process_memory_fraction) refuse a bare "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if wanted == "cuda" else torch.device(wanted)
 
 
 @dataclass
@@ -62,8 +64,9 @@ class Trainer:
         self.device = pick_device(recipe)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
+        self.limited_at_context = None  # the CUDA context the allocator limit was set for
         if recipe.memory.max_mem is not None and self.device.type == "cuda":
-            limit_cuda_memory(self.device, int(recipe.memory.max_mem))
+            self.limited_at_context = limit_cuda_memory(self.device, int(recipe.memory.max_mem))
         try:
             self._build()
         except BuildError as err:
@@ -107,17 +110,11 @@ class Trainer:
         batch = self.data.global_batch(self.step).to(self.device)
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
-        try:
-            with self.meter.measure(batch.tensors(), self.step + 1) as peak:
-                started = time.perf_counter()
-                result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
-                                  self.precision, self.scaler, self.recipe.train.grad_clip)
-                _synchronize(self.device)
-                seconds = time.perf_counter() - started
-        except torch.OutOfMemoryError:
-            # under a cap the allocator stops at the cap, so this is the cap being hit
-            cap = int(self.recipe.memory.max_mem or torch.cuda.get_device_properties(self.device).total_memory)
-            raise MemoryCapExceeded(cap, torch.cuda.max_memory_reserved(self.device), self.step + 1) from None
+        ran = self._timed_step(batch)
+        if ran is None:
+            del batch
+            raise self._out_of_memory()
+        result, seconds, peak = ran
         self.scheduler.step()
         self.step += 1
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
@@ -128,23 +125,61 @@ class Trainer:
         self._check_cap(record)
         return record
 
+    def _timed_step(self, batch):
+        """(result, seconds, peak) of one optimizer step, or None when the device ran out of memory."""
+        try:
+            with self.meter.measure(batch.tensors(), self.step + 1) as peak:
+                started = time.perf_counter()
+                result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
+                                  self.precision, self.scaler, self.recipe.train.grad_clip)
+                _synchronize(self.device)
+                seconds = time.perf_counter() - started
+        except torch.OutOfMemoryError:
+            # returning (not raising) here ends the except block, and with it the traceback whose
+            # frames hold the step's activations: they are freed before anything else is measured
+            return None
+        return result, seconds, peak
+
+    def _out_of_memory(self) -> MemoryCapExceeded:
+        """Under a cap the allocator stops at the cap, so running out is the cap being hit."""
+        self.optimizer.zero_grad(set_to_none=True)  # gradients of the micro-batches that did run
+        peak = card_peak({"peak_mem_bytes": torch.cuda.max_memory_reserved(self.device),
+                          "cuda_context_bytes": cuda_context_bytes(self.device)})
+        gc.collect()
+        torch.cuda.empty_cache()
+        cap = int(self.recipe.memory.max_mem or torch.cuda.get_device_properties(self.device).total_memory)
+        return MemoryCapExceeded(cap, peak, self.step + 1)
+
     def _check_cap(self, record: dict) -> None:
         cap = self.recipe.memory.max_mem
-        if cap is not None and record["peak_mem_bytes"] > cap:
-            raise MemoryCapExceeded(int(cap), record["peak_mem_bytes"], self.step)
+        if cap is None:
+            return
+        if card_peak(record) > cap:
+            raise MemoryCapExceeded(int(cap), card_peak(record), self.step)
+        grown = record.get("cuda_context_bytes", 0) - (self.limited_at_context or 0)
+        if self.limited_at_context is not None and grown > CONTEXT_SLACK:
+            # lazy module loading grew the context in the first steps: the allocator gets less
+            log.info("memory cap: the CUDA context grew by %s after step %d loaded its kernels; lowering the "
+                     "allocator limit", format_bytes(grown), self.step)
+            self.limited_at_context = limit_cuda_memory(self.device, int(cap))
 
 
-def limit_cuda_memory(device: torch.device, cap: int) -> None:
-    """Make the allocator fail at `cap` on a larger card, as a card of that size would."""
+CONTEXT_SLACK = 16 << 20  # context growth below this is left to the in-run check
+
+
+def limit_cuda_memory(device: torch.device, cap: int) -> int | None:
+    """Make the allocator fail where reserve + context reach `cap`, as a card of that size would;
+    returns the context the limit was set for (None: the cap is not below the card)."""
     total = torch.cuda.get_device_properties(device).total_memory
     if cap >= total:
         log.info("memory cap %s is not below the card's %s: nothing to limit", format_bytes(cap), format_bytes(total))
-        return
+        return None
     context = cuda_context_bytes(device)
     fraction = max(0.0, (cap - context) / total)  # the CUDA context counts against a card-level cap too
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     log.info("memory cap %s: allocator limited to %.1f%% of %s (CUDA context %s)", format_bytes(cap),
              100 * fraction, format_bytes(total), format_bytes(context))
+    return context
 
 
 def _synchronize(device: torch.device) -> None:

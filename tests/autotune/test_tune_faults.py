@@ -44,6 +44,16 @@ def test_an_impossible_cap_says_what_was_seen_and_what_would_help(ckrun, monkeyp
     assert "--search-precision would try bf16" in err
 
 
+def test_when_every_probe_breaks_the_line_gives_the_probes_reason(ckrun, monkeypatch, tmp_path):
+    # not "the smallest peak predicted": a crash says nothing about memory
+    use_fake_child(monkeypatch)
+    monkeypatch.setenv("CKRUN_PROBE_FAULT", "crash:0,crash:1,crash:2")
+    code, _, err = _tune(ckrun, tmp_path, "--max-mem", "10MB", "--trials", "3")
+    assert code == 3 and len(err.strip().splitlines()) == 1
+    assert "3 probe(s) failed before measuring a peak, e.g. trial 0" in err and "SIGSEGV" in err
+    assert f"{tmp_path / 'probes' / 'trial-0.log'}" in err
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-mem", "lots", "'lots' is not a size"),
     ("--time-budget", "soon", "'soon' is not a duration"),

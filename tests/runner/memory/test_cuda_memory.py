@@ -39,3 +39,24 @@ def test_prediction_is_close_to_the_allocator_peak(tmp_path, ckrun):
     assert ckrun(BERT_TINY, *SMALL_BERT, "train.steps=3", f"output.dir={run}")[0] == 0
     measured = max(m["peak_mem_bytes"] for m in read_metrics(run))
     assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_an_out_of_memory_step_gives_its_memory_back():
+    import gc
+
+    from runner.load import load_recipe
+    from runner.train.loop import MemoryCapExceeded, Trainer
+
+    # a batch whose activations cannot fit under a 2 GB cap: the allocator stops at the cap mid-step
+    recipe = load_recipe(BERT_TINY, [*SMALL_BERT, "train.batch_size=1024", "memory.max_mem=2GB"])
+    trainer = Trainer(recipe)
+    kept = sum(p.nbytes for p in trainer.model.parameters())
+    with pytest.raises(MemoryCapExceeded) as caught:
+        trainer.train_step()
+    assert caught.value.peak > 0 and caught.value.step == 1
+    gc.collect()
+    # what is left is the model (no optimizer state yet, the partial gradients dropped) and little else
+    assert torch.cuda.memory_allocated() < kept + 64 * 2**20
+    del trainer, caught
+    gc.collect()
+    torch.cuda.empty_cache()
