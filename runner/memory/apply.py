@@ -18,6 +18,7 @@ from ..plan import MemoryPlan
 from .blocks import BlockList, Undo, find_blocks
 from .checkpointing import apply_checkpointing, chosen_blocks
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
+from .torch_features import missing_for_sqrt
 
 log = logging.getLogger("ckrun")
 
@@ -43,8 +44,7 @@ class AppliedPlan:
         self.remove()
 
 
-def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str,
-               use_side_stream: bool = True) -> AppliedPlan:
+def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> AppliedPlan:
     """Apply `plan`'s checkpointing and offload to `model`'s blocks (after the model is on `device`)."""
     device = torch.device(device)
     needs_blocks = plan.checkpointing.policy != "none" or plan.offload.policy != "none"
@@ -57,7 +57,7 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str,
         log.info("memory plan on %d blocks of %s", len(blocks), blocks.container_name or type(model).__name__)
     applied._undo.append(apply_checkpointing(blocks, plan.checkpointing))
     try:
-        undo_offload, applied.offload = apply_offload(blocks, plan.offload, device, use_side_stream)
+        undo_offload, applied.offload = apply_offload(blocks, plan.offload, device)
     except BaseException:
         applied.remove()
         raise
@@ -69,11 +69,18 @@ def check_combination(plan: MemoryPlan, device: torch.device) -> None:
     """Plan problems that need no model: a ValueError whose message starts with the key to change."""
     if plan.offload.policy != "none" and device.type != "cuda":
         raise ValueError(CPU_REFUSAL)
+    if plan.checkpointing.policy == "sqrt" and missing_for_sqrt():
+        raise ValueError(missing_for_sqrt())
     if plan.compile and plan.checkpointing.policy == "sqrt":
         # a segment's checkpoint region opens in one block's forward and closes in another's,
         # which torch.compile cannot trace
         raise ValueError("memory.checkpointing: policy sqrt cannot be combined with memory.compile: true; "
                          "use policy full, every, layers or selective")
+    if plan.offload.policy != "none" and plan.compile:
+        # dynamo would trace the offload hooks' Python (streams, events, a buffer pool) and fail its
+        # guards on them; compiled code also frees and reuses activations in its own way
+        raise ValueError("memory.offload: cannot be combined with memory.compile: true; "
+                         "set memory.offload.policy: none or memory.compile: false")
     if plan.offload.policy != "none" and plan.checkpointing.policy == "sqrt":
         # a sqrt segment's checkpoint region spans several blocks, but offload hooks open and close
         # around each block: the two would interleave on autograd's saved-tensor hook stack

@@ -15,13 +15,13 @@ runs the step on fake CPU tensors and reproduces here the CUDA behaviour that ch
   on both devices, so CPU autocast does that part.
 - `CachingAllocatorModel`: turns the order of allocations and frees into reserved bytes, as
   c10's CUDACachingAllocator does (see the class).
-- `offload_hooks`: activation offload as `runner.memory.offload` does it, with a fake host copy.
 
 Checked against fake CUDA tensors, whose forward does run (tests): the forward of BERT, GPT-2,
 Llama, T5 and ViT gives the same bytes, ResNet within its BatchNorm statistics (CUDA keeps them in
 fp32, fake CPU in the input dtype: 4 bytes per channel and layer).
-Not modelled: kernel workspaces (cuBLAS ~32 MiB, cuDNN convolution), the CUDA context, cuDNN
-attention, CPU autocast fp32 ops that CUDA keeps in low precision beyond those listed here.
+What CUDA adds beyond tensors (cuBLAS workspaces, attention backward scratch, the allocator's
+config) is in `cuda_extras`. Not modelled: cuDNN attention, CPU autocast fp32 ops that CUDA keeps
+in low precision beyond those listed here.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
+
+from .cuda_extras import efficient_backward_scratch, flash_backward_scratch, hold_during_backward
 
 HALF = (torch.float16, torch.bfloat16)
 _FP32_OPS = frozenset({  # CUDA autocast's fp32 list (autocast_mode.cpp), the ones models call
@@ -112,14 +112,18 @@ def attention_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     head_dim = query.size(-1)
     dense = query.dim() == 4 and key.size(-1) == value.size(-1) == head_dim
     if dense and query.dtype in HALF and attn_mask is None and head_dim <= 256:  # flash takes GQA as it is
-        return torch.ops.aten._scaled_dot_product_flash_attention(
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        hold_during_backward(out, (query, key, value), flash_backward_scratch(query))
+        return out
     if dense and not enable_gqa and head_dim % (8 if query.dtype in HALF else 4) == 0:
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, -math.inf)
         needs_lse = any(t.requires_grad for t in (query, key, value))
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, needs_lse, dropout_p, is_causal, scale=scale)[0]
+        hold_during_backward(out, (query, key, value), efficient_backward_scratch(query))
+        return out
     # the math path, as CUDA runs it (the CPU dispatcher would pick its own flash kernel)
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
@@ -138,45 +142,6 @@ def _dropout_as_on_cuda(input, p=0.5, training=True, inplace=False):
     if training and 0 < p < 1 and not inplace and input.numel() > 0:
         return torch.ops.aten.native_dropout(input, p, True)[0]
     return _DROPOUT(input, p, training, inplace)
-
-
-# --- activation offload ----------------------------------------------------------------------
-
-
-def offload_hooks(module: torch.nn.Module, device: torch.device, min_bytes: int) -> saved_tensors_hooks:
-    """The saved-tensor hooks `ActivationOffload` puts around one block's forward, on fake tensors:
-    a saved tensor on `device` of at least `min_bytes` that is not the block's weight moves to a
-    host copy (a fake meta tensor, so the tracker counts it apart from the device) and comes back
-    as a fresh device copy when backward unpacks it."""
-    own = {id(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
-    seen: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id -> (the tensor, its host copy)
-
-    def pack(tensor: torch.Tensor):
-        big = tensor.numel() * tensor.element_size() >= min_bytes
-        if tensor.device != device or tensor.layout is not torch.strided or not big:
-            return tensor
-        if id(tensor.untyped_storage()) in own:
-            return tensor
-        hit = seen.get(id(tensor))
-        if hit is None or hit[0]() is not tensor:  # a tensor saved twice is copied once
-            hit = seen[id(tensor)] = (weakref.ref(tensor), tensor.to("meta"))
-        return (hit[1], device)
-
-    def unpack(packed):
-        return packed[0].to(packed[1]) if isinstance(packed, tuple) else packed
-
-    return saved_tensors_hooks(pack, unpack)
-
-
-def offloading(forward, module: torch.nn.Module, device: torch.device, min_bytes: int):
-    """A block forward wrapped like `ActivationOffload.wrapper`, for `blocks.wrap_forward`."""
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        with offload_hooks(module, device, min_bytes):
-            return forward(*args, **kwargs)
-    return run
 
 
 # --- the caching allocator --------------------------------------------------------------------
@@ -208,12 +173,19 @@ class CachingAllocatorModel:
       rest is at least 512 B (small pool) or more than 1 MiB (large pool); only when none fits is a
       new segment reserved (cudaMalloc);
     - a freed block merges with free neighbours of its segment; segments are never returned (no
-      empty_cache), so reserved bytes only grow, and their maximum is the reserved peak.
-    Not modelled: expandable segments, max_split_size / garbage-collection settings, the release of
-    cached segments and retry that happens only when a cudaMalloc fails near the card's limit.
+      empty_cache), so reserved bytes only grow, and their maximum is the reserved peak;
+    - with `expandable=True` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) each pool is one
+      segment that maps more pages at its end (2 MiB small, 20 MiB large) when nothing fits,
+      growing its free tail block rather than reserving a new segment.
+    Not modelled: max_split_size / garbage-collection settings, the release of cached segments and
+    retry that happens only when a cudaMalloc fails near the card's limit.
     """
 
-    def __init__(self):
+    def __init__(self, expandable: bool = False):
+        self.expandable = expandable
+        self._grown: dict[bool, int] = {}  # expandable: small pool? -> its one segment
+        self._last_block: dict[int, _Block] = {}  # expandable segment -> its block at the highest offset
+        self._mapped: dict[int, int] = {}  # expandable segment -> bytes mapped
         self.reserved = 0
         self.allocated = 0
         self.peak_allocated = 0
@@ -259,11 +231,15 @@ class CachingAllocatorModel:
             tail = _Block(block.segment, block.offset + size, rest, block, block.next)
             if block.next is not None:
                 block.next.prev = tail
+            if self._last_block.get(block.segment) is block:
+                self._last_block[block.segment] = tail
             block.next, block.size = tail, size
             self._list(small, tail)
         return block
 
     def _new_segment(self, small: bool, size: int) -> _Block:
+        if self.expandable:
+            return self._expand(small, size)
         if small:
             segment_size = SMALL_SEGMENT
         elif size < MIN_LARGE_ALLOC:
@@ -276,8 +252,35 @@ class CachingAllocatorModel:
         self._list(small, block)
         return self._take(small, size)
 
+    def _expand(self, small: bool, size: int) -> _Block:
+        """Expandable segments: map pages at the pool segment's end, enough for `size` with its free tail."""
+        if small not in self._grown:
+            self._grown[small] = len(self._segment_small)
+            self._segment_small.append(small)
+            self._mapped[self._grown[small]] = 0
+        segment = self._grown[small]
+        tail = self._last_block.get(segment)
+        has_free_tail = tail is not None and tail.free
+        page = SMALL_SEGMENT if small else LARGE_SEGMENT
+        grow = -(-(size - (tail.size if has_free_tail else 0)) // page) * page
+        self.reserved += grow
+        if has_free_tail:
+            self._unlist(small, tail)
+            tail.size += grow
+            block = tail
+        else:
+            block = _Block(segment, self._mapped[segment], grow, prev=tail)
+            if tail is not None:
+                tail.next = block
+            self._last_block[segment] = block
+        self._mapped[segment] += grow
+        self._list(small, block)
+        return self._take(small, size)
+
     def _merge(self, block: _Block, neighbour: _Block) -> _Block:
         first, second = (neighbour, block) if neighbour.offset < block.offset else (block, neighbour)
+        if self._last_block.get(second.segment) is second:
+            self._last_block[second.segment] = first
         first.size += second.size
         first.next = second.next
         if second.next is not None:
@@ -296,12 +299,15 @@ class CachingAllocatorModel:
         del self._blocks[(block.segment, block.offset)]
 
 
-def replay(events, device: torch.device, baseline: int, repeats: int = 2) -> CachingAllocatorModel:
-    """Run `events[:baseline]` once (what exists before the step) and the step's events after it
-    `repeats` times (the second step already finds the first step's cached segments)."""
-    model = CachingAllocatorModel()
+def replay(events, device: torch.device, baseline: int, repeats: int = 2, kept: tuple[int, ...] = (),
+           expandable: bool = False) -> CachingAllocatorModel:
+    """Run `events[:baseline]` once (what exists before the step), then allocations that stay from the
+    first step on (`kept`: cuBLAS workspaces), then the step's events `repeats` times (the second
+    step already finds the first step's cached segments)."""
+    model = CachingAllocatorModel(expandable)
     steps = [e for e in events[baseline:] if e[2] == device]
-    for key, nbytes, where in [e for e in events[:baseline] if e[2] == device] + steps * repeats:
+    workspaces = [(-1 - i, nbytes, device) for i, nbytes in enumerate(kept)]  # keys no tensor has
+    for key, nbytes, where in [e for e in events[:baseline] if e[2] == device] + workspaces + steps * repeats:
         if nbytes > 0:
             model.alloc(key, nbytes)
         else:

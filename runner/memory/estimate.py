@@ -34,9 +34,10 @@ from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticDat
 from ..train.step import Precision, run_step
 from .apply import apply_plan, check_combination
 from .blocks import find_blocks, undo_all, wrap_forward
-from .cuda_model import CudaOnCpu, in_cuda_mode, offloading, replay
+from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
+from .cuda_model import CudaOnCpu, in_cuda_mode, replay
 from .measure import format_bytes
-from .offload import offloaded_blocks
+from .offload import ActivationOffload, CopyTransport, offloaded_blocks
 from .tracker import LiveBytesTracker
 
 CPU = torch.device("cpu")
@@ -119,8 +120,8 @@ class Estimator:
 
     @contextlib.contextmanager
     def _applied(self, plan: MemoryPlan):
-        """The plan on the model for one step: checkpointing via apply_plan, offload reproduced here
-        (the real offload skips fake tensors and needs CUDA streams)."""
+        """The plan on the model for one step: checkpointing via apply_plan, offload with training's
+        `ActivationOffload` whose copies are synchronous and land on the meta device (no streams)."""
         undos = []
         try:
             blocks = None if plan.checkpointing.policy == "none" and plan.offload.policy == "none" else \
@@ -129,8 +130,9 @@ class Estimator:
                 undos += [wrap_forward(block.module, in_cuda_mode) for block in blocks]
             undos.append(apply_plan(self.model, plan.model_copy(update={"offload": NoOffload()}), CPU).remove)
             if plan.offload.policy != "none":  # outside the checkpoint, as apply_plan stacks them
-                min_bytes = int(plan.offload.min_bytes)
-                undos += [wrap_forward(blocks[i].module, offloading, blocks[i].module, CPU, min_bytes)
+                # training's own offloader and schedule; only the copies are fake (host = meta)
+                offload = ActivationOffload(CPU, int(plan.offload.min_bytes), CopyTransport(CPU, HOST))
+                undos += [wrap_forward(blocks[i].module, offload.wrapper, blocks[i].module)
                           for i in offloaded_blocks(plan.offload, blocks)]
             yield
         finally:
@@ -149,10 +151,20 @@ class Estimator:
             notes.append("fp16: the GradScaler's few scalar tensors are left out")
         if not self.cuda:
             return Estimate(live, breakdown, notes, live, "cpu")
-        allocator = replay(tracker.events, CPU, baseline)
-        breakdown["allocator_cache"] = allocator.reserved - live
-        notes.append(f"CUDA caching allocator model: {format_bytes(allocator.reserved)} reserved for "
-                     f"{format_bytes(live)} of live tensors; the CUDA context (~0.5 GB) and kernel workspaces are extra")
+        capability, measured = target_capability()
+        workspace = cublas_workspace_bytes(capability)
+        expandable, ignored = allocator_settings()
+        allocator = replay(tracker.events, CPU, baseline, kept=(workspace,) * BLAS_HANDLES_PER_STEP,
+                           expandable=expandable)
+        breakdown["cublas_workspaces"] = workspace * BLAS_HANDLES_PER_STEP
+        breakdown["allocator_cache"] = allocator.reserved - live - breakdown["cublas_workspaces"]
+        gpu = f"sm{capability[0]}{capability[1]}" + ("" if measured else " (assumed: no GPU here)")
+        notes.append(f"CUDA caching allocator model{' with expandable segments' if expandable else ''}: "
+                     f"{format_bytes(allocator.reserved)} reserved for {format_bytes(live)} of live tensors and "
+                     f"{BLAS_HANDLES_PER_STEP} cuBLAS workspaces of {format_bytes(workspace)} ({gpu}); the CUDA "
+                     f"context (~0.8 GB on an H100 once a step's kernels are loaded) is not included")
+        if ignored:
+            notes.append(f"PYTORCH_CUDA_ALLOC_CONF settings not modelled: {', '.join(ignored)}")
         host = tracker.peak_by_device.get(str(HOST), 0)
         if host:
             notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")

@@ -1,14 +1,23 @@
 """Activation offload: the saved activations of chosen blocks wait in pinned host memory.
 
-While a chosen block runs forward, `saved_tensors_hooks` copies each tensor autograd saves for
-backward (at least `min_bytes`, on the training device, not a weight) into a pinned host buffer
-and lets the device copy go; backward copies it back just before the op that needs it. The
-device-to-host copy runs on a side stream so compute does not wait for it; events order the two
-streams. Host buffers come from a pool keyed by byte size and are reused every step, because
-pinning memory costs far more than copying into it.
+The schedule is torchtune's OffloadActivations, per block:
 
-On a checkpointed block the hooks sit outside the checkpoint, so what goes to the host is what
-the checkpoint keeps: the block's input (and, for selective checkpointing, the cached outputs).
+- Forward. While a chosen block runs, `saved_tensors_hooks` copy each tensor autograd saves for
+  backward that `offloadable` accepts (on the training device, at least `min_bytes`, not a weight
+  nor a view or autocast cast of one) into a pinned host buffer on a side stream. The device
+  tensor stays in a stash until its copy is done: when block k starts, the compute stream waits
+  for the copies of block k-2 and lets their device tensors go. That bounds what is in flight to
+  two blocks, and since nothing calls `record_stream`, freed memory is reusable at once, in the
+  compute stream's order, so the allocator's reserve (what a cap limits) really drops.
+- Backward. The first unpack of a block's tensors brings the block back (unless prefetched) and
+  prefetches the block before it on the side stream, into memory allocated on the compute stream;
+  compute waits only for the copy of the tensor it needs. Blocks whose copies were still stashed
+  when backward began (the last ones) use their device tensors: no round trip.
+
+The memory estimate runs this same class with `CopyTransport(meta)`: the same pack rule and the same
+stash and prefetch timing, with fake host copies. On a checkpointed block the hooks sit outside the
+checkpoint, so what goes to the host is what the checkpoint keeps: the block's input (and, on torch
+>= 2.14, the outputs selective checkpointing caches).
 """
 
 from __future__ import annotations
@@ -27,11 +36,44 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..plan import Offload
 from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
 from .measure import format_bytes
+from .torch_features import storage_key
 
 log = logging.getLogger("ckrun")
 
 CPU_REFUSAL = ("memory.offload: activation offload moves activations from GPU to host memory; this run is on the "
                "CPU, so there is nothing to save - set memory.offload.policy: none")
+
+# autograd nodes that only view or cast their input: a saved tensor reached from a parameter through
+# these alone is the parameter itself in another dtype or shape (autocast's bf16 weight, a transpose)
+_VIEWS_AND_CASTS = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "ReshapeAliasBackward0", "SliceBackward0", "SelectBackward0",
+})
+
+
+def derived_from_parameter(tensor: torch.Tensor, depth: int = 6) -> bool:
+    """True for a parameter and for views and casts of one: under autocast, each forward saves the
+    bf16 copy of every weight it multiplies with. Moving those to the host and back would cost
+    bandwidth every micro-batch and save nothing: the next forward makes them again."""
+    if tensor.grad_fn is None:
+        return isinstance(tensor, nn.Parameter)
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node.name().endswith("AccumulateGrad"):
+            return isinstance(getattr(node, "variable", None), nn.Parameter)
+        parents = [parent for parent, _ in node.next_functions if parent is not None]
+        if node.name() not in _VIEWS_AND_CASTS or len(parents) != 1:
+            return False
+        node = parents[0]
+    return False
+
+
+def offloadable(tensor: torch.Tensor, device: torch.device, min_bytes: int, own: _Storages) -> bool:
+    """The one rule of what goes to the host, shared by training and the memory estimate."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return (tensor.device == device and tensor.layout is torch.strided and nbytes > 0 and nbytes >= min_bytes
+            and not derived_from_parameter(tensor) and not own.holds(tensor))
 
 
 def offloaded_blocks(policy: Offload, blocks: BlockList) -> list[int]:
@@ -43,66 +85,132 @@ def offloaded_blocks(policy: Offload, blocks: BlockList) -> list[int]:
     return []
 
 
-def apply_offload(blocks: BlockList, policy: Offload, device: torch.device,
-                  use_side_stream: bool = True) -> tuple[Undo, ActivationOffload | None]:
+def apply_offload(blocks: BlockList, policy: Offload, device: torch.device) -> tuple[Undo, ActivationOffload | None]:
     """Offload the saved activations of the blocks `policy` names; returns (undo, the offloader)."""
     if policy.policy == "none":
         return undo_all([]), None
     if torch.device(device).type != "cuda":
         raise ValueError(CPU_REFUSAL)
     chosen = offloaded_blocks(policy, blocks)
-    offload = ActivationOffload(device, int(policy.min_bytes), use_side_stream)
-    log.info("offloading saved activations of %d of %d blocks (%s) to pinned host memory%s; tensors under %s stay",
-             len(chosen), len(blocks), short_list(chosen), " on a side stream" if use_side_stream else "",
-             format_bytes(int(policy.min_bytes)))
+    offload = ActivationOffload(device, int(policy.min_bytes), CudaTransport(device))
+    log.info("offloading saved activations of %d of %d blocks (%s) to pinned host memory on a side stream, at "
+             "most two blocks in flight; weights and tensors under %s stay", len(chosen), len(blocks),
+             short_list(chosen), format_bytes(int(policy.min_bytes)))
     return undo_all([wrap_forward(blocks[i].module, offload.wrapper, blocks[i].module) for i in chosen]), offload
 
 
+# --- moving bytes ------------------------------------------------------------------------------
+
+
 class HostPool:
-    """Host buffers by byte size, each with the event after which it may be written again."""
+    """Pinned host buffers by byte size, reused every step: pinning costs far more than copying.
+    Every copy into or out of a buffer runs on the one side stream, so their order is the stream's."""
 
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self.free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = defaultdict(list)
+    def __init__(self):
+        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self.allocated_bytes = 0
-        self.lock = threading.Lock()  # buffers come back from autograd's backward threads
+        self.lock = threading.Lock()  # buffers come back from autograd's backward thread
 
-    def take(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def take(self, nbytes: int) -> torch.Tensor:
         with self.lock:
             if self.free[nbytes]:
                 return self.free[nbytes].pop()
             self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def give(self, buffer: torch.Tensor, last_use: list) -> None:
+    def give(self, buffer: torch.Tensor) -> None:
         with self.lock:
-            self.free[buffer.numel()].append((buffer, last_use[0]))
+            self.free[buffer.numel()].append(buffer)
+
+
+class CudaTransport:
+    """Copies on a side stream. Device memory is always allocated on the compute stream, which then
+    waits for the copy's event before it uses (or frees) the tensor: no record_stream needed."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.pool = HostPool()
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return type(tensor) is torch.Tensor  # tensor subclasses (DTensor, float8) are left alone
+
+    def to_host(self, tensor: torch.Tensor, owner: object) -> tuple[torch.Tensor, torch.cuda.Event]:
+        buffer = self.pool.take(tensor.numel() * tensor.element_size())
+        host = buffer.view(tensor.dtype).view(tensor.shape)
+        weakref.finalize(owner, self.pool.give, buffer)  # back to the pool when autograd drops the entry
+        return host, self._on_side_stream(lambda: host.copy_(tensor, non_blocking=True))
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # on the compute stream
+        return tensor, self._on_side_stream(lambda: tensor.copy_(host, non_blocking=True))
+
+    def _on_side_stream(self, copy: Callable) -> torch.cuda.Event:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the data, or the memory, is ready
+        with torch.cuda.stream(self.stream):
+            copy()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class CopyTransport:
+    """Synchronous copies to `host`: CPU tests (host "cpu") and the memory estimate (host "meta", so
+    fake host copies are counted apart from the device)."""
+
+    def __init__(self, device: torch.device, host: torch.device):
+        self.device, self.host = torch.device(device), torch.device(host)
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def to_host(self, tensor: torch.Tensor, owner: object) -> tuple[torch.Tensor, None]:
+        return tensor.to(self.host, copy=True), None
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return host.to(self.device, copy=True), None
+
+    def wait(self, event) -> None:
+        pass
+
+
+# --- the schedule ------------------------------------------------------------------------------
 
 
 class _Offloaded:
-    """What autograd keeps instead of a device tensor: its host copy and when that copy is done."""
+    """What autograd keeps instead of a device tensor: the host copy, and the device tensor while it
+    exists (stashed in forward, fetched in backward)."""
 
-    __slots__ = ("host", "device", "copied", "last_use", "__weakref__")
+    __slots__ = ("host", "device_tensor", "ready", "group", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, copied, last_use: list):
-        self.host, self.device, self.copied, self.last_use = host, device, copied, last_use
+    def __init__(self, group: _Group):
+        self.host, self.device_tensor, self.ready, self.group = None, None, None, group
+
+
+class _Group:
+    """The offloaded tensors of one forward of one block, linked to the block that ran before it."""
+
+    def __init__(self, previous: _Group | None):
+        self.previous = previous
+        self.entries: list[weakref.ref] = []  # autograd owns the entries; a group must not keep them alive
+        self.stash: list[tuple[torch.Tensor, object]] = []  # (device tensor, its copy's event) in flight
+        self.fetched = False
 
 
 class ActivationOffload:
-    """saved_tensors_hooks that move large saved activations of a block to host memory.
+    """saved_tensors_hooks that move large saved activations of chosen blocks to the host and back,
+    on the schedule in the module docstring. `transport` does the copies (`CudaTransport` in training)."""
 
-    `device` is the training device; a CPU device is accepted here only so tests can run the
-    hooks without a GPU (host and "device" are then the same memory).
-    """
-
-    def __init__(self, device: torch.device | str, min_bytes: int, use_side_stream: bool = True):
+    def __init__(self, device: torch.device | str, min_bytes: int, transport: CudaTransport | CopyTransport):
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        if self.cuda and self.device.index is None:
+        if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.min_bytes = min_bytes
-        self.pool = HostPool(pin=self.cuda)
-        self.stream = torch.cuda.Stream(self.device) if self.cuda and use_side_stream else None
+        self.min_bytes, self.transport = min_bytes, transport
+        self._last: _Group | None = None  # the newest group of the forward now running, None in backward
         self.offloaded_bytes = 0  # totals since creation, for logs and tests
         self.offloaded_count = 0
 
@@ -116,77 +224,83 @@ class ActivationOffload:
         return run
 
     def hooks(self, module: nn.Module) -> saved_tensors_hooks:
-        """The hooks for one forward of `module`: its weights stay, a tensor saved twice is copied once."""
-        weights = _LazyStorages(module)
-        seen: dict[int, tuple[weakref.ref, _Offloaded]] = {}
-        return saved_tensors_hooks(functools.partial(self._pack, weights, seen), self._unpack)
+        """The hooks for one forward of `module`; a tensor saved twice in it is copied once."""
+        if self._last is not None and self._last.previous is not None:
+            self._release(self._last.previous)  # block k starts: block k-2's copies must be done
+        group = self._last = _Group(self._last)
+        own, seen = _Storages(module), {}
+        return saved_tensors_hooks(functools.partial(self._pack, group, own, seen), self._unpack)
 
-    def wants(self, tensor: torch.Tensor) -> bool:
-        # plain tensors only: parameters stay, and so do fake/meta tensors of a memory estimate
-        return (type(tensor) is torch.Tensor and tensor.device == self.device and tensor.layout is torch.strided
-                and tensor.numel() * tensor.element_size() >= self.min_bytes)
-
-    def _pack(self, weights: _LazyStorages, seen: dict, tensor: torch.Tensor):
-        if not self.wants(tensor) or weights.holds(tensor):
+    def _pack(self, group: _Group, own: _Storages, seen: dict, tensor: torch.Tensor):
+        if not self.transport.accepts(tensor) or not offloadable(tensor, self.device, self.min_bytes, own):
             return tensor
         hit = seen.get(id(tensor))
         if hit is not None and hit[0]() is tensor:
             return hit[1]
-        packed = self._copy_out(tensor)
-        seen[id(tensor)] = (weakref.ref(tensor), packed)
-        return packed
-
-    def _copy_out(self, tensor: torch.Tensor) -> _Offloaded:
-        nbytes = tensor.numel() * tensor.element_size()
-        buffer, writable = self.pool.take(nbytes)
-        host = buffer.view(tensor.dtype).view(tensor.shape)
-        copied = None
-        if not self.cuda:
-            host.copy_(tensor)
-        else:
-            compute = torch.cuda.current_stream(self.device)
-            stream = compute if self.stream is None else self.stream
-            if stream is not compute:
-                stream.wait_stream(compute)  # the kernel that produced the tensor must finish first
-            with torch.cuda.stream(stream):
-                if writable is not None:
-                    stream.wait_event(writable)  # last step's copy back out of this buffer
-                host.copy_(tensor, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(stream)
-            if self.stream is not None:
-                tensor.record_stream(self.stream)  # the allocator must not reuse it until the copy is done
-        self.offloaded_bytes += nbytes
+        entry = _Offloaded(group)
+        entry.host, copied = self.transport.to_host(tensor, entry)
+        group.entries.append(weakref.ref(entry))
+        group.stash.append((tensor, weakref.ref(entry), copied))
+        seen[id(tensor)] = (weakref.ref(tensor), entry)
+        self.offloaded_bytes += tensor.numel() * tensor.element_size()
         self.offloaded_count += 1
-        last_use = [copied]
-        packed = _Offloaded(host, tensor.device, copied, last_use)
-        # the buffer goes back to the pool when autograd drops the saved tensor (after backward)
-        weakref.finalize(packed, self.pool.give, buffer, last_use)
-        return packed
+        return entry
 
-    def _unpack(self, packed):
-        if not isinstance(packed, _Offloaded):
-            return packed
-        if packed.copied is None:
-            return packed.host.clone()
-        current = torch.cuda.current_stream(packed.device)
-        current.wait_event(packed.copied)
-        tensor = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=packed.device)
-        tensor.copy_(packed.host, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(current)
-        packed.last_use[0] = done
-        return tensor
+    def _unpack(self, entry):
+        if not isinstance(entry, _Offloaded):
+            return entry
+        if self._last is not None:
+            self._begin_backward()
+        group = entry.group
+        self._fetch(group)
+        if group.previous is not None:
+            self._fetch(group.previous)  # prefetch: its copies overlap this block's backward
+        if entry.device_tensor is None:  # the entry was created after its group was fetched
+            entry.device_tensor, entry.ready = self.transport.to_device(entry.host)
+        self.transport.wait(entry.ready)
+        return entry.device_tensor
+
+    def _release(self, group: _Group) -> None:
+        """Forward: let a group's device tensors go once the compute stream has waited for their copies."""
+        if group.stash:
+            self.transport.wait(group.stash[-1][2])  # one side stream: the last copy ends after the rest
+            group.stash.clear()
+
+    def _begin_backward(self) -> None:
+        """The forward is over: stashed device tensors serve backward directly (their copies are waited
+        for, since the memory is freed in compute order once backward is done with it)."""
+        group, self._last = self._last, None
+        while group is not None:  # the whole chain: a block that offloaded nothing has an empty stash
+            if not group.stash:
+                group = group.previous
+                continue
+            self.transport.wait(group.stash[-1][2])
+            for tensor, entry_ref, _ in group.stash:
+                entry = entry_ref()
+                if entry is not None:
+                    entry.device_tensor = tensor
+            group.stash.clear()
+            group.fetched = True
+            group = group.previous
+
+    def _fetch(self, group: _Group) -> None:
+        if group.fetched:
+            return
+        group.fetched = True
+        for entry_ref in group.entries:
+            entry = entry_ref()
+            if entry is not None and entry.device_tensor is None:
+                entry.device_tensor, entry.ready = self.transport.to_device(entry.host)
 
 
-class _LazyStorages:
-    """The storages of a module's parameters and buffers, looked up on the first tensor that asks."""
+class _Storages:
+    """The storages of a module's parameters and buffers (a buffer saved for backward stays), looked
+    up on the first tensor that asks."""
 
     def __init__(self, module: nn.Module):
-        self.module, self.pointers = module, None
+        self.module, self.keys = module, None
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        if self.pointers is None:
-            tensors = [*self.module.parameters(), *self.module.buffers()]
-            self.pointers = {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
-        return tensor.untyped_storage().data_ptr() in self.pointers
+        if self.keys is None:
+            self.keys = {storage_key(t) for t in (*self.module.parameters(), *self.module.buffers())}
+        return storage_key(tensor) in self.keys

@@ -1,0 +1,98 @@
+"""What a CUDA step takes beyond its tensors, and the allocator model's bookkeeping, checked on the CPU."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from runner.memory.cuda_extras import (
+    MiB,
+    allocator_settings,
+    cublas_workspace_bytes,
+    efficient_backward_scratch,
+    flash_backward_scratch,
+    hold_during_backward,
+)
+from runner.memory.cuda_model import SMALL_SEGMENT, LARGE_SEGMENT, CachingAllocatorModel
+from runner.memory.tracker import LiveBytesTracker
+
+
+def test_cublas_workspace_follows_the_config_then_torch_defaults():
+    assert cublas_workspace_bytes((9, 0), ":4096:8") == 32 * MiB
+    assert cublas_workspace_bytes((8, 0), ":4096:2:16:8") == (8192 + 128) * 1024
+    assert cublas_workspace_bytes((9, 0), "") == 32 * MiB  # measured on an H100 (bench/gpu/facts.py)
+    assert cublas_workspace_bytes((8, 6), "") == (8192 + 128) * 1024
+
+
+def test_allocator_settings_name_what_the_model_does_not_follow(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True, max_split_size_mb:128")
+    assert allocator_settings() == (True, ["max_split_size_mb:128"])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert allocator_settings() == (False, [])
+
+
+def test_attention_scratch_matches_what_an_h100_measured():
+    query = torch.empty(16, 16, 512, 64, device="meta")  # bert_large's attention at micro-batch 16
+    assert flash_backward_scratch(query) == 67_633_152
+    assert efficient_backward_scratch(query) == 34_111_488
+
+
+def test_backward_scratch_is_held_while_the_gradient_passes_and_then_freed():
+    def peak(scratch: int) -> tuple[int, int]:
+        query = torch.randn(64, 64, requires_grad=True)
+        tracker = LiveBytesTracker("cpu")
+        with tracker:
+            out = query.tanh()
+            hold_during_backward(out, (query,), scratch)
+            out.sum().backward()
+            del out
+            after = tracker.current_bytes
+        tracker.close()
+        return tracker.peak_bytes, after
+
+    plain, left_plain = peak(0)
+    with_scratch, left = peak(1 << 20)
+    assert with_scratch >= plain + (1 << 20)
+    assert left == left_plain  # nothing of the scratch outlives the backward
+
+
+def _check_bookkeeping(allocator: CachingAllocatorModel, live: dict[int, int]) -> None:
+    """Blocks tile the reserve exactly; no two free neighbours are left unmerged; counts add up."""
+    free_bytes = sum(size for size, _, _ in allocator._free[True] + allocator._free[False])
+    used_bytes = sum(block.size for blocks in allocator._live.values() for block in blocks)
+    assert free_bytes + used_bytes == allocator.reserved
+    assert used_bytes == allocator.allocated >= sum(live.values())
+    for block in allocator._blocks.values():
+        assert not (block.next is not None and block.next.free)
+
+
+@settings(max_examples=60, deadline=None)
+@given(expandable=st.booleans(), operations=st.lists(
+    st.tuples(st.booleans(), st.integers(0, 11), st.sampled_from([1, 512, 4096, 700_000, 1 << 20, 3 << 20, 15 << 20,
+                                                                     40 << 20])), max_size=60))
+def test_the_allocator_model_keeps_its_books_for_any_sequence(expandable, operations):
+    allocator, live, reserved = CachingAllocatorModel(expandable), {}, 0
+    for allocate, key, nbytes in operations:
+        if allocate and key not in live:
+            allocator.alloc(key, nbytes)
+            live[key] = nbytes
+        elif not allocate and key in live:
+            allocator.free(key)
+            del live[key]
+        assert allocator.reserved >= reserved  # segments are never given back
+        reserved = allocator.reserved
+        _check_bookkeeping(allocator, live)
+    if expandable:  # one segment per pool, mapped in whole pages
+        assert len(allocator._segment_small) <= 2
+        small = sum(allocator._mapped[s] for flag, s in allocator._grown.items() if flag)
+        assert small % SMALL_SEGMENT == 0 and (allocator.reserved - small) % LARGE_SEGMENT == 0
+
+
+def test_expandable_segments_grow_a_free_tail_instead_of_reserving_a_new_segment():
+    classic, expandable = CachingAllocatorModel(), CachingAllocatorModel(expandable=True)
+    for allocator in (classic, expandable):
+        allocator.alloc(1, 30 << 20)
+        allocator.free(1)
+        allocator.alloc(2, 50 << 20)  # the freed 30 MiB is too small
+    assert classic.reserved == (30 + 50) << 20  # a second segment
+    assert expandable.reserved == 60 << 20  # the free tail (40 MiB mapped) grows by one 20 MiB page
