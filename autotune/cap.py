@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.memory.measure import format_bytes
+from runner.units import format_bytes
 
 
 @dataclass(frozen=True)

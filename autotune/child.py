@@ -29,7 +29,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .files import write_atomic
+from runner.files import write_atomic
 
 FAULT_ENV = "CKRUN_PROBE_FAULT"
 

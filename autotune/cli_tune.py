@@ -19,9 +19,9 @@ from runner.cli import Command
 from runner.library import DEFAULT_RECIPE, resolve_recipe
 from runner.load import load_recipe_document
 from runner.memory.blocks import BlockList
-from runner.memory.measure import format_bytes
-from runner.problems import EXIT_BAD_INPUT, InputError, Place, Problem
+from runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, InputError, Place, Problem
 from runner.recipe import Recipe
+from runner.units import format_bytes
 from runner.yamlio import dump_yaml
 
 from .files import StudyLock
@@ -33,9 +33,7 @@ from .study import Budget, Tuner, estimator_predictor, open_study, trial_records
 from .train import nothing_fits, train_with_fallback
 from .tuned import write_tuned
 
-log = logging.getLogger("ckrun")
-
-EXIT_NOTHING_FITS = 3
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser) -> None:

@@ -1,5 +1,4 @@
-"""Files in a study directory that other processes read while we write: atomic writes and the
-lock that keeps a second `ckrun tune` off a study that one is already running."""
+"""The lock that keeps a second `ckrun tune` off a study that one is already running."""
 
 from __future__ import annotations
 
@@ -8,13 +7,6 @@ import os
 from pathlib import Path
 
 from runner.problems import InputError, Place, Problem
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of it (`ckrun report` reads while we tune)."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
 
 
 class StudyLock:

@@ -18,11 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.files import write_atomic
 from runner.recipe import Recipe
 
-from .files import write_atomic
-
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of autotune.child (same arguments)
 

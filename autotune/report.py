@@ -14,12 +14,12 @@ import logging
 import statistics
 from pathlib import Path
 
-from runner.memory.measure import format_bytes
+from runner.files import write_atomic
+from runner.units import format_bytes
 
 from .cap import Cap
-from .files import write_atomic
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 
 def plans(records: list[dict]) -> list[dict]:

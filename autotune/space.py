@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from optuna.distributions import CategoricalDistribution
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,7 +24,7 @@ from runner.memory.checkpointing import sqrt_segments
 from runner.plan import MemoryPlan
 from runner.recipe import Recipe
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 EVERY_K = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # k for "checkpoint every k-th block": spread, not exhaustive
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -105,7 +106,7 @@ class Space:
     def all_params(self) -> list[dict[str, Any]]:
         """Every point, in a fixed order: the grid the benchmark compares against."""
         names = list(self.choices)
-        return [dict(zip(names, combo)) for combo in itertools.product(*(self.choices[n] for n in names))]
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(self.choices[n] for n in names))]
 
     def starting_points(self, recipe: Recipe, fits: Callable[[Candidate], bool] | None = None) -> list[dict]:
         """Known-good plans tried first: no plan, every block, every 2nd block checkpointed; each at the

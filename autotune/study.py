@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import optuna
 import torch
@@ -28,14 +28,14 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from runner.memory.apply import check_combination
-from runner.memory.measure import format_bytes
 from runner.problems import InputError, Place, Problem
+from runner.units import format_bytes
 
 from .cap import Cap
 from .report import ranked_feasible
 from .space import Candidate, Space
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 STUDY_NAME = "ckrun-tune"
 STARTUP_TRIALS = 5  # trials (starting points included) before TPE models the space instead of drawing at random

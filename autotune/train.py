@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from runner.memory.measure import format_bytes
 from runner.recipe import Recipe
 from runner.train.loop import MemoryCapExceeded, RunResult, train
+from runner.units import format_bytes
 
 from .report import summary
 from .space import Device, Space
 from .cap import Cap
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 BROKEN = ("crash", "died", "timeout", "bad_input")  # probe states that say nothing about memory
 TunedFor = Callable[[dict], "tuple[Path, Recipe]"]  # a ranked trial -> (tuned.yaml written for it, its recipe)

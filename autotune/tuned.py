@@ -12,12 +12,12 @@ import copy
 import time
 from pathlib import Path
 
+from runner.files import write_atomic
 from runner.load import recipe_from_text
-from runner.memory.measure import format_bytes
 from runner.recipe import Recipe
+from runner.units import format_bytes
 from runner.yamlio import Document, dump_yaml
 
-from .files import write_atomic
 from .cap import Cap
 
 

@@ -11,7 +11,12 @@ import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-EXIT_BAD_INPUT = 2
+# Every exit status ckrun gives, in one table: scripts and CI branch on them.
+EXIT_BAD_INPUT = 2  # a Problem with what the user gave: one line each on stderr
+EXIT_OVER_CAP = 3  # `ckrun run`: the measured peak went over memory.max_mem
+EXIT_NOTHING_FITS = 3  # `ckrun tune`: no plan fits under --max-mem (the same case as over the cap)
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports a process killed by it
+EXIT_BROKEN_PIPE = 141  # the reader of stdout went away (`ckrun schema | head`): 128 + SIGPIPE, likewise
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,17 @@ paths, directories) are checked here too, so `ckrun validate` catches them befor
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from .build.resolve import resolve_import_path, transformers_class
 from .plan import MemoryPlan, Strict
 from .problems import suggest
+
+_transformers_class = transformers_class  # runner/memory/estimate.py's name for it, until it moves to predict/
 
 Task = Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification", "image_classification"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -36,7 +38,7 @@ class ModelSpec(Strict):
     def _name_exists(cls, name: str, info: ValidationInfo) -> str:
         source = info.data.get("source")
         if source == "transformers":
-            _transformers_class(name)
+            transformers_class(name)
         elif source == "torchvision":
             import torchvision
 
@@ -51,7 +53,7 @@ class ModelSpec(Strict):
     @classmethod
     def _config_keys_exist(cls, config: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if info.data.get("source") == "transformers" and "name" in info.data:
-            check_config_keys(_transformers_class(info.data["name"]).config_class, config)
+            check_config_keys(transformers_class(info.data["name"]).config_class, config)
         return config
 
     @field_validator("pretrained")
@@ -60,18 +62,6 @@ class ModelSpec(Strict):
         if pretrained is not None and not Path(pretrained).expanduser().is_dir():
             raise ValueError(f"no local directory {pretrained!r}; give a directory holding the weights")
         return pretrained
-
-
-def _transformers_class(name: str):
-    import transformers
-
-    if not name.isidentifier() or not hasattr(transformers, name):
-        known = [n for n in dir(transformers) if n.endswith(("Model", "LM", "Generation", "Classification"))]
-        raise ValueError(f"transformers has no class {name!r}{suggest(name, known)}")
-    model_class = getattr(transformers, name)
-    if getattr(model_class, "config_class", None) is None:
-        raise ValueError(f"transformers.{name} is not a model class with a config")
-    return model_class
 
 
 def check_config_keys(config_class, given: dict) -> None:
@@ -86,21 +76,6 @@ def check_config_keys(config_class, given: dict) -> None:
     if unknown:
         raise KeyedValueError(("model", "config", unknown[0]),
                               f"{config_class.__name__} has no setting {unknown[0]!r}{suggest(unknown[0], known)}")
-
-
-def resolve_import_path(path: str):
-    """`package.module:attribute` -> the attribute; a one-line ValueError when it cannot be found."""
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"{path!r} is not an import path; write it as package.module:factory")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # any import-time failure of user code is a bad-input problem
-        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}") from None
-    if not hasattr(module, attribute):
-        names = [n for n in dir(module) if not n.startswith("_")]
-        raise ValueError(f"module {module_name!r} has no {attribute!r}{suggest(attribute, names)}")
-    return getattr(module, attribute)
 
 
 # --- data -----------------------------------------------------------------------------------

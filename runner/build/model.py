@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from ..problems import InputError, Place, Problem, suggest
-from ..recipe import ModelSpec, Task, _transformers_class, resolve_import_path
+from ..recipe import ModelSpec, Task
+from .resolve import resolve_import_path, transformers_class
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 
 class BuildError(ValueError):
@@ -38,7 +39,7 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Modul
 
 
 def _build_transformers(spec: ModelSpec) -> nn.Module:
-    model_class = _transformers_class(spec.name)
+    model_class = transformers_class(spec.name)
     config_class = model_class.config_class
     if spec.pretrained:
         model = model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)

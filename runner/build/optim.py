@@ -10,7 +10,7 @@ from torch import nn
 
 from ..recipe import CosineSchedule, TrainSpec
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, train: TrainSpec, device: torch.device) -> torch.optim.Optimizer:

@@ -1,4 +1,4 @@
-"""`ckrun`: one module per verb; verbs outside runner (tune, report) plug in by entry point.
+"""`ckrun`: one module per verb, imported only when that verb runs.
 
 `ckrun RECIPE [k=v ...]` is short for `ckrun run RECIPE [k=v ...]`. Bad input of any kind is
 printed as one line per problem on stderr with exit status 2, never as a traceback.
@@ -7,18 +7,17 @@ printed as one line per problem on stderr with exit status 2, never as a traceba
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
-import pkgutil
+import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Callable
+from pathlib import Path
 
-from ..problems import EXIT_BAD_INPUT, InputError
-
-log = logging.getLogger("ckrun")
-
+from ..problems import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, InputError
 
 
 @dataclass(frozen=True)
@@ -30,23 +29,52 @@ class Command:
     epilog: str = ""  # examples shown by --help
 
 
+# Verb -> (module holding its COMMAND, the one-line help `ckrun --help` shows). The help is written
+# here as well as in the module so that listing the verbs imports none of them: tune's module pulls
+# in optuna and torch, seconds before `ckrun --help` could answer. A test keeps the two equal.
+VERBS: dict[str, tuple[str, str]] = {
+    "run": ("runner.cli.run", "train a recipe (the default verb: `ckrun RECIPE` is `ckrun run RECIPE`)"),
+    "validate": ("runner.cli.validate", "check a recipe and report every problem, one line each"),
+    "show": ("runner.cli.show", "print the resolved recipe as YAML (or its blocks with --blocks)"),
+    "estimate": ("runner.cli.estimate", "predict a training step's peak memory on fake tensors (no GPU, no real memory)"),
+    "tune": ("autotune.cli_tune", "search memory plans under a cap, write tuned.yaml, then train with the fastest"),
+    "report": ("autotune.cli_report", "print the Pareto table of a tuning study and write its plot"),
+    "ls": ("runner.cli.ls", "list the recipe library: name, family, parameter count, description"),
+    "cp": ("runner.cli.cp", "copy a library recipe (with its comments) to a file you can edit"),
+    "schema": ("runner.cli.schema", "print the recipe's JSON Schema, for completion and checks in an editor"),
+}
+
+
+class UsageError(Exception):
+    """A command line argparse cannot parse: reported as one line, not a usage dump."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own prints the usage and exits; we want one line
+        raise UsageError(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """RECIPE [KEY=VALUE ...], as every verb that reads a recipe takes them."""
     parser.add_argument("recipe", help="recipe file or library name (see `ckrun ls`)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",  # a default: not "required"
+                        help="dotted overrides, e.g. train.steps=10")
 
 
-def _commands() -> dict[str, Command]:
-    # every module in this package is one verb
-    found = {info.name: importlib.import_module(f"{__name__}.{info.name}").COMMAND for info in pkgutil.iter_modules(__path__)}
-    for entry in entry_points(group="ckrun.commands"):
-        if entry.name not in found:
-            found[entry.name] = entry  # loaded only when used: keeps `ckrun validate` fast
-    return found
+def _plugins() -> dict[str, object]:
+    """Verbs other packages add through the `ckrun.commands` entry point, not loaded yet."""
+    return {entry.name: entry for entry in entry_points(group="ckrun.commands") if entry.name not in VERBS}
 
 
-def _parser(commands: dict) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def load_command(name: str, plugins: dict[str, object]) -> Command:
+    if name in VERBS:
+        return importlib.import_module(VERBS[name][0]).COMMAND
+    return plugins[name].load()
+
+
+def _parser(chosen: Command | None, plugins: dict[str, object]) -> argparse.ArgumentParser:
+    """The whole command line's parser; only the chosen verb gets its arguments (and its import)."""
+    parser = _Parser(
         prog="ckrun",
         description="Train PyTorch models from YAML recipes; find the fastest memory plan under a cap.",
         epilog="examples:\n  ckrun recipes/bert_tiny.yaml train.steps=10\n  ckrun tune --max-mem 40GB\n"
@@ -55,40 +83,88 @@ def _parser(commands: dict) -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
-    for name, command in commands.items():
-        if not isinstance(command, Command):
-            command = commands[name] = command.load()
-        sub = verbs.add_parser(
-            name, help=command.help, description=command.help, epilog=command.epilog,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        command.add_arguments(sub)
+    helps = {name: text for name, (_, text) in VERBS.items()}
+    helps |= {name: load_command(name, plugins).help for name in plugins}  # a plugin's help is on its Command
+    for name, text in helps.items():
+        if chosen is not None and chosen.name == name:
+            sub = verbs.add_parser(name, help=text, description=text, epilog=chosen.epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+            chosen.add_arguments(sub)
+        else:
+            verbs.add_parser(name, help=text)
     return parser
+
+
+def _verb_and_argv(argv: list[str], plugins: dict[str, object]) -> tuple[str | None, list[str]]:
+    """The verb asked for, and argv with `run` put in where a recipe stands in the verb's place."""
+    first = next((a for a in argv if a not in ("-v", "--verbose")), None)
+    if first is None or first.startswith("-"):
+        return None, argv
+    if first in VERBS or first in plugins:
+        return first, argv
+    meant = _mistyped_verb(first, [*VERBS, *plugins])
+    if meant:
+        raise UsageError(f"ckrun: unknown verb {first!r} (did you mean {meant}?)")
+    argv = list(argv)
+    argv.insert(argv.index(first), "run")  # `ckrun RECIPE ...` means `ckrun run RECIPE ...`
+    return "run", argv
+
+
+def _mistyped_verb(word: str, verbs: list[str]) -> str | None:
+    """The verb `word` is a typo of; None when it may be a recipe: a file, part of a library name, or
+    at least as close to one as to any verb (`ckrun bert` is a recipe typo, `ckrun tnue` a verb typo)."""
+    from ..library import library_recipes
+
+    if not word.replace("-", "_").isidentifier() or Path(word).expanduser().exists():
+        return None  # paths and overrides (`a/b.yaml`, `x.yaml`, `train.steps=5`) are never verbs
+    recipes = list(library_recipes())
+    if any(word in name for name in recipes):
+        return None
+    likeness = {name: difflib.SequenceMatcher(None, word, name).ratio() for name in [*recipes, *verbs]}
+    closest = max(likeness, key=likeness.get)  # the first of equals: a recipe wins a tie
+    return closest if closest in verbs and likeness[closest] >= 0.7 else None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = _commands()
-    first = next((a for a in argv if a not in ("-v", "--verbose")), None)
-    if first is not None and not first.startswith("-") and first not in commands:
-        argv.insert(argv.index(first), "run")  # `ckrun RECIPE ...` means `ckrun run RECIPE ...`
-    parser = _parser(commands)
+    try:
+        plugins = _plugins()
+        verb, argv = _verb_and_argv(argv, plugins)
+        command = load_command(verb, plugins) if verb else None
+        parser = _parser(command, plugins)
+        args = _parse(parser, argv)
+    except UsageError as err:
+        print(err, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if command is None:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    return _run(command, args)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     # argparse stops filling KEY=VALUE positionals at the first flag; gather the ones after it
     if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    if args.verb is None:
-        parser.print_help()
-        return EXIT_BAD_INPUT
+        prog = f"ckrun {args.verb}" if args.verb else "ckrun"
+        raise UsageError(f"{prog}: unrecognized arguments: {' '.join(extra)}; see `{prog} --help`")
+    return args
+
+
+def _run(command: Command, args: argparse.Namespace) -> int:
     try:
-        return commands[args.verb].run(args) or 0
+        return command.run(args) or 0
     except InputError as err:
         for problem in err.problems:
             print(problem, file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("ckrun: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 
 from ..library import resolve_recipe
 from ..load import load_recipe
 from ..problems import InputError, Place, Problem, keyed_error
+from ..units import format_bytes
 from . import Command, add_recipe_arguments
 
 
@@ -20,13 +23,13 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from ..memory.estimate import EstimateUnavailable, Estimator
-    from ..memory.measure import format_bytes
 
     path = resolve_recipe(args.recipe)
     recipe = load_recipe(path, args.overrides)
     started = time.perf_counter()
     try:
-        estimate = Estimator(recipe, args.device).estimate()
+        with _plan_lines_quiet():
+            estimate = Estimator(recipe, args.device).estimate()
     except EstimateUnavailable as err:
         raise InputError([Problem(Place(str(path)), "model", f"prediction is unavailable: {err}; "
                                   "`ckrun tune` will measure this recipe instead")]) from None
@@ -44,6 +47,20 @@ def run(args) -> int:
     for note in estimate.notes:
         print(f"  note: {note}")
     return 0
+
+
+@contextlib.contextmanager
+def _plan_lines_quiet():
+    """The estimator applies the plan to a stand-in model; the lines a run prints for that ("checkpointing
+    2 of 2 blocks") would only repeat the recipe above the prediction. Warnings still show; -v shows all."""
+    plan_log = logging.getLogger("runner.memory")
+    level = plan_log.level
+    if not plan_log.isEnabledFor(logging.DEBUG):
+        plan_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        plan_log.setLevel(level)
 
 
 COMMAND = Command(

@@ -6,8 +6,9 @@ only, no memory, well under a second each), so a count cannot drift from its rec
 
 from __future__ import annotations
 
+import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..problems import EXIT_BAD_INPUT, InputError, Place, Problem
@@ -24,17 +25,24 @@ class Entry:
 
 def add_arguments(parser):
     parser.add_argument("family", nargs="?", help="only this family (language, vision, classic)")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON list: name, family, parameters (null if it does not build), description, path")
 
 
 def run(args) -> int:
     from ..library import library_recipes
 
-    everything = [describe(name, path) for name, path in library_recipes().items()]
+    recipes = library_recipes()
+    everything = [describe(name, path) for name, path in recipes.items()]
     entries = [e for e in everything if args.family in (None, e.family)]
     if not entries:
         families = ", ".join(sorted({e.family for e in everything}))
         raise InputError([Problem(Place(args.family), "", f"no such family; the library has {families}")])
-    print_table(sorted(entries, key=lambda e: (_family_rank(e.family), e.family, e.name)))
+    entries.sort(key=lambda e: (_family_rank(e.family), e.family, e.name))
+    if args.json:
+        print(json.dumps([{**asdict(e), "path": str(recipes[e.name])} for e in entries], indent=1))
+    else:
+        print_table(entries)
     return EXIT_BAD_INPUT if any(e.parameters is None for e in everything) else 0
 
 
@@ -82,5 +90,5 @@ def print_table(entries: list[Entry]) -> None:
 
 COMMAND = Command(
     "ls", "list the recipe library: name, family, parameter count, description", add_arguments, run,
-    epilog="examples:\n  ckrun ls\n  ckrun ls vision\n  ckrun cp gpt2 my.yaml     # then edit my.yaml",
+    epilog="examples:\n  ckrun ls\n  ckrun ls vision\n  ckrun ls --json | jq -r '.[].name'\n  ckrun cp gpt2 my.yaml     # then edit my.yaml",
 )

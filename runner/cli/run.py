@@ -7,11 +7,10 @@ import sys
 
 from ..library import resolve_recipe
 from ..load import load_recipe
+from ..problems import EXIT_OVER_CAP
 from . import Command, add_recipe_arguments
 
-log = logging.getLogger("ckrun")
-
-EXIT_OVER_CAP = 3  # the run itself was fine until its measured peak went over memory.max_mem
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser):

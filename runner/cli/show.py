@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..library import resolve_recipe
 from ..load import load_recipe
+from ..problems import keyed_error
 from ..yamlio import dump_yaml
 from . import Command, add_recipe_arguments
 
@@ -17,10 +18,28 @@ def run(args) -> int:
     path = resolve_recipe(args.recipe)
     recipe = load_recipe(path, args.overrides)
     if args.blocks:
-        from ..memory.blocks import print_blocks
-
         return print_blocks(recipe, str(path))
     print(dump_yaml(recipe.model_dump(mode="json")), end="")
+    return 0
+
+
+def print_blocks(recipe, source: str = "<recipe>") -> int:
+    """`ckrun show RECIPE --blocks`: the blocks a plan's indices refer to, built on the meta device."""
+    from ..build.model import BuildError, build_model, count_parameters
+    from ..memory.blocks import find_blocks
+
+    try:
+        model = build_model(recipe.model, device="meta")
+        blocks = find_blocks(model, recipe.memory.blocks)
+    except BuildError as err:
+        raise err.as_input_error(source) from None
+    except ValueError as err:
+        raise keyed_error(err, source, "memory") from None
+    classes = sorted({type(block.module).__name__ for block in blocks})
+    print(f"{blocks.container_name or type(model).__name__}: {len(blocks)} blocks ({', '.join(classes)})")
+    width = max(len(block.name) for block in blocks)
+    for block in blocks:
+        print(f"{block.index:>4}  {block.name:<{width}}  {count_parameters(block.module):>14,} parameters")
     return 0
 
 

@@ -20,7 +20,7 @@ from .checkpointing import apply_checkpointing, chosen_blocks
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
 from .torch_features import missing_for_sqrt
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 
 @dataclass

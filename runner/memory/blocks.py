@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from torch import nn
 
 from ..build.model import count_parameters
-from ..problems import keyed_error, suggest
+from ..problems import suggest
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -144,22 +145,3 @@ def short_list(indices: list[int], most: int = 6) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def print_blocks(recipe, source: str = "<recipe>") -> int:
-    """`ckrun show RECIPE --blocks`: the blocks a plan's indices refer to, built on the meta device."""
-    from ..build.model import BuildError, build_model
-
-    try:
-        model = build_model(recipe.model, device="meta")
-        blocks = find_blocks(model, recipe.memory.blocks)
-    except BuildError as err:
-        raise err.as_input_error(source) from None
-    except ValueError as err:
-        raise keyed_error(err, source, "memory") from None
-    classes = sorted({type(block.module).__name__ for block in blocks})
-    print(f"{blocks.container_name or type(model).__name__}: {len(blocks)} blocks ({', '.join(classes)})")
-    width = max(len(block.name) for block in blocks)
-    for block in blocks:
-        print(f"{block.index:>4}  {block.name:<{width}}  {count_parameters(block.module):>14,} parameters")
-    return 0

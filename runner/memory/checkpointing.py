@@ -16,7 +16,7 @@ import functools
 import logging
 import math
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from ..plan import Checkpointing
 from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
 from .torch_features import checkpoint_options, segment_generator
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 
 def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:

@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-def format_bytes(count: int | float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(count) >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{int(count)} B"
+# format_bytes lives in runner.units (no torch); training and the estimator still take it from here
+from ..units import format_bytes  # noqa: F401
 
 
 @dataclass

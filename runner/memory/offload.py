@@ -27,18 +27,18 @@ import logging
 import threading
 import weakref
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..plan import Offload
+from ..units import format_bytes
 from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
-from .measure import format_bytes
 from .torch_features import storage_key
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 CPU_REFUSAL = ("memory.offload: activation offload moves activations from GPU to host memory; this run is on the "
                "CPU, so there is nothing to save - set memory.offload.policy: none")

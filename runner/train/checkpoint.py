@@ -19,7 +19,7 @@ from typing import Any
 import numpy
 import torch
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 _FINAL = re.compile(r"^step-(\d{8})$")

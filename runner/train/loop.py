@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from ..build.data import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler
+from ..files import write_atomic
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes, format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
@@ -28,7 +28,7 @@ from ..yamlio import dump_yaml
 from .checkpoint import complete_checkpoints, load_latest, restore_rng_state, rng_state, save_checkpoint
 from .step import make_precision, run_step
 
-log = logging.getLogger("ckrun")
+log = logging.getLogger(__name__)
 
 
 class MemoryCapExceeded(RuntimeError):
@@ -219,7 +219,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     trainer = Trainer(recipe, source)
     if resume:
         _resume(trainer, out_dir)
-    _write_atomic(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")))
+    write_atomic(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")))
     log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
              recipe.train.steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
     return _run(trainer, out_dir)
@@ -278,10 +278,4 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line and json.loads(line)["step"] <= step]
-    _write_atomic(path, "".join(line + "\n" for line in kept))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
+    write_atomic(path, "".join(line + "\n" for line in kept))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from runner import library
+from runner.cli.ls import format_count
 from runner.library import library_recipes, resolve_recipe
 from runner.problems import InputError
 
@@ -64,6 +66,22 @@ def test_ls_shows_the_rest_when_one_recipe_is_broken(ckrun, monkeypatch, tmp_pat
     code, out, err = ckrun("ls")
     assert code == 2 and "train.stepz: unknown key" in err and len(err.splitlines()) == 1
     assert "124.4M" in out and "ckrun validate broken" in out
+
+
+def test_ls_json_is_the_table_as_data(ckrun, monkeypatch, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text((ROOT / "recipes" / "bert_tiny.yaml").read_text().replace("  steps: 30", "  stepz: 30"))
+    recipes = {"broken": broken, "gpt2": ROOT / "recipes" / "gpt2.yaml", "resnet50": ROOT / "recipes" / "resnet50.yaml"}
+    monkeypatch.setattr(library, "library_recipes", lambda: recipes)
+    code, out, err = ckrun("ls", "--json")
+    entries = {entry["name"]: entry for entry in json.loads(out)}
+    assert code == 2 and "train.stepz: unknown key" in err  # as the table: the rest listed, the broken one named
+    gpt2 = entries["gpt2"]
+    assert set(gpt2) == {"name", "family", "parameters", "description", "path"} and gpt2["description"]
+    assert (gpt2["family"], format_count(gpt2["parameters"]), gpt2["path"]) == ("language", "124.4M", str(recipes["gpt2"]))
+    assert entries["broken"]["parameters"] is None and entries["resnet50"]["family"] == "vision"
+    code, out, _ = ckrun("ls", "vision", "--json")
+    assert [entry["name"] for entry in json.loads(out)] == ["resnet50"]
 
 
 def test_ls_filters_by_family(ckrun):

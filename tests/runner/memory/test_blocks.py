@@ -8,7 +8,8 @@ import torchvision
 import transformers
 from torch import nn
 
-from runner.memory.blocks import find_blocks, print_blocks
+from runner.cli.show import print_blocks
+from runner.memory.blocks import find_blocks
 from runner.problems import InputError
 from runner.recipe import Recipe
 

@@ -116,9 +116,9 @@ def baseline(name: str):
 
 
 def assert_identical(expected, actual):
-    for want, got in zip(expected, actual):
+    for want, got in zip(expected, actual, strict=True):
         if isinstance(want, list):
-            assert all(torch.equal(a, b) for a, b in zip(want, got)), "losses differ"
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), "losses differ"
         else:
             assert want.keys() == got.keys()
             different = [key for key in want if not torch.equal(want[key], got[key])]
@@ -158,7 +158,7 @@ def test_autocast_and_an_input_without_grad():
     for checkpointing in ({"policy": "full"}, {"policy": "selective"}, {"policy": "sqrt"}):
         other_loss, other_grads = run(checkpointing)
         assert torch.equal(loss, other_loss)
-        assert all(torch.equal(a, b) for a, b in zip(grads, other_grads))
+        assert all(torch.equal(a, b) for a, b in zip(grads, other_grads, strict=True))
 
 
 def test_remove_puts_the_model_back_and_a_new_plan_applies():
@@ -179,7 +179,7 @@ def test_remove_puts_the_model_back_and_a_new_plan_applies():
 
 def test_decisions_are_logged(caplog):
     model, _ = bert()
-    with caplog.at_level(logging.INFO, logger="ckrun"):
+    with caplog.at_level(logging.INFO, logger="runner.memory"):
         apply_plan(model, plan({"policy": "every", "every": 2}), "cpu").remove()
     assert "checkpointing 2 of 4 blocks (every 2nd: 0,2)" in caplog.text
 
