@@ -60,6 +60,8 @@ class Evaluator:
         if data is None:  # synthetic training data: later steps of its own stream
             self.source, self.first_step = build_data(recipe, trainer.model), HELD_OUT_STEP
             self.task = recipe.data.task or infer_task(recipe.model)
+            log.info("eval: %d held-out batches of the synthetic data (its stream from step 2**40, which no "
+                     "training step draws)", self.spec.batches)
         else:
             if "task" in type(data).model_fields and data.task is None:
                 data = data.model_copy(update={"task": recipe.data.task})  # python models name it once
