@@ -6,8 +6,8 @@ request (once the step in flight has finished), so a run never ends without its 
   `output.checkpoint_every` is, so `--resume` with more `train.steps` continues from it;
 - `OUTPUT_DIR/model/` holds the model alone: `save_pretrained` output (config.json +
   model.safetensors) for transformers models, a model.safetensors state dict for torchvision and
-  python models, and beside either the run's resolved recipe.yaml, so that
-  `model.pretrained: OUTPUT_DIR/model` rebuilds exactly this model.
+  python models, and beside either the run's resolved recipe.yaml (and its tokenizer, when the
+  data had one), so that `model.pretrained: OUTPUT_DIR/model` rebuilds exactly this model.
 The export is written to a temporary directory and renamed into place: a reader never sees half.
 """
 
@@ -54,6 +54,7 @@ def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int) -
     temporary.mkdir(parents=True)
     try:
         _write_weights(model, recipe, temporary)
+        _write_tokenizer(recipe, temporary)
         header = (f"# exported by ckrun after step {step}: the recipe that trained these weights.\n"
                   f"# start a run from them with model.pretrained={directory}\n")
         (temporary / EXPORT_RECIPE).write_text(header + dump_yaml(recipe.model_dump(mode="json")), encoding="utf-8")
@@ -81,6 +82,16 @@ def _write_weights(model: nn.Module, recipe: Recipe, directory: Path) -> None:
     # save_model, unlike save_file, drops the second name of tied weights instead of refusing them;
     # loading gives the tie back (build/pretrained.py)
     save_model(model, str(directory / WEIGHTS), metadata={"format": "pt"})
+
+
+def _write_tokenizer(recipe: Recipe, directory: Path) -> None:
+    """Text read with a tokenizer: save it beside the weights, as from_pretrained users expect."""
+    tokenizer = getattr(recipe.data, "tokenizer", None)
+    if tokenizer is None:
+        return
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True).save_pretrained(str(directory))
 
 
 def _replace(directory: Path, temporary: Path) -> None:

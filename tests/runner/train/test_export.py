@@ -58,6 +58,25 @@ def test_a_run_started_from_an_export_starts_exactly_where_the_first_ended(tmp_p
     assert second["loss"] == first["loss"] and second["perplexity"] == first["perplexity"]
 
 
+def test_the_tokenizer_of_text_data_is_exported_beside_the_weights(tmp_path, ckrun):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    text = "the quick brown fox jumps over the lazy dog . " * 30
+    (tmp_path / "corpus.txt").write_text(text)
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[MASK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
+                            mask_token="[MASK]").save_pretrained(str(tmp_path / "tokenizer"))
+    data = f"data={{source: text, paths: [{tmp_path / 'corpus.txt'}], tokenizer: {tmp_path / 'tokenizer'}, seq_len: 16}}"
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
+    assert code == 0, err
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "run" / "model"), local_files_only=True)
+    original = AutoTokenizer.from_pretrained(str(tmp_path / "tokenizer"), local_files_only=True)
+    assert exported("the lazy fox")["input_ids"] == original("the lazy fox")["input_ids"]
+
+
 @pytest.mark.parametrize("steps, every, kept", [(5, 0, [5]), (5, 2, [4, 5]), (4, 2, [2, 4]), (1, 3, [1])])
 def test_the_last_step_is_always_checkpointed(tmp_path, ckrun, steps, every, kept):
     out = tmp_path / "run"
