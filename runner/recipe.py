@@ -31,7 +31,8 @@ class ModelSpec(Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the transformers config class, the torchvision builder or the factory."""
     pretrained: str | None = None
-    """A local directory with weights to start from (no downloads happen at run time)."""
+    """A local directory with weights to start from: a run's OUTPUT_DIR/model or
+    OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict (nothing is downloaded)."""
 
     @field_validator("name")
     @classmethod
@@ -58,9 +59,11 @@ class ModelSpec(Strict):
 
     @field_validator("pretrained")
     @classmethod
-    def _directory_exists(cls, pretrained: str | None) -> str | None:
-        if pretrained is not None and not Path(pretrained).expanduser().is_dir():
-            raise ValueError(f"no local directory {pretrained!r}; give a directory holding the weights")
+    def _directory_fits(cls, pretrained: str | None, info: ValidationInfo) -> str | None:
+        if pretrained is not None:
+            from .build.pretrained import check_pretrained_dir
+
+            check_pretrained_dir(Path(pretrained).expanduser(), info.data.get("source"), info.data.get("name"))
         return pretrained
 
 
@@ -201,13 +204,25 @@ class TrainSpec(Strict):
 
 class OutputSpec(Strict):
     dir: str = "runs/default"
-    """Where metrics.jsonl, the resolved recipe and checkpoints go."""
+    """Where metrics.jsonl, the resolved recipe, checkpoints and the trained model (`model/`) go."""
     log_every: int = Field(default=10, gt=0)
     """Steps between log lines (every step is still written to metrics.jsonl)."""
     checkpoint_every: int = Field(default=0, ge=0)
-    """Steps between training-state checkpoints; 0 saves none."""
+    """Steps between training-state checkpoints; the end of a run is always saved (0: only the end)."""
     keep_checkpoints: int = Field(default=2, gt=0)
     """How many complete checkpoints to keep; older ones are deleted."""
+
+
+class EvalSpec(Strict):
+    """Held-out evaluation: loss, and perplexity (language models) or accuracy (classification)."""
+
+    every: int = Field(default=0, ge=0)
+    """Steps between evaluations; the run's last step is always evaluated (0: only the last)."""
+    batches: int = Field(default=4, gt=0)
+    """Batches of train.batch_size per evaluation, the same ones each time so evaluations compare."""
+    data: Data | None = None
+    """Held-out data, written like the `data:` section. Unset: synthetic training data is evaluated
+    on batches of its seed's stream that no training step draws; file data needs held-out files here."""
 
 
 class Recipe(Strict):
@@ -223,6 +238,15 @@ class Recipe(Strict):
     memory: MemoryPlan = Field(default_factory=MemoryPlan)
     """The memory plan: micro-batching, checkpointing, offload, compile, cap."""
     output: OutputSpec = Field(default_factory=OutputSpec)
+    eval: EvalSpec | None = None
+    """Evaluate on held-out data during training; unset: no evaluation."""
+
+    @model_validator(mode="after")
+    def _eval_has_held_out_data(self) -> Recipe:
+        if self.eval is not None and self.eval.data is None and self.data.source != "synthetic":
+            raise KeyedValueError(("eval", "data"), f"data.source {self.data.source} has no held-out stream; name "
+                                  "held-out files in eval.data (written like the data: section)")
+        return self
 
     @model_validator(mode="after")
     def _micro_batch_divides(self) -> Recipe:

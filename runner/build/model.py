@@ -12,6 +12,7 @@ from torch import nn
 
 from ..problems import InputError, Place, Problem, suggest
 from ..recipe import ModelSpec, Task
+from .pretrained import from_pretrained, is_checkpoint, load_state
 from .resolve import resolve_import_path, transformers_class
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,13 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Modul
 def _build_transformers(spec: ModelSpec) -> nn.Module:
     model_class = transformers_class(spec.name)
     config_class = model_class.config_class
-    if spec.pretrained:
-        model = model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
+    directory = Path(spec.pretrained).expanduser() if spec.pretrained else None
+    if directory is not None and not is_checkpoint(directory):
+        model = _from_pretrained(model_class, directory, spec.config)
     else:
         model = model_class(config_class(**spec.config))
+        if directory is not None:  # a training checkpoint holds weights but no config.json
+            _load_local_state(model, directory)
     if getattr(model.config, "use_cache", False) and "use_cache" not in spec.config:
         # a KV cache serves generation; in training it only holds every layer's keys and values
         model.config.use_cache = False
@@ -61,7 +65,7 @@ def _build_torchvision(spec: ModelSpec) -> nn.Module:
     except (TypeError, ValueError) as err:
         raise BuildError("model.config", f"{spec.name}: {err}") from None
     if spec.pretrained:
-        _load_local_state(model, Path(spec.pretrained))
+        _load_local_state(model, Path(spec.pretrained).expanduser())
     return model
 
 
@@ -70,7 +74,7 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     _check_kwargs(factory, spec.config)
     model = factory(**spec.config)
     if spec.pretrained and isinstance(model, nn.Module):
-        _load_local_state(model, Path(spec.pretrained))
+        _load_local_state(model, Path(spec.pretrained).expanduser())
     return model
 
 
@@ -86,24 +90,19 @@ def _check_kwargs(factory, given: dict) -> None:
             raise BuildError(f"model.config.{key}", f"{getattr(factory, '__name__', factory)} takes no argument {key!r}{suggest(key, params)}")
 
 
-def _load_local_state(model: nn.Module, directory: Path) -> None:
-    """Weights from `directory`: model.safetensors, or a .pt/.pth/.bin state dict (never unpickled code)."""
-    candidates = [directory / "model.safetensors", *sorted(directory.glob("*.pt")), *sorted(directory.glob("*.pth")),
-                  *sorted(directory.glob("*.bin"))]
-    path = next((c for c in candidates if c.is_file()), None)
-    if path is None:
-        raise BuildError("model.pretrained", f"{directory} holds no model.safetensors or .pt/.pth/.bin state dict")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+def _from_pretrained(model_class, directory: Path, config: dict) -> nn.Module:
+    try:
+        return from_pretrained(model_class, directory, config)
+    except ValueError as err:
+        raise BuildError("model.pretrained", str(err)) from None
 
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise BuildError("model.pretrained", f"{path.name} does not match the model: "
-                         f"{len(missing)} missing and {len(unexpected)} unexpected keys (e.g. {(missing or unexpected)[0]})")
-    log.info("loaded weights from %s", path)
+
+def _load_local_state(model: nn.Module, directory: Path) -> None:
+    """Weights from an export, a checkpoint or a state dict file (never unpickled code)."""
+    try:
+        load_state(model, directory)
+    except ValueError as err:
+        raise BuildError("model.pretrained", str(err)) from None
 
 
 def infer_task(spec: ModelSpec) -> Task | None:

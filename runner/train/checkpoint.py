@@ -22,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+STATE_FILE = "state.pt"
 _FINAL = re.compile(r"^step-(\d{8})$")
 
 
@@ -36,13 +37,13 @@ def _fsync_path(path: Path) -> None:
 def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
     """Atomically write `state` as ROOT/step-NNNNNNNN; older complete checkpoints beyond `keep` go."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
+    final = checkpoint_dir(root, step)
     temporary = root / f".tmp-step-{step:08d}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     try:
-        torch.save(state, temporary / "state.pt")
-        _fsync_path(temporary / "state.pt")
+        torch.save(state, temporary / STATE_FILE)
+        _fsync_path(temporary / STATE_FILE)
         (temporary / MARKER).write_text(f"{step}\n")
         _fsync_path(temporary / MARKER)
         _fsync_path(temporary)
@@ -55,6 +56,10 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2)
         raise
     _prune(root, keep)
     return final
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -71,7 +76,7 @@ def load_latest(root: Path, device: torch.device) -> dict[str, Any] | None:
         return None
     latest = checkpoints[-1]
     log.info("resuming from %s", latest)
-    return torch.load(latest / "state.pt", map_location=device, weights_only=True)
+    return torch.load(latest / STATE_FILE, map_location=device, weights_only=True)
 
 
 def _prune(root: Path, keep: int) -> None:

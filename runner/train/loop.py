@@ -26,6 +26,8 @@ from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import complete_checkpoints, load_latest, restore_rng_state, rng_state, save_checkpoint
+from .evaluate import make_evaluator
+from .export import finish_run
 from .step import make_precision, run_step
 
 log = logging.getLogger(__name__)
@@ -237,6 +239,7 @@ def _resume(trainer: Trainer, out_dir: Path) -> None:
 def _run(trainer: Trainer, out_dir: Path) -> RunResult:
     recipe, result = trainer.recipe, RunResult(trainer.step)
     every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step)
+    evaluator = make_evaluator(trainer)
     with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as metrics:
         while trainer.step < recipe.train.steps:
             record = trainer.train_step()
@@ -244,10 +247,14 @@ def _run(trainer: Trainer, out_dir: Path) -> RunResult:
             metrics.flush()
             _note(result, record)
             _report(record, bar, recipe.output.log_every, recipe.train.steps)
+            if evaluator is not None and evaluator.due(trainer.step):
+                metrics.write(json.dumps(evaluator.run()) + "\n")
+                metrics.flush()
             if every and trainer.step % every == 0:
                 save_checkpoint(out_dir / "checkpoints", trainer.step, trainer.state(), recipe.output.keep_checkpoints)
     if bar is not None:
         bar.close()
+    finish_run(trainer, out_dir)
     if result.skipped_steps:
         log.info("fp16: %d of %d steps were skipped by the loss scaler", result.skipped_steps, len(result.losses))
     return result
