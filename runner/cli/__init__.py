@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         for problem in err.problems:
             print(problem, file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print("ckrun: interrupted", file=sys.stderr)
-        return 130
+        return getattr(err, "exit_code", 130)  # 143 when a second SIGTERM abandoned a step
+    except Exception as err:  # noqa: BLE001 - a bug (ours or in user code) is one line; -v shows where
+        log.debug("the traceback of the internal error:", exc_info=True)
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else "no message"
+        print(f"ckrun: internal error: {type(err).__name__}: {detail}"
+              f"{'' if args.verbose else ' (run with -v for the traceback)'}", file=sys.stderr)
+        return 1
