@@ -11,6 +11,7 @@ import importlib
 import logging
 import pkgutil
 import sys
+import traceback
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Callable
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print("ckrun: interrupted", file=sys.stderr)
         return getattr(err, "exit_code", 130)  # 143 when a second SIGTERM abandoned a step
     except Exception as err:  # noqa: BLE001 - a bug (ours or in user code) is one line; -v shows where
-        log.debug("the traceback of the internal error:", exc_info=True)
+        if args.verbose:
+            traceback.print_exc()
         detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else "no message"
         print(f"ckrun: internal error: {type(err).__name__}: {detail}"
               f"{'' if args.verbose else ' (run with -v for the traceback)'}", file=sys.stderr)

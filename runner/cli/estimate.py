@@ -6,7 +6,8 @@ import json
 import time
 
 from ..library import resolve_recipe
-from ..load import load_recipe
+from ..load import load_recipe_document
+from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
 from . import Command, add_recipe_arguments
 
@@ -23,15 +24,10 @@ def run(args) -> int:
     from ..memory.measure import format_bytes
 
     path = resolve_recipe(args.recipe)
-    recipe = load_recipe(path, args.overrides)
+    recipe, doc = load_recipe_document(path, args.overrides)
     started = time.perf_counter()
-    try:
-        estimate = Estimator(recipe, args.device).estimate()
-    except EstimateUnavailable as err:
-        raise InputError([Problem(Place(str(path)), "model", f"prediction is unavailable: {err}; "
-                                  "`ckrun tune` will measure this recipe instead")]) from None
-    except ValueError as err:
-        raise keyed_error(err, str(path), "memory") from None
+    with located_errors(doc):
+        estimate = _estimate(Estimator, EstimateUnavailable, recipe, args.device, str(path))
     seconds = time.perf_counter() - started
     if args.json:
         print(json.dumps({**estimate.record(), "seconds": round(seconds, 2)}))
@@ -44,6 +40,16 @@ def run(args) -> int:
     for note in estimate.notes:
         print(f"  note: {note}")
     return 0
+
+
+def _estimate(estimator, unavailable, recipe, device: str, source: str):
+    try:
+        return estimator(recipe, device).estimate()
+    except unavailable as err:
+        raise InputError([Problem(Place(source), "model", f"prediction is unavailable: {err}; "
+                                  "`ckrun tune` will measure this recipe instead")]) from None
+    except ValueError as err:
+        raise keyed_error(err, source, "memory") from None
 
 
 COMMAND = Command(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..library import resolve_recipe
-from ..load import load_recipe
+from ..load import load_recipe_document
+from ..located import located_errors
 from ..yamlio import dump_yaml
 from . import Command, add_recipe_arguments
 
@@ -15,11 +16,12 @@ def add_arguments(parser):
 
 def run(args) -> int:
     path = resolve_recipe(args.recipe)
-    recipe = load_recipe(path, args.overrides)
+    recipe, doc = load_recipe_document(path, args.overrides)
     if args.blocks:
         from ..memory.blocks import print_blocks
 
-        return print_blocks(recipe, str(path))
+        with located_errors(doc):
+            return print_blocks(recipe, str(path))
     print(dump_yaml(recipe.model_dump(mode="json")), end="")
     return 0
 

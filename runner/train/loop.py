@@ -132,7 +132,7 @@ class Trainer:
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
-            raise OutOfMemory(self.step + 1, f"its batch: {describe_out_of_memory(err)}", self.device) from None
+            raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         ran = self._timed_step(batch)

@@ -53,7 +53,7 @@ def prepare_output(out_dir: Path, resume: bool, source: str) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".ckrun-write-test-{os.getpid()}"
-        probe.write_bytes(b"")  # a read-only directory: found now, not after the first step
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))  # a read-only directory: found now, not after step 1
         probe.unlink()
     except OSError as err:
         raise write_failure(err, out_dir, source) from None
