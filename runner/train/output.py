@@ -44,29 +44,30 @@ def write_failure(err: OSError, path: Path, source: str) -> Exception:
 
 def prepare_output(out_dir: Path, resume: bool, source: str) -> None:
     """Refuse to overwrite a finished or running run unless resuming it; make the directory."""
+    try:
+        _check_output_dir(out_dir, resume, source)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".ckrun-write-test-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))  # a read-only directory: found now, not after step 1
+        probe.unlink()
+    except OSError as err:  # even asking whether a too-long name exists raises
+        raise write_failure(err, out_dir, source) from None
+
+
+def _check_output_dir(out_dir: Path, resume: bool, source: str) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError([Problem(Place(source), "output.dir", f"{out_dir} is a file, not a directory; "
                                   "choose another directory with output.dir=...")])
     if holds_run(out_dir) and not resume:
         raise InputError([Problem(Place(source), "output.dir", f"{out_dir} already holds a run; pass --resume to "
                                   f"continue it, or choose another directory with output.dir=...")])
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".ckrun-write-test-{os.getpid()}"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))  # a read-only directory: found now, not after step 1
-        probe.unlink()
-    except OSError as err:
-        raise write_failure(err, out_dir, source) from None
 
 
 def holds_run(out_dir: Path) -> bool:
     """A complete checkpoint, or at least one whole line of metrics (an empty file is no run)."""
     metrics = out_dir / METRICS
-    try:
-        has_metrics = metrics.is_file() and metrics.stat().st_size > 0
-        return has_metrics or bool(complete_checkpoints(out_dir / "checkpoints"))
-    except OSError:
-        return False  # not a readable directory: prepare_output's own checks say why
+    has_metrics = metrics.is_file() and metrics.stat().st_size > 0
+    return has_metrics or bool(complete_checkpoints(out_dir / "checkpoints"))
 
 
 def set_aside_unresumable(out_dir: Path) -> None:
