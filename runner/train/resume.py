@@ -58,21 +58,24 @@ def _check_same_recipe(saved: dict | None, now: dict[str, str], name: str, sourc
         if section not in saved or saved[section] == text:
             continue
         changes = _differences(json.loads(saved[section]), json.loads(text), section)
-        problems.append(Problem(Place(source), section, f"--resume: {name} was trained with a different {section.split('.')[-1]}: "
-                                f"{'; '.join(changes[:4])}; resume with the recipe the run started with, "
-                                "or choose a new output.dir"))
+        key = changes[0][0] if changes else section  # placed at the first key that changed
+        problems.append(Problem(Place(source), key, f"--resume: {name} was trained with a different {section.split('.')[-1]}: "
+                                f"{'; '.join(text for _key, text in changes[:4])}; resume with the recipe the run "
+                                "started with, or choose a new output.dir"))
     if problems:
         raise InputError(problems)
 
 
-def _differences(before, after, prefix: str) -> list[str]:
-    """'model.config.hidden_size: 32 in the checkpoint, 64 now' for every leaf that differs."""
+def _differences(before, after, key: str) -> list[tuple[str, str]]:
+    """(key, 'model.config.hidden_size 32 in the checkpoint, 64 now') for every leaf that differs."""
     if isinstance(before, dict) and isinstance(after, dict):
         keys = list(dict.fromkeys([*before, *after]))
-        return [line for key in keys for line in _differences(before.get(key), after.get(key), f"{prefix}.{key}")]
+        kinds = [k for k in ("source", "name") if before.get(k) != after.get(k)]
+        keys = kinds or keys  # another kind of optimizer or model: its other settings differ as a matter of course
+        return [change for k in keys for change in _differences(before.get(k), after.get(k), f"{key}.{k}")]
     if before == after:
         return []
-    return [f"{prefix} {json.dumps(before)} in the checkpoint, {json.dumps(after)} now"]
+    return [(key, f"{key} {json.dumps(before)} in the checkpoint, {json.dumps(after)} now")]
 
 
 def truncate_metrics(path: Path, step: int, source: str) -> None:
