@@ -225,7 +225,7 @@ class ImageFolderSource:
         """One sample; a file PIL cannot read is named (found when first used, not by reading every file up front)."""
         try:
             return self.dataset[row]
-        except OSError as err:  # PIL's UnidentifiedImageError is one, as are truncated files and vanished ones
+        except Exception as err:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError... for broken files
             path = self.dataset.samples[row][0]
             raise BuildError("data.root", f"cannot read image {path}: {_reason(err)}; remove or replace it, "
                              "then continue with --resume") from None
@@ -251,13 +251,14 @@ def _image_folder(root: str, transform):
     return dataset
 
 
-def _reason(err: OSError) -> str:
+def _reason(err: Exception) -> str:
     if isinstance(err, FileNotFoundError) and "no valid file for the classes" in str(err):
         classes = str(err).split("classes ", 1)[1].split(". Supported", 1)[0]
         return f"class folder(s) {classes} hold no images (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"
     if "cannot identify image file" in str(err):
         return "not an image PIL can read (corrupt, cut short, or another format)"
-    return str(err.strerror or err).splitlines()[0]
+    text = getattr(err, "strerror", None) or str(err) or type(err).__name__
+    return text.splitlines()[0][:200]
 
 
 def build_data(recipe: Recipe, model: torch.nn.Module):
