@@ -80,12 +80,22 @@ def set_aside_unresumable(out_dir: Path) -> None:
         if metrics.stat().st_size == 0:
             metrics.unlink()
             return
-        os.replace(metrics, out_dir / SET_ASIDE)
+        kept = _free_name(out_dir / SET_ASIDE)
+        os.rename(metrics, kept)
     except OSError as err:  # already failing: say it, do not hide the first error behind a second
         log.warning("could not move %s aside: %s", metrics, err.strerror or err)
         return
     log.info("no checkpoint was written, so there is nothing to resume: this attempt's metrics are kept as %s, "
-             "and %s takes a new run without --resume", out_dir / SET_ASIDE, out_dir)
+             "and %s takes a new run without --resume", kept, out_dir)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or path-2, path-3 ... : an earlier attempt's metrics are never overwritten."""
+    number, candidate = 1, path
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name.removesuffix('.jsonl')}-{number}.jsonl")
+    return candidate
 
 
 def strict_record(record: dict) -> dict:
