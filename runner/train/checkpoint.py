@@ -146,8 +146,11 @@ def load_latest(root: Path, device: torch.device) -> dict[str, Any] | None:
 def _set_aside(checkpoint: Path) -> None:
     """Out of resume's sight (the name no longer matches), so later saves and resumes skip it."""
     target = checkpoint.with_name(f"damaged-{checkpoint.name}")
-    shutil.rmtree(target, ignore_errors=True)
-    checkpoint.rename(target)
+    try:
+        shutil.rmtree(target, ignore_errors=True)
+        checkpoint.rename(target)
+    except OSError as err:  # a read-only directory: the fallback still works, only this resume sees it
+        log.warning("--resume: could not rename the damaged %s: %s", checkpoint.name, err.strerror or err)
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -25,7 +25,7 @@ log = logging.getLogger("ckrun")
 EXIT_CANNOT_WRITE = 5
 METRICS = "metrics.jsonl"
 SET_ASIDE = "metrics.previous.jsonl"  # the metrics of an attempt that left nothing to resume from
-_MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS}
+_MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 
 
 class OutputError(OSError):
