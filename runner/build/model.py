@@ -92,12 +92,17 @@ def _load_local_state(model: nn.Module, directory: Path) -> None:
     path = next((c for c in candidates if c.is_file()), None)
     if path is None:
         raise BuildError("model.pretrained", f"{directory} holds no model.safetensors or .pt/.pth/.bin state dict")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch's own error advises weights_only=False: never pass that on
+        why = "holds pickled Python objects, not only tensors" if "weights_only" in str(err) else "cannot be read"
+        raise BuildError("model.pretrained", f"{path} {why} ({type(err).__name__}); ckrun loads only tensor "
+                         "files: save a state_dict or model.safetensors") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise BuildError("model.pretrained", f"{path.name} does not match the model: "

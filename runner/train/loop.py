@@ -83,6 +83,7 @@ class Trainer:
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
         self.limited_at_context = None  # the CUDA context the allocator limit was set for
+        self.out_of_memory_reason = ""  # what the allocator said when a step ran out
         if recipe.memory.max_mem is not None and self.device.type == "cuda":
             self.limited_at_context = limit_cuda_memory(self.device, int(recipe.memory.max_mem))
         try:

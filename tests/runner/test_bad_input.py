@@ -153,3 +153,21 @@ def test_show_blocks_places_build_errors_too(tmp_path, ckrun, monkeypatch):
     code, _, err = ckrun("show", recipe, "--blocks", "model.config={}")
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"{recipe}:12:3: model.name: faulty_models:returns_a_list returned list"), err
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 cut short", "pickled"], ids=["empty", "truncated", "pickled code"])
+def test_pretrained_weights_that_are_not_tensors_are_one_line(tmp_path, ckrun, content):
+    import torch
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    if content == "pickled":
+        torch.save({"fc": torch.nn.Linear(2, 2)}, weights / "model.pt")  # a module object: pickled code
+    else:
+        (weights / "model.pt").write_bytes(content)
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace("  source: transformers\n  name: BertForMaskedLM",
+                                   f"  source: torchvision\n  name: resnet18\n  pretrained: {weights}", 1))
+    code, _, err = ckrun(recipe, "model.config={}", "train.device=cpu", f"output.dir={tmp_path / 'run'}")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{recipe}:13:3: model.pretrained: {weights}/model.pt ") and "weights_only" not in err
