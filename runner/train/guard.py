@@ -55,6 +55,14 @@ class LossWatch:
             raise NonFiniteLoss(record["step"], loss, self.skipped_in_row)
         raise NonFiniteLoss(record["step"], loss)
 
+    def finite(self, step: int) -> bool:
+        """Whether the weights after `step` are worth a checkpoint: not in a run of non-finite losses
+        (fp16), which would replace the last good checkpoint with one that cannot train."""
+        if self.skipped_in_row:
+            log.warning("step %d: no checkpoint saved: the loss has not been finite for %d step(s)", step,
+                        self.skipped_in_row)
+        return not self.skipped_in_row
+
 
 class Abandoned(KeyboardInterrupt):
     """A second SIGINT/SIGTERM: the current step is abandoned (checkpoints are atomic, metrics whole)."""

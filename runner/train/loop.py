@@ -273,7 +273,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
                 watch.check(record)
                 _note(result, record)
                 _report(record, bar, recipe.output.log_every, recipe.train.steps)
-                if every and trainer.step % every == 0:
+                if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
     finally:
         if bar is not None:

@@ -73,6 +73,19 @@ def test_the_run_stops_at_the_first_non_finite_loss_the_fp16_scaler_cannot_expla
     assert stopped == expected
 
 
+def test_fp16_stops_after_a_run_of_skipped_non_finite_steps_and_saves_none_of_them(tmp_path, ckrun):
+    out = tmp_path / "run"
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "precision=fp16", "train.steps=40", "train.optimizer.lr=1e30",
+                         "train.grad_clip=null", "output.checkpoint_every=1", f"output.dir={out}")
+    assert code == guard.EXIT_NON_FINITE and len(err.splitlines()) == 1, err
+    assert "th step in a row, each skipped by the fp16 loss scaler" in err
+    records = strict_metrics(out)
+    first_bad = next(r["step"] for r in records if r["loss"] is None)
+    assert records[-1]["step"] == first_bad + guard.FP16_NON_FINITE_LIMIT - 1
+    saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
+    assert saved and max(saved) < first_bad  # the last checkpoint is the last good one
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_the_run_after_the_current_step(tmp_path, ckrun, monkeypatch, signum):
     out, real_step = tmp_path / "run", Trainer.train_step
