@@ -9,7 +9,7 @@ import os
 import signal
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT
