@@ -25,7 +25,7 @@ import torch
 
 from runner.library import resolve_recipe
 from runner.load import load_recipe
-from runner.memory.measure import format_bytes
+from runner.units import format_bytes
 from runner.train.loop import Trainer
 
 CPU = ["train.device=cpu", "precision=fp32", "memory.micro_batch=null", "memory.compile=false"]

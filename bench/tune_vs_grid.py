@@ -37,7 +37,7 @@ from runner.build.model import build_model
 from runner.cli import main as ckrun
 from runner.load import load_recipe
 from runner.memory.blocks import find_blocks
-from runner.memory.measure import format_bytes
+from runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGIN = 0.05

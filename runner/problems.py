@@ -15,6 +15,9 @@ from dataclasses import dataclass
 EXIT_BAD_INPUT = 2  # a Problem with what the user gave: one line each on stderr
 EXIT_OVER_CAP = 3  # `ckrun run`: the measured peak went over memory.max_mem
 EXIT_NOTHING_FITS = 3  # `ckrun tune`: no plan fits under --max-mem (the same case as over the cap)
+EXIT_NON_FINITE = 4  # `ckrun run`: the loss stopped being a number (fp16's skipped steps aside)
+EXIT_CANNOT_WRITE = 5  # `ckrun run`: the output could not be written (disk full, I/O error)
+EXIT_INTERNAL_ERROR = 1  # a bug, ours or in user code: one line, the traceback with -v
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports a process killed by it
 EXIT_BROKEN_PIPE = 141  # the reader of stdout went away (`ckrun schema | head`): 128 + SIGPIPE, likewise
 

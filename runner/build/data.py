@@ -169,12 +169,12 @@ class TextFilesSource:
         return files
 
     def _tokens(self, files: list[Path]) -> torch.Tensor:
-        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+        text = "\n".join(_read_text(f) for f in files)
+        if not text.strip():
+            raise BuildError("data.paths", f"the text files hold no text ({', '.join(str(f) for f in files[:3])}"
+                             f"{' ...' if len(files) > 3 else ''}); give files with text in them")
         if self.data.tokenizer:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.data.tokenizer, local_files_only=True)
-            return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+            return torch.tensor(_tokenizer(self.data.tokenizer)(text)["input_ids"], dtype=torch.long)
         raw = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
         return (raw + 2) % self.shape.vocab_size  # ids 0 and 1 stay free for padding and [MASK]
 
@@ -183,24 +183,82 @@ class TextFilesSource:
         return shape_tokens(self.samples[rows], self.shape, _generator(self.seed, step, 1), self.data.mask_prob)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as err:
+        raise BuildError("data.paths", f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _tokenizer(directory: str):
+    """The local tokenizer, or a BuildError: transformers' own errors are paragraphs that suggest a download."""
+    from transformers import AutoTokenizer
+
+    if not any(Path(directory).expanduser().glob("*")):
+        raise BuildError("data.tokenizer", f"{directory} is empty; give a directory saved by tokenizer.save_pretrained")
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(directory).expanduser()), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BuildError("data.tokenizer", f"{directory} holds no tokenizer transformers can load ({first[:160]}); "
+                         "give a directory saved by tokenizer.save_pretrained") from None
+
+
 class ImageFolderSource:
     def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int):
-        from torchvision import datasets, transforms
+        from torchvision import transforms
 
         transform = transforms.Compose([
             transforms.Resize(data.image_size), transforms.CenterCrop(data.image_size), transforms.ToTensor(),
             transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         ])
-        self.dataset = datasets.ImageFolder(str(Path(data.root).expanduser()), transform=transform)
-        if len(self.dataset) == 0:
-            raise BuildError("data.root", f"{data.root} holds no images")
+        self.dataset = _image_folder(data.root, transform)
         self.shape, self.batch_size, self.seed = shape, batch_size, seed
 
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.dataset), step, self.batch_size, self.seed)
-        images, labels = zip(*(self.dataset[r] for r in rows))
+        images, labels = zip(*(self._image(r) for r in rows))
         key = "pixel_values" if self.shape.by_keyword else "images"
         return Batch({key: torch.stack(images)}, torch.tensor(labels), self.shape.by_keyword)
+
+    def _image(self, row: int):
+        """One sample; a file PIL cannot read is named (found when first used, not by reading every file up front)."""
+        try:
+            return self.dataset[row]
+        except Exception as err:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError... for broken files
+            path = self.dataset.samples[row][0]
+            raise BuildError("data.root", f"cannot read image {path}: {_reason(err)}; remove or replace it, "
+                             "then continue with --resume") from None
+
+
+def _image_folder(root: str, transform):
+    """torchvision's ImageFolder, with its errors (no class folder, a class folder without images)
+    turned into one line on data.root."""
+    from torchvision import datasets
+
+    directory = Path(root).expanduser()
+    if not directory.is_dir():
+        raise BuildError("data.root", f"no local directory {root!r}; give a folder with one sub-folder per class")
+    classes = sorted(entry for entry in directory.iterdir() if entry.is_dir())
+    if not classes:
+        raise BuildError("data.root", f"{root} has no class folders; put each class's images in a sub-folder of it")
+    try:
+        dataset = datasets.ImageFolder(str(directory), transform=transform)
+    except (FileNotFoundError, OSError) as err:
+        raise BuildError("data.root", f"{root}: {_reason(err)}") from None
+    if len(dataset) == 0:
+        raise BuildError("data.root", f"{root} holds no images")
+    return dataset
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, FileNotFoundError) and "no valid file for the classes" in str(err):
+        classes = str(err).split("classes ", 1)[1].split(". Supported", 1)[0]
+        return f"class folder(s) {classes} hold no images (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"
+    if "cannot identify image file" in str(err):
+        return "not an image PIL can read (corrupt, cut short, or another format)"
+    text = getattr(err, "strerror", None) or str(err) or type(err).__name__
+    return text.splitlines()[0][:200]
 
 
 def build_data(recipe: Recipe, model: torch.nn.Module):

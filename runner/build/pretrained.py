@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..train.checkpoint import MARKER, STATE_FILE
+from ..train.checkpoint import MARKER, STATE_FILE, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +99,23 @@ def state_dict_file(directory: Path) -> Path | None:
 
 
 def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """The model weights a directory holds, and the file they came from."""
-    if is_checkpoint(directory):
-        path = directory / STATE_FILE
-        return torch.load(path, map_location="cpu", weights_only=True)["model"], path
+    """The model weights a directory holds, and the file they came from; a one-line ValueError
+    when they cannot be read (never torch's advice to load with weights_only=False)."""
+    if is_checkpoint(directory):  # checked against the digest its marker recorded
+        return load_checkpoint(directory, torch.device("cpu"))["model"], directory / STATE_FILE
     path = state_dict_file(directory)
     if path is None:
         raise ValueError(f"{directory} holds no {WEIGHTS} or .pt/.pth/.bin state dict")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        return load_file(str(path)), path
-    return torch.load(path, map_location="cpu", weights_only=True), path
+            return load_file(str(path)), path
+        return torch.load(path, map_location="cpu", weights_only=True), path
+    except Exception as err:  # noqa: BLE001 - torch's own error advises weights_only=False: never pass that on
+        why = "holds pickled Python objects, not only tensors" if "weights_only" in str(err) else "cannot be read"
+        raise ValueError(f"{path} {why} ({type(err).__name__}); ckrun loads only tensor files: "
+                         "save a state_dict or model.safetensors") from None
 
 
 def load_state(model: nn.Module, directory: Path) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+import traceback
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -161,10 +162,17 @@ def _run(command: Command, args: argparse.Namespace) -> int:
         for problem in err.problems:
             print(problem, file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print("ckrun: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return getattr(err, "exit_code", EXIT_INTERRUPTED)  # 143 when a second SIGTERM abandoned a step
     except BrokenPipeError:
         # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except Exception as err:  # noqa: BLE001 - a bug (ours or in user code) is one line; -v shows where
+        if args.verbose:
+            traceback.print_exc()
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else "no message"
+        print(f"ckrun: internal error: {type(err).__name__}: {detail}"
+              f"{'' if args.verbose else ' (run with -v for the traceback)'}", file=sys.stderr)
+        return 1

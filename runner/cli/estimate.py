@@ -8,7 +8,8 @@ import logging
 import time
 
 from ..library import resolve_recipe
-from ..load import load_recipe
+from ..load import load_recipe_document
+from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
 from ..units import format_bytes
 from . import Command, add_recipe_arguments
@@ -25,16 +26,10 @@ def run(args) -> int:
     from ..memory.estimate import EstimateUnavailable, Estimator
 
     path = resolve_recipe(args.recipe)
-    recipe = load_recipe(path, args.overrides)
+    recipe, doc = load_recipe_document(path, args.overrides)
     started = time.perf_counter()
-    try:
-        with _plan_lines_quiet():
-            estimate = Estimator(recipe, args.device).estimate()
-    except EstimateUnavailable as err:
-        raise InputError([Problem(Place(str(path)), "model", f"prediction is unavailable: {err}; "
-                                  "`ckrun tune` will measure this recipe instead")]) from None
-    except ValueError as err:
-        raise keyed_error(err, str(path), "memory") from None
+    with located_errors(doc), _plan_lines_quiet():
+        estimate = _estimate(Estimator, EstimateUnavailable, recipe, args.device, str(path))
     seconds = time.perf_counter() - started
     if args.json:
         print(json.dumps({**estimate.record(), "seconds": round(seconds, 2)}))
@@ -61,6 +56,14 @@ def _plan_lines_quiet():
         yield
     finally:
         plan_log.setLevel(level)
+def _estimate(estimator, unavailable, recipe, device: str, source: str):
+    try:
+        return estimator(recipe, device).estimate()
+    except unavailable as err:
+        raise InputError([Problem(Place(source), "model", f"prediction is unavailable: {err}; "
+                                  "`ckrun tune` will measure this recipe instead")]) from None
+    except ValueError as err:
+        raise keyed_error(err, source, "memory") from None
 
 
 COMMAND = Command(

@@ -1,13 +1,21 @@
-"""`ckrun run RECIPE [k=v ...]` (or just `ckrun RECIPE ...`): train it."""
+"""`ckrun run RECIPE [k=v ...]` (or just `ckrun RECIPE ...`): train it.
+
+Every way a run can end has one line and its own exit status: 0 done, 2 bad input (located in
+the recipe even when found while building), 3 over memory.max_mem or out of memory, 4 a loss
+that is not a number, 5 output that could not be written (disk full), 130/143 stopped by
+SIGINT/SIGTERM after a whole step.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from ..library import resolve_recipe
-from ..load import load_recipe
-from ..problems import EXIT_OVER_CAP
+from ..load import load_recipe_document
+from ..located import located_errors
+from ..problems import EXIT_CANNOT_WRITE, EXIT_NON_FINITE, EXIT_OVER_CAP
 from . import Command, add_recipe_arguments
 
 log = logging.getLogger(__name__)
@@ -19,15 +27,27 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from ..train.guard import NonFiniteLoss, stop_line
     from ..train.loop import MemoryCapExceeded, train
+    from ..train.output import OutputError
 
     path = resolve_recipe(args.recipe)
-    recipe = load_recipe(path, args.overrides)
+    recipe, doc = load_recipe_document(path, args.overrides)
     try:
-        result = train(recipe, str(path), resume=args.resume)
+        with located_errors(doc):
+            result = train(recipe, str(path), resume=args.resume)
     except MemoryCapExceeded as err:
-        print(f"ckrun: {err}; lower memory.micro_batch or checkpoint more blocks", file=sys.stderr)
+        print(f"ckrun: {err}; {err.advice}", file=sys.stderr)
         return EXIT_OVER_CAP
+    except NonFiniteLoss as err:
+        print(f"ckrun: {err}", file=sys.stderr)
+        return EXIT_NON_FINITE
+    except OutputError as err:
+        print(f"ckrun: {err.strerror}", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
+    if result.stopped_by:
+        print(stop_line(result.stopped_by, result.steps_done, recipe.train.steps, Path(recipe.output.dir)), file=sys.stderr)
+        return 128 + result.stopped_by
     if result.losses:
         log.info("done: %d steps, loss %.4f -> %.4f, metrics in %s/metrics.jsonl", result.steps_done,
                  result.losses[0], result.losses[-1], recipe.output.dir)
@@ -37,5 +57,7 @@ def run(args) -> int:
 COMMAND = Command(
     "run", "train a recipe (the default verb: `ckrun RECIPE` is `ckrun run RECIPE`)", add_arguments, run,
     epilog="examples:\n  ckrun recipes/bert_tiny.yaml\n  ckrun recipes/bert_tiny.yaml train.steps=100 memory.micro_batch=4\n"
-    "  ckrun recipes/bert_tiny.yaml --resume",
+    "  ckrun recipes/bert_tiny.yaml --resume\n\n"
+    "exit status: 0 done, 2 bad input, 3 over memory.max_mem or out of memory, 4 non-finite loss,\n"
+    "  5 output could not be written (disk full), 130/143 stopped by SIGINT/SIGTERM",
 )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..library import resolve_recipe
-from ..load import load_recipe
-from ..problems import keyed_error
+from ..load import load_recipe_document
+from ..located import located_errors
 from ..yamlio import dump_yaml
 from . import Command, add_recipe_arguments
 
@@ -16,9 +16,10 @@ def add_arguments(parser):
 
 def run(args) -> int:
     path = resolve_recipe(args.recipe)
-    recipe = load_recipe(path, args.overrides)
+    recipe, doc = load_recipe_document(path, args.overrides)
     if args.blocks:
-        return print_blocks(recipe, str(path))
+        with located_errors(doc):
+            return print_blocks(recipe, str(path))
     print(dump_yaml(recipe.model_dump(mode="json")), end="")
     return 0
 

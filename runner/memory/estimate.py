@@ -36,7 +36,7 @@ from .apply import apply_plan, check_combination
 from .blocks import find_blocks, undo_all, wrap_forward
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
-from .measure import format_bytes
+from ..units import format_bytes
 from .offload import ActivationOffload, CopyTransport, offloaded_blocks
 from .tracker import LiveBytesTracker
 

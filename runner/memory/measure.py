@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# format_bytes lives in runner.units (no torch); training and the estimator still take it from here
-from ..units import format_bytes  # noqa: F401
 
 
 @dataclass

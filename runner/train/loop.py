@@ -8,7 +8,6 @@ timed between device synchronisations and its peak memory measured.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import sys
 import time
@@ -20,15 +19,21 @@ import torch
 from ..build.data import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler
-from ..files import write_atomic
-from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes, format_bytes
+from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
+from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
-from .checkpoint import complete_checkpoints, load_latest, restore_rng_state, rng_state, save_checkpoint
+from .checkpoint import restore_rng_state, rng_state, save_checkpoint
 from .evaluate import make_evaluator
 from .export import finish_run
+from .guard import LossWatch, StopRequest, describe_out_of_memory, is_out_of_memory, user_code
+from .output import MetricsLog, prepare_output, set_aside_unresumable, write_failure, write_output
+from .resume import fingerprint
+from .resume import resume as resume_from_checkpoint
 from .step import make_precision, run_step
+
+__all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +45,24 @@ class MemoryCapExceeded(RuntimeError):
         self.cap, self.peak, self.step = cap, peak, step
         super().__init__(f"memory cap {format_bytes(cap)} exceeded: step {step} peaked at {format_bytes(peak)}")
 
+    advice = "lower memory.micro_batch or checkpoint more blocks"
 
-def pick_device(recipe: Recipe) -> torch.device:
+
+class OutOfMemory(MemoryCapExceeded):
+    """The machine itself could not give a step its memory (CPU: the allocator failed)."""
+
+    def __init__(self, step: int, reason: str, device: torch.device):
+        self.cap, self.peak, self.step = 0, 0, step
+        RuntimeError.__init__(self, f"step {step} ran out of memory on {device.type}: {reason}")
+
+    advice = ("lower train.batch_size or memory.micro_batch, or checkpoint more blocks (memory.checkpointing); "
+              "`ckrun estimate` predicts a step's peak")
+
+
+def pick_device(recipe: Recipe, source: str = "<recipe>") -> torch.device:
     wanted = recipe.train.device
     if wanted == "cuda" and not torch.cuda.is_available():
-        raise InputError([Problem(Place("<recipe>"), "train.device", "cuda asked for but no CUDA GPU is visible; use auto or cpu")])
+        raise InputError([Problem(Place(source), "train.device", "cuda asked for but no CUDA GPU is visible; use auto or cpu")])
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     # an index, because per-device calls (set_per_process_memory_fraction) refuse a bare "cuda"
@@ -58,15 +76,17 @@ class RunResult:
     peak_mem_bytes: int = 0
     samples_per_s: list[float] = field(default_factory=list)
     skipped_steps: int = 0
+    stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that ended the run before train.steps
 
 
 class Trainer:
     def __init__(self, recipe: Recipe, source: str = "<recipe>"):
         self.recipe, self.source = recipe, source
-        self.device = pick_device(recipe)
+        self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
         self.limited_at_context = None  # the CUDA context the allocator limit was set for
+        self.out_of_memory_reason = ""  # what the allocator said when a step ran out
         if recipe.memory.max_mem is not None and self.device.type == "cuda":
             self.limited_at_context = limit_cuda_memory(self.device, int(recipe.memory.max_mem))
         try:
@@ -76,7 +96,9 @@ class Trainer:
 
     def _build(self) -> None:
         recipe = self.recipe
-        self.model = build_model(recipe.model, self.device)
+        with user_code("model.config" if recipe.model.source == "transformers" else "model.name",
+                       f"building {recipe.model.name}"):
+            self.model = build_model(recipe.model, self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
         self.forward_model = torch.compile(self.model) if recipe.memory.compile else self.model
@@ -93,7 +115,7 @@ class Trainer:
         return {
             "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
-            "rng": rng_state(self.device),
+            "rng": rng_state(self.device), "recipe": fingerprint(self.recipe),
         }
 
     def restore(self, state: dict) -> None:
@@ -109,7 +131,12 @@ class Trainer:
 
     def train_step(self) -> dict:
         """Run the next optimizer step and return its metrics record."""
-        batch = self.data.global_batch(self.step).to(self.device)
+        try:
+            batch = self.data.global_batch(self.step).to(self.device)
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         ran = self._timed_step(batch)
@@ -136,15 +163,21 @@ class Trainer:
                                   self.precision, self.scaler, self.recipe.train.grad_clip)
                 _synchronize(self.device)
                 seconds = time.perf_counter() - started
-        except torch.OutOfMemoryError:
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
             # returning (not raising) here ends the except block, and with it the traceback whose
             # frames hold the step's activations: they are freed before anything else is measured
+            self.out_of_memory_reason = describe_out_of_memory(err)
             return None
         return result, seconds, peak
 
     def _out_of_memory(self) -> MemoryCapExceeded:
         """Under a cap the allocator stops at the cap, so running out is the cap being hit."""
         self.optimizer.zero_grad(set_to_none=True)  # gradients of the micro-batches that did run
+        if self.device.type != "cuda":
+            gc.collect()
+            return OutOfMemory(self.step + 1, self.out_of_memory_reason, self.device)
         peak = card_peak({"peak_mem_bytes": torch.cuda.max_memory_reserved(self.device),
                           "cuda_context_bytes": cuda_context_bytes(self.device)})
         gc.collect()
@@ -206,58 +239,69 @@ def _progress(total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
-def prepare_output(out_dir: Path, resume: bool, source: str) -> None:
-    """Refuse to overwrite a finished or running run unless resuming it."""
-    holds_run = (out_dir / "metrics.jsonl").exists() or complete_checkpoints(out_dir / "checkpoints")
-    if holds_run and not resume:
-        raise InputError([Problem(Place(source), "output.dir", f"{out_dir} already holds a run; pass --resume to "
-                                  f"continue it, or choose another directory with output.dir=...")])
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-
 def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None) -> RunResult:
+    """Train `recipe` into out_dir. A SIGINT/SIGTERM ends the loop after the current step and the run
+    ends normally with `stopped_by` set; any other end leaves out_dir resumable or, when no
+    checkpoint was written, re-usable without --resume."""
     out_dir = Path(out_dir or recipe.output.dir)
     prepare_output(out_dir, resume, source)
-    trainer = Trainer(recipe, source)
-    if resume:
-        _resume(trainer, out_dir)
-    write_atomic(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")))
-    log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
-             recipe.train.steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
-    return _run(trainer, out_dir)
+    with StopRequest() as stop:
+        trainer = Trainer(recipe, source)
+        if resume:
+            resume_from_checkpoint(trainer, out_dir, source)
+        write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
+        log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
+                 recipe.train.steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+        try:
+            result = _run(trainer, out_dir, stop)
+        except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
+            set_aside_unresumable(out_dir)
+            raise err.as_input_error(source) from None
+        except BaseException:
+            set_aside_unresumable(out_dir)
+            raise
+    if result.stopped_by:
+        set_aside_unresumable(out_dir)
+    return result
 
 
-def _resume(trainer: Trainer, out_dir: Path) -> None:
-    state = load_latest(out_dir / "checkpoints", trainer.device)
-    if state is None:
-        log.info("--resume: no complete checkpoint in %s, starting from step 0", out_dir / "checkpoints")
-    else:
-        trainer.restore(state)
-    _truncate_metrics(out_dir / "metrics.jsonl", trainer.step)
-
-
-def _run(trainer: Trainer, out_dir: Path) -> RunResult:
-    recipe, result = trainer.recipe, RunResult(trainer.step)
+def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
+    recipe, result, watch = trainer.recipe, RunResult(trainer.step), LossWatch()
     every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step)
     evaluator = make_evaluator(trainer)
-    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as metrics:
-        while trainer.step < recipe.train.steps:
-            record = trainer.train_step()
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            _note(result, record)
-            _report(record, bar, recipe.output.log_every, recipe.train.steps)
-            if evaluator is not None and evaluator.due(trainer.step):
-                metrics.write(json.dumps(evaluator.run()) + "\n")
-                metrics.flush()
-            if every and trainer.step % every == 0:
-                save_checkpoint(out_dir / "checkpoints", trainer.step, trainer.state(), recipe.output.keep_checkpoints)
-    if bar is not None:
-        bar.close()
-    finish_run(trainer, out_dir)
+    try:
+        with MetricsLog(out_dir, trainer.source) as metrics:
+            while trainer.step < recipe.train.steps and not stop.requested:
+                record = trainer.train_step()
+                metrics.append(record)  # first, so the line of a non-finite step shows where it happened
+                watch.check(record)
+                _note(result, record)
+                _report(record, bar, recipe.output.log_every, recipe.train.steps)
+                if evaluator is not None and evaluator.due(trainer.step):
+                    metrics.append(evaluator.run())
+                if every and trainer.step % every == 0 and watch.finite(trainer.step):
+                    _save(trainer, out_dir)
+    finally:
+        if bar is not None:
+            bar.close()
+    if trainer.step < recipe.train.steps:
+        result.stopped_by = stop.signum
+    if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
+        try:
+            finish_run(trainer, out_dir)
+        except OSError as err:
+            raise write_failure(err, out_dir / "model", trainer.source) from None
     if result.skipped_steps:
         log.info("fp16: %d of %d steps were skipped by the loss scaler", result.skipped_steps, len(result.losses))
     return result
+
+
+def _save(trainer: Trainer, out_dir: Path) -> None:
+    root = out_dir / "checkpoints"
+    try:
+        save_checkpoint(root, trainer.step, trainer.state(), trainer.recipe.output.keep_checkpoints)
+    except OSError as err:
+        raise write_failure(err, root / f"step-{trainer.step:08d}", trainer.source) from None
 
 
 def _note(result: RunResult, record: dict) -> None:
@@ -278,11 +322,3 @@ def _report(record: dict, bar, log_every: int, total: int) -> None:
             bar.write(text)
     elif record["step"] % log_every == 0 or record["step"] == total:
         log.info(text)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics of steps after the checkpoint: they will be run again."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line and json.loads(line)["step"] <= step]
-    write_atomic(path, "".join(line + "\n" for line in kept))

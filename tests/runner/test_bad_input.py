@@ -94,3 +94,80 @@ def test_bad_input_through_the_installed_console_script(tmp_path):
     done = subprocess.run([script, str(recipe)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().endswith("train.stepz: unknown key (did you mean steps?)")
+
+
+# Found only when the model, data or plan is built, yet still placed at the key's line in the file
+# (what is wrong, replace this text in bert_tiny.yaml, with this, key, fragment of the one line)
+BUILD_CASES = [
+    ("checkpointing a block out of range", "{policy: none}", "{policy: layers, layers: [30]}",
+     ":38:", "memory.checkpointing.layers: block 30 is out of range"),
+    ("offload on a CPU", "memory:\n", "memory:\n  offload: {policy: all}\n", ":38:", "memory.offload"),
+    ("heads that do not divide the width", "num_attention_heads: 2", "num_attention_heads: 3", ":13:3:", "model.config"),
+    ("a factory that raises", "  source: transformers\n  name: BertForMaskedLM",
+     "  source: python\n  name: faulty_models:raises", ":12:3:", "model.name: building faulty_models:raises raised "
+     "ValueError: width must be even"),
+    ("a factory that returns no module", "  source: transformers\n  name: BertForMaskedLM",
+     "  source: python\n  name: faulty_models:returns_a_list", ":12:3:", "model.name"),
+]
+BUILD_OVERRIDES = ["data.seq_len=32", "train.batch_size=4", "train.steps=1", "data.task=masked_lm", "data.vocab_size=64"]
+
+
+@pytest.mark.parametrize("name, old, new, where, expected", BUILD_CASES, ids=[c[0] for c in BUILD_CASES])
+def test_problems_found_while_building_name_the_recipe_line(tmp_path, ckrun, monkeypatch, name, old, new, where, expected):
+    assert old in GOOD, f"test case {name!r} no longer matches bert_tiny.yaml"
+    (tmp_path / "faulty_models.py").write_text(
+        "def raises(**config):\n    raise ValueError('width must be even')\n\n\n"
+        "def returns_a_list(**config):\n    return [1, 2]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace(old, new, 1))
+    code, out, err = ckrun(recipe, *BUILD_OVERRIDES, "train.device=cpu", f"output.dir={tmp_path / 'run'}")
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"{recipe}{where}") and expected in lines[0], lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_asked_for_without_a_gpu_names_the_line(tmp_path, ckrun):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace("  seed: 0", "  seed: 0\n  device: cuda", 1))
+    code, _, err = ckrun(recipe, f"output.dir={tmp_path / 'run'}")
+    assert code == 2 and err.startswith(f"{recipe}:34:3: train.device: cuda asked for but no CUDA GPU is visible")
+
+
+def test_estimate_places_plan_errors_too(tmp_path, ckrun):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace("{policy: none}", "{policy: layers, layers: [30]}", 1))
+    code, _, err = ckrun("estimate", recipe, "--device", "cpu")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{recipe}:38:") and "memory.checkpointing.layers: block 30 is out of range" in err
+
+
+def test_show_blocks_places_build_errors_too(tmp_path, ckrun, monkeypatch):
+    (tmp_path / "faulty_models.py").write_text("def returns_a_list(**config):\n    return [1, 2]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace("  source: transformers\n  name: BertForMaskedLM",
+                                   "  source: python\n  name: faulty_models:returns_a_list", 1))
+    code, _, err = ckrun("show", recipe, "--blocks", "model.config={}")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{recipe}:12:3: model.name: faulty_models:returns_a_list returned list"), err
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 cut short", "pickled"], ids=["empty", "truncated", "pickled code"])
+def test_pretrained_weights_that_are_not_tensors_are_one_line(tmp_path, ckrun, content):
+    import torch
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    if content == "pickled":
+        torch.save({"fc": torch.nn.Linear(2, 2)}, weights / "model.pt")  # a module object: pickled code
+    else:
+        (weights / "model.pt").write_bytes(content)
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace("  source: transformers\n  name: BertForMaskedLM",
+                                   f"  source: torchvision\n  name: resnet18\n  pretrained: {weights}", 1))
+    code, _, err = ckrun(recipe, "model.config={}", "train.device=cpu", f"output.dir={tmp_path / 'run'}")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{recipe}:13:3: model.pretrained: {weights}/model.pt ") and "weights_only" not in err

@@ -19,5 +19,7 @@ CASES = [
 @pytest.mark.parametrize("overrides, expected", CASES, ids=["layer-range", "offload-cpu", "block-path", "no-blocks"])
 def test_plan_error_is_one_line(tmp_path, ckrun, overrides, expected):
     code, out, err = ckrun(BERT_TINY, *TINY_BERT, *overrides, f"output.dir={tmp_path / 'r'}")
-    lines = [line for line in err.splitlines() if line.startswith(BERT_TINY)]
+    lines = err.splitlines()
+    # placed where the key was set: the override that set it, else its line in the file
     assert code == 2 and len(lines) == 1 and expected in lines[0], err
+    assert lines[0].startswith((f"override '{overrides[0]}': ", f"{BERT_TINY}:")), lines[0]

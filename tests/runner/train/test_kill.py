@@ -1,0 +1,120 @@
+"""A run killed by a real signal from outside: SIGTERM ends it after a whole step with status 143,
+and kill -9 at any moment of a checkpoint save leaves a directory that --resume continues to
+exactly the losses of a run never killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
+from runner.cli import main
+from runner.train import checkpoint, loop
+
+RUN = [BERT_TINY, *TINY_BERT, "train.steps=6", "output.checkpoint_every=2"]
+
+
+def test_sigterm_from_outside_ends_the_run_after_a_whole_step(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-m", "runner", *RUN[:-2], "train.steps=100000", "output.checkpoint_every=1",
+                              f"output.dir={out}"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert child.poll() is None and time.monotonic() < deadline, "the run ended or never started"
+            time.sleep(0.2)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 143, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ckrun: stopped by SIGTERM after step ") and "`--resume` continues from step-" in last
+    assert "Traceback" not in err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and f"after step {steps[-1]} of 100000" in last
+    # the stopped run ends as a finished one does: its last whole step saved and its model exported
+    assert f"step-{steps[-1]:08d}" in last and checkpoint.complete_checkpoints(out / "checkpoints")[-1].name == f"step-{steps[-1]:08d}"
+    assert (out / "model" / "config.json").is_file()
+
+
+def traced_saves(count: list[int], moment: int | None):
+    """loop.save_checkpoint, counting every line executed inside a save (ckrun's checkpoint code and
+    torch.save's) into count[0], and SIGKILLing the process at line `moment`."""
+    real_save, watched = loop.save_checkpoint, {checkpoint.__file__, torch.serialization.__file__}
+
+    def line(frame, event, _arg):
+        if event == "line":
+            count[0] += 1
+            if count[0] == moment:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return line
+
+    def traced_save(*args, **kwargs):
+        sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename in watched else None)
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            sys.settrace(None)
+
+    return traced_save
+
+
+def killed_in_save_at(moment: int, args: list[str]) -> int:
+    """Run ckrun in a forked child (torch already imported: no start-up cost) that SIGKILLs itself
+    at the `moment`-th line of its checkpoint saves; returns the child's exit status."""
+    pid = os.fork()
+    if pid:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        loop.save_checkpoint = traced_saves([0], moment)
+        main(args)
+    finally:
+        os._exit(0)  # never back into pytest; 0 means the moment never came
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The losses of RUN never killed, and how many lines its three saves execute."""
+    out, count = tmp_path_factory.mktemp("straight"), [0]
+    real_save = loop.save_checkpoint
+    loop.save_checkpoint = traced_saves(count, None)
+    try:
+        assert main([*RUN, f"output.dir={out}"]) == 0
+    finally:
+        loop.save_checkpoint = real_save
+    return [m["loss"] for m in read_metrics(out)], count[0]
+
+
+def check_kill_then_resume(tmp_path, capsys, straight, fraction: float) -> None:
+    losses, lines = straight
+    out, moment = tmp_path / "run", max(1, round(fraction * lines))
+    assert killed_in_save_at(moment, [*RUN, f"output.dir={out}"]) == -signal.SIGKILL
+    capsys.readouterr()
+    assert main([*RUN, f"output.dir={out}", "--resume"]) == 0, capsys.readouterr().err
+    assert [m["loss"] for m in read_metrics(out)] == losses
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]  # a later save swept them
+
+
+FORK = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a copy of the test process to kill")
+
+
+@FORK
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.3, 0.45, 0.6, 0.8, 0.99])
+def test_kill_9_during_a_checkpoint_save_then_resume_gives_the_same_losses(tmp_path, capsys, straight, fraction):
+    check_kill_then_resume(tmp_path, capsys, straight, fraction)
+
+
+@FORK
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [i / 52 for i in range(52)])
+def test_kill_9_at_52_moments_of_the_saves(tmp_path, capsys, straight, fraction):
+    check_kill_then_resume(tmp_path, capsys, straight, fraction)
