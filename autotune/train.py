@@ -4,7 +4,8 @@ the cap, and the one line that explains an impossible cap.
 A probe runs a few steps; a training run can still go over (other batches, allocator
 fragmentation over time). The trainer holds every step to memory.max_mem, so a breach surfaces in
 the first steps as MemoryCapExceeded; the next-best feasible plan then takes over, resuming from
-the newest checkpoint if one was written (plans never change what is computed).
+the newest checkpoint if one was written (checkpointing and offload never change what is computed;
+another micro_batch does only where BatchNorm or dropout see the micro-batch, see autotune/space.py).
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def _knob(smallest: dict, space: Space, device: Device) -> str:
         halves = "/".join(p for p in device.precisions if p != "fp32")
         return f"--search-precision would try {halves}, which halves activations"
     untried = []
-    if plan["micro_batch"] > min(space.choices["micro_batch"]):
+    if plan["micro_batch"] > min(space.micro_batches()):
         untried.append("a smaller memory.micro_batch")
+    elif "micro_batch" not in space.choices and space.batchnorm:
+        untried.append("a smaller memory.micro_batch (--search-micro-batch; it changes BatchNorm's statistics)")
     if plan["checkpointing"]["policy"] != "full":
         untried.append("full checkpointing")
     if device.kind == "cuda" and plan["offload"]["policy"] == "none":

@@ -11,6 +11,9 @@ CUDA (with or without a GPU here): the step runs on fake CPU tensors with CUDA's
 kernels, autocast fp32 ops, fused AdamW and activation offload reproduced (`cuda_model`), and the
 order of allocations is replayed through a model of the caching allocator to predict reserved
 bytes, which is what a cap on the card limits.
+
+Where the step runs an op whose fake kernel is known to allocate less than the real one
+(`fake_gaps.FAKE_GAPS`, e.g. an LSTM's oneDNN workspace), the estimate says so in `warnings`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .apply import apply_plan, check_combination
 from .blocks import find_blocks, undo_all, wrap_forward
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
+from .fake_gaps import FakeGapWatch
 from .measure import format_bytes
 from .offload import ActivationOffload, CopyTransport, offloaded_blocks
 from .tracker import LiveBytesTracker
@@ -59,10 +63,12 @@ class Estimate:
     live_peak_bytes: int = 0
     """The most tensor bytes live at once (before the allocator's rounding and caching)."""
     device: str = "cpu"
+    warnings: list[str] = field(default_factory=list)
+    """Where the estimate is known to be low: ops whose fake kernels allocate less than the real ones."""
 
     def record(self) -> dict:
         return {"device": self.device, "peak_bytes": self.peak_bytes, "live_peak_bytes": self.live_peak_bytes,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+                "breakdown": dict(self.breakdown), "notes": list(self.notes), "warnings": list(self.warnings)}
 
 
 def estimate_peak(recipe: Recipe, device: str = "cpu") -> Estimate:
@@ -96,16 +102,18 @@ class Estimator:
         precision = precision or self.recipe.precision
         micro = _micro_batch(plan, self.recipe.train.batch_size)
         check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
-        tracker = LiveBytesTracker(CPU, record_events=self.cuda)
+        tracker, gaps = LiveBytesTracker(CPU, record_events=self.cuda), FakeGapWatch()
         with self.fake_mode, self._device_behaviour(), self._applied(plan):
             tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
             try:
-                with _unavailable("the training step"), tracker:
+                with _unavailable("the training step"), tracker, gaps:
                     self._step(micro, precision)
             finally:
                 tracker.close()
-        return self._result(tracker, baseline, plan, precision)
+        estimate = self._result(tracker, baseline, plan, precision)
+        estimate.warnings.extend(gaps.warnings())
+        return estimate
 
     # --- running ---------------------------------------------------------------------------------
 
