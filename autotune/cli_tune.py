@@ -1,7 +1,8 @@
 """`ckrun tune [RECIPE] [k=v ...] --max-mem SIZE`: find the fastest memory plan under a cap,
 write DIR/tuned.yaml, then train with it.
 
-Exit status: 0 a plan was found (and trained), 2 bad input, 3 nothing fits under the cap.
+Exit status: 0 a plan was found (and trained), 2 bad input, 3 nothing fits under the cap or no plan
+could be measured (every probe failed: the line names the fault).
 """
 
 from __future__ import annotations
@@ -243,5 +244,6 @@ COMMAND = Command(
     "  ckrun tune --max-mem 24GB --trials 30 --time-budget 20m      # ./ckrun.yaml, else the default recipe\n"
     "  ckrun tune bert_tiny --max-mem 150MB --no-train --output runs/t  # then: ckrun runs/t/tuned.yaml\n"
     "  ckrun tune bert_tiny --max-mem 150MB --output runs/t --resume    # continue a stopped study\n"
-    f"exit status: 0 tuned (and trained), {EXIT_BAD_INPUT} bad input, {EXIT_NOTHING_FITS} nothing fits under the cap",
+    f"exit status: 0 tuned (and trained), {EXIT_BAD_INPUT} bad input, {EXIT_NOTHING_FITS} nothing fits under the cap "
+    "or no plan could be measured (the line says why)",
 )

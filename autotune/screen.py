@@ -68,8 +68,8 @@ class ModelChild:
         return self._await("facts.json", "building the model on the meta device")
 
     def ready(self) -> dict:
-        return self._await("ready.json", "the estimator's warm-up step (the model's forward and backward on fake "
-                                         "tensors)")
+        return self._await("ready.json", "running the estimator's warm-up step (the model's forward and backward "
+                                         "on fake tensors)")
 
     def ask(self, candidate: Candidate) -> dict:
         number, self.requests = self.requests, self.requests + 1
@@ -171,7 +171,9 @@ class IsolatedPredictor:
                 return False
         ready = self.child.ready()
         if ready["status"] != "ok":
-            self._turn_off(f"the estimator cannot model this recipe: {ready['reason']}")
+            fault = ready["status"] in ("died", "timeout", "crash")
+            self._turn_off(f"{'the model failed' if fault else 'the estimator cannot model this recipe'}: "
+                           f"{ready['reason']}")
             self.child.stop()
             return False
         self._ready = True

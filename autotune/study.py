@@ -106,7 +106,10 @@ class Tuner:
         starts = self.space.starting_points(recipe, self._predicted_to_fit if self.predict else None)
         for params in starts:
             self.study.enqueue_trial(params)
-        how = "the largest micro-batch predicted to fit" if self.predict else "the whole batch (no predictions)"
+        predicted = any(peak is not None for peak in self.predicted.values())
+        how = "the largest micro-batch predicted to fit" if predicted else "the whole batch (no predictions)"
+        if "micro_batch" not in self.space.choices:
+            how = f"the pinned micro-batch {self.space.fixed['micro_batch']}"
         log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
                  "; ".join(self.space.candidate(p).describe() for p in starts))
 

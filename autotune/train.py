@@ -77,9 +77,11 @@ def nothing_fits(records: list[dict], cap: Cap, space: Space, device: Device, di
     measured = [r for r in records if r.get("measured_peak") and r["state"] != "duplicate"]
     broken = [r for r in records if r["state"] in BROKEN and not r.get("measured_peak")]
     if not measured and broken:
-        return (f"{head}: {len(broken)} probe(s) failed before measuring a peak, e.g. trial {broken[0]['number']} "
-                f"({broken[0]['label']}): {broken[0].get('reason') or broken[0]['state']}; "
-                f"see {directory / 'probes'}/trial-{broken[0]['number']}.log")
+        reason = broken[0].get("reason") or broken[0]["state"]
+        log_path = f"{directory / 'probes'}/trial-{broken[0]['number']}.log"
+        return (f"no plan could be measured within {cap.describe()}: {len(broken)} probe(s) failed before measuring "
+                f"a peak, e.g. trial {broken[0]['number']} ({broken[0]['label']}): {reason}"
+                + ("" if log_path in reason else f"; see {log_path}"))
     for key, verb in (("measured_peak", "seen"), ("predicted_peak", "predicted")):
         seen = [r for r in records if r.get(key) and r["state"] != "duplicate"]
         if seen:

@@ -69,19 +69,22 @@ def tune(directory, recipe, *flags, timeout=300):
                           timeout=timeout)
 
 
-FAULTS = {"hang": "timed out after 20 s", "segfault": "killed by SIGSEGV", "exit": "exited with status 7"}
+# what the line says, and the limit of each child: only the hang waits for it (the others must not
+# run into it while torch imports on a busy machine)
+FAULTS = {"hang": ("timed out after 15 s", "15"), "segfault": ("killed by SIGSEGV", "300"),
+          "exit": ("exited with status 7", "300")}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_forward_that_faults_ends_the_tune_with_a_report(tmp_path, fault):
     recipe = user_recipe(tmp_path, write_user_model(tmp_path), {"fault": fault})
-    done = tune(tmp_path, recipe, "--time-budget", "1s", "--probe-timeout", "20")
-    words = FAULTS[fault]
+    words, limit = FAULTS[fault]
+    done = tune(tmp_path, recipe, "--time-budget", "1s", "--probe-timeout", limit)
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ckrun tune: ") and words in last  # the one line names the fault
     found = report(tmp_path / "tune")
     assert found["screening"]["state"] == "off" and words in found["screening"]["reason"]
-    assert words in found["trials"][0]["reason"]
+    assert found["trials"][0]["state"] in ("timeout", "died") and words in found["trials"][0]["reason"]
     assert not survivors([launch["pid"] for launch in launches(tmp_path / "tune")])

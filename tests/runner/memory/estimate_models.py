@@ -23,3 +23,21 @@ class _BranchOnValues(nn.Module):
 
 def branch_on_values(width: int = 16, num_classes: int = 4) -> nn.Module:
     return _BranchOnValues(width, num_classes)
+
+
+class _TinyLSTM(nn.Module):
+    """Embedding, a 2-layer LSTM and a linear head over the last step: sequence classification."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2, classes: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(input_ids))
+        return self.head(out[:, -1])
+
+
+def tiny_lstm(**config) -> nn.Module:
+    return _TinyLSTM(**config)
