@@ -10,9 +10,11 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from conftest import ROOT
-from tune_helpers import launches, report, survivors
+from runner.memory.fake_gaps import FakeGapWatch
+from tune_helpers import launches, report, survivors, use_fake_child
 
 USER_MODEL = '''
 import os, signal, time
@@ -88,3 +90,31 @@ def test_a_forward_that_faults_ends_the_tune_with_a_report(tmp_path, fault):
     assert found["screening"]["state"] == "off" and words in found["screening"]["reason"]
     assert found["trials"][0]["state"] in ("timeout", "died") and words in found["trials"][0]["reason"]
     assert not survivors([launch["pid"] for launch in launches(tmp_path / "tune")])
+
+
+def test_the_tuner_shows_the_estimates_warnings(ckrun, monkeypatch, tmp_path):
+    """An LSTM's estimate is low (its fake kernel has no workspace): the tuner says so and the report keeps it."""
+    models = ROOT / "tests" / "runner" / "memory"  # estimate_models.py: tiny_lstm
+    use_fake_child(monkeypatch)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(models), os.environ["PYTHONPATH"])))
+    monkeypatch.syspath_prepend(str(models))
+    recipe = user_recipe(tmp_path, "estimate_models:tiny_lstm", {"vocab": 64, "width": 32})
+    code, out, err = ckrun("tune", recipe, "data={source: synthetic, task: sequence_classification, seq_len: 16, "
+                           "vocab_size: 64, num_classes: 4}", "--max-mem", "100MB", "--output", tmp_path / "tune",
+                           "--trials", "1", "--finalists", "0", "--no-train")
+    assert code == 0, err
+    screening = report(tmp_path / "tune")["screening"]
+    assert screening["state"] == "on"
+    if screening["warnings"]:
+        assert all(f"estimate warning: {w}" in out for w in screening["warnings"])
+    if _runs_on_this_torch("aten::mkldnn_rnn_layer"):
+        assert any(w.startswith("aten.mkldnn_rnn_layer: ") for w in screening["warnings"])
+
+
+def _runs_on_this_torch(op: str) -> bool:
+    """Whether a real LSTM step reaches `op` here (oneDNN may be absent or bypassed on some builds)."""
+    watch = FakeGapWatch()
+    lstm = torch.nn.LSTM(8, 8, batch_first=True)
+    with watch:
+        lstm(torch.randn(2, 3, 8))[0].sum().backward()
+    return op in watch.seen
