@@ -33,6 +33,7 @@ log = logging.getLogger("ckrun")
 
 MAX_FAULTS = 2  # predictions that hang or kill the child before screening is turned off for the rest
 POLL_S = 0.05
+CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of autotune.model_child (same protocol)
 
 
 class ModelChild:
@@ -57,7 +58,7 @@ class ModelChild:
             stale.unlink(missing_ok=True)  # left by a killed tuner or the child before a restart
         recipe_path = self.directory / "recipe.json"
         write_atomic(recipe_path, self.recipe.model_dump_json(indent=1))
-        command = [sys.executable, "-m", "autotune.model_child", str(recipe_path), str(self.directory),
+        command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.model_child"), str(recipe_path), str(self.directory),
                    "--parent", str(os.getpid()), "--device", self.device_kind, *([] if self.screen else ["--facts-only"])]
         with open(self.log_path, "a", encoding="utf-8") as log_file:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
