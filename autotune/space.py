@@ -217,7 +217,8 @@ def micro_batch_comment(space: Space, micro: int) -> str | None:
     if space.dropout:
         return (f"micro_batch {micro} of batch {space.batch_size}: dropout masks are drawn per micro-batch; the "
                 "gradient is otherwise the whole batch's")
-    return f"micro_batch {micro} of batch {space.batch_size}: the gradient is the whole batch's (no BatchNorm, no dropout)"
+    return (f"micro_batch {micro} of batch {space.batch_size}: the gradient is the whole batch's (no BatchNorm or "
+            "dropout layers found)")
 
 
 def _layers(names: tuple[str, ...]) -> str:

@@ -92,27 +92,30 @@ class Estimator:
             self.model.train()
         # a real batch, made outside the mode: synthetic data indexes and masks by value
         self.batch, self.batch_only = _to_fake(_stand_in_batch(recipe, self.model), self.fake_mode)
+        gaps = FakeGapWatch()  # watched once, in the warm-up: a plan changes how often ops run, not which
         with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour():
             # fused AdamW on a CUDA target, as the trainer builds it (it makes no temporaries)
             self.optimizer = build_optimizer(self.model, recipe.train, torch.device("cuda" if self.cuda else "cpu"))
-            self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
+            with gaps:
+                self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
+        self.warnings = gaps.warnings()
 
     def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None) -> Estimate:
         plan = self.recipe.memory if plan is None else plan
         precision = precision or self.recipe.precision
         micro = _micro_batch(plan, self.recipe.train.batch_size)
         check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
-        tracker, gaps = LiveBytesTracker(CPU, record_events=self.cuda), FakeGapWatch()
+        tracker = LiveBytesTracker(CPU, record_events=self.cuda)
         with self.fake_mode, self._device_behaviour(), self._applied(plan):
             tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
             try:
-                with _unavailable("the training step"), tracker, gaps:
+                with _unavailable("the training step"), tracker:
                     self._step(micro, precision)
             finally:
                 tracker.close()
         estimate = self._result(tracker, baseline, plan, precision)
-        estimate.warnings.extend(gaps.warnings())
+        estimate.warnings.extend(self.warnings)
         return estimate
 
     # --- running ---------------------------------------------------------------------------------
