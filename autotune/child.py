@@ -8,6 +8,7 @@ of a new session, so killing its process group also takes anything it started (c
     python -m autotune.child device RECIPE.json RESULT.json --parent PID
 
 The result is written atomically; no result file means the process died before it could report.
+Once it is written the process leaves at once (`finish`), without the interpreter's teardown.
 
 Test hook (read only here): CKRUN_PROBE_FAULT=KIND:TRIAL[,KIND:TRIAL...] injects a fault into the
 probe of trial TRIAL. KIND is `oom` (torch.OutOfMemoryError, as a step that ran out would raise),
@@ -160,5 +161,13 @@ def _inject(kind: str) -> None:
     raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r}; use oom, crash or hang")
 
 
+def finish(code: int) -> None:
+    """Exit now: the result is on disk, and a teardown (torch's, or the user's atexit hooks and
+    non-daemon threads) could hold the process long enough for the tuner to call it a timeout."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

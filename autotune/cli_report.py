@@ -28,7 +28,8 @@ def run(args) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # reading the journal takes no lock: a report of a running study is fine
     study = optuna.load_study(study_name=STUDY_NAME, storage=JournalStorage(JournalFileBackend(str(journal))))
-    print(publish(directory, trial_records(study), study.user_attrs["config"]))
+    print(publish(directory, trial_records(study), study.user_attrs["config"],
+                  study.user_attrs.get("screening")))
     return 0
 
 

@@ -1,7 +1,8 @@
 """`ckrun tune [RECIPE] [k=v ...] --max-mem SIZE`: find the fastest memory plan under a cap,
 write DIR/tuned.yaml, then train with it.
 
-Exit status: 0 a plan was found (and trained), 2 bad input, 3 nothing fits under the cap.
+Exit status: 0 a plan was found (and trained), 2 bad input, 3 nothing fits under the cap or no plan
+could be measured (every probe failed: the line names the fault).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from runner.cli import Command
 from runner.library import DEFAULT_RECIPE, resolve_recipe
 from runner.load import load_recipe_document
-from runner.memory.blocks import BlockList
 from runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, InputError, Place, Problem
 from runner.recipe import Recipe
 from runner.units import format_bytes
@@ -27,9 +27,10 @@ from runner.yamlio import dump_yaml
 from .files import StudyLock
 from .probe import ProbeRunner, ProbeSettings
 from .report import publish, ranked_feasible
-from .space import Device, Space, build_space
+from .screen import IsolatedPredictor, ModelChild, read_facts
+from .space import Device, ModelFacts, Space, build_space, micro_batch_comment
 from .cap import Cap
-from .study import Budget, Tuner, estimator_predictor, open_study, trial_records
+from .study import Budget, Tuner, open_study, trial_records
 from .train import nothing_fits, train_with_fallback
 from .tuned import write_tuned
 
@@ -51,6 +52,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--margin", type=float, default=0.05, help="fraction of the cap kept free (default 0.05)")
     parser.add_argument("--search-precision", action="store_true", help="search fp32/bf16/fp16 instead of the recipe's")
     parser.add_argument("--search-compile", action="store_true", help="try torch.compile on and off")
+    parser.add_argument("--search-micro-batch", action="store_true",
+                        help="search micro_batch also for a model with BatchNorm, whose statistics then cover a "
+                             "micro-batch, not the batch (default: keep the recipe's)")
     parser.add_argument("--finalists", type=int, default=2, metavar="K",
                         help="measure the K fastest plans until each has 3 runs, and rank them by the median "
                              "(default 2; 0 trusts one probe per plan)")
@@ -58,7 +62,9 @@ def add_arguments(parser) -> None:
                         help="no predictions: probe every plan, also those the estimator puts over the cap, "
                              "and start at the whole batch")
     parser.add_argument("--probe-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="wall-clock limit of one probe; a probe over it counts as infeasible (default 600)")
+                        help="wall-clock limit of one probe, and of each step of the model child (building the "
+                             "model, the estimator's warm-up, one prediction); a probe over it counts as "
+                             "infeasible, a prediction over it leaves its plan unscreened (default 600)")
     parser.add_argument("--warmup-steps", type=int, default=2,
                         help="untimed steps per probe (default 2: the peak is measured there, step 2 being the first with optimizer state)")
     parser.add_argument("--timed-steps", type=int, default=3, help="timed steps per probe; the median counts (default 3)")
@@ -78,9 +84,16 @@ def run(args) -> int:
         runner = ProbeRunner(directory, ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps))
         device = _device(runner, recipe)
         _check_cap_fits(cap, device, args.max_mem)
-        space = build_space(recipe, _blocks(recipe), device, args.search_precision, args.search_compile)
-        records, config = _search(args, recipe, directory, cap, budget, runner, space, device)
-        print(publish(directory, records, config))
+        # the user's model runs only in this child: the tuner never builds it or runs its forward
+        model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen)
+        try:
+            facts = ModelFacts.from_json(read_facts(model, str(path)))
+            space = build_space(recipe, facts, device, args.search_precision, args.search_compile,
+                                args.search_micro_batch)
+            records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
+        finally:
+            model.stop()
+        print(publish(directory, records, config, screening))
         return _conclude(args, records, doc, cap, space, device, directory, str(path), overrides)
 
 
@@ -93,7 +106,8 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
         return EXIT_NOTHING_FITS
 
     def tuned_for(record: dict):
-        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records))
+        notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"])] if note]
+        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes)
 
     if args.no_train:
         tuned_path, _ = tuned_for(ranked[0])
@@ -103,13 +117,16 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
 
 
 def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, runner: ProbeRunner, space: Space,
-            device: Device) -> tuple[list[dict], dict]:
+            device: Device, model: ModelChild) -> tuple[list[dict], dict, dict]:
     config = _config(recipe, space, cap, args, device)
     study, fresh = open_study(directory, config, args.resume)
     evaluate = lambda candidate, number: runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
-    predict = None if args.no_screen else estimator_predictor(recipe, device.kind, device.context_bytes)
+    predict = None if args.no_screen else IsolatedPredictor(model, device.context_bytes)
     if args.no_screen:
         log.info("screening: off (--no-screen): every new plan is probed")
+    else:
+        log.info("screening: a plan predicted over the cap plus the margin is told infeasible without a probe; "
+                 "predictions run in a child process (%s)", model.directory)
     tuner = Tuner(study, space, cap, evaluate, predict, args.seed)
     if fresh:
         tuner.start(recipe)
@@ -119,7 +136,9 @@ def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, run
     tuner.run(budget)
     tuner.confirm(args.finalists)
     log.info("tune: searched for %.0f s, %d plans measured", time.monotonic() - started, tuner.probes)
-    return trial_records(study), config
+    screening = predict.summary() if predict else {"state": "off", "reason": "--no-screen"}
+    study.set_user_attr("screening", screening)  # `ckrun report` rewrites report.json with it
+    return trial_records(study), config, screening
 
 
 def _recipe_source(given: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
@@ -209,19 +228,6 @@ def _check_cap_fits(cap: Cap, device: Device, typed: str) -> None:
                                          f"give at most --max-mem {device.total_bytes // 10**9}GB")
 
 
-def _blocks(recipe: Recipe) -> BlockList:
-    """The blocks plans act on, found on the meta device: nothing is allocated, CUDA is not touched."""
-    from runner.build.model import BuildError, build_model
-    from runner.memory.blocks import find_blocks
-
-    try:
-        return find_blocks(build_model(recipe.model, device="meta"), recipe.memory.blocks)
-    except BuildError as err:
-        raise err.as_input_error("<recipe>") from None
-    except ValueError as err:
-        raise InputError([Problem(Place("<recipe>"), "memory.blocks", str(err))]) from None
-
-
 def _config(recipe: Recipe, space: Space, cap: Cap, args, device: Device) -> dict:
     """What a resumed study must share with the one it continues."""
     measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps"}})
@@ -236,5 +242,6 @@ COMMAND = Command(
     "  ckrun tune --max-mem 24GB --trials 30 --time-budget 20m      # ./ckrun.yaml, else the default recipe\n"
     "  ckrun tune bert_tiny --max-mem 150MB --no-train --output runs/t  # then: ckrun runs/t/tuned.yaml\n"
     "  ckrun tune bert_tiny --max-mem 150MB --output runs/t --resume    # continue a stopped study\n"
-    f"exit status: 0 tuned (and trained), {EXIT_BAD_INPUT} bad input, {EXIT_NOTHING_FITS} nothing fits under the cap",
+    f"exit status: 0 tuned (and trained), {EXIT_BAD_INPUT} bad input, {EXIT_NOTHING_FITS} nothing fits under the cap "
+    "or no plan could be measured (the line says why)",
 )

@@ -64,14 +64,16 @@ class ProbeRunner:
         with open(log_path, "w", encoding="utf-8") as log_file:
             process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True)
-            self._note_launch(what, trial, process.pid)
+            note_launch(self.directory, what, trial, process.pid)
             code = _wait(process, timeout_s)
         return _result(result_path, log_path, code, timeout_s)
 
-    def _note_launch(self, what: str, trial: int | None, pid: int) -> None:
-        """probes.log: one line per child started, so a resumed study shows what it did not re-run."""
-        with open(self.directory / "probes.log", "a", encoding="utf-8") as launches:
-            launches.write(json.dumps({"what": what, "trial": trial, "pid": pid, "time": time.time()}) + "\n")
+
+def note_launch(directory: Path, what: str, trial: int | None, pid: int) -> None:
+    """probes.log: one line per child started, so a resumed study shows what it did not re-run, and a
+    test can check that no child of any kind outlived the tuner."""
+    with open(directory / "probes.log", "a", encoding="utf-8") as launches:
+        launches.write(json.dumps({"what": what, "trial": trial, "pid": pid, "time": time.time()}) + "\n")
 
 
 def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
@@ -82,7 +84,7 @@ def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
     finally:
         # on exit, timeout or Ctrl-C alike, and before reaping: an unreaped leader keeps its pid, so the
         # group id still names only this probe's processes (compile workers, a hung grandchild)
-        _kill_group(process.pid)
+        kill_group(process.pid)
         code = process.wait()
     return code if exited else None
 
@@ -96,7 +98,7 @@ def _wait_unreaped(pid: int, timeout_s: float) -> bool:
     return True
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -109,10 +111,10 @@ def _result(result_path: Path, log_path: Path, code: int | None, timeout_s: floa
                                                f"(raise --probe-timeout if steps are this slow)"}
     if result_path.exists():
         return json.loads(result_path.read_text(encoding="utf-8"))
-    return {"status": "died", "reason": f"the probe process {_exit_words(code)} before reporting; see {log_path}"}
+    return {"status": "died", "reason": f"the probe process {exit_words(code)} before reporting; see {log_path}"}
 
 
-def _exit_words(code: int) -> str:
+def exit_words(code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name
         hint = " (the kernel's OOM killer, or a kill from outside)" if name == "SIGKILL" else ""

@@ -96,11 +96,13 @@ def format_table(records: list[dict], cap: int, limit: int) -> str:
     return "\n".join(lines)
 
 
-def write_report(directory: Path, records: list[dict], config: dict) -> Path:
+def write_report(directory: Path, records: list[dict], config: dict, screening: dict | None = None) -> Path:
+    """DIR/report.json; `screening` says whether predictions screened plans, why not, which of them
+    failed in the user's code, and what the estimate warned of."""
     ranked = ranked_feasible(records)
     report = {"cap_bytes": config["cap"], "margin": config["margin"], "limit_bytes": _limit(config),
               "winner": ranked[0]["number"] if ranked else None, "ranked_feasible": [r["number"] for r in ranked],
-              "pareto_front": [r["number"] for r in pareto_front(records)], "trials": records}
+              "pareto_front": [r["number"] for r in pareto_front(records)], "screening": screening, "trials": records}
     path = directory / "report.json"
     write_atomic(path, json.dumps(report, indent=1, default=str))
     return path
@@ -145,10 +147,14 @@ def plot(directory: Path, records: list[dict], config: dict) -> Path:
     return path
 
 
-def publish(directory: Path, records: list[dict], config: dict) -> str:
+def publish(directory: Path, records: list[dict], config: dict, screening: dict | None = None) -> str:
     """Write report.json and pareto.png, return the table: what `tune` and `report` both print."""
-    report_path = write_report(directory, records, config)
+    report_path = write_report(directory, records, config, screening)
     plot_path = plot(directory, records, config) if plans(records) else None
     table = format_table(records, config["cap"], _limit(config))
+    if screening and screening.get("state") == "off" and screening.get("reason") != "--no-screen":
+        table += f"\nscreening was off: {screening['reason']}"
+    for warning in (screening or {}).get("warnings", []):
+        table += f"\nestimate warning: {warning}"
     log.info("report: %s%s", report_path, f", plot: {plot_path}" if plot_path else " (no measured plan to plot)")
     return table

@@ -3,8 +3,13 @@
 Every knob is one categorical parameter with string or int values, so a proposal is plain data
 that optuna stores, a resumed study reads back unchanged, and the same seed proposes again.
 Knobs the recipe pins (precision unless --search-precision, compile unless --search-compile,
-offload off the GPU) are left out of the space, and each such choice is logged with its reason.
-The global batch is never a knob: micro_batch only runs through the divisors of train.batch_size.
+offload off the GPU, micro_batch of a model with BatchNorm unless --search-micro-batch) are left
+out of the space, and each such choice is logged with its reason. The global batch is never a
+knob: micro_batch only runs through the divisors of train.batch_size.
+
+Micro-batching changes what is computed where the model looks across samples: BatchNorm
+normalises over each micro-batch, dropout draws its masks per micro-batch. The space says so in
+its lines, and tuned.yaml in a comment (`micro_batch_comment`).
 """
 
 from __future__ import annotations
@@ -17,9 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optuna.distributions import CategoricalDistribution
-from torch.nn.modules.batchnorm import _BatchNorm
-
-from runner.memory.blocks import BlockList
+from runner.memory.blocks import Block, BlockList
 from runner.memory.checkpointing import sqrt_segments
 from runner.plan import MemoryPlan
 from runner.recipe import Recipe
@@ -46,6 +49,22 @@ class Device:
     def from_json(cls, data: dict) -> Device:
         return cls(data["kind"], data["name"], data["total_bytes"], tuple(data["precisions"]), data["torch"],
                    data.get("cuda"), int(data.get("context_bytes") or 0))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the space needs to know of the model, as the model child reported it (the tuner never
+    builds the user's model itself)."""
+
+    blocks: BlockList  # names and containers; the modules stay in the child
+    batchnorm: tuple[str, ...] = ()  # BatchNorm layers: they normalise over each micro-batch
+    dropout: tuple[str, ...] = ()  # dropout layers with p > 0: masks are drawn per micro-batch
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelFacts:
+        blocks = [Block(i, name, None) for i, name in enumerate(data["blocks"])]
+        return cls(BlockList(data["container_name"], blocks, list(data["containers"])),
+                   tuple(data.get("batchnorm", ())), tuple(data.get("dropout", ())))
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,9 @@ class Space:
     device_kind: str = "cpu"
     blocks_path: str | None = None  # the recipe's memory.blocks, kept in every plan
     reasons: list[str] = field(default_factory=list)
+    batch_size: int = 0
+    batchnorm: tuple[str, ...] = ()
+    dropout: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -113,18 +135,27 @@ class Space:
         largest micro-batch that `fits` (the prediction) accepts, else with the whole batch; in the
         recipe's own precision and compile. A policy with no micro-batch that fits is left out."""
         starts = []
-        micro_batches = sorted(self.choices["micro_batch"], reverse=True) if fits else [recipe.train.batch_size]
+        if "micro_batch" not in self.choices:
+            micro_batches = [None]  # pinned: `fixed` holds it
+        elif fits:
+            micro_batches = sorted(self.choices["micro_batch"], reverse=True)
+        else:
+            micro_batches = [recipe.train.batch_size]
         for checkpointing in ("none", "full", "every:2"):
             base = {"checkpointing": checkpointing, "offload": "none", "precision": recipe.precision,
                     "compile": recipe.memory.compile}
             base = {k: v for k, v in base.items() if k in self.choices}
             if any(v not in self.choices[k] for k, v in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
-            fitting = (m for m in micro_batches if fits is None or fits(self.candidate({**base, "micro_batch": m})))
-            micro = next(fitting, None)
-            if micro is not None:
-                starts.append({**base, "micro_batch": micro})
+            with_micro = [{**base, "micro_batch": m} if m is not None else base for m in micro_batches]
+            fitting = (p for p in with_micro if fits is None or fits(self.candidate(p)))
+            start = next(fitting, None)
+            if start is not None:
+                starts.append(start)
         return starts
+
+    def micro_batches(self) -> list[int]:
+        return self.choices.get("micro_batch") or [self.fixed["micro_batch"]]
 
 
 def parse_checkpointing(value: str) -> dict:
@@ -137,12 +168,13 @@ def checkpointing_label(plan: MemoryPlan) -> str:
     return f"every:{policy.every}" if policy.policy == "every" else policy.policy
 
 
-def build_space(recipe: Recipe, blocks: BlockList, device: Device, search_precision: bool = False,
-                search_compile: bool = False) -> Space:
+def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precision: bool = False,
+                search_compile: bool = False, search_micro_batch: bool = False) -> Space:
     """The space for `recipe` on `device`; every automatic choice is logged with its reason."""
-    space = Space({}, {}, device.kind, recipe.memory.blocks)
-    _micro_batches(space, recipe.train.batch_size, blocks)
-    _checkpointing(space, blocks)
+    space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size,
+                  batchnorm=facts.batchnorm, dropout=facts.dropout)
+    _micro_batches(space, recipe.memory.micro_batch or recipe.train.batch_size, search_micro_batch)
+    _checkpointing(space, facts.blocks)
     _offload(space, device)
     _precision(space, recipe.precision, device, search_precision)
     _compile(space, recipe.memory.compile, search_compile)
@@ -152,15 +184,47 @@ def build_space(recipe: Recipe, blocks: BlockList, device: Device, search_precis
     return space
 
 
-def _micro_batches(space: Space, batch_size: int, blocks: BlockList) -> None:
+def _micro_batches(space: Space, recipe_micro: int, search: bool) -> None:
+    batch_size = space.batch_size
     divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+    if space.batchnorm and not search:
+        space.fixed["micro_batch"] = recipe_micro
+        space.reasons.append(f"micro_batch pinned to the recipe's {recipe_micro}: the model has BatchNorm "
+                             f"({_layers(space.batchnorm)}), which normalises over each micro-batch, so another "
+                             f"micro_batch would change what it computes (--search-micro-batch searches {divisors})")
+        return
     space.choices["micro_batch"] = divisors
     space.reasons.append(f"micro_batch in {divisors}: the divisors of train.batch_size {batch_size}, so the global "
-                         "batch stays the same")
-    if blocks.root is not None and any(isinstance(m, _BatchNorm) for m in blocks.root.modules()):
-        # gradients are summed over micro-batches exactly, but BatchNorm normalises over what it sees
-        space.reasons.append("note: the model has BatchNorm, which normalises over each micro-batch: a smaller "
-                             "micro_batch changes its batch statistics")
+                         "batch stays the same; the gradient is the same only without BatchNorm and dropout")
+    if space.batchnorm:
+        space.reasons.append(f"note: micro_batch searched (--search-micro-batch) although the model has BatchNorm "
+                             f"({_layers(space.batchnorm)}): below {batch_size} it normalises over fewer samples, "
+                             "which changes its statistics and the result")
+    if space.dropout:
+        space.reasons.append(f"note: the model has dropout ({_layers(space.dropout)}): its masks are drawn per "
+                             "micro-batch, so losses differ from the whole batch's (the same in distribution)")
+
+
+def micro_batch_comment(space: Space, micro: int) -> str | None:
+    """tuned.yaml's line on what the chosen micro_batch does to the result, when it does anything."""
+    if "micro_batch" not in space.choices and space.batchnorm:
+        return (f"micro_batch {micro}: the recipe's, not searched: the model has BatchNorm, which normalises over "
+                "each micro-batch (--search-micro-batch searches it)")
+    if micro >= space.batch_size:
+        return None
+    if space.batchnorm:
+        return (f"micro_batch {micro} of batch {space.batch_size} (--search-micro-batch): BatchNorm normalises over "
+                f"{micro} samples, not {space.batch_size}: the result differs from the whole batch's")
+    if space.dropout:
+        return (f"micro_batch {micro} of batch {space.batch_size}: dropout masks are drawn per micro-batch; the "
+                "gradient is otherwise the whole batch's")
+    return (f"micro_batch {micro} of batch {space.batch_size}: the gradient is the whole batch's (no BatchNorm or "
+            "dropout layers found)")
+
+
+def _layers(names: tuple[str, ...]) -> str:
+    shown = ", ".join(names[:3])
+    return f"{len(names)} layer{'s' if len(names) != 1 else ''}: {shown}{', ...' if len(names) > 3 else ''}"
 
 
 def _checkpointing(space: Space, blocks: BlockList) -> None:

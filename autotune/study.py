@@ -44,7 +44,17 @@ FINALIST_RUNS = 3  # runs of each finalist: the median of three ignores one outl
 UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad as a plan twice the cap
 
 Evaluate = Callable[[Candidate, int], dict]  # (candidate, trial number) -> the probe child's result
-Predict = Callable[[Candidate], "int | None"]  # predicted peak bytes, None when no prediction is possible
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted peak, or none and why (the plan is then probed unscreened, the reason recorded)."""
+
+    peak: int | None
+    reason: str = ""
+
+
+Predict = Callable[[Candidate], "int | Prediction | None"]  # predicted peak bytes; None: no prediction possible
 
 
 @dataclass(frozen=True)
@@ -89,13 +99,17 @@ class Tuner:
                 self.first_of.setdefault(trial.user_attrs["key"], trial)
         self.duplicates_in_a_row = 0
         self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
+        self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
 
     def start(self, recipe) -> None:
         """Queue the starting points; with predictions, each at the largest micro-batch predicted to fit."""
         starts = self.space.starting_points(recipe, self._predicted_to_fit if self.predict else None)
         for params in starts:
             self.study.enqueue_trial(params)
-        how = "the largest micro-batch predicted to fit" if self.predict else "the whole batch (no predictions)"
+        predicted = any(peak is not None for peak in self.predicted.values())
+        how = "the largest micro-batch predicted to fit" if predicted else "the whole batch (no predictions)"
+        if "micro_batch" not in self.space.choices:
+            how = f"the pinned micro-batch {self.space.fixed['micro_batch']}"
         log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
                  "; ".join(self.space.candidate(p).describe() for p in starts))
 
@@ -105,7 +119,12 @@ class Tuner:
 
     def _prediction(self, candidate: Candidate) -> int | None:
         if candidate.key not in self.predicted:
-            self.predicted[candidate.key] = self.predict(candidate) if self.predict else None
+            predicted = self.predict(candidate) if self.predict else None
+            if isinstance(predicted, Prediction):
+                if predicted.reason:
+                    self.unscreened[candidate.key] = predicted.reason
+                predicted = predicted.peak
+            self.predicted[candidate.key] = predicted
         return self.predicted[candidate.key]
 
     def run(self, budget: Budget) -> str:
@@ -201,6 +220,8 @@ class Tuner:
             return {**record, "state": "invalid", "reason": invalid, "constraint": UNMEASURED}
         predicted = self._prediction(candidate) if screen else None
         record["predicted_peak"] = predicted
+        if candidate.key in self.unscreened:
+            record["unscreened"] = self.unscreened[candidate.key]
         if predicted is not None and predicted > self.cap.screen_above:
             reason = f"predicted {format_bytes(predicted)} > cap {format_bytes(self.cap.bytes)}; not probed"
             return {**record, "state": "screened", "reason": reason, "constraint": self.cap.constraint(predicted)}
@@ -255,30 +276,3 @@ def trial_records(study: optuna.Study) -> list[dict]:
             attrs["state"] = "duplicate"
         records.append({"number": trial.number, **attrs, "label": attrs.get("label") or str(trial.params)})
     return records
-
-
-def estimator_predictor(recipe, device_kind: str, context_bytes: int = 0) -> Predict | None:
-    """Predicted peaks from runner's estimator, for screening; None (probe everything) when it cannot predict.
-
-    A prediction is the allocator's reserve; `context_bytes` (the CUDA context the device child
-    measured) is added so that predictions and probes count the same thing against the cap."""
-    try:
-        from runner.memory.estimate import EstimateUnavailable, Estimator
-    except ImportError:
-        log.info("screening: off (runner.memory.estimate is not available): every new plan is probed")
-        return None
-    try:
-        estimator = Estimator(recipe, device_kind)
-    except Exception as err:  # screening is an optimisation: without it every plan is measured, nothing is lost
-        log.info("screening: off (the estimator cannot model this recipe: %s): every new plan is probed", err)
-        return None
-
-    def predict(candidate: Candidate) -> int | None:
-        try:
-            return int(estimator.estimate(candidate.plan, candidate.precision).peak_bytes) + context_bytes
-        except (EstimateUnavailable, ValueError) as err:
-            log.info("screening: no prediction for %s (%s): it is probed", candidate.describe(), err)
-            return None
-
-    log.info("screening: a plan predicted over %s is told infeasible without a probe", "the cap plus the margin")
-    return predict

@@ -4,7 +4,8 @@ the cap, and the one line that explains an impossible cap.
 A probe runs a few steps; a training run can still go over (other batches, allocator
 fragmentation over time). The trainer holds every step to memory.max_mem, so a breach surfaces in
 the first steps as MemoryCapExceeded; the next-best feasible plan then takes over, resuming from
-the newest checkpoint if one was written (plans never change what is computed).
+the newest checkpoint if one was written (checkpointing and offload never change what is computed;
+another micro_batch does only where BatchNorm or dropout see the micro-batch, see autotune/space.py).
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def nothing_fits(records: list[dict], cap: Cap, space: Space, device: Device, di
     measured = [r for r in records if r.get("measured_peak") and r["state"] != "duplicate"]
     broken = [r for r in records if r["state"] in BROKEN and not r.get("measured_peak")]
     if not measured and broken:
-        return (f"{head}: {len(broken)} probe(s) failed before measuring a peak, e.g. trial {broken[0]['number']} "
-                f"({broken[0]['label']}): {broken[0].get('reason') or broken[0]['state']}; "
-                f"see {directory / 'probes'}/trial-{broken[0]['number']}.log")
+        reason = broken[0].get("reason") or broken[0]["state"]
+        log_path = f"{directory / 'probes'}/trial-{broken[0]['number']}.log"
+        return (f"no plan could be measured within {cap.describe()}: {len(broken)} probe(s) failed before measuring "
+                f"a peak, e.g. trial {broken[0]['number']} ({broken[0]['label']}): {reason}"
+                + ("" if log_path in reason else f"; see {log_path}"))
     for key, verb in (("measured_peak", "seen"), ("predicted_peak", "predicted")):
         seen = [r for r in records if r.get(key) and r["state"] != "duplicate"]
         if seen:
@@ -94,8 +97,10 @@ def _knob(smallest: dict, space: Space, device: Device) -> str:
         halves = "/".join(p for p in device.precisions if p != "fp32")
         return f"--search-precision would try {halves}, which halves activations"
     untried = []
-    if plan["micro_batch"] > min(space.choices["micro_batch"]):
+    if plan["micro_batch"] > min(space.micro_batches()):
         untried.append("a smaller memory.micro_batch")
+    elif "micro_batch" not in space.choices and space.batchnorm:
+        untried.append("a smaller memory.micro_batch (--search-micro-batch; it changes BatchNorm's statistics)")
     if plan["checkpointing"]["policy"] != "full":
         untried.append("full checkpointing")
     if device.kind == "cuda" and plan["offload"]["policy"] == "none":

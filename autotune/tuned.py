@@ -31,7 +31,8 @@ def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
     return data
 
 
-def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: Path, trials: int) -> str:
+def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: Path, trials: int,
+               notes: list[str] = ()) -> str:
     device = winner.get("device") or {}
     total = device.get("device_total_bytes")
     versions = f"torch {device.get('torch')}" + (f", CUDA {device['cuda']}" if device.get("cuda") else "")
@@ -44,14 +45,15 @@ def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: 
         f"{winner['samples_per_s']:.2f} samples/s" + (f" (median of {winner['runs']} runs)" if winner["runs"] > 1 else ""),
         f"  plan:       {winner['label']}",
         f"  chosen:     trial {winner['number']} of {trials}; the study, report.json and pareto.png are in {path.parent}",
+        *(f"  note:       {note}" for note in notes),
     ]
     return "".join(f"# {line}\n" for line in lines if line) + "\n"
 
 
 def write_tuned(directory: Path, doc: Document, winner: dict, cap: Cap, cap_text: str,
-                source: str, overrides: list[str], trials: int) -> tuple[Path, Recipe]:
+                source: str, overrides: list[str], trials: int, notes: list[str] = ()) -> tuple[Path, Recipe]:
     path = directory / "tuned.yaml"
-    text = provenance(winner, cap, source, overrides, path, trials) + dump_yaml(tuned_data(doc, winner, cap_text))
+    text = provenance(winner, cap, source, overrides, path, trials, notes) + dump_yaml(tuned_data(doc, winner, cap_text))
     recipe = recipe_from_text(text, str(path))  # an InputError here is a tuner bug: better now than at training
     write_atomic(path, text)
     return path, recipe

@@ -31,12 +31,11 @@ from pathlib import Path
 from autotune.cap import Cap
 from autotune.child import device_info
 from autotune.probe import ProbeRunner, ProbeSettings
-from autotune.space import Device, build_space, checkpointing_label
+from autotune.model_child import model_facts
+from autotune.space import Device, ModelFacts, build_space, checkpointing_label
 from autotune.study import FINALIST_RUNS
-from runner.build.model import build_model
 from runner.cli import main as ckrun
 from runner.load import load_recipe
-from runner.memory.blocks import find_blocks
 from runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +55,7 @@ FINALISTS = 1  # the tuner's best plan is measured FINALIST_RUNS times, within t
 
 def _space(path: Path, overrides: list[str]):
     recipe = load_recipe(path, overrides)
-    return recipe, build_space(recipe, find_blocks(build_model(recipe.model, "meta")), Device.from_json(device_info(recipe)))
+    return recipe, build_space(recipe, ModelFacts.from_json(model_facts(recipe)), Device.from_json(device_info(recipe)))
 
 
 def run_grid(path: Path, overrides: list[str], directory: Path) -> list[dict]:

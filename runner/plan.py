@@ -100,11 +100,13 @@ Offload = Annotated[NoOffload | AllBlocksOffload | LayerListOffload, Field(discr
 
 
 class MemoryPlan(Strict):
-    """How a step trades time for memory. Changing it never changes what is computed."""
+    """How a step trades time for memory. Checkpointing, offload and compile never change what is
+    computed; micro_batch does where the model looks across samples (BatchNorm, dropout masks)."""
 
     micro_batch: int | None = Field(default=None, gt=0)
     """Samples per forward pass; must divide train.batch_size. Gradient accumulation makes up the
-    rest, so the global batch stays the same. Unset: the whole batch in one pass."""
+    rest, so the global batch stays the same. Exact only without BatchNorm (it normalises over each
+    micro-batch) and dropout (masks are drawn per micro-batch). Unset: the whole batch in one pass."""
     checkpointing: Checkpointing = Field(default_factory=NoCheckpointing)
     """Which blocks recompute their activations in backward instead of keeping them."""
     offload: Offload = Field(default_factory=NoOffload)

@@ -17,7 +17,6 @@ from .build.resolve import resolve_import_path, transformers_class
 from .plan import MemoryPlan, Strict
 from .problems import suggest
 
-_transformers_class = transformers_class  # runner/memory/estimate.py's name for it, until it moves to predict/
 
 Task = Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification", "image_classification"]
 Precision = Literal["fp32", "bf16", "fp16"]

@@ -41,6 +41,8 @@ def run(args) -> int:
         print(f"  {category:<16} {format_bytes(count):>10}")
     for note in estimate.notes:
         print(f"  note: {note}")
+    for warning in estimate.warnings:
+        print(f"  warning: {warning}")
     return 0
 
 

@@ -11,6 +11,9 @@ CUDA (with or without a GPU here): the step runs on fake CPU tensors with CUDA's
 kernels, autocast fp32 ops, fused AdamW and activation offload reproduced (`cuda_model`), and the
 order of allocations is replayed through a model of the caching allocator to predict reserved
 bytes, which is what a cap on the card limits.
+
+Where the step runs an op whose fake kernel is known to allocate less than the real one
+(`fake_gaps.FAKE_GAPS`, e.g. an LSTM's oneDNN workspace), the estimate says so in `warnings`.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ from ..build.data import Batch, SyntheticSource, describe_inputs
 from ..build.model import build_model
 from ..build.optim import build_optimizer
 from ..plan import MemoryPlan, NoOffload
-from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData, _transformers_class
+from ..build.resolve import transformers_class
+from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData
 from ..train.step import Precision, run_step
 from .apply import apply_plan, check_combination
 from .blocks import find_blocks, undo_all, wrap_forward
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
 from ..units import format_bytes
+from .fake_gaps import FakeGapWatch
 from .offload import ActivationOffload, CopyTransport, offloaded_blocks
 from .tracker import LiveBytesTracker
 
@@ -59,10 +64,12 @@ class Estimate:
     live_peak_bytes: int = 0
     """The most tensor bytes live at once (before the allocator's rounding and caching)."""
     device: str = "cpu"
+    warnings: list[str] = field(default_factory=list)
+    """Where the estimate is known to be low: ops whose fake kernels allocate less than the real ones."""
 
     def record(self) -> dict:
         return {"device": self.device, "peak_bytes": self.peak_bytes, "live_peak_bytes": self.live_peak_bytes,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+                "breakdown": dict(self.breakdown), "notes": list(self.notes), "warnings": list(self.warnings)}
 
 
 def estimate_peak(recipe: Recipe, device: str = "cpu") -> Estimate:
@@ -86,10 +93,13 @@ class Estimator:
             self.model.train()
         # a real batch, made outside the mode: synthetic data indexes and masks by value
         self.batch, self.batch_only = _to_fake(_stand_in_batch(recipe, self.model), self.fake_mode)
+        gaps = FakeGapWatch()  # watched once, in the warm-up: a plan changes how often ops run, not which
         with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour():
             # fused AdamW on a CUDA target, as the trainer builds it (it makes no temporaries)
             self.optimizer = build_optimizer(self.model, recipe.train, torch.device("cuda" if self.cuda else "cpu"))
-            self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
+            with gaps:
+                self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
+        self.warnings = gaps.warnings()
 
     def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None) -> Estimate:
         plan = self.recipe.memory if plan is None else plan
@@ -105,7 +115,9 @@ class Estimator:
                     self._step(micro, precision)
             finally:
                 tracker.close()
-        return self._result(tracker, baseline, plan, precision)
+        estimate = self._result(tracker, baseline, plan, precision)
+        estimate.warnings.extend(self.warnings)
+        return estimate
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -203,7 +215,7 @@ def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
         return build_model(spec, CPU)
     if spec.source != "transformers":
         return build_model(spec.model_copy(update={"pretrained": None}), CPU)
-    model_class = _transformers_class(spec.name)
+    model_class = transformers_class(spec.name)
     config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
     return model_class(config)
 

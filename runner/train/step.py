@@ -1,7 +1,10 @@
 """One optimizer step over micro-batches: the code that training, probing and estimating share.
 
 The loss is summed over every label of the global batch and divided by their total count, so
-splitting the batch into micro-batches changes memory, never the gradient.
+splitting the batch into micro-batches gives the whole batch's gradient for a model that treats
+samples independently. It does not for a model that looks across the batch: BatchNorm normalises
+over each micro-batch (other statistics, other running averages), and dropout draws its masks per
+micro-batch (losses then differ, though they are the same in distribution).
 """
 
 from __future__ import annotations

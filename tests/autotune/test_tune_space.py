@@ -3,11 +3,10 @@ asked for, offload only on CUDA; every point is a plan the recipe schema accepts
 
 import pytest
 
-from autotune.space import Device, build_space
+from autotune.model_child import model_facts
+from autotune.space import Device, ModelFacts, build_space
 from conftest import BERT_TINY, TINY_BERT
-from runner.build.model import build_model
 from runner.load import load_recipe
-from runner.memory.blocks import find_blocks
 from runner.recipe import Recipe
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
@@ -16,7 +15,7 @@ GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x",
 
 def _space(layers: int, device: Device = CPU, **flags):
     recipe = load_recipe(BERT_TINY, TINY_BERT + [f"model.config.num_hidden_layers={layers}", "train.batch_size=12"])
-    return recipe, build_space(recipe, find_blocks(build_model(recipe.model, "meta")), device, **flags)
+    return recipe, build_space(recipe, ModelFacts.from_json(model_facts(recipe)), device, **flags)
 
 
 def test_cpu_space_of_a_12_block_model():

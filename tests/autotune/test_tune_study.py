@@ -7,15 +7,14 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune.cli_tune import parse_duration
-from autotune.space import Device, build_space
+from autotune.model_child import model_facts
+from autotune.space import Device, ModelFacts, build_space
 from autotune.cap import Cap
 from autotune.study import Budget, Tuner, open_study, trial_records
 from autotune.report import ranked_feasible
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
-from runner.build.model import build_model
 from runner.load import load_recipe
-from runner.memory.blocks import find_blocks
 from runner.problems import InputError
 
 CAP = Cap(2_500_000, 0.05)  # the formula puts no-plan at micro_batch 8 at 4.2 MB: most plans must shrink
@@ -25,7 +24,7 @@ CAP = Cap(2_500_000, 0.05)  # the formula puts no-plan at micro_batch 8 at 4.2 M
 def setting():
     recipe = load_recipe(BERT_TINY, TINY_BERT + ["model.config.num_hidden_layers=4"])
     device = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
-    return recipe, build_space(recipe, find_blocks(build_model(recipe.model, "meta")), device)
+    return recipe, build_space(recipe, ModelFacts.from_json(model_facts(recipe)), device)
 
 
 class Counting:

@@ -23,3 +23,24 @@ class _BranchOnValues(nn.Module):
 
 def branch_on_values(width: int = 16, num_classes: int = 4) -> nn.Module:
     return _BranchOnValues(width, num_classes)
+
+
+class _TinyLSTM(nn.Module):
+    """Embedding, stacked LSTM layers (the repeated blocks a plan acts on) and a linear head over the
+    last step: sequence classification."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2, classes: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.LSTM(width, width, batch_first=True) for _ in range(layers))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)[0]
+        return self.head(hidden[:, -1])
+
+
+def tiny_lstm(**config) -> nn.Module:
+    return _TinyLSTM(**config)

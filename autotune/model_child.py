@@ -1,0 +1,133 @@
+"""The model child: the one place `ckrun tune` runs the user's model outside a probe.
+
+The tuner needs two things from the model before and while it searches: its facts (the repeated
+blocks a plan acts on, and the layers that make micro-batching inexact) and, for screening, a
+predicted peak per plan. Both run the user's code (the factory; the forward, on fake tensors), so
+both happen here, in a child that leads its own process group, never in the tuner: a hang, a
+segfault or an `os._exit` in the user's code then costs a timeout and a line in the report.
+
+    python -m autotune.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--facts-only]
+
+Protocol (files are written atomically; the tuner waits for each with a timeout):
+1. DIR/facts.json: `model_facts` of the model built on the meta device.
+2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
+3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32"}`, each
+   answered in DIR/answer-N.json. End of input ends the child.
+Every answer has a `status` ("ok", "bad_input", "unavailable" or "crash") and, unless ok, a
+one-line `reason`. The child leaves with `os._exit` after its last answer: the tuner never waits
+for an interpreter teardown that user code (atexit hooks, threads) could hold up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+
+from runner.files import write_atomic
+
+from .child import _die_with_parent, _first_line, _recipe, finish
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _die_with_parent(args.parent)
+    requests = os.fdopen(os.dup(0), "r", encoding="utf-8")  # the tuner's channel; user code gets no stdin
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    directory = Path(args.directory)
+    recipe = _recipe(Path(args.recipe).read_text(encoding="utf-8"))
+    facts = facts_answer(recipe)
+    write_atomic(directory / "facts.json", json.dumps(facts))
+    if args.facts_only or facts["status"] != "ok":
+        return 0
+    estimator = None
+
+    def build() -> dict:
+        nonlocal estimator
+        from runner.memory.estimate import Estimator
+
+        estimator = Estimator(recipe, args.device)
+        return {"status": "ok"}
+
+    write_atomic(directory / "ready.json", json.dumps(_answer(build, expected=_unavailable())))
+    if estimator is None:
+        return 0
+    for line in requests:
+        request = json.loads(line)
+        answer = _answer(lambda: _predict(estimator, request), expected=_unavailable())
+        write_atomic(directory / f"answer-{request['id']}.json", json.dumps(answer))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m autotune.model_child")
+    parser.add_argument("recipe", help="the recipe as JSON")
+    parser.add_argument("directory", help="where facts.json, ready.json and answer-N.json go")
+    parser.add_argument("--parent", type=int, required=True, help="the tuner's pid; its death ends this process")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device to predict for")
+    parser.add_argument("--facts-only", action="store_true", help="report the facts and exit: no screening")
+    return parser
+
+
+def model_facts(recipe) -> dict:
+    """The blocks plans act on (names and containers), and the modules whose result depends on the
+    micro-batch: BatchNorm normalises over it, dropout draws its masks per micro-batch."""
+    from torch import nn
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from runner.build.model import BuildError, build_model
+    from runner.memory.blocks import find_blocks
+
+    model = build_model(recipe.model, device="meta")  # nothing is allocated; CUDA is not touched
+    try:
+        blocks = find_blocks(model, recipe.memory.blocks)
+    except ValueError as err:
+        raise BuildError("memory.blocks", str(err).removeprefix("memory.blocks: ")) from None
+    named = list(model.named_modules())
+    return {"container_name": blocks.container_name, "blocks": [block.name for block in blocks],
+            "containers": list(blocks.containers),
+            "batchnorm": [name for name, module in named if isinstance(module, _BatchNorm)],
+            "dropout": [name for name, module in named
+                        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0]}
+
+
+def facts_answer(recipe) -> dict:
+    return _answer(lambda: {"status": "ok", **model_facts(recipe)}, expected=())
+
+
+def _predict(estimator, request: dict) -> dict:
+    from runner.plan import MemoryPlan
+
+    estimate = estimator.estimate(MemoryPlan.model_validate(request["plan"]), request["precision"])
+    return {"status": "ok", "peak_bytes": int(estimate.peak_bytes), "warnings": list(estimate.warnings)}
+
+
+def _unavailable() -> tuple[type, ...]:
+    from runner.memory.estimate import EstimateUnavailable
+
+    return (EstimateUnavailable, ValueError)  # fake tensors cannot run it, or the plan does not apply
+
+
+def _answer(work, expected: tuple[type, ...]) -> dict:
+    """Every failure as an answer the tuner records: a bad recipe key is bad input, an `expected`
+    failure means no prediction, anything else is the user's code crashing; each in one line."""
+    from runner.build.model import BuildError
+    from runner.problems import InputError
+
+    try:
+        return work()
+    except BuildError as err:
+        return {"status": "bad_input", "key": err.key, "reason": str(err)}
+    except InputError as err:
+        return {"status": "bad_input", "key": "", "reason": "; ".join(str(p) for p in err.problems)}
+    except expected as err:
+        return {"status": "unavailable", "reason": _first_line(err)}
+    except Exception as err:  # user code may raise anything: the tuner decides what it costs
+        traceback.print_exc()
+        return {"status": "crash", "reason": f"{type(err).__name__}: {_first_line(err)}"}
+
+
+if __name__ == "__main__":
+    finish(main())

@@ -1,0 +1,196 @@
+"""The tuner's side of the model child (autotune/model_child.py): the model's facts, and screening.
+
+The user's code runs only in that child, never in the tuner, and every answer is awaited with a
+wall-clock limit (`--probe-timeout`, the same as a probe's). On a timeout, or when the child dies
+(a segfault, `os._exit`, the kernel's OOM killer), its whole process group is killed and:
+- while the facts are read: `tune` stops with one line naming model.name (a model that cannot even
+  be built on the meta device cannot be searched; every probe would build it too);
+- while the estimator builds (its warm-up step runs the forward): screening is off, every plan is
+  probed, and the report says why;
+- while one plan is predicted: that plan is probed unscreened, the report says why, and the next
+  prediction starts a fresh child; after MAX_FAULTS such faults screening is off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from runner.files import write_atomic
+from runner.problems import InputError, Place, Problem
+from runner.recipe import Recipe
+
+from .probe import exit_words, kill_group, note_launch
+from .space import Candidate
+from .study import Prediction
+
+log = logging.getLogger(__name__)
+
+MAX_FAULTS = 2  # predictions that hang or kill the child before screening is turned off for the rest
+POLL_S = 0.05
+CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of autotune.model_child (same protocol)
+
+
+class ModelChild:
+    """One model child at a time for a tune; its files go to DIR/probes/model/, its output to model.log."""
+
+    def __init__(self, recipe: Recipe, probes: Path, device_kind: str, timeout_s: float, screen: bool):
+        self.recipe, self.probes, self.device_kind = recipe, probes, device_kind
+        self.timeout_s, self.screen = timeout_s, screen
+        self.directory = probes / "model"
+        self.log_path = self.directory / "model.log"
+        self.process: subprocess.Popen | None = None
+        self.requests = 0  # answer numbers go on across restarts: an old answer is never read as a new one
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.directory.glob("answer-*.json"), self.directory / "facts.json",
+                      self.directory / "ready.json"]:
+            stale.unlink(missing_ok=True)  # left by a killed tuner or the child before a restart
+        recipe_path = self.directory / "recipe.json"
+        write_atomic(recipe_path, self.recipe.model_dump_json(indent=1))
+        command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.model_child"), str(recipe_path), str(self.directory),
+                   "--parent", str(os.getpid()), "--device", self.device_kind, *([] if self.screen else ["--facts-only"])]
+        with open(self.log_path, "a", encoding="utf-8") as log_file:
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
+                                            start_new_session=True, text=True)
+        note_launch(self.probes, "model", None, self.process.pid)
+
+    def facts(self) -> dict:
+        return self._await("facts.json", "building the model on the meta device")
+
+    def ready(self) -> dict:
+        return self._await("ready.json", "running the estimator's warm-up step (the model's forward and backward "
+                                         "on fake tensors)")
+
+    def ask(self, candidate: Candidate) -> dict:
+        number, self.requests = self.requests, self.requests + 1
+        request = {"id": number, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision}
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the child is gone: _await says how it ended
+        return self._await(f"answer-{number}.json", f"predicting {candidate.describe()}")
+
+    def stop(self) -> int | None:
+        """Kill the child's whole group (the user's code may have started processes), reap it, and
+        return its exit status."""
+        if self.process is None:
+            return None
+        process, self.process = self.process, None
+        kill_group(process.pid)  # before reaping: the group id names only this child's processes
+        code = process.wait()
+        try:
+            process.stdin.close()
+        except OSError:
+            pass  # the pipe broke with the child
+        return code
+
+    def _await(self, name: str, doing: str) -> dict:
+        """The answer in `name`, or a `timeout` / `died` answer after which the child is gone."""
+        path, deadline = self.directory / name, time.monotonic() + self.timeout_s
+        while not path.exists():
+            ended = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if ended is not None and not path.exists():  # exited: an answer written just before counts
+                code = self.stop()
+                return {"status": "died", "reason": f"the model process {exit_words(code)} while {doing}; "
+                                                    f"see {self.log_path}"}
+            if ended is None and time.monotonic() > deadline:
+                self.stop()
+                return {"status": "timeout", "reason": f"{doing} timed out after {self.timeout_s:g} s and was "
+                                                       f"killed (--probe-timeout); see {self.log_path}"}
+            time.sleep(POLL_S)
+        return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_facts(child: ModelChild, source: str) -> dict:
+    """The model's facts; any failure ends `tune` with one line naming the key (model.name for a fault
+    in the user's code). A library model (transformers, torchvision) without screening is built here
+    on the meta device, as only library code runs then; otherwise the child builds it."""
+    if child.screen or child.recipe.model.source == "python":
+        child.start()
+        facts = child.facts()
+    else:
+        from .model_child import facts_answer
+
+        facts = facts_answer(child.recipe)
+    if facts["status"] == "ok":
+        return facts
+    child.stop()
+    key = facts.get("key") or "model.name"
+    what = "" if facts["status"] == "bad_input" else "the model's code failed: "
+    raise InputError([Problem(Place(source), key, f"{what}{facts['reason']}")])
+
+
+class IsolatedPredictor:
+    """Predicted peaks for screening, from the model child; a fault costs one plan its screening."""
+
+    def __init__(self, child: ModelChild, context_bytes: int = 0):
+        self.child, self.context_bytes = child, context_bytes
+        self.off: str | None = None  # why screening is off
+        self.faults: list[str] = []
+        self.warnings: list[str] = []
+        self._ready = False
+
+    def __call__(self, candidate: Candidate) -> Prediction | None:
+        if self.off or not self._started():
+            return None
+        answer = self.child.ask(candidate)
+        if answer["status"] == "ok":
+            self._warn(answer.get("warnings", []))
+            return Prediction(answer["peak_bytes"] + self.context_bytes)
+        if answer["status"] == "unavailable":
+            log.info("screening: no prediction for %s (%s): it is probed", candidate.describe(), answer["reason"])
+            return None
+        if answer["status"] in ("died", "timeout"):
+            self.faults.append(answer["reason"])
+            self._ready = False  # the child is gone: the next prediction starts another
+            if len(self.faults) >= MAX_FAULTS:
+                self._turn_off(f"{len(self.faults)} predictions hung or killed the model process")
+        log.warning("screening: %s: %s; the plan is probed unscreened", candidate.describe(), answer["reason"])
+        return Prediction(None, f"unscreened: {answer['reason']}")
+
+    def _started(self) -> bool:
+        """A child with the estimator built; False (and screening off) when the model cannot get there."""
+        if self._ready:
+            return True
+        if not self.child.running:
+            self.child.start()
+            facts = self.child.facts()
+            if facts["status"] != "ok":
+                self._turn_off(facts["reason"])
+                return False
+        ready = self.child.ready()
+        if ready["status"] != "ok":
+            fault = ready["status"] in ("died", "timeout", "crash")
+            self._turn_off(f"{'the model failed' if fault else 'the estimator cannot model this recipe'}: "
+                           f"{ready['reason']}")
+            self.child.stop()
+            return False
+        self._ready = True
+        return True
+
+    def _turn_off(self, reason: str) -> None:
+        self.off = reason
+        log.warning("screening: off (%s): every new plan is probed", reason)
+
+    def _warn(self, warnings: list[str]) -> None:
+        for warning in warnings:
+            if warning not in self.warnings:
+                self.warnings.append(warning)
+                log.warning("screening: the estimate may be low: %s", warning)
+
+    def summary(self) -> dict:
+        """What report.json says about screening."""
+        state = "off" if self.off else "on"
+        return {"state": state, "reason": self.off or "", "faults": list(self.faults), "warnings": list(self.warnings)}
