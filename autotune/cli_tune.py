@@ -113,7 +113,10 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
         tuned_path, _ = tuned_for(ranked[0])
         log.info("tune: wrote %s; --no-train: train it with `ckrun %s`", tuned_path, tuned_path)
         return 0
-    return 0 if train_with_fallback(ranked, tuned_for, args.resume) else EXIT_NOTHING_FITS
+    result = train_with_fallback(ranked, tuned_for, args.resume)
+    if result is None:
+        return EXIT_NOTHING_FITS
+    return 128 + result.stopped_by if result.stopped_by else 0  # 130/143, as `ckrun run` stops
 
 
 def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, runner: ProbeRunner, space: Space,

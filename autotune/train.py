@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from runner.recipe import Recipe
+from runner.train.guard import stop_line
 from runner.train.loop import MemoryCapExceeded, RunResult, train
 from runner.units import format_bytes
 
@@ -32,8 +34,9 @@ TunedFor = Callable[[dict], "tuple[Path, Recipe]"]  # a ranked trial -> (tuned.y
 
 
 def train_with_fallback(ranked: list[dict], tuned_for: TunedFor, resume: bool,
-                        train_fn: Callable[..., RunResult] = train) -> bool:
-    """Train the best plan that stays under the cap in real training; False when none does."""
+                        train_fn: Callable[..., RunResult] = train) -> RunResult | None:
+    """Train the best plan that stays under the cap in real training; None when none does. A run
+    stopped by SIGINT/SIGTERM comes back as it is (`stopped_by` set): stopping is no reason to fall back."""
     for position, record in enumerate(ranked):
         path, recipe = tuned_for(record)
         log.info("train: %s (trial %d: %s), every step held to the cap %s", path, record["number"], record["label"],
@@ -46,10 +49,15 @@ def train_with_fallback(ranked: list[dict], tuned_for: TunedFor, resume: bool,
         if result is None:
             _release_memory()  # only now: the exception's traceback held the failed trainer until its block ended
             continue
-        log.info("train: done, %d steps, peak %s under the cap", result.steps_done, format_bytes(result.peak_mem_bytes))
-        return True
+        if result.stopped_by:
+            print(stop_line(result.stopped_by, result.steps_done, recipe.train.steps, Path(recipe.output.dir)),
+                  file=sys.stderr)
+        else:
+            log.info("train: done, %d steps, peak %s under the cap", result.steps_done,
+                     format_bytes(result.peak_mem_bytes))
+        return result
     log.error("train: every feasible plan went over the cap in training; raise --max-mem or --margin")
-    return False
+    return None
 
 
 def _explain_breach(err: MemoryCapExceeded, record: dict, following: dict | None) -> None:

@@ -90,3 +90,24 @@ def test_a_breach_in_training_falls_back_to_the_next_best_plan(tmp_path):
 
     assert train_with_fallback(ranked, tuned_for, resume=False, train_fn=train)
     assert trained == [("tuned-4.yaml", False), ("tuned-7.yaml", True)]  # the fallback continues the same run
+
+
+def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
+    """SIGTERM during tune's training ends it like `ckrun run`: one line, no next plan tried."""
+    import signal
+
+    ranked = [{"number": 4, "label": "a", "measured_peak": 90}, {"number": 7, "label": "b", "measured_peak": 80}]
+    trained = []
+
+    def tuned_for(record):
+        from runner.load import load_recipe
+
+        return Path(f"tuned-{record['number']}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
+
+    def train(recipe, source, resume):
+        trained.append(source)
+        return RunResult(2, peak_mem_bytes=80, stopped_by=signal.SIGTERM)
+
+    result = train_with_fallback(ranked, tuned_for, resume=False, train_fn=train)
+    assert result.stopped_by == signal.SIGTERM and trained == ["tuned-4.yaml"]
+    assert capsys.readouterr().err.strip().startswith("ckrun: stopped by SIGTERM after step 2 of ")
