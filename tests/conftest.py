@@ -38,3 +38,14 @@ def ckrun(capsys):
 
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def lstm_step_reaches(op: str) -> bool:
+    """Whether a real LSTM step reaches `op` on this torch (oneDNN may be absent or bypassed on some builds)."""
+    from runner.memory.fake_gaps import FakeGapWatch
+
+    watch = FakeGapWatch()
+    lstm = torch.nn.LSTM(8, 8, batch_first=True)
+    with watch:
+        lstm(torch.randn(2, 3, 8))[0].sum().backward()
+    return op in watch.seen

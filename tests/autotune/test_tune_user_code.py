@@ -10,10 +10,8 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
-from conftest import ROOT
-from runner.memory.fake_gaps import FakeGapWatch
+from conftest import ROOT, lstm_step_reaches
 from tune_helpers import launches, report, survivors, use_fake_child
 
 USER_MODEL = '''
@@ -107,14 +105,6 @@ def test_the_tuner_shows_the_estimates_warnings(ckrun, monkeypatch, tmp_path):
     assert screening["state"] == "on"
     if screening["warnings"]:
         assert all(f"estimate warning: {w}" in out for w in screening["warnings"])
-    if _runs_on_this_torch("aten::mkldnn_rnn_layer"):
+    if lstm_step_reaches("aten::mkldnn_rnn_layer"):
         assert any(w.startswith("aten.mkldnn_rnn_layer: ") for w in screening["warnings"])
 
-
-def _runs_on_this_torch(op: str) -> bool:
-    """Whether a real LSTM step reaches `op` here (oneDNN may be absent or bypassed on some builds)."""
-    watch = FakeGapWatch()
-    lstm = torch.nn.LSTM(8, 8, batch_first=True)
-    with watch:
-        lstm(torch.randn(2, 3, 8))[0].sum().backward()
-    return op in watch.seen

@@ -7,22 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_metrics
-from runner.memory.fake_gaps import FAKE_GAPS, FakeGapWatch
+from conftest import lstm_step_reaches, read_metrics
+from runner.memory.fake_gaps import FAKE_GAPS
 
 HERE = Path(__file__).resolve().parent
 LSTM = ["model.source=python", "model.name=estimate_models:tiny_lstm", "model.config={vocab: 64, width: 32}",
         "data={source: synthetic, task: sequence_classification, seq_len: 16, vocab_size: 64, num_classes: 4}",
         "train.batch_size=8", "train.device=cpu"]
 
-
-def _runs_on_this_torch(op: str) -> bool:
-    """Whether a real LSTM step reaches `op` here (oneDNN may be absent or bypassed on some builds)."""
-    watch = FakeGapWatch()
-    lstm = torch.nn.LSTM(8, 8, batch_first=True)
-    with watch:
-        lstm(torch.randn(2, 3, 8))[0].sum().backward()
-    return op in watch.seen
 
 
 def test_every_known_gap_is_an_aten_op_of_this_torch():
@@ -40,7 +32,7 @@ def test_an_lstm_estimate_that_misses_bytes_says_which_op(tmp_path, ckrun, monke
     measured = max(m["peak_mem_bytes"] for m in read_metrics(tmp_path))
     if estimate["peak_bytes"] != measured:  # never a silent miss
         assert any(w.split(":")[0].replace(".", "::") in FAKE_GAPS for w in estimate["warnings"]), estimate
-    if _runs_on_this_torch("aten::mkldnn_rnn_layer"):
+    if lstm_step_reaches("aten::mkldnn_rnn_layer"):
         assert any(w.startswith("aten.mkldnn_rnn_layer: ") and "low" in w for w in estimate["warnings"])
         code, out, _ = ckrun("estimate", "bert_tiny", *LSTM, "--device", "cpu")
         assert "  warning: aten.mkldnn_rnn_layer: " in out
