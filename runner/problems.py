@@ -52,6 +52,7 @@ class InputError(Exception):
 
 
 _LINE_BREAK = re.compile(r"\s*[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]+\s*")
+_MAX_LINE = 1000
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls; lone surrogates from undecodable argv
 
 
@@ -59,6 +60,8 @@ def one_line(text: str) -> str:
     """`text` as one printable line: line breaks (a library's multi-line message) become spaces,
     other control characters (from a file name or value) are shown escaped, as \\x00."""
     text = _LINE_BREAK.sub(" ", text.strip())
+    if len(text) > _MAX_LINE:  # a megabyte-long value quoted in a message
+        text = f"{text[: _MAX_LINE // 2]} ... {text[-_MAX_LINE // 2:]}"
     return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 

@@ -169,10 +169,13 @@ Data = Annotated[SyntheticData | TextFilesData | ImageFolderData, Field(discrimi
 # --- training -------------------------------------------------------------------------------
 
 
+_Beta = Annotated[float, Field(ge=0, lt=1)]  # as torch.optim.AdamW demands
+
+
 class AdamW(Strict):
     name: Literal["adamw"]
     lr: float = Field(default=1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
     """Adam's decay rates for the first and second moments, written `[0.9, 0.95]` in YAML."""
 
     @field_validator("betas", mode="before")
@@ -189,6 +192,13 @@ class SGD(Strict):
     momentum: float = Field(default=0.9, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
     nesterov: bool = False
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGD:
+        if self.nesterov and self.momentum <= 0:  # torch.optim.SGD refuses it when built
+            raise KeyedValueError(("train", "optimizer", "nesterov"), "nesterov needs a momentum above 0; "
+                                  "set train.optimizer.momentum or nesterov: false")
+        return self
 
 
 class ConstantSchedule(Strict):
@@ -218,8 +228,8 @@ class TrainSpec(Strict):
     """Learning-rate schedule: `constant` or `cosine`, each with optional warm-up."""
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
-    seed: int = 0
-    """Seeds weights, data and dropout: the same seed gives the same run."""
+    seed: int = Field(default=0, ge=0, lt=1 << 32)
+    """Seeds weights, data and dropout: the same seed gives the same run (0 to 2**32 - 1)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: `auto` takes the GPU when there is one."""
 
