@@ -44,14 +44,20 @@ class ModelSpec(Strict):
             if name not in known:
                 raise ValueError(f"no torchvision model named {name!r}{suggest(name, known)}")
         elif source == "python":
-            resolve_import_path(name)
+            _check_factory(name, resolve_import_path(name), {})
         return name
 
     @field_validator("config")
     @classmethod
     def _config_keys_exist(cls, config: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if info.data.get("source") == "transformers" and "name" in info.data:
-            check_config_keys(_transformers_class(info.data["name"]).config_class, config)
+            from .build.model_config import check_transformers_config
+
+            model_class = _transformers_class(info.data["name"])
+            check_config_keys(model_class.config_class, config)
+            check_transformers_config(model_class, config)
+        elif info.data.get("source") == "python" and "name" in info.data:
+            _check_factory(info.data["name"], resolve_import_path(info.data["name"]), config)
         return config
 
     @field_validator("pretrained")
@@ -62,14 +68,30 @@ class ModelSpec(Strict):
         return pretrained
 
 
+def _check_factory(name: str, factory, config: dict) -> None:
+    """That a python factory can be called with model.config, from its signature (nothing is run)."""
+    from .build.model import BuildError, check_factory, check_kwargs
+
+    try:
+        check_factory(factory, name)
+        check_kwargs(factory, config)
+    except BuildError as err:
+        raise KeyedValueError(tuple(err.key.split(".")), str(err)) from None
+
+
 def _transformers_class(name: str):
     import transformers
 
-    if not name.isidentifier() or not hasattr(transformers, name):
+    try:
+        model_class = getattr(transformers, name) if name.isidentifier() else None
+    except AttributeError:
+        model_class = None
+    except Exception as err:  # transformers' lazy import of the class failed (a missing extra, say)
+        raise ValueError(f"transformers cannot load {name}: {type(err).__name__}: {err}") from None
+    if model_class is None:
         known = [n for n in dir(transformers) if n.endswith(("Model", "LM", "Generation", "Classification"))]
         raise ValueError(f"transformers has no class {name!r}{suggest(name, known)}")
-    model_class = getattr(transformers, name)
-    if getattr(model_class, "config_class", None) is None:
+    if not isinstance(model_class, type) or getattr(model_class, "config_class", None) is None:
         raise ValueError(f"transformers.{name} is not a model class with a config")
     return model_class
 

@@ -3,8 +3,11 @@ user factory given by import path. Weights come only from local directories."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import re
+import traceback
 from pathlib import Path
 
 import torch
@@ -41,9 +44,11 @@ def _build_transformers(spec: ModelSpec) -> nn.Module:
     model_class = _transformers_class(spec.name)
     config_class = model_class.config_class
     if spec.pretrained:
-        model = model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
+        with _recipe_fault("model.pretrained", f"transformers cannot load {spec.name} from {spec.pretrained}"):
+            model = model_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
     else:
-        model = model_class(config_class(**spec.config))
+        with _recipe_fault("model.config", f"{spec.name} cannot be built from this config"):
+            model = model_class(config_class(**spec.config))
     if getattr(model.config, "use_cache", False) and "use_cache" not in spec.config:
         # a KV cache serves generation; in training it only holds every layer's keys and values
         model.config.use_cache = False
@@ -55,25 +60,64 @@ def _build_torchvision(spec: ModelSpec) -> nn.Module:
     import torchvision
 
     builder = torchvision.models.get_model_builder(spec.name)
-    try:
+    with _recipe_fault("model.config", spec.name):  # vit_b_16 asserts image_size % patch_size == 0
         model = builder(weights=None, **spec.config)
-    except (TypeError, ValueError) as err:
-        raise BuildError("model.config", f"{spec.name}: {err}") from None
     if spec.pretrained:
         _load_local_state(model, Path(spec.pretrained))
     return model
 
 
 def _build_python(spec: ModelSpec) -> nn.Module:
-    factory = resolve_import_path(spec.name)
-    _check_kwargs(factory, spec.config)
-    model = factory(**spec.config)
+    try:
+        factory = resolve_import_path(spec.name)
+    except ValueError as err:
+        raise BuildError("model.name", str(err)) from None
+    check_factory(factory, spec.name)
+    check_kwargs(factory, spec.config)
+    try:
+        model = factory(**spec.config)
+    except Exception as err:  # the user's code: one line naming it and where it raised, no traceback
+        key = next((f"model.config.{k}" for k in spec.config if re.search(rf"\b{re.escape(k)}\b", str(err))), "model.name")
+        raise BuildError(key, f"{spec.name} raised {type(err).__name__}: {err}{_where_in(err, factory)}; "
+                              "fix the factory or its arguments in model.config") from None
     if spec.pretrained and isinstance(model, nn.Module):
         _load_local_state(model, Path(spec.pretrained))
     return model
 
 
-def _check_kwargs(factory, given: dict) -> None:
+def check_factory(factory, name: str) -> None:
+    """A BuildError unless `factory` can be called (`math:pi` names a float)."""
+    if not callable(factory):
+        kind = type(factory).__name__
+        raise BuildError("model.name", f"{name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a function or class; "
+                                       "name a factory that returns a torch.nn.Module")
+
+
+def _where_in(err: Exception, factory) -> str:
+    """" (at models.py:12)": the deepest line of the factory's own file the error passed through."""
+    try:
+        own_file = inspect.getsourcefile(factory)
+    except TypeError:
+        return ""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == own_file]
+    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+
+
+@contextlib.contextmanager
+def _recipe_fault(key: str, what: str):
+    """Turn what a library raises while building from the recipe into a BuildError at `key`. Running
+    out of memory is not a recipe fault here: the training loop reports it against the cap."""
+    try:
+        yield
+    except (BuildError, torch.OutOfMemoryError):
+        raise
+    except Exception as err:
+        detail = " ".join(str(err).split())
+        detail = detail if isinstance(err, ValueError) else f"{type(err).__name__}: {detail}"
+        raise BuildError(key, f"{what}: {detail}") from None
+
+
+def check_kwargs(factory, given: dict) -> None:
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -92,12 +136,17 @@ def _load_local_state(model: nn.Module, directory: Path) -> None:
     path = next((c for c in candidates if c.is_file()), None)
     if path is None:
         raise BuildError("model.pretrained", f"{directory} holds no model.safetensors or .pt/.pth/.bin state dict")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, corrupt, or pickled code: never suggest weights_only=False
+        reason = "it holds more than tensors, and ckrun never unpickles code" if "weights_only" in str(err) \
+            else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable'}"
+        raise BuildError("model.pretrained", f"cannot read {path}: {reason}") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise BuildError("model.pretrained", f"{path.name} does not match the model: "
