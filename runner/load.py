@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -33,15 +34,15 @@ def recipe_from_text(text: str, source: str = "<recipe>") -> Recipe:
 
 
 def validate_document(doc: Document) -> Recipe:
-    numbers = _unusable_numbers(doc.data, (), doc)
+    unusable = _unusable_values(doc.data, (), doc)
     try:
         recipe = Recipe.model_validate(doc.data)
     except ValidationError as err:
-        flagged = {problem.key for problem in numbers}  # pydantic's complaint about the same value adds nothing
-        raise InputError(sorted(numbers + [p for p in _problems(err, doc) if p.key not in flagged],
+        flagged = {problem.key for problem in unusable}  # pydantic's complaint about the same value adds nothing
+        raise InputError(sorted(unusable + [p for p in _problems(err, doc) if p.key not in flagged],
                                 key=lambda p: (p.place.line, p.key))) from None
-    if numbers:
-        raise InputError(numbers)
+    if unusable:
+        raise InputError(unusable)
     return recipe
 
 
@@ -49,22 +50,34 @@ FLOAT32_MAX = 3.4028234663852886e38
 INT64_MAX = (1 << 63) - 1
 
 
-def _unusable_numbers(data: Any, path: tuple, doc: Document) -> list[Problem]:
-    """Numbers anywhere in the recipe (model.config too) that training cannot compute with: nan, inf
-    (YAML reads 1e400 as inf), floats beyond float32's range, integers beyond int64's."""
+def _unusable_values(data: Any, path: tuple, doc: Document) -> list[Problem]:
+    """Values anywhere in the recipe (model.config too) that training cannot use: nan, inf (YAML
+    reads 1e400 as inf), floats beyond float32's range, integers beyond int64's, and keys or
+    strings holding control characters (YAML's "\\0" escape puts a NUL into a path)."""
     if isinstance(data, dict):
-        return [p for key, value in data.items() for p in _unusable_numbers(value, path + (key,), doc)]
+        return [p for key, value in data.items()
+                for p in _unusable(key, path + (key,), doc) + _unusable_values(value, path + (key,), doc)]
     if isinstance(data, list):
-        return [p for i, value in enumerate(data) for p in _unusable_numbers(value, path + (i,), doc)]
+        return [p for i, value in enumerate(data) for p in _unusable_values(value, path + (i,), doc)]
+    return _unusable(data, path, doc)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _unusable(value: Any, path: tuple, doc: Document) -> list[Problem]:
     message = None
-    if isinstance(data, float) and math.isnan(data):
+    if isinstance(value, float) and math.isnan(value):
         message = "nan is not a number training can use; give a finite value"
-    elif isinstance(data, float) and math.isinf(data):
-        message = f"{data} is not finite (YAML reads numbers past 1.8e308 as inf); give a finite value"
-    elif isinstance(data, float) and abs(data) > FLOAT32_MAX:
-        message = f"{data:.3g} is beyond float32's range (3.4e38): training would compute inf; give a smaller value"
-    elif isinstance(data, int) and not isinstance(data, bool) and abs(data) > INT64_MAX:
+    elif isinstance(value, float) and math.isinf(value):
+        message = f"{value} is not finite (YAML reads unusable past 1.8e308 as inf); give a finite value"
+    elif isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        message = f"{value:.3g} is beyond float32's range (3.4e38): training would compute inf; give a smaller value"
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
         message = "this integer is beyond int64's range (9.2e18), which torch cannot hold; give a smaller value"
+    elif isinstance(value, str) and _CONTROL.search(value):
+        char = _CONTROL.search(value).group()
+        message = f"control character U+{ord(char):04X} in {_Shown(value)!r}; names, paths and settings are one plain line"
     return [Problem(doc.place_of(path), dotted(path), message)] if message else []
 
 
