@@ -117,8 +117,9 @@ def resolve_import_path(path: str):
         raise ValueError(f"{path!r} is not an import path; write it as package.module:factory")
     try:
         module = importlib.import_module(module_name)
-    except Exception as err:  # any import-time failure of user code is a bad-input problem
-        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    except (Exception, SystemExit) as err:  # any import-time failure of user code is a bad-input problem
+        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}; check the name, and that "
+                         "the module is installed or its folder is on PYTHONPATH") from None
     if not hasattr(module, attribute):
         names = [n for n in dir(module) if not n.startswith("_")]
         raise ValueError(f"module {module_name!r} has no {attribute!r}{suggest(attribute, names)}")

@@ -76,7 +76,7 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     check_kwargs(factory, spec.config)
     try:
         model = factory(**spec.config)
-    except Exception as err:  # the user's code: one line naming it and where it raised, no traceback
+    except (Exception, SystemExit) as err:  # the user's code: one line naming it and where it raised
         key = next((f"model.config.{k}" for k in spec.config if re.search(rf"\b{re.escape(k)}\b", str(err))), "model.name")
         raise BuildError(key, f"{spec.name} raised {type(err).__name__}: {err}{_where_in(err, factory)}; "
                               "fix the factory or its arguments in model.config") from None
