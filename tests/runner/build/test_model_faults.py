@@ -52,6 +52,8 @@ def user_models(tmp_path, monkeypatch):
             if width > 2:
                 raise ValueError("width must be at most 2,\\nsee the docs")
             return torch.nn.Linear(width, 2)
+        def quits():
+            raise SystemExit(3)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     return ["model.source=python", "data.task=image_classification", "data.image_size=8", "train.batch_size=2",
@@ -63,6 +65,11 @@ def test_a_factory_that_raises_is_one_line_naming_where(ckrun, user_models):
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.strip().endswith("model.config.width: user_models:picky raised ValueError: width must be at most 2, "
                                 "see the docs (at user_models.py:6); fix the factory or its arguments in model.config")
+
+
+def test_a_factory_that_exits_does_not_end_ckrun_silently(ckrun, user_models):
+    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=user_models:quits", "model.config={}")
+    assert code == 2 and "model.name: user_models:quits raised SystemExit: 3 (at user_models.py:9)" in err, err
 
 
 def test_a_name_that_is_not_callable_is_refused_at_validate(ckrun, user_models):
