@@ -70,7 +70,7 @@ def _unusable(value: Any, path: tuple, doc: Document) -> list[Problem]:
     if isinstance(value, float) and math.isnan(value):
         message = "nan is not a number training can use; give a finite value"
     elif isinstance(value, float) and math.isinf(value):
-        message = f"{value} is not finite (YAML reads unusable past 1.8e308 as inf); give a finite value"
+        message = f"{value} is not finite (YAML reads numbers past 1.8e308 as inf); give a finite value"
     elif isinstance(value, float) and abs(value) > FLOAT32_MAX:
         message = f"{value:.3g} is beyond float32's range (3.4e38): training would compute inf; give a smaller value"
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
