@@ -30,8 +30,14 @@ def library_recipes() -> dict[str, Path]:
 def resolve_recipe(name_or_path: str) -> Path:
     """A path to a recipe file, or a library name such as `gpt2`; an unknown name lists close ones."""
     path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
+    try:
+        if path.is_file():
+            return path
+        exists = path.exists()
+    except OSError as err:  # a name too long for the file system, say
+        raise InputError([Problem(Place(name_or_path), "", f"cannot read the file: {err.strerror}")]) from None
+    if exists and name_or_path.removesuffix(".yaml") not in library_recipes():  # a directory, /dev/zero
+        raise InputError([Problem(Place(name_or_path), "", "is not a regular file; a recipe is a YAML file")])
     return library_recipe(name_or_path, "no such recipe file or library recipe")
 
 

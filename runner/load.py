@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -32,10 +34,51 @@ def recipe_from_text(text: str, source: str = "<recipe>") -> Recipe:
 
 
 def validate_document(doc: Document) -> Recipe:
+    unusable = _unusable_values(doc.data, (), doc)
     try:
-        return Recipe.model_validate(doc.data)
+        recipe = Recipe.model_validate(doc.data)
     except ValidationError as err:
-        raise InputError(_problems(err, doc)) from None
+        flagged = {problem.key for problem in unusable}  # pydantic's complaint about the same value adds nothing
+        raise InputError(sorted(unusable + [p for p in _problems(err, doc) if p.key not in flagged],
+                                key=lambda p: (p.place.line, p.key))) from None
+    if unusable:
+        raise InputError(unusable)
+    return recipe
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = (1 << 63) - 1
+
+
+def _unusable_values(data: Any, path: tuple, doc: Document) -> list[Problem]:
+    """Values anywhere in the recipe (model.config too) that training cannot use: nan, inf (YAML
+    reads 1e400 as inf), floats beyond float32's range, integers beyond int64's, and keys or
+    strings holding control characters (YAML's "\\0" escape puts a NUL into a path)."""
+    if isinstance(data, dict):
+        return [p for key, value in data.items()
+                for p in _unusable(key, path + (key,), doc) + _unusable_values(value, path + (key,), doc)]
+    if isinstance(data, list):
+        return [p for i, value in enumerate(data) for p in _unusable_values(value, path + (i,), doc)]
+    return _unusable(data, path, doc)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _unusable(value: Any, path: tuple, doc: Document) -> list[Problem]:
+    message = None
+    if isinstance(value, float) and math.isnan(value):
+        message = "nan is not a number training can use; give a finite value"
+    elif isinstance(value, float) and math.isinf(value):
+        message = f"{value} is not finite (YAML reads numbers past 1.8e308 as inf); give a finite value"
+    elif isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        message = f"{value:.3g} is beyond float32's range (3.4e38): training would compute inf; give a smaller value"
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+        message = "this integer is beyond int64's range (9.2e18), which torch cannot hold; give a smaller value"
+    elif isinstance(value, str) and _CONTROL.search(value):
+        char = _CONTROL.search(value).group()
+        message = f"control character U+{ord(char):04X} in {_Shown(value)!r}; names, paths and settings are one plain line"
+    return [Problem(doc.place_of(path), dotted(path), message)] if message else []
 
 
 def _problems(err: ValidationError, doc: Document) -> list[Problem]:
@@ -65,11 +108,12 @@ _TAG_KEYS = ("policy", "name", "source")
 
 
 def _data_path(loc: tuple, data: Any) -> tuple:
-    """pydantic's loc with the union-tag steps removed, so it names keys the user wrote."""
+    """pydantic's loc with the union-tag steps removed, so it names keys the user wrote. The data
+    may hold anything the YAML did (a list where a tag belongs), so nothing here hashes a value."""
     path: list = []
     current = data
     for index, part in enumerate(loc):
-        is_tag = isinstance(current, dict) and part in {current.get(k) for k in _TAG_KEYS}
+        is_tag = isinstance(current, dict) and any(part == current.get(k) for k in _TAG_KEYS)
         if is_tag and index < len(loc) - 1:
             continue  # the tag pydantic inserts for a discriminated union member
         if isinstance(current, dict) and part in current:
@@ -87,14 +131,18 @@ def _data_path(loc: tuple, data: Any) -> tuple:
 
 
 def _message(error: dict, path: tuple, data: Any) -> str:
-    kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
+    kind, ctx, value = error["type"], error.get("ctx") or {}, _Shown(error.get("input"))
     if kind == "extra_forbidden":
         return f"unknown key{suggest(path[-1], _known_keys(path[:-1], data))}"
     if kind == "missing":
         return "required key is missing"
     if kind == "union_tag_invalid":
         tags = [t.strip(" '") for t in ctx["expected_tags"].split(",")]
-        return f"unknown {ctx['discriminator'].strip(chr(39))} {ctx['tag']!r}{suggest(ctx['tag'], tags)}; choose one of {', '.join(tags)}"
+        key, tag = ctx["discriminator"].strip(chr(39)), _Shown(ctx["tag"])
+        chosen = value.value.get(key) if isinstance(value.value, dict) else None
+        if not isinstance(chosen, str):  # pydantic shows a list or a number as its str(): say what it is
+            return f"{key} must be one of {', '.join(tags)} (got {_Shown(chosen)!r})"
+        return f"unknown {key} {tag!r}{suggest(tag, tags)}; choose one of {', '.join(tags)}"
     if kind == "union_tag_not_found":
         return f"needs a {ctx['discriminator'].strip(chr(39))!s} key saying which kind it is"
     if kind == "literal_error":
@@ -102,9 +150,31 @@ def _message(error: dict, path: tuple, data: Any) -> str:
         return f"{value!r} is not one of {', '.join(expected)}{suggest(value, expected)}"
     if kind == "value_error":
         return str(ctx.get("error", error["msg"]))
+    if kind.startswith("byte_size") and isinstance(value.value, (int, float)) and value.value < 0:
+        return f"a size cannot be negative (got {value!r})"
     if kind.startswith("byte_size"):
         return f"{value!r} is not a size; write it like 40GB, 40GiB, 512MB or a number of bytes"
     return f"{error['msg'][0].lower()}{error['msg'][1:]} (got {value!r})"
+
+
+class _Shown:
+    """A user's value as error messages show it: its repr, cut short (a value may be a 10,000-item
+    list, or an int whose repr Python refuses to make)."""
+
+    LIMIT = 60
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        try:
+            text = repr(self.value)
+        except ValueError:
+            return "a huge integer"
+        return text if len(text) <= self.LIMIT else f"{text[: self.LIMIT - 5]} ...{text[-1] if text[-1] in ')]}' else ''}"
+
+    def __str__(self) -> str:
+        return str(self.value) if isinstance(self.value, str) and len(self.value) <= self.LIMIT else repr(self)
 
 
 def _known_keys(path: tuple, data: Any) -> list[str]:

@@ -117,3 +117,10 @@ class MemoryPlan(Strict):
     """Run the model through torch.compile (slow first step, faster after)."""
     max_mem: ByteSize | None = None
     """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
+
+    @field_validator("max_mem")
+    @classmethod
+    def _positive_cap(cls, max_mem: ByteSize | None) -> ByteSize | None:
+        if max_mem is not None and max_mem <= 0:  # as `ckrun tune --max-mem 0` is refused
+            raise ValueError(f"the cap must be positive but got {max_mem}; leave max_mem out for no cap")
+        return max_mem

@@ -8,6 +8,7 @@ exits with status 2; nothing here raises a traceback at the user.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ class Problem:
 
     def __str__(self) -> str:
         key = f" {self.key}:" if self.key else ""
-        return f"{self.place}:{key} {self.message}"
+        return one_line(f"{self.place}:{key} {self.message}")
 
 
 class InputError(Exception):
@@ -56,6 +57,20 @@ class InputError(Exception):
     def __init__(self, problems: Iterable[Problem]):
         self.problems = list(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+_LINE_BREAK = re.compile(r"\s*[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]+\s*")
+_MAX_LINE = 1000
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls; lone surrogates from undecodable argv
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line: line breaks (a library's multi-line message) become spaces,
+    other control characters (from a file name or value) are shown escaped, as \\x00."""
+    text = _LINE_BREAK.sub(" ", text.strip())
+    if len(text) > _MAX_LINE:  # a megabyte-long value quoted in a message
+        text = f"{text[: _MAX_LINE // 2]} ... {text[-_MAX_LINE // 2:]}"
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def suggest(word: str, choices: Iterable[str]) -> str:

@@ -46,14 +46,20 @@ class ModelSpec(Strict):
             if name not in known:
                 raise ValueError(f"no torchvision model named {name!r}{suggest(name, known)}")
         elif source == "python":
-            resolve_import_path(name)
+            _check_factory(name, resolve_import_path(name), {})
         return name
 
     @field_validator("config")
     @classmethod
     def _config_keys_exist(cls, config: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if info.data.get("source") == "transformers" and "name" in info.data:
-            check_config_keys(transformers_class(info.data["name"]).config_class, config)
+            from .build.model_config import check_transformers_config
+
+            model_class = transformers_class(info.data["name"])
+            check_config_keys(model_class.config_class, config)
+            check_transformers_config(model_class, config)
+        elif info.data.get("source") == "python" and "name" in info.data:
+            _check_factory(info.data["name"], resolve_import_path(info.data["name"]), config)
         return config
 
     @field_validator("pretrained")
@@ -64,6 +70,17 @@ class ModelSpec(Strict):
 
             check_pretrained_dir(Path(pretrained).expanduser(), info.data.get("source"), info.data.get("name"))
         return pretrained
+
+
+def _check_factory(name: str, factory, config: dict) -> None:
+    """That a python factory can be called with model.config, from its signature (nothing is run)."""
+    from .build.resolve import BuildError, check_factory, check_kwargs
+
+    try:
+        check_factory(factory, name)
+        check_kwargs(factory, config)
+    except BuildError as err:
+        raise KeyedValueError(tuple(err.key.split(".")), str(err)) from None
 
 
 def check_config_keys(config_class, given: dict) -> None:
@@ -146,10 +163,13 @@ Data = Annotated[SyntheticData | TextFilesData | ImageFolderData, Field(discrimi
 # --- training -------------------------------------------------------------------------------
 
 
+_Beta = Annotated[float, Field(ge=0, lt=1)]  # as torch.optim.AdamW demands
+
+
 class AdamW(Strict):
     name: Literal["adamw"]
     lr: float = Field(default=1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
     """Adam's decay rates for the first and second moments, written `[0.9, 0.95]` in YAML."""
 
     @field_validator("betas", mode="before")
@@ -166,6 +186,13 @@ class SGD(Strict):
     momentum: float = Field(default=0.9, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
     nesterov: bool = False
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGD:
+        if self.nesterov and self.momentum <= 0:  # torch.optim.SGD refuses it when built
+            raise KeyedValueError(("train", "optimizer", "nesterov"), "nesterov needs a momentum above 0; "
+                                  "set train.optimizer.momentum or nesterov: false")
+        return self
 
 
 class ConstantSchedule(Strict):
@@ -195,8 +222,8 @@ class TrainSpec(Strict):
     """Learning-rate schedule: `constant` or `cosine`, each with optional warm-up."""
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
-    seed: int = 0
-    """Seeds weights, data and dropout: the same seed gives the same run."""
+    seed: int = Field(default=0, ge=0, lt=1 << 32)
+    """Seeds weights, data and dropout: the same seed gives the same run (0 to 2**32 - 1)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: `auto` takes the GPU when there is one."""
 

@@ -3,30 +3,21 @@ user factory given by import path. Weights come only from local directories."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import re
+import traceback
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..problems import InputError, Place, Problem, suggest
 from ..recipe import ModelSpec, Task
 from .pretrained import from_pretrained, is_checkpoint, load_state
-from .resolve import resolve_import_path, transformers_class
+from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
 
 log = logging.getLogger(__name__)
-
-
-class BuildError(ValueError):
-    """The model could not be built from the recipe; `key` names the recipe key to change."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
-
-    def as_input_error(self, source: str) -> InputError:
-        return InputError([Problem(Place(source), self.key, str(self))])
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
@@ -46,7 +37,8 @@ def _build_transformers(spec: ModelSpec) -> nn.Module:
     if directory is not None and not is_checkpoint(directory):
         model = _from_pretrained(model_class, directory, spec.config)
     else:
-        model = model_class(config_class(**spec.config))
+        with _recipe_fault("model.config", f"{spec.name} cannot be built from this config"):
+            model = model_class(config_class(**spec.config))
         if directory is not None:  # a training checkpoint holds weights but no config.json
             _load_local_state(model, directory)
     if getattr(model.config, "use_cache", False) and "use_cache" not in spec.config:
@@ -60,34 +52,53 @@ def _build_torchvision(spec: ModelSpec) -> nn.Module:
     import torchvision
 
     builder = torchvision.models.get_model_builder(spec.name)
-    try:
+    with _recipe_fault("model.config", spec.name):  # vit_b_16 asserts image_size % patch_size == 0
         model = builder(weights=None, **spec.config)
-    except (TypeError, ValueError) as err:
-        raise BuildError("model.config", f"{spec.name}: {err}") from None
     if spec.pretrained:
         _load_local_state(model, Path(spec.pretrained).expanduser())
     return model
 
 
 def _build_python(spec: ModelSpec) -> nn.Module:
-    factory = resolve_import_path(spec.name)
-    _check_kwargs(factory, spec.config)
-    model = factory(**spec.config)
+    try:
+        factory = resolve_import_path(spec.name)
+    except ValueError as err:
+        raise BuildError("model.name", str(err)) from None
+    check_factory(factory, spec.name)
+    check_kwargs(factory, spec.config)
+    try:
+        model = factory(**spec.config)
+    except (Exception, SystemExit) as err:  # the user's code: one line naming it and where it raised
+        key = next((f"model.config.{k}" for k in spec.config if re.search(rf"\b{re.escape(k)}\b", str(err))), "model.name")
+        raise BuildError(key, f"{spec.name} raised {type(err).__name__}: {err}{_where_in(err, factory)}; "
+                              "fix the factory or its arguments in model.config") from None
     if spec.pretrained and isinstance(model, nn.Module):
         _load_local_state(model, Path(spec.pretrained).expanduser())
     return model
 
 
-def _check_kwargs(factory, given: dict) -> None:
+def _where_in(err: Exception, factory) -> str:
+    """" (at models.py:12)": the deepest line of the factory's own file the error passed through."""
     try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return  # a builtin or C callable: let the call itself complain
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    for key in given:
-        if key not in params:
-            raise BuildError(f"model.config.{key}", f"{getattr(factory, '__name__', factory)} takes no argument {key!r}{suggest(key, params)}")
+        own_file = inspect.getsourcefile(factory)
+    except TypeError:
+        return ""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == own_file]
+    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+
+
+@contextlib.contextmanager
+def _recipe_fault(key: str, what: str):
+    """Turn what a library raises while building from the recipe into a BuildError at `key`. Running
+    out of memory is not a recipe fault here: the training loop reports it against the cap."""
+    try:
+        yield
+    except (BuildError, torch.OutOfMemoryError):
+        raise
+    except Exception as err:
+        detail = " ".join(str(err).split())
+        detail = detail if isinstance(err, ValueError) else f"{type(err).__name__}: {detail}"
+        raise BuildError(key, f"{what}: {detail}") from None
 
 
 def _from_pretrained(model_class, directory: Path, config: dict) -> nn.Module:

@@ -7,19 +7,25 @@ this module imports neither torch nor transformers until a name has to be looked
 from __future__ import annotations
 
 import importlib
+import inspect
 
-from ..problems import suggest
+from ..problems import InputError, Place, Problem, suggest
 
 
 def transformers_class(name: str):
     """The transformers model class called `name` (`BertForMaskedLM`); a ValueError naming close ones if none."""
     import transformers
 
-    if not name.isidentifier() or not hasattr(transformers, name):
+    try:
+        model_class = getattr(transformers, name) if name.isidentifier() else None
+    except AttributeError:
+        model_class = None
+    except Exception as err:  # transformers' lazy import of the class failed (a missing extra, say)
+        raise ValueError(f"transformers cannot load {name}: {type(err).__name__}: {err}") from None
+    if model_class is None:
         known = [n for n in dir(transformers) if n.endswith(("Model", "LM", "Generation", "Classification"))]
         raise ValueError(f"transformers has no class {name!r}{suggest(name, known)}")
-    model_class = getattr(transformers, name)
-    if getattr(model_class, "config_class", None) is None:
+    if not isinstance(model_class, type) or getattr(model_class, "config_class", None) is None:
         raise ValueError(f"transformers.{name} is not a model class with a config")
     return model_class
 
@@ -31,9 +37,41 @@ def resolve_import_path(path: str):
         raise ValueError(f"{path!r} is not an import path; write it as package.module:factory")
     try:
         module = importlib.import_module(module_name)
-    except Exception as err:  # any import-time failure of user code is a bad-input problem
-        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    except (Exception, SystemExit) as err:  # any import-time failure of user code is a bad-input problem
+        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}; check the name, and that "
+                         "the module is installed or its folder is on PYTHONPATH") from None
     if not hasattr(module, attribute):
         names = [n for n in dir(module) if not n.startswith("_")]
         raise ValueError(f"module {module_name!r} has no {attribute!r}{suggest(attribute, names)}")
     return getattr(module, attribute)
+
+
+class BuildError(ValueError):
+    """The model could not be built from the recipe; `key` names the recipe key to change."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+    def as_input_error(self, source: str) -> InputError:
+        return InputError([Problem(Place(source), self.key, str(self))])
+
+
+def check_factory(factory, name: str) -> None:
+    """A BuildError unless `factory` can be called (`math:pi` names a float)."""
+    if not callable(factory):
+        kind = type(factory).__name__
+        raise BuildError("model.name", f"{name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a function or class; "
+                                       "name a factory that returns a torch.nn.Module")
+
+
+def check_kwargs(factory, given: dict) -> None:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: let the call itself complain
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for key in given:
+        if key not in params:
+            raise BuildError(f"model.config.{key}", f"{getattr(factory, '__name__', factory)} takes no argument {key!r}{suggest(key, params)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..library import resolve_recipe
 from ..load import load_recipe_document
 from ..located import located_errors
+from ..problems import keyed_error
 from ..yamlio import dump_yaml
 from . import Command, add_recipe_arguments
 

@@ -44,6 +44,21 @@ OVERRIDE_CASES = [
     (["model.config.num_hiden_layers=2"], "model.config.num_hiden_layers: BertConfig has no setting 'num_hiden_layers' (did you mean num_hidden_layers?)"),
     (["train.steps"], "override 'train.steps': an override looks like dotted.key=value"),
     (["memory.checkpointing.policy=layers"], "override 'memory.checkpointing.policy=layers': memory.checkpointing.layers: required key is missing"),
+    # values that validate as numbers but that training cannot compute with
+    (["train.optimizer.lr=.inf"], "train.optimizer.lr: inf is not finite"),
+    (["train.optimizer.lr=1e400"], "train.optimizer.lr: inf is not finite (YAML reads numbers past 1.8e308 as inf)"),
+    (["train.optimizer.lr=.nan"], "train.optimizer.lr: nan is not a number training can use"),
+    (["train.optimizer.lr=1e300"], "train.optimizer.lr: 1e+300 is beyond float32's range"),
+    (["model.config.layer_norm_eps=.nan"], "model.config.layer_norm_eps: nan is not a number training can use"),
+    (["train.seed=100000000000000000000000"], "train.seed: this integer is beyond int64's range"),
+    (["memory.max_mem=0"], "memory.max_mem: the cap must be positive but got 0"),
+    (["memory.max_mem=-1"], "memory.max_mem: a size cannot be negative"),
+    (["train.optimizer.betas=[1, 0.5]"], "train.optimizer.betas.0: input should be less than 1"),
+    # a list or mapping where a word is expected, in fields that select a variant or not
+    (["memory.checkpointing.policy=2"], "memory.checkpointing: policy must be one of none, full, every, layers, sqrt, selective (got 2)"),
+    (["model.source=[1]"], "model.source: [1] is not one of transformers, torchvision, python"),
+    (["model.name={a: 1}"], "model.name: input should be a valid string (got {'a': 1})"),
+    (["train.optimizer.name=[adamw]"], "train.optimizer: name must be one of adamw, sgd (got ['adamw'])"),
 ]
 
 
@@ -102,10 +117,11 @@ BUILD_CASES = [
     ("checkpointing a block out of range", "{policy: none}", "{policy: layers, layers: [30]}",
      ":38:", "memory.checkpointing.layers: block 30 is out of range"),
     ("offload on a CPU", "memory:\n", "memory:\n  offload: {policy: all}\n", ":38:", "memory.offload"),
-    ("heads that do not divide the width", "num_attention_heads: 2", "num_attention_heads: 3", ":13:3:", "model.config"),
+    ("heads that do not divide the width", "num_attention_heads: 2", "num_attention_heads: 3", ":15:5:",
+     "model.config.hidden_size: BertForMaskedLM cannot be built from this config"),
     ("a factory that raises", "  source: transformers\n  name: BertForMaskedLM",
-     "  source: python\n  name: faulty_models:raises", ":12:3:", "model.name: building faulty_models:raises raised "
-     "ValueError: width must be even"),
+     "  source: python\n  name: faulty_models:raises", ":12:3:", "model.name: faulty_models:raises raised "
+     "ValueError: width must be even (at faulty_models.py:2)"),
     ("a factory that returns no module", "  source: transformers\n  name: BertForMaskedLM",
      "  source: python\n  name: faulty_models:returns_a_list", ":12:3:", "model.name"),
 ]

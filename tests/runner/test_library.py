@@ -174,3 +174,9 @@ def test_the_wheel_carries_every_recipe(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"recipes/{path.relative_to(ROOT / 'recipes').as_posix()}" for path in library_recipes().values()} <= names
     assert {"recipes/__init__.py", "runner/models/classics.py"} <= names
+
+
+def test_a_recipe_path_that_is_not_a_readable_file_is_one_line(tmp_path, ckrun):
+    for name, expected in [(str(tmp_path), "is not a regular file"), ("a" * 5000, "File name too long")]:
+        code, _, err = ckrun("validate", name)
+        assert code == 2 and len(err.splitlines()) == 1 and expected in err, err

@@ -1,0 +1,100 @@
+"""What `ckrun validate` checks of a transformers model beyond its keys: that transformers accepts
+the config, and that the model can be built from it.
+
+transformers checks types when the config is made (a string for an int), but most shape rules
+(`num_attention_heads` must divide `hidden_size`) only when a layer is made. So validation also
+builds the model on the meta device: no memory, a fraction of a second for the bundled recipes,
+once per config. Layer counts are bounded first, since building a million layers would hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+import warnings
+
+import torch
+
+from ..recipe import KeyedValueError
+
+MAX_LAYERS = 1024  # the deepest published models have a few hundred; building is ~5 ms a layer
+_LAYER_COUNT = re.compile(r"(^|_)(n_layers?|num_layers|layers|n_layer)$|^num_.*layers$|_layers$")
+
+
+def check_transformers_config(model_class, given: dict) -> None:
+    """A KeyedValueError naming the model.config key (or model.name) that transformers rejects."""
+    config = _make_config(model_class.config_class, given)
+    _check_layer_counts(model_class.config_class, config, given)
+    problem = _trial_build(model_class, json.dumps(given, sort_keys=True, default=str))
+    if problem:
+        raise KeyedValueError(("model", *_key_named_in(problem, given)), f"{model_class.__name__} cannot be built "
+                              f"from this config: {problem}")
+
+
+def _make_config(config_class, given: dict):
+    try:
+        with _quiet_transformers():
+            return config_class(**given)
+    except Exception as err:  # transformers raises what it likes: strict-field errors, ValueError, TypeError
+        text = " ".join(str(err).split())
+        field = re.match(r"Validation error for field '([^']+)': \w+: (.*)", text)
+        if field and field.group(1) in given:  # "Field 'hidden_size' expected int, got str (value: '128')"
+            detail = re.sub(r"^Field '[^']+' ", "", field.group(2))
+            raise KeyedValueError(("model", "config", field.group(1)), f"{config_class.__name__} {detail}") from None
+        text = re.sub(r"^Class validation error for validator '[^']+': \w+: ", "", text)
+        raise KeyedValueError(("model", *_key_named_in(text, given)), f"{config_class.__name__}: {text}") from None
+
+
+def _check_layer_counts(config_class, config, given: dict) -> None:
+    renamed = {value: key for key, value in getattr(config_class, "attribute_map", {}).items()}
+    for name, value in config.to_dict().items():
+        if isinstance(value, int) and not isinstance(value, bool) and _LAYER_COUNT.search(name):
+            if not 0 <= value <= MAX_LAYERS:
+                key = name if name in given else renamed.get(name, name)
+                raise KeyedValueError(("model", "config", key), f"{value} is not a layer count ckrun builds; "
+                                      f"give 0 to {MAX_LAYERS}")
+
+
+@functools.lru_cache(maxsize=64)
+def _trial_build(model_class, given_json: str) -> str | None:
+    """The one-line reason building `model_class` from this config fails, or None when it builds."""
+    try:
+        with _quiet_transformers(), warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")  # e.g. torch's "zero-element tensors" for a size of 0
+            model_class(model_class.config_class(**json.loads(given_json)))
+    except ValueError as err:  # transformers' own checks: the message says it all
+        return " ".join(str(err).split())
+    except Exception as err:  # anything else a model's __init__ trips over is still the config's to fix
+        return f"{type(err).__name__}: {' '.join(str(err).split())}"
+    return None
+
+
+def _key_named_in(message: str, given: dict) -> tuple[str, ...]:
+    """The given config key a message is about: by name ("The hidden size (130) ..." -> hidden_size,
+    longest first), else the one key whose value it quotes ("KeyError: 'gelu2'" -> hidden_act);
+    ("config",) when it is none of them, ("name",) when nothing was given."""
+    text = message.lower()
+    for key in sorted(given, key=len, reverse=True):
+        if key.lower() in text or key.lower().replace("_", " ") in text:
+            return ("config", key)
+    quoting = [key for key, value in given.items() if isinstance(value, (str, int, float)) and not isinstance(value, bool)
+               and re.search(rf"(?<![\w.-]){re.escape(str(value).lower())}(?![\w.])", text)]
+    if len(quoting) == 1:
+        return ("config", quoting[0])
+    return ("config",) if given else ("name",)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings about the config go to stderr as multi-line log records; validation
+    reports its own one-line problems instead."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

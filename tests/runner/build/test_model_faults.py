@@ -1,0 +1,118 @@
+"""A model the recipe cannot build is one line naming the recipe key, at validate where it can be
+known without running user code, and at build time for what only running it shows."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BERT_TINY, TINY_BERT
+
+GOOD = Path(BERT_TINY).read_text()
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.config.hidden_size=131", "model.config.hidden_size: BertForMaskedLM cannot be built from this config: "
+                                     "The hidden size (131) is not a multiple of the number of attention heads (2)"),
+    ('model.config.hidden_size="128"', "model.config.hidden_size: BertConfig expected int, got str"),
+    ("model.config.num_hidden_layers=1000000", "model.config.num_hidden_layers: 1000000 is not a layer count"),
+    ("model.config.hidden_act=gelu_fancy", "model.config.hidden_act: BertForMaskedLM cannot be built from this config: "
+                                           "KeyError: 'gelu_fancy'"),
+])
+def test_transformers_config_faults_are_found_at_validate(ckrun, override, expected):
+    code, out, err = ckrun("validate", BERT_TINY, override)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"override '{override}': {expected}"), err
+
+
+def test_a_config_fault_in_the_file_points_at_its_line(tmp_path, ckrun):
+    recipe = tmp_path / "heads.yaml"
+    recipe.write_text(GOOD.replace("    hidden_size: 128", "    hidden_size: 100\n    num_attention_heads: 3", 1)
+                      .replace("    num_attention_heads: 2\n", "", 1))
+    code, _, err = ckrun("validate", recipe)
+    line = GOOD.splitlines().index("    hidden_size: 128") + 1
+    assert code == 2 and err.startswith(f"{recipe}:{line}:5: model.config.hidden_size: "), err
+
+
+def test_validate_stays_quick_on_the_largest_transformers_recipe(ckrun):
+    import time
+
+    started = time.perf_counter()
+    assert ckrun("validate", "gpt2_xl")[0] == 0  # builds the 48-layer model on the meta device
+    assert time.perf_counter() - started < 20
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    (tmp_path / "user_models.py").write_text(textwrap.dedent("""
+        import torch
+        answer = 42
+        def picky(width=4):
+            if width > 2:
+                raise ValueError("width must be at most 2,\\nsee the docs")
+            return torch.nn.Linear(width, 2)
+        def quits():
+            raise SystemExit(3)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return ["model.source=python", "data.task=image_classification", "data.image_size=8", "train.batch_size=2",
+            "train.device=cpu", "train.steps=1", f"output.dir={tmp_path / 'out'}"]
+
+
+def test_a_factory_that_raises_is_one_line_naming_where(ckrun, user_models):
+    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=user_models:picky", "model.config={width: 3}")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.strip().endswith("model.config.width: user_models:picky raised ValueError: width must be at most 2, "
+                                "see the docs (at user_models.py:6); fix the factory or its arguments in model.config")
+
+
+def test_a_factory_that_exits_does_not_end_ckrun_silently(ckrun, user_models):
+    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=user_models:quits", "model.config={}")
+    assert code == 2 and "model.name: user_models:quits raised SystemExit: 3 (at user_models.py:9)" in err, err
+
+
+def test_a_name_that_is_not_callable_is_refused_at_validate(ckrun, user_models):
+    code, _, err = ckrun("validate", BERT_TINY, *user_models, "model.name=user_models:answer", "model.config={}")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "model.name: user_models:answer is an int, not a function or class" in err
+
+
+def test_torchvision_assertions_are_build_errors():
+    from runner.build.model import BuildError, build_model
+    from runner.recipe import ModelSpec
+
+    spec = ModelSpec(source="torchvision", name="vit_b_16", config={"image_size": 250})
+    with pytest.raises(BuildError) as caught:
+        build_model(spec, device="meta")
+    assert caught.value.key == "model.config" and "indivisible by patch size" in str(caught.value)
+
+
+class NotATensor:
+    pass
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("truncated", "cannot be read"), ("pickled object", "holds pickled Python objects, not only tensors"),
+])
+def test_unreadable_local_weights_are_one_line_without_torch_advice(tmp_path, content, expected):
+    from runner.build.model import BuildError, build_model
+    from runner.recipe import ModelSpec
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    if content == "truncated":
+        torch.save(torch.nn.Linear(2, 2).state_dict(), weights / "model.pt")
+        (weights / "model.pt").write_bytes((weights / "model.pt").read_bytes()[:100])
+    else:
+        torch.save({"weight": NotATensor()}, weights / "model.pt")
+    spec = ModelSpec(source="torchvision", name="resnet18", config={"num_classes": 2}, pretrained=str(weights))
+    with pytest.raises(BuildError) as caught:
+        build_model(spec)
+    message = str(caught.value)
+    assert caught.value.key == "model.pretrained" and expected in message
+    assert "weights_only" not in message and "\n" not in message
+
+
+def test_tiny_recipes_still_validate_and_build(ckrun):
+    assert ckrun("validate", BERT_TINY, *TINY_BERT)[0] == 0
