@@ -91,7 +91,7 @@ def _probed(candidate: dict, *samples_per_s: float) -> dict:
 
 
 def test_tune_verdict_compares_medians_with_the_goals():
-    """tune.py's ratios and table from given probe results (the dry run itself is slow: below)."""
+    """tune.py's ratios and table from given probe results (the dry run itself: below)."""
     from bench.gpu import tables, tune
 
     full, none_whole, none_half, every_2 = tune.other_candidates(tune.DRY_RUN)
@@ -109,7 +109,8 @@ def test_tune_verdict_compares_medians_with_the_goals():
     assert "| tuned | micro-batch 4, checkpointing none | 90.0, 100.0 | 95.0 | 0.05 |" in table
 
 
-@pytest.mark.slow  # about 75 s on 2 cores: `ckrun tune` and five probes, each a fresh process importing torch
+# about 75 s on 2 cores (`ckrun tune` and five probes, each a fresh process importing torch): in the default
+# run all the same, so that CI keeps the whole campaign's dry run alive
 def test_tune_dry_run_tunes_then_compares_the_tuned_plan(tmp_path, campaign):
     _run("tune.py", tmp_path, "--dry-run")
     tune = _json(tmp_path / "tune.json")
