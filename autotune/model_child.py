@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build() -> dict:
         nonlocal estimator
-        from runner.memory.estimate import Estimator
+        from runner.predict.estimate import Estimator
 
         estimator = Estimator(recipe, args.device)
         return {"status": "ok"}
@@ -105,7 +105,7 @@ def _predict(estimator, request: dict) -> dict:
 
 
 def _unavailable() -> tuple[type, ...]:
-    from runner.memory.estimate import EstimateUnavailable
+    from runner.predict.estimate import EstimateUnavailable
 
     return (EstimateUnavailable, ValueError)  # fake tensors cannot run it, or the plan does not apply
 

@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from runner.load import load_recipe
-from runner.memory.estimate import Estimator
+from runner.predict.estimate import Estimator
 from runner.train.loop import MemoryCapExceeded, Trainer
 
 PLANS = {"none": "{policy: none}", "full": "{policy: full}", "every 2": "{policy: every, every: 2}",

@@ -1,1 +1,1 @@
-"""ckrun's runner: recipes, building, the memory plan, measuring memory and the training loop."""
+"""ckrun's runner: recipes, building, the memory plan, measuring memory, the training loop and predicting memory."""

@@ -42,7 +42,7 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def lstm_step_reaches(op: str) -> bool:
     """Whether a real LSTM step reaches `op` on this torch (oneDNN may be absent or bypassed on some builds)."""
-    from runner.memory.fake_gaps import FakeGapWatch
+    from runner.predict.fake_gaps import FakeGapWatch
 
     watch = FakeGapWatch()
     lstm = torch.nn.LSTM(8, 8, batch_first=True)

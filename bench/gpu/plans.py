@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/g
 from bench.gpu import snapshot, tables  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
 from runner.load import load_recipe  # noqa: E402
-from runner.memory.estimate import Estimator  # noqa: E402
+from runner.predict.estimate import Estimator  # noqa: E402
 from runner.train.loop import MemoryCapExceeded, Trainer  # noqa: E402
 
 PLANS = {  # plan -> its memory overrides (the micro-batch comes on top)

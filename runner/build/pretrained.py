@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..train.checkpoint import MARKER, STATE_FILE, load_checkpoint
+from ..checkpoint_files import MARKER, STATE_FILE, load_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..memory.estimate import EstimateUnavailable, Estimator
+    from ..predict.estimate import EstimateUnavailable, Estimator
 
     path = resolve_recipe(args.recipe)
     recipe, doc = load_recipe_document(path, args.overrides)

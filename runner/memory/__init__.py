@@ -1,2 +1,2 @@
 """Memory plans applied to a model: its repeated blocks, checkpointing, activation offload, and
-measuring or predicting the peak memory of a step."""
+measuring the peak memory of a step. Predicting it without running it is runner/predict/."""

@@ -92,7 +92,7 @@ def test_a_forward_that_faults_ends_the_tune_with_a_report(tmp_path, fault):
 
 def test_the_tuner_shows_the_estimates_warnings(ckrun, monkeypatch, tmp_path):
     """An LSTM's estimate is low (its fake kernel has no workspace): the tuner says so and the report keeps it."""
-    models = ROOT / "tests" / "runner" / "memory"  # estimate_models.py: tiny_lstm
+    models = ROOT / "tests" / "runner" / "predict"  # estimate_models.py: tiny_lstm
     use_fake_child(monkeypatch)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(models), os.environ["PYTHONPATH"])))
     monkeypatch.syspath_prepend(str(models))

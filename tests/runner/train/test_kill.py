@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
+from runner import checkpoint_files
 from runner.cli import main
 from runner.train import checkpoint, loop
 
@@ -47,9 +48,10 @@ def test_sigterm_from_outside_ends_the_run_after_a_whole_step(tmp_path):
 
 
 def traced_saves(count: list[int], moment: int | None):
-    """loop.save_checkpoint, counting every line executed inside a save (ckrun's checkpoint code and
-    torch.save's) into count[0], and SIGKILLing the process at line `moment`."""
-    real_save, watched = loop.save_checkpoint, {checkpoint.__file__, torch.serialization.__file__}
+    """loop.save_checkpoint, counting every line executed inside a save (ckrun's checkpoint code, the
+    marker's digest, and torch.save's) into count[0], and SIGKILLing the process at line `moment`."""
+    real_save = loop.save_checkpoint
+    watched = {checkpoint.__file__, checkpoint_files.__file__, torch.serialization.__file__}
 
     def line(frame, event, _arg):
         if event == "line":

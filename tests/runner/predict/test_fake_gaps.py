@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import lstm_step_reaches, read_metrics
-from runner.memory.fake_gaps import FAKE_GAPS
+from runner.predict.fake_gaps import FAKE_GAPS
 
 HERE = Path(__file__).resolve().parent
 LSTM = ["model.source=python", "model.name=estimate_models:tiny_lstm", "model.config={vocab: 64, width: 32}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from runner.memory.cuda_extras import (
+from runner.predict.cuda_extras import (
     MiB,
     allocator_settings,
     cublas_workspace_bytes,
@@ -13,7 +13,7 @@ from runner.memory.cuda_extras import (
     flash_backward_scratch,
     hold_during_backward,
 )
-from runner.memory.cuda_model import SMALL_SEGMENT, LARGE_SEGMENT, CachingAllocatorModel
+from runner.predict.cuda_model import SMALL_SEGMENT, LARGE_SEGMENT, CachingAllocatorModel
 from runner.memory.tracker import LiveBytesTracker
 
 

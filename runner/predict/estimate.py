@@ -32,18 +32,18 @@ from torch._subclasses.fake_tensor import (
 from ..build.data import Batch, SyntheticSource, describe_inputs
 from ..build.model import build_model
 from ..build.optim import build_optimizer
-from ..plan import MemoryPlan, NoOffload
 from ..build.resolve import transformers_class
+from ..memory.apply import apply_plan, check_combination
+from ..memory.blocks import find_blocks, undo_all, wrap_forward
+from ..memory.offload import ActivationOffload, CopyTransport, offloaded_blocks
+from ..memory.tracker import LiveBytesTracker
+from ..plan import MemoryPlan, NoOffload
 from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData
 from ..train.step import Precision, run_step
-from .apply import apply_plan, check_combination
-from .blocks import find_blocks, undo_all, wrap_forward
+from ..units import format_bytes
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
-from ..units import format_bytes
 from .fake_gaps import FakeGapWatch
-from .offload import ActivationOffload, CopyTransport, offloaded_blocks
-from .tracker import LiveBytesTracker
 
 CPU = torch.device("cpu")
 HOST = torch.device("meta")  # where offloaded activations land in an estimate (fake host memory)

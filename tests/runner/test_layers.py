@@ -1,0 +1,125 @@
+"""No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
+own layer or the ones below it:
+
+1. foundations  problems, units, files, yamlio, plan, checkpoint_files (messages, YAML, the plan's
+                data, the checkpoint file format)
+2. recipe       recipe, load, located, library (the validated recipe and where its lines are)
+3. build        build/, models/ (model, data, optimizer from a recipe)
+4. memory       memory/ (a plan applied to a built model; its peak measured)
+5. train        train/ (the step and the loop; the plan applied, the memory measured)
+6. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
+7. cli          cli/, __main__ (the one place that sees everything)
+
+autotune/ stands above all of runner/, and no runner module imports it: the CLI names the tune and
+report verbs as module strings and loads the one asked for with importlib (DESIGN: the CLI is the
+one place that sees both), which is no import statement. Every import counts, top-level or inside a
+function: a lazy import that runs back up is still a crossing. The few the recipe needs are listed
+in ALLOWED with their reason, and a test keeps that list from going stale.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+LAYERS = [
+    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.yamlio", "runner.plan",
+                     "runner.checkpoint_files"}),
+    ("recipe", {"runner.recipe", "runner.load", "runner.located", "runner.library"}),
+    ("build", {"runner.build", "runner.models"}),
+    ("memory", {"runner.memory"}),
+    ("train", {"runner.train"}),
+    ("predict", {"runner.predict"}),
+    ("cli", {"runner.cli", "runner.__main__", "runner"}),
+]
+
+# (importer, imported) -> why it may run up a layer
+ALLOWED = {
+    ("runner.recipe", "runner.build.resolve"):
+        "validation asks whether a model or factory name resolves (the resolver imports only problems)",
+    ("runner.recipe", "runner.build.model_config"):
+        "validation checks a transformers config against its class before anything is built",
+    ("runner.recipe", "runner.build.pretrained"):
+        "validation checks that model.pretrained can hold weights for the recipe's model",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, absolute, relative ones resolved; `from X import name` counts
+    as X.name when that is a module of ours (`from runner.train import checkpoint`), else as X."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            found.update(f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base for alias in node.names)
+    return {module for module in found if module.split(".")[0] in ("runner", "autotune")}
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix of `module` named in LAYERS."""
+    parts = module.split(".")
+    for length in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:length])
+        for index, (_, members) in enumerate(LAYERS):
+            if prefix in members:
+                return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+def runner_files() -> list[Path]:
+    return sorted((ROOT / "runner").rglob("*.py"))
+
+
+def crossings() -> set[tuple[str, str]]:
+    """(importer, imported) for every import from a higher layer or from autotune/."""
+    found = set()
+    for path in runner_files():
+        importer = module_name(path)
+        for imported in imports_of(path):
+            if imported.split(".")[0] == "autotune" or layer_of(imported) > layer_of(importer):
+                found.add((importer, imported))
+    return found
+
+
+def test_no_runner_module_imports_from_a_layer_above_it_or_from_autotune():
+    running_up = {(a, b): f"{LAYERS[layer_of(a)][0]} imports {LAYERS[layer_of(b)][0] if b.startswith('runner') else 'autotune'}"
+                  for a, b in crossings() - ALLOWED.keys()}
+    assert not running_up, running_up
+
+
+def test_every_allowed_crossing_is_still_there():
+    assert ALLOWED.keys() <= crossings(), "remove the crossings no module makes any more from ALLOWED"
+
+
+def test_every_runner_module_has_a_layer():
+    for path in runner_files():
+        layer_of(module_name(path))
+
+
+def test_the_walk_sees_relative_lazy_and_from_package_imports():
+    """The checker itself: on the real files it must find the imports known to be there."""
+    estimate = imports_of(ROOT / "runner" / "predict" / "estimate.py")
+    assert {"runner.train.step", "runner.memory.apply", "runner.predict.cuda_model"} <= estimate
+    assert "runner.build.pretrained" in imports_of(ROOT / "runner" / "recipe.py")  # inside a validator
+    assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "loop.py")
+    assert layer_of("runner.predict.estimate") > layer_of("runner.train.step") > layer_of("runner.memory.apply")
+    assert layer_of("runner.memory.apply") > layer_of("runner.build.pretrained") > layer_of("runner.checkpoint_files")
