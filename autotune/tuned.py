@@ -1,6 +1,11 @@
 """DIR/tuned.yaml: the recipe as the user wrote it (overrides applied), with the winning memory
 plan and precision in place of its own, under a comment block saying where the plan comes from.
 
+The file is the recipe's own text with only the top-level sections that change rewritten: `memory:`,
+the `precision:` line, and any section an override changed. Every other line, the user's comments
+included, is kept as written. Where the text cannot be edited line by line (a flow-style document,
+an anchor the edit would cut) it is dumped instead, and the log says why.
+
 The cap goes in as memory.max_mem, so training the file stops with a clear error instead of
 silently using more than the plan was tuned for. The text is validated before it is written:
 `ckrun validate DIR/tuned.yaml` must accept what `ckrun tune` writes.
@@ -9,16 +14,20 @@ silently using more than the plan was tuned for. The text is validated before it
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from pathlib import Path
 
 from runner.files import write_atomic
 from runner.load import recipe_from_text
+from runner.problems import InputError
 from runner.recipe import Recipe
 from runner.units import format_bytes
-from runner.yamlio import Document, dump_yaml
+from runner.yamlio import Document, dump_yaml, parse_document
 
 from .cap import Cap
+
+log = logging.getLogger(__name__)
 
 
 def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
@@ -29,6 +38,68 @@ def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
     data["memory"] = memory
     data["precision"] = winner["precision"]
     return data
+
+
+def tuned_text(doc: Document, data: dict) -> str:
+    """`data` (the tuned recipe) as YAML: the recipe's own text edited where `data` differs from it,
+    else a plain dump, with the reason logged."""
+    edited, why = _edit_sections(doc, data)
+    if edited is None:
+        log.info("tuned.yaml: written without the recipe's own comments: %s", why)
+        return dump_yaml(data)
+    return edited
+
+
+def _edit_sections(doc: Document, data: dict) -> tuple[str | None, str]:
+    """(the edited text, "") or (None, why not). A top-level section runs from its key's line to the
+    next key's, less the blank and comment lines before that key: those stay with what follows."""
+    if not doc.text:
+        return None, "the recipe's text is not at hand"
+    original = parse_document(doc.text, doc.source)
+    if set(original.data) - set(data):
+        return None, "a top-level key of the recipe is gone"
+    lines = doc.text.splitlines(keepends=True)
+    spans = _section_spans(original, len(lines), lines)
+    if spans is None:
+        return None, "its top-level keys do not each start a line"
+    changed = [key for key in data if key not in original.data or original.data[key] != data[key]]
+    overridden = [key for key in changed if key in original.data and key not in ("memory", "precision")]
+    if overridden:
+        log.info("tuned.yaml: %s rewritten with the overrides' values (comments inside them are not kept)",
+                 ", ".join(overridden))
+    for key in sorted((k for k in changed if k in spans), key=lambda k: -spans[k][0]):  # bottom up: spans stay put
+        begin, end = spans[key]
+        lines[begin:end] = [dump_yaml({key: data[key]})]
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    lines += [dump_yaml({key: data[key]}) for key in changed if key not in spans]
+    text = "".join(lines)
+    try:
+        same = parse_document(text, doc.source).data == data
+    except InputError:
+        same = False
+    return (text, "") if same else (None, "editing its lines did not give the tuned values back (an anchor or "
+                                         "a block scalar the edit would cut)")
+
+
+def _section_spans(doc: Document, count: int, lines: list[str]) -> dict[str, tuple[int, int]] | None:
+    """Top-level key -> (first line, line after its last), 0-based; None unless every key starts a line."""
+    starts = {key: doc.places[(key,)] for key in doc.data}
+    if any(place.col != 1 for place in starts.values()) or len({p.line for p in starts.values()}) < len(starts):
+        return None
+    lines_at = sorted(place.line - 1 for place in starts.values())
+    spans = {}
+    for key, place in starts.items():
+        begin = place.line - 1
+        end = next((line for line in lines_at if line > begin), count)
+        while end > begin + 1 and _between_sections(lines[end - 1]):
+            end -= 1
+        spans[key] = (begin, end)
+    return spans
+
+
+def _between_sections(line: str) -> bool:
+    return line.strip() in ("", "...") or line.lstrip().startswith("#")
 
 
 def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: Path, trials: int,
@@ -53,7 +124,7 @@ def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: 
 def write_tuned(directory: Path, doc: Document, winner: dict, cap: Cap, cap_text: str,
                 source: str, overrides: list[str], trials: int, notes: list[str] = ()) -> tuple[Path, Recipe]:
     path = directory / "tuned.yaml"
-    text = provenance(winner, cap, source, overrides, path, trials, notes) + dump_yaml(tuned_data(doc, winner, cap_text))
+    text = provenance(winner, cap, source, overrides, path, trials, notes) + tuned_text(doc, tuned_data(doc, winner, cap_text))
     recipe = recipe_from_text(text, str(path))  # an InputError here is a tuner bug: better now than at training
     write_atomic(path, text)
     return path, recipe

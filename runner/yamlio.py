@@ -98,6 +98,8 @@ class Document:
     data: dict[str, Any]
     places: dict[Path_, Place] = field(default_factory=dict)
     source: str = "<recipe>"
+    text: str = ""
+    """The text it was parsed from (overrides are not in it): tuned.yaml edits it to keep its comments."""
 
     def place_of(self, path: Path_) -> Place:
         """The place of `path`: an override that set it or a key inside it, else its nearest ancestor."""
@@ -163,7 +165,7 @@ def parse_document(text: str, source: str) -> Document:
         raise InputError([Problem(Place(source), "", f"invalid YAML: {err}")]) from None
     finally:
         loader.dispose()
-    doc = Document({}, {}, source)
+    doc = Document({}, {}, source, text)
     problems: list[Problem] = []
     if node is None:
         problems.append(Problem(Place(source, 1, 1), "", "the file holds no recipe (it is empty or only comments)"))
@@ -252,7 +254,7 @@ def _key_text(key_node: yaml.Node, path: Path_, doc: Document, problems: list[Pr
 
 def apply_overrides(doc: Document, overrides: list[str]) -> Document:
     """Apply `dotted.key=value` overrides (values parsed as YAML) to a copy of `doc`."""
-    result = Document(copy.deepcopy(doc.data), dict(doc.places), doc.source)
+    result = Document(copy.deepcopy(doc.data), dict(doc.places), doc.source, doc.text)
     problems: list[Problem] = []
     for text in overrides:
         key, sep, raw = text.partition("=")

@@ -1,0 +1,85 @@
+"""tuned.yaml is the recipe's own text with only what tuning (and the overrides) changed rewritten:
+for every bundled recipe, any plan, precision and overrides, it validates, holds exactly the tuned
+values, and keeps every line (comments included) outside the sections it replaces."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from autotune.tuned import tuned_data, tuned_text
+from conftest import ROOT
+from runner.load import recipe_from_text
+from runner.plan import MemoryPlan
+from runner.yamlio import apply_overrides, load_document, parse_document
+
+RECIPES = sorted((ROOT / "recipes").glob("**/*.yaml"))
+CHECKPOINTING = [{"policy": "none"}, {"policy": "full"}, {"policy": "every", "every": 2}, {"policy": "sqrt"},
+                 {"policy": "selective"}]
+OVERRIDES = st.sampled_from(["train.steps=7", "train.seed=3", "output.log_every=2", "memory.micro_batch=1",
+                             "precision=fp16", "description=tuned copy", "output.dir=runs/elsewhere"])
+TOP_KEY = re.compile(r"^([A-Za-z_][\w-]*)\s*:")
+
+
+@st.composite
+def tunings(draw):
+    path = draw(st.sampled_from(RECIPES))
+    overrides = draw(st.lists(OVERRIDES, max_size=3, unique_by=lambda o: o.split("=")[0]))
+    doc = apply_overrides(load_document(path), overrides)
+    batch = doc.data["train"]["batch_size"]
+    plan = MemoryPlan(checkpointing=draw(st.sampled_from(CHECKPOINTING)),
+                      micro_batch=draw(st.sampled_from([None, *(d for d in range(1, batch + 1) if batch % d == 0)])),
+                      compile=draw(st.booleans()))
+    winner = {"plan": plan.model_dump(mode="json"), "precision": draw(st.sampled_from(["fp32", "bf16", "fp16"]))}
+    return path, overrides, doc, winner, draw(st.sampled_from(["40GB", "100MB", "1500000000"]))
+
+
+def kept_lines(text: str, replaced: set[str]) -> list[str]:
+    """The lines of `text` outside the top-level sections in `replaced`, as a reader sees sections:
+    from a key at the start of a line to the next one."""
+    kept, section = [], None
+    for line in text.splitlines():
+        key = TOP_KEY.match(line)
+        section = key.group(1) if key else section
+        if section not in replaced:
+            kept.append(line)
+    return kept
+
+
+def is_subsequence(wanted: list[str], lines: list[str]) -> bool:
+    remaining = iter(lines)
+    return all(any(line == candidate for candidate in remaining) for line in wanted)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tunings())
+def test_tuned_text_validates_holds_the_tuned_values_and_keeps_the_rest(tuning):
+    path, overrides, doc, winner, cap = tuning
+    expected = tuned_data(doc, winner, cap)
+    text = tuned_text(doc, expected)
+    assert parse_document(text, "tuned.yaml").data == expected
+    recipe_from_text(text, "tuned.yaml")  # raises InputError if ckrun validate would refuse it
+    replaced = {"memory", "precision", *(o.split("=")[0].split(".")[0] for o in overrides)}
+    original = path.read_text(encoding="utf-8")
+    assert is_subsequence(kept_lines(original, replaced), text.splitlines())
+    assert original.splitlines()[0] == text.splitlines()[0]  # the header comment, not a dump
+
+
+def test_an_unchanged_precision_keeps_its_line_and_comment():
+    doc = load_document(ROOT / "recipes" / "bert_tiny.yaml")
+    line = next(line for line in doc.text.splitlines() if line.startswith("precision:"))
+    winner = {"plan": MemoryPlan().model_dump(mode="json"), "precision": doc.data["precision"]}
+    assert "#" in line and line in tuned_text(doc, tuned_data(doc, winner, "1GB")).splitlines()
+
+
+def test_a_flow_style_recipe_is_dumped_and_the_log_says_why(caplog):
+    doc = parse_document("{model: {source: torchvision, name: resnet18}, data: {source: synthetic, "
+                         "task: image_classification}, train: {batch_size: 2}}  # one line\n", "flow.yaml")
+    winner = {"plan": MemoryPlan().model_dump(mode="json"), "precision": "bf16"}
+    expected = tuned_data(doc, winner, "1GB")
+    with caplog.at_level(logging.INFO, logger="autotune.tuned"):
+        text = tuned_text(doc, expected)
+    assert parse_document(text, "tuned.yaml").data == expected
+    assert any("without the recipe's own comments" in r.message and "start a line" in r.message for r in caplog.records)
