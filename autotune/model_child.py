@@ -21,6 +21,7 @@ for an interpreter teardown that user code (atexit hooks, threads) could hold up
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import traceback
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in requests:
         request = json.loads(line)
-        answer = _answer(lambda: _predict(estimator, request), expected=_unavailable())
+        answer = _answer(functools.partial(_predict, estimator, request), expected=_unavailable())
         write_atomic(directory / f"answer-{request['id']}.json", json.dumps(answer))
     return 0
 

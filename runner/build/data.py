@@ -217,7 +217,7 @@ class ImageFolderSource:
 
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.dataset), step, self.batch_size, self.seed)
-        images, labels = zip(*(self._image(r) for r in rows))
+        images, labels = zip(*(self._image(r) for r in rows), strict=True)
         key = "pixel_values" if self.shape.by_keyword else "images"
         return Batch({key: torch.stack(images)}, torch.tensor(labels), self.shape.by_keyword)
 

@@ -307,7 +307,7 @@ def replay(events, device: torch.device, baseline: int, repeats: int = 2, kept: 
     model = CachingAllocatorModel(expandable)
     steps = [e for e in events[baseline:] if e[2] == device]
     workspaces = [(-1 - i, nbytes, device) for i, nbytes in enumerate(kept)]  # keys no tensor has
-    for key, nbytes, where in [e for e in events[:baseline] if e[2] == device] + workspaces + steps * repeats:
+    for key, nbytes, _device in [e for e in events[:baseline] if e[2] == device] + workspaces + steps * repeats:
         if nbytes > 0:
             model.alloc(key, nbytes)
         else:

@@ -40,7 +40,7 @@ def test_any_fault_costs_a_plan_its_screening_never_the_tuner(tmp_path_factory, 
         child.stop()
     # each candidate may wait for a fresh child's facts and warm-up and its own answer
     assert time.monotonic() - started < len(CANDIDATES) * 3 * (TIMEOUT_S + 5)
-    for candidate, answer in zip(CANDIDATES, answers):
+    for candidate, answer in zip(CANDIDATES, answers, strict=True):
         assert answer is None or isinstance(answer, Prediction)
         if answer is not None and answer.peak is not None:
             assert answer.peak == 1000 * candidate.plan.micro_batch + 5 and not answer.reason

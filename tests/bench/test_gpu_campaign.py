@@ -57,7 +57,7 @@ def test_plans_dry_run_measures_counts_and_predicts_every_cpu_plan(campaign):
     plans = _json(campaign / "plans.json")
     entries = {(p["name"], p["micro_batch"]): p for p in plans["plans"]}
     assert len(entries) == 14  # 6 plans and the repeat of none, at micro-batches 4 and 8
-    for (name, micro), plan in entries.items():
+    for (name, _micro), plan in entries.items():
         if "offload" in name:
             assert plan["status"] == "skipped" and "needs CUDA" in plan["reason"]
             continue

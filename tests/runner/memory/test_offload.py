@@ -126,7 +126,7 @@ def test_on_a_checkpointed_block_only_the_kept_input_moves():
     apply_plan(model, plan(checkpointing={"policy": "full"}), "cpu")
     offload = cpu_offload()
     offload_all(model, offload)  # outside the checkpoint, as apply_plan does on CUDA
-    assert all(torch.equal(a, b) for a, b in zip(expected, grads_of(model, x)))
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads_of(model, x), strict=True))
     assert offload.offloaded_count == 4  # each block's input, nothing from inside
 
 
@@ -173,7 +173,7 @@ def test_any_offload_and_checkpointing_mix_keeps_gradients_bit_identical(blocks,
     for i in sorted(i for i in offloaded if i < blocks):
         wrap_forward(model[i], offload.wrapper, model[i])
     for _ in range(2):  # twice: the second step reuses what the first left behind
-        assert all(torch.equal(a, b) for a, b in zip(expected, grads()))
+        assert all(torch.equal(a, b) for a, b in zip(expected, grads(), strict=True))
         assert _stashed_groups(offload) == 0  # no device tensor outlives its backward
     applied.remove()
 
@@ -202,7 +202,7 @@ def test_cuda_gradients_match_without_offload(checkpointing):
     assert applied.offload.offloaded_count > 0
     for step in range(2):
         # offloaded copies are contiguous, so a kernel may take another path: equal to fp32 rounding
-        for a, b in zip(offloaded[step], plain[step]):
+        for a, b in zip(offloaded[step], plain[step], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 

@@ -4,7 +4,6 @@ so: a CPU estimate that differs from what training measures always carries a war
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from conftest import lstm_step_reaches, read_metrics
