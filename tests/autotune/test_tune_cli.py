@@ -1,5 +1,7 @@
 """`ckrun tune` end to end with real probes: a tiny BERT, a cap below its no-plan peak."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -49,6 +51,8 @@ def test_tuned_yaml_validates_and_trains_under_the_cap(study, ckrun, tmp_path):
     tuned = directory / "tuned.yaml"
     header = tuned.read_text().split("\n\n")[0]
     assert "Tuned by `ckrun tune`" in header and "device:" in header and "samples/s" in header
+    recipe_lines = Path(BERT_TINY).read_text().splitlines()
+    assert recipe_lines[0] in tuned.read_text().splitlines()  # the recipe's own comments are kept
     winner = report(directory)["trials"][report(directory)["winner"]]
     data = yaml.safe_load(tuned.read_text())
     assert data["memory"]["micro_batch"] == winner["plan"]["micro_batch"]
