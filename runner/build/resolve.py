@@ -75,3 +75,17 @@ def check_kwargs(factory, given: dict) -> None:
     for key in given:
         if key not in params:
             raise BuildError(f"model.config.{key}", f"{getattr(factory, '__name__', factory)} takes no argument {key!r}{suggest(key, params)}")
+
+
+def infer_task(spec) -> str | None:
+    """The training task a model class implies, or None when the recipe must say (data.task)."""
+    if spec.source == "torchvision":
+        return "image_classification"
+    if spec.source != "transformers":
+        return None
+    suffixes = {
+        "ForMaskedLM": "masked_lm", "ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm",
+        "ForConditionalGeneration": "seq2seq", "ForSequenceClassification": "sequence_classification",
+        "ForImageClassification": "image_classification",
+    }
+    return next((task for suffix, task in suffixes.items() if spec.name.endswith(suffix)), None)
