@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(err, file=sys.stderr)
         return EXIT_BAD_INPUT
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    # the time on every log line: when a step, an eval or a checkpoint happened, as in HF and Lightning logs
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
     if command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
