@@ -265,6 +265,19 @@ class OutputSpec(Strict):
     """Steps between training-state checkpoints; the end of a run is always saved (0: only the end)."""
     keep_checkpoints: int = Field(default=2, gt=0)
     """How many complete checkpoints to keep; older ones are deleted."""
+    tensorboard: bool = False
+    """Also write every step and evaluation as TensorBoard events to OUTPUT_DIR/tensorboard
+    (needs `pip install 'ckrun[tensorboard]'`)."""
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, wanted: bool) -> bool:
+        import importlib.util
+
+        if wanted and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("the tensorboard package is not installed; pip install 'ckrun[tensorboard]', "
+                             "or set output.tensorboard: false")
+        return wanted
 
 
 class EvalSpec(Strict):
