@@ -168,3 +168,23 @@ def test_seq2seq_records_teacher_force_the_target(tmp_path):
     assert batch.labels.tolist() == [[*target, -100, -100]]
     assert batch.inputs["decoder_input_ids"].tolist() == [[7, *target, 0]]
     assert batch.inputs["attention_mask"].tolist() == [[1, 1, 0, 0]]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(names=st.lists(st.text("abcxyz", min_size=1, max_size=3), min_size=1, max_size=6, unique=True),
+       order=st.randoms(use_true_random=False), step=st.integers(0, 50))
+def test_label_ids_and_batches_depend_on_content_seed_and_step_only(tmp_path_factory, names, order, step):
+    """Ids do not depend on the order of the lines; a step's batch is the same in every build."""
+    lines = [json.dumps({"text": f"example {i}", "label": name}) for i, name in enumerate(names * 2)]
+    built = []
+    for shuffle in (False, True):
+        if shuffle:
+            order.shuffle(lines)
+        path = tmp_path_factory.mktemp("ids") / "data.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        data = RecordsData(source="records", paths=[str(path)], seq_len=12)
+        built.append(RecordsSource(data, Shape("sequence_classification", True, vocab_size=64, num_classes=8), 3, 5))
+    assert built[0].label_ids == built[1].label_ids == {name: i for i, name in enumerate(sorted(names))}
+    again = RecordsSource(data, Shape("sequence_classification", True, vocab_size=64, num_classes=8), 3, 5)
+    first, second = built[1].global_batch(step), again.global_batch(step)
+    assert all(a.equal(b) for a, b in zip(first.tensors(), second.tensors()))
