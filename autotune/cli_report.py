@@ -1,4 +1,5 @@
-"""`ckrun report DIR`: the Pareto table of a study, finished or still running, and its plot."""
+"""`ckrun report DIR`: the Pareto table of a study, finished or still running, and its plot; or,
+for a run's output.dir, its training curves (runner/train/curves.py)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,27 @@ from optuna.storages.journal import JournalFileBackend
 
 from runner.cli import Command
 from runner.problems import InputError, Place, Problem
+from runner.train.curves import report_run
+from runner.train.output import METRICS
 
 from .report import publish
 from .study import STUDY_NAME, trial_records
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("directory", metavar="DIR", help="a study directory written by `ckrun tune`")
+    parser.add_argument("directory", metavar="DIR",
+                        help="a run's output.dir (draws DIR/curves.png) or a study directory written by `ckrun tune`")
 
 
 def run(args) -> int:
     directory = Path(args.directory)
     journal = directory / "study.journal"
+    if not journal.is_file() and (directory / METRICS).is_file():
+        print(report_run(directory))
+        return 0
     if not journal.is_file():
-        raise InputError([Problem(Place(str(directory)), "", "holds no study (no study.journal); give the directory "
-                                  "`ckrun tune` wrote, by default the recipe's output.dir + /tune")])
+        raise InputError([Problem(Place(str(directory)), "", "holds no run (no metrics.jsonl) and no study (no "
+                                  "study.journal); give a run's output.dir, or the directory `ckrun tune` wrote")])
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # reading the journal takes no lock: a report of a running study is fine
     study = optuna.load_study(study_name=STUDY_NAME, storage=JournalStorage(JournalFileBackend(str(journal))))
@@ -34,7 +41,8 @@ def run(args) -> int:
 
 
 COMMAND = Command(
-    "report", "print the Pareto table of a tuning study and write its plot", add_arguments, run,
-    epilog="examples:\n  ckrun report runs/bert_tiny/tune\n"
+    "report", "draw a run's training curves, or print a tuning study's Pareto table and plot", add_arguments, run,
+    epilog="examples:\n  ckrun report runs/bert_tiny        # loss, eval, throughput, memory -> runs/bert_tiny/curves.png\n"
+    "  ckrun report runs/bert_tiny/tune\n"
     "  ckrun report runs/t   # also while `ckrun tune --output runs/t` is running",
 )

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from .build.resolve import add_import_root
 from .problems import InputError, Problem, dotted, suggest
 from .recipe import KeyedValueError, Recipe
 from .yamlio import Document, apply_overrides, load_document, parse_document
@@ -23,6 +24,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
 
 def load_recipe_document(path: str | Path, overrides: list[str] = ()) -> tuple[Recipe, Document]:
     """Read, override and validate; raises InputError listing every problem at once."""
+    add_import_root(Path(path).parent)  # a python model's module may sit beside its recipe
     doc = load_document(Path(path))
     if overrides:
         doc = apply_overrides(doc, list(overrides))

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from .build.resolve import resolve_import_path, transformers_class
+from .build.resolve import infer_task, resolve_import_path, transformers_class
 from .plan import MemoryPlan, Strict
 from .problems import suggest
 
@@ -141,6 +141,34 @@ class TextFilesData(Strict):
         return tokenizer
 
 
+class RecordsData(Strict):
+    source: Literal["records"]
+    """Local JSONL or CSV files of examples, one per line or row, each an input text and its target:
+    a label (sequence_classification) or a target text (seq2seq). Nothing is downloaded."""
+    paths: list[str] = Field(min_length=1)
+    """Files or glob patterns: `.jsonl` (one JSON object per line) or `.csv` (a header row, then one row each)."""
+    input_field: str = "text"
+    """The field (JSONL key or CSV column) holding the input text."""
+    target_field: str = "label"
+    """The field holding the target: a label name or integer id, or for seq2seq the target text."""
+    labels: list[str] | None = Field(default=None, min_length=2)
+    """Label names in id order (the first is id 0). Unset: integer labels (0, 1, ...) are their own ids,
+    any other labels get ids in sorted order; either way the mapping is logged."""
+    task: Literal["sequence_classification", "seq2seq"] | None = None
+    """What the model learns; inferred from the model class when unset."""
+    seq_len: int = Field(default=128, gt=0)
+    """Input tokens per sample: longer inputs are cut, shorter ones padded (and masked out)."""
+    target_len: int | None = Field(default=None, gt=0)
+    """seq2seq target tokens per sample, cut or padded like the input; seq_len when unset."""
+    tokenizer: str | None = None
+    """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_dir(cls, tokenizer: str | None) -> str | None:
+        return TextFilesData._tokenizer_dir(tokenizer)
+
+
 class ImageFolderData(Strict):
     source: Literal["image_folder"]
     """A torchvision ImageFolder: ROOT/CLASS_NAME/IMAGE files."""
@@ -158,7 +186,7 @@ class ImageFolderData(Strict):
         return root
 
 
-Data = Annotated[SyntheticData | TextFilesData | ImageFolderData, Field(discriminator="source")]
+Data = Annotated[SyntheticData | TextFilesData | RecordsData | ImageFolderData, Field(discriminator="source")]
 
 # --- training -------------------------------------------------------------------------------
 
@@ -237,6 +265,19 @@ class OutputSpec(Strict):
     """Steps between training-state checkpoints; the end of a run is always saved (0: only the end)."""
     keep_checkpoints: int = Field(default=2, gt=0)
     """How many complete checkpoints to keep; older ones are deleted."""
+    tensorboard: bool = False
+    """Also write every step and evaluation as TensorBoard events to OUTPUT_DIR/tensorboard
+    (needs `pip install 'ckrun[tensorboard]'`)."""
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, wanted: bool) -> bool:
+        import importlib.util
+
+        if wanted and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("the tensorboard package is not installed; pip install 'ckrun[tensorboard]', "
+                             "or set output.tensorboard: false")
+        return wanted
 
 
 class EvalSpec(Strict):
@@ -272,6 +313,19 @@ class Recipe(Strict):
         if self.eval is not None and self.eval.data is None and self.data.source != "synthetic":
             raise KeyedValueError(("eval", "data"), f"data.source {self.data.source} has no held-out stream; name "
                                   "held-out files in eval.data (written like the data: section)")
+        return self
+
+    @model_validator(mode="after")
+    def _text_files_have_no_targets(self) -> Recipe:
+        """Plain text holds inputs only: seq2seq and classification would train on made-up targets."""
+        for path, data in [(("data",), self.data), (("eval", "data"), self.eval.data if self.eval else None)]:
+            task = data and (data.task or self.data.task or infer_task(self.model))
+            if data is not None and data.source == "text" and task in ("seq2seq", "sequence_classification"):
+                raise KeyedValueError((*path, "source"), f"text files hold no {'target texts' if task == 'seq2seq' else 'labels'} "
+                                      f"for {task}; use source: records with a JSONL or CSV file of input and target fields")
+            if data is not None and data.source == "records" and task not in (None, "seq2seq", "sequence_classification"):
+                raise KeyedValueError((*path, "source"), f"records train seq2seq or sequence_classification, but "
+                                      f"{self.model.name} learns {task}; use source: text, or set data.task")
         return self
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..recipe import ImageFolderData, Recipe, SyntheticData, Task, TextFilesData
-from .model import BuildError, infer_task
+from .resolve import BuildError, infer_task
 
 IGNORE = -100  # label of positions that do not count towards the loss
 MASK_ID = 1  # token that replaces masked positions in masked_lm
@@ -52,6 +52,7 @@ class Shape:
     num_classes: int = 0
     image_size: int = 224
     channels: int = 3
+    decoder_start: int = 0  # seq2seq: the token the decoder starts from (T5's pad, BART's </s>)
 
 
 def describe_inputs(recipe: Recipe, model: torch.nn.Module) -> Shape:
@@ -67,15 +68,17 @@ def describe_inputs(recipe: Recipe, model: torch.nn.Module) -> Shape:
     channels = getattr(data, "channels", None) or getattr(config, "num_channels", 3)
     if task != "image_classification" and not vocab:
         raise BuildError("data.vocab_size", f"{spec.name} has no vocab_size; set data.vocab_size")
-    return Shape(task, spec.source == "transformers", int(vocab), int(classes), int(image), int(channels))
+    start = getattr(config, "decoder_start_token_id", None) or 0
+    return Shape(task, spec.source == "transformers", int(vocab), int(classes), int(image), int(channels), int(start))
 
 
 def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + salt)
 
 
-def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_prob: float) -> Batch:
-    """Turn a [batch, seq] block of token ids into the task's inputs and labels."""
+def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_prob: float, mask_id: int = MASK_ID) -> Batch:
+    """Turn a [batch, seq] block of token ids into the task's inputs and labels (random targets for
+    seq2seq and classification: only synthetic data comes here with those tasks)."""
     ids = tokens.clone()
     attention = torch.ones_like(ids)
     if shape.task == "masked_lm":
@@ -83,7 +86,7 @@ def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_
         count = max(1, round(mask_prob * ids.shape[1]))
         positions = torch.rand(ids.shape, generator=gen).argsort(dim=1)[:, :count].sort(dim=1).values
         labels = torch.full_like(ids, IGNORE).scatter_(1, positions, ids.gather(1, positions))
-        ids.scatter_(1, positions, MASK_ID)
+        ids.scatter_(1, positions, mask_id)
         return Batch({"input_ids": ids, "attention_mask": attention}, labels, shape.by_keyword, positions)
     elif shape.task == "causal_lm":
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
@@ -155,6 +158,8 @@ class TextFilesSource:
 
     def __init__(self, data: TextFilesData, shape: Shape, batch_size: int, seed: int):
         self.data, self.shape, self.batch_size, self.seed = data, shape, batch_size, seed
+        self.tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else None
+        self.mask_id = self._mask_id()
         stream = self._tokens(self._files())
         count = len(stream) // data.seq_len
         if count < 1:
@@ -173,14 +178,24 @@ class TextFilesSource:
         if not text.strip():
             raise BuildError("data.paths", f"the text files hold no text ({', '.join(str(f) for f in files[:3])}"
                              f"{' ...' if len(files) > 3 else ''}); give files with text in them")
-        if self.data.tokenizer:
-            return torch.tensor(_tokenizer(self.data.tokenizer)(text)["input_ids"], dtype=torch.long)
+        if self.tokenizer is not None:
+            return torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
         raw = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
         return (raw + 2) % self.shape.vocab_size  # ids 0 and 1 stay free for padding and [MASK]
 
+    def _mask_id(self) -> int:
+        """The tokenizer's own [MASK] id; without a tokenizer, id 1, which byte ids never take."""
+        if self.tokenizer is None:
+            return MASK_ID
+        mask_id = getattr(self.tokenizer, "mask_token_id", None)
+        if mask_id is None and self.shape.task == "masked_lm":
+            raise BuildError("data.tokenizer", f"{self.data.tokenizer} has no mask token, which masked_lm needs; give a "
+                             "tokenizer with a mask_token (BERT's [MASK]) or set data.task: causal_lm")
+        return MASK_ID if mask_id is None else int(mask_id)
+
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.samples), step, self.batch_size, self.seed)
-        return shape_tokens(self.samples[rows], self.shape, _generator(self.seed, step, 1), self.data.mask_prob)
+        return shape_tokens(self.samples[rows], self.shape, _generator(self.seed, step, 1), self.data.mask_prob, self.mask_id)
 
 
 def _read_text(path: Path) -> str:
@@ -190,17 +205,17 @@ def _read_text(path: Path) -> str:
         raise BuildError("data.paths", f"cannot read {path}: {err.strerror or err}") from None
 
 
-def _tokenizer(directory: str):
+def load_tokenizer(directory: str, key: str = "data"):
     """The local tokenizer, or a BuildError: transformers' own errors are paragraphs that suggest a download."""
     from transformers import AutoTokenizer
 
     if not any(Path(directory).expanduser().glob("*")):
-        raise BuildError("data.tokenizer", f"{directory} is empty; give a directory saved by tokenizer.save_pretrained")
+        raise BuildError(f"{key}.tokenizer", f"{directory} is empty; give a directory saved by tokenizer.save_pretrained")
     try:
         return AutoTokenizer.from_pretrained(str(Path(directory).expanduser()), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise BuildError("data.tokenizer", f"{directory} holds no tokenizer transformers can load ({first[:160]}); "
+        raise BuildError(f"{key}.tokenizer", f"{directory} holds no tokenizer transformers can load ({first[:160]}); "
                          "give a directory saved by tokenizer.save_pretrained") from None
 
 
@@ -261,7 +276,25 @@ def _reason(err: Exception) -> str:
     return text.splitlines()[0][:200]
 
 
-def build_data(recipe: Recipe, model: torch.nn.Module):
+def build_data(recipe: Recipe, model: torch.nn.Module, label_ids: dict[str, int] | None = None):
+    """The recipe's batch source; `label_ids`: the training data's label ids, for held-out records."""
     shape = describe_inputs(recipe, model)
+    if recipe.data.source == "records":
+        from .records import RecordsSource  # records.py builds on this module
+
+        source = RecordsSource(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, label_ids)
+        if label_ids is None:
+            _name_labels(model, source.label_ids)
+        return source
     sources = {"synthetic": SyntheticSource, "text": TextFilesSource, "image_folder": ImageFolderSource}
     return sources[recipe.data.source](recipe.data, shape, recipe.train.batch_size, recipe.train.seed)
+
+
+def _name_labels(model: torch.nn.Module, label_ids: dict[str, int] | None) -> None:
+    """Label names into a transformers config, so the exported model's id2label says what each id means."""
+    config = getattr(model, "config", None)
+    if not label_ids or config is None or not hasattr(config, "id2label") or len(label_ids) != config.num_labels:
+        return
+    if sorted(label_ids.values()) == list(range(len(label_ids))):
+        config.id2label = {i: name for name, i in label_ids.items()}
+        config.label2id = dict(label_ids)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..recipe import ModelSpec, Task
+from ..recipe import ModelSpec
 from .pretrained import from_pretrained, is_checkpoint, load_state
 from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
 
@@ -114,20 +114,6 @@ def _load_local_state(model: nn.Module, directory: Path) -> None:
         load_state(model, directory)
     except ValueError as err:
         raise BuildError("model.pretrained", str(err)) from None
-
-
-def infer_task(spec: ModelSpec) -> Task | None:
-    """The training task a model class implies, or None when the recipe must say (data.task)."""
-    if spec.source == "torchvision":
-        return "image_classification"
-    if spec.source != "transformers":
-        return None
-    suffixes = {
-        "ForMaskedLM": "masked_lm", "ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm",
-        "ForConditionalGeneration": "seq2seq", "ForSequenceClassification": "sequence_classification",
-        "ForImageClassification": "image_classification",
-    }
-    return next((task for suffix, task in suffixes.items() if spec.name.endswith(suffix)), None)
 
 
 def count_parameters(model: nn.Module) -> int:

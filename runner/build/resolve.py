@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
+from pathlib import Path
 
 from ..problems import InputError, Place, Problem, suggest
 
@@ -30,16 +33,36 @@ def transformers_class(name: str):
     return model_class
 
 
+_IMPORT_ROOTS: list[str] = []  # folders added for user code, in the order they are searched
+
+
+def add_import_root(folder: str | Path) -> None:
+    """Let `package.module:factory` be found in `folder` (the recipe's, the working directory), as
+    `python recipe_dir/script.py` would: appended to sys.path after installed packages (so a user's
+    file never shadows a library), and to PYTHONPATH for the tuner's child processes."""
+    folder = str(Path(folder).resolve())
+    if folder in _IMPORT_ROOTS:
+        return
+    _IMPORT_ROOTS.append(folder)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    inherited = os.environ.get("PYTHONPATH", "")
+    if folder not in inherited.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [inherited, folder]))
+
+
 def resolve_import_path(path: str):
     """`package.module:attribute` -> the attribute; a one-line ValueError when it cannot be found."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
         raise ValueError(f"{path!r} is not an import path; write it as package.module:factory")
+    add_import_root(os.getcwd())  # the `ckrun` script, unlike `python -m`, does not search it by itself
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as err:  # any import-time failure of user code is a bad-input problem
-        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}; check the name, and that "
-                         "the module is installed or its folder is on PYTHONPATH") from None
+        raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}; ckrun looks in installed "
+                         f"packages, PYTHONPATH, the recipe's folder and the working directory ({', '.join(_IMPORT_ROOTS)}): "
+                         "check the name, or put the module's folder on PYTHONPATH") from None
     if not hasattr(module, attribute):
         names = [n for n in dir(module) if not n.startswith("_")]
         raise ValueError(f"module {module_name!r} has no {attribute!r}{suggest(attribute, names)}")
@@ -75,3 +98,17 @@ def check_kwargs(factory, given: dict) -> None:
     for key in given:
         if key not in params:
             raise BuildError(f"model.config.{key}", f"{getattr(factory, '__name__', factory)} takes no argument {key!r}{suggest(key, params)}")
+
+
+def infer_task(spec) -> str | None:
+    """The training task a model class implies, or None when the recipe must say (data.task)."""
+    if spec.source == "torchvision":
+        return "image_classification"
+    if spec.source != "transformers":
+        return None
+    suffixes = {
+        "ForMaskedLM": "masked_lm", "ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm",
+        "ForConditionalGeneration": "seq2seq", "ForSequenceClassification": "sequence_classification",
+        "ForImageClassification": "image_classification",
+    }
+    return next((task for suffix, task in suffixes.items() if spec.name.endswith(suffix)), None)

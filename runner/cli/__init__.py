@@ -39,7 +39,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "show": ("runner.cli.show", "print the resolved recipe as YAML (or its blocks with --blocks)"),
     "estimate": ("runner.cli.estimate", "predict a training step's peak memory on fake tensors (no GPU, no real memory)"),
     "tune": ("autotune.cli_tune", "search memory plans under a cap, write tuned.yaml, then train with the fastest"),
-    "report": ("autotune.cli_report", "print the Pareto table of a tuning study and write its plot"),
+    "report": ("autotune.cli_report", "draw a run's training curves, or print a tuning study's Pareto table and plot"),
     "ls": ("runner.cli.ls", "list the recipe library: name, family, parameter count, description"),
     "cp": ("runner.cli.cp", "copy a library recipe (with its comments) to a file you can edit"),
     "schema": ("runner.cli.schema", "print the recipe's JSON Schema, for completion and checks in an editor"),
@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(err, file=sys.stderr)
         return EXIT_BAD_INPUT
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    # the time on every log line: when a step, an eval or a checkpoint happened, as in HF and Lightning logs
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
     if command is None:
         parser.print_help()
         return EXIT_BAD_INPUT

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..build.data import build_data
-from ..build.model import BuildError, infer_task
+from ..build.resolve import BuildError, infer_task
 from .checkpoint import restore_rng_state, rng_state
 from .step import call_model, label_count, loss_sum, predict_only_at
 
@@ -65,7 +65,9 @@ class Evaluator:
         else:
             if "task" in type(data).model_fields and data.task is None:
                 data = data.model_copy(update={"task": recipe.data.task})  # python models name it once
-            self.source, self.first_step = build_data(recipe.model_copy(update={"data": data}), trainer.model), 0
+            held_out = recipe.model_copy(update={"data": data})  # records: labels get the training data's ids
+            self.source = build_data(held_out, trainer.model, getattr(trainer.data, "label_ids", None))
+            self.first_step = 0
             self.task = data.task or infer_task(recipe.model)
 
     def due(self, step: int) -> bool:

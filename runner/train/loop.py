@@ -32,6 +32,7 @@ from .output import MetricsLog, prepare_output, set_aside_unresumable, write_fai
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .step import make_precision, run_step
+from .tensorboard import tensorboard_log
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
 
@@ -270,15 +271,19 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step)
     evaluator = make_evaluator(trainer)
     try:
-        with MetricsLog(out_dir, trainer.source) as metrics:
+        with (MetricsLog(out_dir, trainer.source) as metrics,
+              tensorboard_log(recipe.output.tensorboard, out_dir, trainer.step) as board):
             while trainer.step < recipe.train.steps and not stop.requested:
                 record = trainer.train_step()
                 metrics.append(record)  # first, so the line of a non-finite step shows where it happened
+                board.append(record)
                 watch.check(record)
                 _note(result, record)
                 _report(record, bar, recipe.output.log_every, recipe.train.steps)
                 if evaluator is not None and evaluator.due(trainer.step):
-                    metrics.append(evaluator.run())
+                    evaluation = evaluator.run()
+                    metrics.append(evaluation)
+                    board.append(evaluation)
                 if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
     finally:

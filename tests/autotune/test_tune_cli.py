@@ -75,4 +75,4 @@ def test_report_reprints_the_front_and_the_plot(study, ckrun):
 
 def test_report_of_a_directory_without_a_study(ckrun, tmp_path):
     code, _, err = ckrun("report", tmp_path)
-    assert code == 2 and "holds no study" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "no study (no study.journal)" in err and len(err.strip().splitlines()) == 1
