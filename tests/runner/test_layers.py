@@ -41,6 +41,8 @@ ALLOWED = {
         "validation asks whether a model or factory name resolves (the resolver imports only problems)",
     ("runner.recipe", "runner.build.model_config"):
         "validation checks a transformers config against its class before anything is built",
+    ("runner.load", "runner.build.resolve"):
+        "loading a recipe puts its folder on the import path its user code resolves through",
     ("runner.recipe", "runner.build.pretrained"):
         "validation checks that model.pretrained can hold weights for the recipe's model",
 }
