@@ -73,14 +73,16 @@ def test_a_cap_larger_than_the_card_is_refused():
         _check_cap_fits(Cap(200 * 10**9, 0.05), card, "200GB")
 
 
+def _tuned_for(record):
+    """What tune's own tuned_for returns: the tuned.yaml path of a ranked trial and its recipe."""
+    from runner.load import load_recipe
+
+    return Path(f"tuned-{record['number']}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
+
+
 def test_a_breach_in_training_falls_back_to_the_next_best_plan(tmp_path):
     ranked = [{"number": 4, "label": "fast", "measured_peak": 90}, {"number": 7, "label": "lean", "measured_peak": 60}]
     trained = []
-
-    def tuned_for(record):
-        from runner.load import load_recipe
-
-        return Path(f"tuned-{record['number']}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
 
     def train(recipe, source, resume):
         trained.append((source, resume))
@@ -88,7 +90,7 @@ def test_a_breach_in_training_falls_back_to_the_next_best_plan(tmp_path):
             raise MemoryCapExceeded(100, 120, 2)
         return RunResult(3, peak_mem_bytes=80)
 
-    assert train_with_fallback(ranked, tuned_for, resume=False, train_fn=train)
+    assert train_with_fallback(ranked, _tuned_for, resume=False, train_fn=train)
     assert trained == [("tuned-4.yaml", False), ("tuned-7.yaml", True)]  # the fallback continues the same run
 
 
@@ -99,15 +101,10 @@ def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
     ranked = [{"number": 4, "label": "a", "measured_peak": 90}, {"number": 7, "label": "b", "measured_peak": 80}]
     trained = []
 
-    def tuned_for(record):
-        from runner.load import load_recipe
-
-        return Path(f"tuned-{record['number']}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
-
     def train(recipe, source, resume):
         trained.append(source)
         return RunResult(2, peak_mem_bytes=80, stopped_by=signal.SIGTERM)
 
-    result = train_with_fallback(ranked, tuned_for, resume=False, train_fn=train)
+    result = train_with_fallback(ranked, _tuned_for, resume=False, train_fn=train)
     assert result.stopped_by == signal.SIGTERM and trained == ["tuned-4.yaml"]
     assert capsys.readouterr().err.strip().startswith("ckrun: stopped by SIGTERM after step 2 of ")
