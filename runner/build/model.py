@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..recipe import ModelSpec
+from .oom import describe_out_of_memory, is_out_of_memory
 from .pretrained import from_pretrained, is_checkpoint, load_state
 from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
 
@@ -69,6 +70,8 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     try:
         model = factory(**spec.config)
     except (Exception, SystemExit) as err:  # the user's code: one line naming it and where it raised
+        if is_out_of_memory(err):
+            raise _too_large(spec.name, err) from None
         key = next((f"model.config.{k}" for k in spec.config if re.search(rf"\b{re.escape(k)}\b", str(err))), "model.name")
         raise BuildError(key, f"{spec.name} raised {type(err).__name__}: {err}{_where_in(err, factory)}; "
                               "fix the factory or its arguments in model.config") from None
@@ -87,15 +90,20 @@ def _where_in(err: Exception, factory) -> str:
     return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
 
+def _too_large(what: str, err: BaseException) -> BuildError:
+    return BuildError("model.config", f"{what} ran out of memory ({describe_out_of_memory(err)}); make the model smaller")
+
+
 @contextlib.contextmanager
 def _recipe_fault(key: str, what: str):
-    """Turn what a library raises while building from the recipe into a BuildError at `key`. Running
-    out of memory is not a recipe fault here: the training loop reports it against the cap."""
+    """Turn what a library raises while building from the recipe into a BuildError at `key`."""
     try:
         yield
-    except (BuildError, torch.OutOfMemoryError):
+    except BuildError:
         raise
     except Exception as err:
+        if is_out_of_memory(err):
+            raise _too_large(what, err) from None
         detail = " ".join(str(err).split())
         detail = detail if isinstance(err, ValueError) else f"{type(err).__name__}: {detail}"
         raise BuildError(key, f"{what}: {detail}") from None

@@ -5,16 +5,12 @@ cannot give, and user code (a model factory, a config class) that raises while b
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import re
 import signal
 import threading
 
-import torch
 
-from ..units import format_bytes
 from .checkpoint import complete_checkpoints
 
 log = logging.getLogger(__name__)
@@ -115,43 +111,3 @@ def stop_line(signum: int, steps_done: int, total: int, out_dir) -> str:
     else:
         how = "no checkpoint was written, so a new run starts from step 0"
     return f"ckrun: stopped by {name} after step {steps_done} of {total}; {how}"
-
-
-_ALLOCATION = re.compile(r"tried to allocate (\d+) bytes")
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """True for the allocators' out-of-memory errors (CUDA's OutOfMemoryError, the CPU allocator's
-    RuntimeError, Python's MemoryError), whose tracebacks say nothing a user can act on."""
-    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text
-                                              or "out of memory" in text.lower())
-
-
-def describe_out_of_memory(err: BaseException) -> str:
-    """'could not get 1.1 PB' when the allocator said how much, else its first line."""
-    found = _ALLOCATION.search(str(err))
-    if found:
-        return f"the allocator could not get {format_bytes(int(found.group(1)))}"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return first[:160]
-
-
-@contextlib.contextmanager
-def user_code(key: str, what: str):
-    """Errors raised by user code (a model factory, a transformers config class) become a BuildError
-    on `key`: one line naming what raised and why, not a traceback into someone else's module."""
-    from ..build.model import BuildError
-
-    try:
-        yield
-    except BuildError:
-        raise
-    except Exception as err:  # noqa: BLE001 - whatever user code raises, the user needs the one line
-        if is_out_of_memory(err):
-            raise BuildError("model.config", f"{what} ran out of memory ({describe_out_of_memory(err)}); "
-                             "make the model smaller") from err
-        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else "no message"
-        raise BuildError(key, f"{what} raised {type(err).__name__}: {detail}") from err

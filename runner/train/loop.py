@@ -27,7 +27,8 @@ from ..yamlio import dump_yaml
 from .checkpoint import restore_rng_state, rng_state, save_checkpoint
 from .evaluate import make_evaluator
 from .export import finish_run
-from .guard import LossWatch, StopRequest, describe_out_of_memory, is_out_of_memory, user_code
+from ..build.oom import describe_out_of_memory, is_out_of_memory
+from .guard import LossWatch, StopRequest
 from .output import MetricsLog, prepare_output, set_aside_unresumable, write_failure, write_output
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
@@ -97,9 +98,7 @@ class Trainer:
 
     def _build(self) -> None:
         recipe = self.recipe
-        with user_code("model.config" if recipe.model.source == "transformers" else "model.name",
-                       f"building {recipe.model.name}"):
-            self.model = build_model(recipe.model, self.device)
+        self.model = build_model(recipe.model, self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
         self.forward_model = torch.compile(self.model) if recipe.memory.compile else self.model
