@@ -98,6 +98,21 @@ class LayerListOffload(Strict):
 
 Offload = Annotated[NoOffload | AllBlocksOffload | LayerListOffload, Field(discriminator="policy")]
 
+# --- FSDP sharding (distributed.strategy: fsdp) ---------------------------------------------
+
+
+class Sharding(Strict):
+    """How FSDP2 holds a rank's shard of parameters, gradients and optimizer state; a plan knob,
+    because it trades communication (time) for memory as checkpointing trades recompute."""
+
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again in backward:
+    one block's full parameters live at a time. false keeps them from forward to backward (less
+    communication, the memory of every block's full parameters)."""
+    offload: Literal["none", "cpu"] = "none"
+    """`cpu`: keep parameters, gradients and optimizer state in host memory and run the optimizer
+    step there (FSDP2's CPUOffloadPolicy); the device holds only the blocks in flight. CUDA only."""
+
 
 class MemoryPlan(Strict):
     """How a step trades time for memory. Checkpointing, offload and compile never change what is
@@ -113,6 +128,8 @@ class MemoryPlan(Strict):
     """Which blocks move their saved activations to host memory (CUDA only)."""
     blocks: str | None = None
     """Dotted path of the repeated-block container (e.g. `bert.encoder.layer`) when discovery guesses wrong."""
+    sharding: Sharding | None = None
+    """FSDP knobs (only with distributed.strategy: fsdp); unset: reshard after forward, no CPU offload."""
     compile: bool = False
     """Run the model through torch.compile (slow first step, faster after)."""
     max_mem: ByteSize | None = None

@@ -292,6 +292,25 @@ class EvalSpec(Strict):
     on batches of its seed's stream that no training step draws; file data needs held-out files here."""
 
 
+class SingleProcess(Strict):
+    strategy: Literal["none"] = "none"
+    """One process trains on one device."""
+
+
+class DataParallel(Strict):
+    strategy: Literal["ddp"]
+    """DDP: every rank holds the whole model and optimizer; gradients are averaged after backward."""
+
+
+class FullySharded(Strict):
+    strategy: Literal["fsdp"]
+    """FSDP2 (`fully_shard` per block, then the whole model): parameters, gradients and optimizer
+    state are split over the ranks; memory.sharding tunes it, `precision` sets its mixed precision."""
+
+
+Distributed = Annotated[SingleProcess | DataParallel | FullySharded, Field(discriminator="strategy")]
+
+
 class Recipe(Strict):
     description: str = ""
     """One line on what this recipe trains, shown by `ckrun ls`."""
@@ -307,6 +326,21 @@ class Recipe(Strict):
     output: OutputSpec = Field(default_factory=OutputSpec)
     eval: EvalSpec | None = None
     """Evaluate on held-out data during training; unset: no evaluation."""
+    distributed: Distributed = Field(default_factory=SingleProcess)
+    """How ranks share the work under torchrun (`ckrun RECIPE --nproc N`): none, ddp or fsdp.
+    train.batch_size stays the global batch; each rank takes batch_size / world size of it."""
+
+    @model_validator(mode="after")
+    def _sharding_needs_fsdp(self) -> Recipe:
+        strategy = self.distributed.strategy
+        if self.memory.sharding is not None and strategy != "fsdp":
+            raise KeyedValueError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy is "
+                                  f"{strategy}; set distributed.strategy: fsdp or remove memory.sharding")
+        if strategy == "fsdp" and self.precision == "fp16":
+            # the loss scaler would find inf/nan in each rank's shard alone: ranks could disagree on skipping
+            raise KeyedValueError(("precision",), "fp16 with distributed.strategy fsdp is not supported (its loss "
+                                  "scaler sees one shard per rank); use precision: bf16, or strategy: ddp")
+        return self
 
     @model_validator(mode="after")
     def _eval_has_held_out_data(self) -> Recipe:

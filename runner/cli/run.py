@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 def add_arguments(parser):
     add_recipe_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--nproc", type=int, metavar="N", help="start N ranks on this machine through torchrun "
+                        "(distributed.strategy ddp or fsdp); under a torchrun you started, leave it out")
 
 
 def run(args) -> int:
@@ -33,6 +35,13 @@ def run(args) -> int:
 
     path = resolve_recipe(args.recipe)
     recipe, doc = load_recipe_document(path, args.overrides)
+    if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
+        from ..dist.launch import check_launch, launch
+        from ..train.output import prepare_output
+
+        check_launch(recipe, str(path), args.nproc)
+        prepare_output(Path(recipe.output.dir), args.resume, str(path))
+        return launch([args.recipe, *args.overrides, *(["--resume"] if args.resume else [])], args.nproc, args.verbose)
     try:
         with located_errors(doc):
             result = train(recipe, str(path), resume=args.resume)

@@ -24,6 +24,7 @@ from ..build.pretrained import EXPORT_RECIPE, WEIGHTS
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import checkpoint_dir, complete_checkpoints, save_checkpoint
+from .ranked import full_weights, save_state
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,10 @@ MODEL_DIR = "model"
 def finish_run(trainer, out_dir: Path) -> Path:
     """Save the trainer's state as the final checkpoint and export its model; returns the export."""
     save_final_checkpoint(trainer, out_dir / "checkpoints")
-    exported = export_model(trainer.model, trainer.recipe, out_dir / MODEL_DIR, trainer.step)
+    weights = full_weights(trainer)  # FSDP: gathered on rank 0, a collective every rank joins
+    if not trainer.ranks.is_main:
+        return out_dir / MODEL_DIR
+    exported = export_model(trainer.model, trainer.recipe, out_dir / MODEL_DIR, trainer.step, weights)
     log.info("model exported to %s (start another run from it with model.pretrained=%s)", exported, exported)
     return exported
 
@@ -44,16 +48,17 @@ def save_final_checkpoint(trainer, root: Path) -> Path:
     if final in complete_checkpoints(root):
         return final
     log.info("saving the final training state (step %d) to %s", trainer.step, final)
-    return save_checkpoint(root, trainer.step, trainer.state(), trainer.recipe.output.keep_checkpoints)
+    return save_state(trainer, root, save_checkpoint)
 
 
-def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int) -> Path:
-    """Write `model` as a loadable directory, replacing any earlier export there."""
+def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, weights: dict | None = None) -> Path:
+    """Write `model` as a loadable directory, replacing any earlier export there; `weights`, when
+    given, is its whole state dict (a sharded model's own holds only this rank's shards)."""
     temporary = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
     try:
-        _write_weights(model, recipe, temporary)
+        _write_weights(model, recipe, temporary, weights)
         _write_tokenizer(recipe, temporary)
         header = (f"# exported by ckrun after step {step}: the recipe that trained these weights.\n"
                   f"# start a run from them with model.pretrained={directory}\n")
@@ -65,20 +70,30 @@ def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int) -
     return directory
 
 
-def _write_weights(model: nn.Module, recipe: Recipe, directory: Path) -> None:
+def _write_weights(model: nn.Module, recipe: Recipe, directory: Path, weights: dict | None) -> None:
     if recipe.model.source == "transformers":
         from transformers.utils import logging as transformers_logging
 
         shown = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()  # a one-file "Writing model shards" bar says nothing
         try:
-            model.save_pretrained(str(directory))  # config.json + model.safetensors, ties handled by transformers
+            model.save_pretrained(str(directory), state_dict=weights)  # config.json + model.safetensors, ties handled by transformers
         finally:
             if shown:
                 transformers_logging.enable_progress_bar()
         return
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
 
+    if weights is not None:  # tied names share one tensor: keep the first, as save_model does
+        seen: set[tuple[int, int]] = set()
+        unique = {}
+        for name, tensor in weights.items():
+            storage = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+            if storage not in seen or not storage[1]:
+                seen.add(storage)
+                unique[name] = tensor.contiguous()
+        save_file(unique, str(directory / WEIGHTS), metadata={"format": "pt"})
+        return
     # save_model, unlike save_file, drops the second name of tied weights instead of refusing them;
     # loading gives the tie back (build/pretrained.py)
     save_model(model, str(directory / WEIGHTS), metadata={"format": "pt"})

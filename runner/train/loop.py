@@ -19,6 +19,9 @@ import torch
 from ..build.data import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler
+from ..dist.ranks import join as join_ranks
+from ..dist.ranks import reduce_step_record
+from ..dist.wrap import wrap_model
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
@@ -29,9 +32,10 @@ from .evaluate import make_evaluator
 from .export import finish_run
 from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
-from .output import MetricsLog, prepare_output, set_aside_unresumable, write_failure, write_output
+from .output import prepare_output, set_aside_unresumable, write_failure, write_output
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
+from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
 from .step import make_precision, run_step
 from .tensorboard import tensorboard_log
 
@@ -84,6 +88,7 @@ class RunResult:
 class Trainer:
     def __init__(self, recipe: Recipe, source: str = "<recipe>"):
         self.recipe, self.source = recipe, source
+        self.ranks = join_ranks(recipe, source)  # before the device: under nccl it picks this rank's GPU
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
@@ -101,7 +106,10 @@ class Trainer:
         self.model = build_model(recipe.model, self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
-        self.forward_model = torch.compile(self.model) if recipe.memory.compile else self.model
+        wrapped = wrap_model(self.model, recipe, self.ranks, self.device, self.source)  # after the plan, before the optimizer
+        self.forward_model = torch.compile(wrapped) if recipe.memory.compile else wrapped
+        if self.ranks.rank > 0:  # every rank built the same weights; dropout now draws a stream of its own
+            torch.manual_seed(recipe.train.seed + (self.ranks.rank << 32))
         self.data = build_data(recipe, self.model)
         self.optimizer = build_optimizer(self.model, recipe.train, self.device)
         self.scheduler = build_scheduler(self.optimizer, recipe.train)
@@ -132,14 +140,15 @@ class Trainer:
     def train_step(self) -> dict:
         """Run the next optimizer step and return its metrics record."""
         try:
-            batch = self.data.global_batch(self.step).to(self.device)
+            batch, label_total = rank_share(self.data.global_batch(self.step), self.ranks)
+            batch = batch.to(self.device)
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
             raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
-        ran = self._timed_step(batch)
+        ran = self._timed_step(batch, label_total)
         if ran is None:
             del batch
             raise self._out_of_memory()
@@ -148,19 +157,20 @@ class Trainer:
         self.step += 1
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
+        record = reduce_step_record(record, result.loss, self.ranks, self.recipe.train.batch_size)
         if result.skipped:
             record["skipped"] = True
             log.info("step %d: fp16 loss scaler found inf/nan gradients; the update was skipped", self.step)
         self._check_cap(record)
         return record
 
-    def _timed_step(self, batch):
+    def _timed_step(self, batch, label_total=None):
         """(result, seconds, peak) of one optimizer step, or None when the device ran out of memory."""
         try:
             with self.meter.measure(batch.tensors(), self.step + 1) as peak:
                 started = time.perf_counter()
                 result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
-                                  self.precision, self.scaler, self.recipe.train.grad_clip)
+                                  self.precision, self.scaler, self.recipe.train.grad_clip, label_total)
                 _synchronize(self.device)
                 seconds = time.perf_counter() - started
         except (RuntimeError, MemoryError) as err:
@@ -245,34 +255,37 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     checkpoint was written, re-usable without --resume."""
     out_dir = Path(out_dir or recipe.output.dir)
     prepare_output(out_dir, resume, source)
-    with StopRequest() as stop:
+    with StopRequest() as stop, process_group_scope():
         trainer = Trainer(recipe, source)
         if resume:
             resume_from_checkpoint(trainer, out_dir, source)
-        write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
+        if trainer.ranks.is_main:
+            write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
                  recipe.train.steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
         try:
             result = _run(trainer, out_dir, stop)
         except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
-            set_aside_unresumable(out_dir)
+            if trainer.ranks.is_main:
+                set_aside_unresumable(out_dir)
             raise err.as_input_error(source) from None
         except BaseException:
-            set_aside_unresumable(out_dir)
+            if trainer.ranks.is_main:
+                set_aside_unresumable(out_dir)
             raise
-    if result.stopped_by:
+    if result.stopped_by and trainer.ranks.is_main:
         set_aside_unresumable(out_dir)
     return result
 
 
 def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     recipe, result, watch = trainer.recipe, RunResult(trainer.step), LossWatch()
-    every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step)
+    every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step) if trainer.ranks.is_main else None
     evaluator = make_evaluator(trainer)
     try:
-        with (MetricsLog(out_dir, trainer.source) as metrics,
-              tensorboard_log(recipe.output.tensorboard, out_dir, trainer.step) as board):
-            while trainer.step < recipe.train.steps and not stop.requested:
+        with (metrics_sink(trainer, out_dir) as metrics,
+              tensorboard_log(recipe.output.tensorboard and trainer.ranks.is_main, out_dir, trainer.step) as board):
+            while trainer.step < recipe.train.steps and not stop_agreed(stop, trainer.ranks):
                 record = trainer.train_step()
                 metrics.append(record)  # first, so the line of a non-finite step shows where it happened
                 board.append(record)
@@ -303,7 +316,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
 def _save(trainer: Trainer, out_dir: Path) -> None:
     root = out_dir / "checkpoints"
     try:
-        save_checkpoint(root, trainer.step, trainer.state(), trainer.recipe.output.keep_checkpoints)
+        save_state(trainer, root, save_checkpoint)
     except OSError as err:
         raise write_failure(err, root / f"step-{trainer.step:08d}", trainer.source) from None
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe
-from .checkpoint import CheckpointError, load_latest
+from .checkpoint import CheckpointError, complete_checkpoints, load_latest
+from .sharded import load_sharded, pick_sharded
 from .output import METRICS, read_metrics_lines, set_aside_unresumable, strict_record, write_output
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,16 @@ def resume(trainer, out_dir: Path, source: str) -> None:
     """Restore `trainer` from the newest loadable checkpoint in out_dir, or start at step 0 when none."""
     root = out_dir / "checkpoints"
     try:
+        if _resumed_sharded(trainer, root, out_dir, source):
+            return
+        _refuse_full_into_shards(trainer, root, source)
         state = load_latest(root, trainer.device)
     except CheckpointError as err:
         raise InputError([Problem(Place(source), "output.dir", f"--resume: {err}")]) from None
     if state is None:
         log.info("--resume: no complete checkpoint in %s, starting from step 0", root)
-        set_aside_unresumable(out_dir)
+        if trainer.ranks.is_main:
+            set_aside_unresumable(out_dir)
         return
     name = f"step-{int(state['step']):08d}"
     _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), name, source)
@@ -47,7 +52,35 @@ def resume(trainer, out_dir: Path, source: str) -> None:
         raise InputError([Problem(Place(source), "model", f"--resume: {name} does not fit the model and optimizer "
                                   f"the recipe builds ({_first_line(err)}); resume with the recipe the run started "
                                   "with, or choose a new output.dir")]) from None
-    truncate_metrics(out_dir / METRICS, trainer.step, source)
+    if trainer.ranks.is_main:
+        truncate_metrics(out_dir / METRICS, trainer.step, source)
+
+
+def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str) -> bool:
+    """Resume from the newest sharded (DCP) checkpoint, on any world size; False when the newest is not one."""
+    picked = pick_sharded(root, trainer.ranks)
+    if picked is None:
+        return False
+    checkpoint, state = picked
+    _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), checkpoint.name, source)
+    try:
+        load_sharded(trainer, checkpoint, state)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise InputError([Problem(Place(source), "model", f"--resume: {checkpoint.name} does not fit the model and "
+                                  f"optimizer the recipe builds ({_first_line(err)}); resume with the recipe the run "
+                                  "started with, or choose a new output.dir")]) from None
+    log.info("resuming from %s (sharded, saved by %s rank(s))", checkpoint, state.get("world_size", "?"))
+    if trainer.ranks.is_main:
+        truncate_metrics(out_dir / METRICS, trainer.step, source)
+    return True
+
+
+def _refuse_full_into_shards(trainer, root: Path, source: str) -> None:
+    """A single-process state.pt keys optimizer state by position, which FSDP's sharded state cannot take."""
+    found = complete_checkpoints(root)
+    if found and trainer.ranks.joined and trainer.recipe.distributed.strategy == "fsdp":
+        raise InputError([Problem(Place(source), "distributed.strategy", f"--resume: {found[-1].name} was saved by "
+                                  "a single process; resume it with strategy ddp or none, or choose a new output.dir")])
 
 
 def _check_same_recipe(saved: dict | None, now: dict[str, str], name: str, source: str) -> None:

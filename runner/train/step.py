@@ -102,8 +102,10 @@ class StepResult:
 
 
 def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precision,
-             scaler: torch.amp.GradScaler | None, grad_clip: float | None) -> StepResult:
-    total = label_count(batch.labels)
+             scaler: torch.amp.GradScaler | None, grad_clip: float | None,
+             label_total: torch.Tensor | None = None) -> StepResult:
+    """`label_total`: the loss's denominator when `batch` is one rank's share (runner/train/ranked.py)."""
+    total = label_count(batch.labels) if label_total is None else label_total.to(batch.labels.device)
     loss = torch.zeros((), device=batch.labels.device)
     for start in range(0, len(batch.labels), micro_batch):
         micro = batch.slice(start, start + micro_batch)

@@ -6,6 +6,7 @@ own layer or the ones below it:
 2. recipe       recipe, load, located, library (the validated recipe and where its lines are)
 3. build        build/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
+4b. dist        dist/ (ranks joined, DDP/FSDP2 put on the planned model, torchrun started)
 5. train        train/ (the step and the loop; the plan applied, the memory measured)
 6. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
 7. cli          cli/, __main__ (the one place that sees everything)
@@ -30,6 +31,7 @@ LAYERS = [
     ("recipe", {"runner.recipe", "runner.load", "runner.located", "runner.library"}),
     ("build", {"runner.build", "runner.models"}),
     ("memory", {"runner.memory"}),
+    ("dist", {"runner.dist"}),
     ("train", {"runner.train"}),
     ("predict", {"runner.predict"}),
     ("cli", {"runner.cli", "runner.__main__", "runner"}),

@@ -1,0 +1,86 @@
+"""`ckrun RECIPE --nproc N`: start N ranks on this machine with torchrun's own launcher.
+
+This is what `torchrun --standalone --nproc-per-node N -m runner.cli run RECIPE ...` does (the
+elastic agent, a c10d rendezvous on a free local port), called in-process through
+`torch.distributed.launcher.elastic_launch` so that ckrun, not torchrun, says how the run ended:
+- exit status: the first rank that failed gives its own (2 bad input, 3 over the cap, 4 non-finite
+  loss, 5 cannot write, 1 a bug); a rank killed by a signal gives 128 + that signal;
+- signals: SIGINT/SIGTERM/SIGHUP to ckrun reach every rank (the agent passes them on); each rank
+  stops after the step in flight, the ranks agree on which, and the status is 130/143.
+Nothing here trains: the ranks are fresh `python -m runner.cli run ...` processes that join the
+group themselves (runner/dist/ranks.py), exactly as under a torchrun the user started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+
+log = logging.getLogger(__name__)
+
+
+def rank_command(argv: list[str], verbose: bool = False) -> list[str]:
+    """What each rank runs: this ckrun's `run` verb with the same recipe, overrides and flags."""
+    return ["-m", "runner.cli", *(["-v"] if verbose else []), "run", *argv]
+
+
+def launch(argv: list[str], nproc: int, verbose: bool = False) -> int:
+    """Run `ckrun run ARGV` as `nproc` ranks; returns the exit status the whole run ends with."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun's own default, said once instead of warned
+    log.info("starting %d ranks on this machine (torchrun, standalone rendezvous; %s CPU thread(s) each)", nproc,
+             os.environ["OMP_NUM_THREADS"])
+    _quiet_agent()
+    try:
+        elastic_launch(config, sys.executable)(*rank_command(argv, verbose))
+    except ChildFailedError as err:
+        return _first_failure_status(err)
+    except SignalException as err:  # the agent has already passed the signal on and waited for the ranks
+        return 128 + int(err.sigval)
+    return 0
+
+
+def _first_failure_status(err) -> int:
+    """The exit status of the rank that failed first: the others mostly fail because it left."""
+    rank, failure = min(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    code = failure.exitcode
+    if code < 0:  # killed by a signal, as subprocess reports it
+        import signal
+
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        print(f"ckrun: rank {rank} was killed by {name}; the other ranks were stopped "
+              "(`--resume` continues from the newest complete checkpoint)", file=sys.stderr)
+        return 128 - code
+    return code
+
+
+def _quiet_agent() -> None:
+    """The agent logs every rank's failure as a multi-line report; the rank's own line says it already."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+
+def check_launch(recipe, source: str, nproc: int) -> None:
+    """`--nproc N`: what can be checked once is checked here, so a bad recipe is one line, not one per rank."""
+    from ..problems import InputError, Place, Problem
+    from .ranks import check_world
+
+    if nproc < 1:
+        raise InputError([Problem(Place("--nproc"), "", f"needs a rank count of 1 or more, got {nproc}")])
+    if "WORLD_SIZE" in os.environ:
+        raise InputError([Problem(Place("--nproc"), "", "ckrun already runs under torchrun (WORLD_SIZE is set); "
+                                  "leave out --nproc and let torchrun start the ranks")])
+    if recipe.distributed.strategy == "none":
+        raise InputError([Problem(Place(source), "distributed.strategy", f"--nproc {nproc} needs ddp or fsdp to share "
+                                  "the work (none would train the same model N times); set distributed.strategy")])
+    check_world(recipe, nproc, source)

@@ -1,0 +1,87 @@
+"""The loop's few places that differ per rank: the batch share, who writes, how state is saved.
+
+Every rank runs the same loop; collectives keep them in step. Only rank 0 writes metrics.jsonl,
+TensorBoard events, the resolved recipe and the exported model. Decisions that end or skip a step
+(a stop request, a non-finite loss, the memory cap) are taken on reduced values, so all ranks take
+them together and none waits forever in a collective the others left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from ..build.data import Batch
+from ..dist.ranks import Ranks
+from .guard import StopRequest
+from .output import MetricsLog
+from .sharded import save_sharded
+from .step import label_count
+
+
+def rank_share(batch: Batch, ranks: Ranks) -> tuple[Batch, torch.Tensor | None]:
+    """This rank's slice of the global batch, and the denominator that makes its loss its part of the
+    global mean: labels of the whole batch / world size (gradients are then averaged over ranks)."""
+    if not ranks.joined:
+        return batch, None
+    start, stop = ranks.share(len(batch.labels))
+    return batch.slice(start, stop), label_count(batch.labels) / ranks.world_size
+
+
+def stop_agreed(stop: StopRequest, ranks: Ranks) -> bool:
+    """Whether any rank was asked to stop; torchrun signals ranks one by one, so they must agree on
+    the step to stop after, or one would wait in the next step's collectives for ever."""
+    if not ranks.joined:
+        return stop.requested
+    signal = torch.tensor([stop.signum or 0], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":
+        signal = signal.cuda()
+    torch.distributed.all_reduce(signal, op=torch.distributed.ReduceOp.MAX)
+    if signal.item() and not stop.requested:
+        stop.signum = int(signal.item())
+    return stop.requested
+
+
+class _NoMetrics:
+    def append(self, record: dict) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def metrics_sink(trainer, out_dir: Path):
+    """metrics.jsonl on rank 0; the other ranks' records (the same, reduced) go nowhere."""
+    if not trainer.ranks.is_main:
+        yield _NoMetrics()
+        return
+    with MetricsLog(out_dir, trainer.source) as metrics:
+        yield metrics
+
+
+def save_state(trainer, root: Path, save_checkpoint) -> Path:
+    """A checkpoint of the trainer: sharded (DCP, collective) when ranks are joined, else state.pt."""
+    keep = trainer.recipe.output.keep_checkpoints
+    if trainer.ranks.joined:
+        return save_sharded(trainer, root, keep)
+    return save_checkpoint(root, trainer.step, trainer.state(), keep)
+
+
+@contextlib.contextmanager
+def process_group_scope():
+    """Leave the process group when the run ends, however it ends, so torchrun sees a clean exit."""
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def full_weights(trainer) -> dict | None:
+    """FSDP: the whole model's state dict gathered on rank 0 (on the CPU; collective, every rank calls
+    it; the others get {}). None when the model is not sharded: its own state_dict is whole."""
+    if not trainer.ranks.joined or trainer.recipe.distributed.strategy != "fsdp":
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
