@@ -69,12 +69,19 @@ def save_state(trainer, root: Path, save_checkpoint) -> Path:
 
 @contextlib.contextmanager
 def process_group_scope():
-    """Leave the process group when the run ends, however it ends, so torchrun sees a clean exit."""
+    """Leave the process group when the run ends, so torchrun sees a clean exit. After a normal end the
+    ranks first meet: one still exporting while another tears down gloo's connections aborts the
+    other (std::terminate, SIGABRT). After an error there is no meeting: a peer may be gone."""
+    joined = lambda: torch.distributed.is_available() and torch.distributed.is_initialized()  # noqa: E731
     try:
         yield
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+    except BaseException:
+        if joined():
             torch.distributed.destroy_process_group()
+        raise
+    if joined():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def full_weights(trainer) -> dict | None:
