@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -140,7 +141,9 @@ def load_sharded(trainer, checkpoint: Path, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     tensors = _tensors(trainer)
-    dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=not trainer.ranks.joined)
+    with warnings.catch_warnings():  # one process reading every shard is the point here, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=not trainer.ranks.joined)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=tensors["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
