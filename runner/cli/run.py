@@ -9,6 +9,7 @@ SIGINT/SIGTERM after a whole step.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def run(args) -> int:
         print(f"ckrun: {err.strerror}", file=sys.stderr)
         return EXIT_CANNOT_WRITE
     if result.stopped_by:
+        if os.environ.get("RANK", "0") != "0":  # rank 0 says it for the group
+            return 128 + result.stopped_by
         print(stop_line(result.stopped_by, result.steps_done, recipe.train.steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
     if result.losses:

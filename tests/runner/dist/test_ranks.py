@@ -127,3 +127,28 @@ def test_kill_9_of_a_rank_mid_save_resumes_from_the_previous_checkpoint(runs, tm
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     assert_close(losses(out), losses(runs / "single")[:4])
     assert json.loads((out / "checkpoints" / "step-00000004" / "trainer.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_to_ckrun_stops_every_rank_after_the_same_whole_step(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    process = ckrun_process(STACK, *TINY, "distributed.strategy=ddp", "train.steps=100000", "output.checkpoint_every=0",
+                            f"output.dir={out}", "--nproc", 2)
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    code, err = finish(process)
+    assert code == 143, err
+    assert "Traceback" not in err
+    stopped = [line for line in err.splitlines() if line.startswith("ckrun: stopped by SIGTERM")]
+    assert len(stopped) == 1, err  # rank 0 says it, once
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps == list(range(1, len(steps) + 1)) and f"after step {steps[-1]} of 100000" in stopped[0]
+    # both ranks stopped after that step and saved it together: a complete checkpoint and the model
+    assert complete_checkpoints(out / "checkpoints")[-1].name == f"step-{steps[-1]:08d}"
+    assert (out / "model" / "model.safetensors").is_file()
