@@ -107,17 +107,26 @@ def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precis
     """`label_total`: the loss's denominator when `batch` is one rank's share (runner/train/ranked.py)."""
     total = label_count(batch.labels) if label_total is None else label_total.to(batch.labels.device)
     loss = torch.zeros((), device=batch.labels.device)
-    for start in range(0, len(batch.labels), micro_batch):
+    starts = range(0, len(batch.labels), micro_batch)
+    for start in starts:
         micro = batch.slice(start, start + micro_batch)
-        with precision.autocast(), predict_only_at(model, micro.positions):
-            logits = call_model(model, micro)
-        micro_loss = loss_sum(logits, micro.labels, micro.positions) / total
-        del logits  # frees the logits before backward allocates the gradients
-        (scaler.scale(micro_loss) if scaler else micro_loss).backward()
+        with _gradient_sync(model, last=start == starts[-1]):
+            with precision.autocast(), predict_only_at(model, micro.positions):
+                logits = call_model(model, micro)
+            micro_loss = loss_sum(logits, micro.labels, micro.positions) / total
+            del logits  # frees the logits before backward allocates the gradients
+            (scaler.scale(micro_loss) if scaler else micro_loss).backward()
         loss += micro_loss.detach()
     skipped = _optimizer_step(model, optimizer, scaler, grad_clip)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, skipped)
+
+
+def _gradient_sync(model, last: bool):
+    """DDP: average gradients over the ranks once, after the last micro-batch's backward, not after
+    each (`no_sync`); the others only accumulate locally. Any other model: nothing to skip."""
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if callable(no_sync) and not last else contextlib.nullcontext()
 
 
 def _optimizer_step(model, optimizer, scaler, grad_clip) -> bool:
