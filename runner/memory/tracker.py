@@ -183,6 +183,10 @@ class LiveBytesTracker(TorchDispatchMode):
                 self._see_outputs(item)
 
     def _see(self, tensor: torch.Tensor, category: str, relabel: bool) -> None:
+        # a DTensor (FSDP2's sharded parameters, their gradients and optimizer state) answers for the
+        # whole tensor; this rank holds only its local shard, which is what its memory holds
+        local = getattr(tensor, "_local_tensor", None)
+        tensor = local if isinstance(local, torch.Tensor) else tensor
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
