@@ -20,6 +20,8 @@ def add_arguments(parser):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="the device to predict for (default cuda: works without a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--nproc", type=int, metavar="N", help="predict one of N ranks (distributed.strategy ddp "
+                        "or fsdp): its share of the batch, FSDP's shards and gathered blocks, DDP's buckets")
 
 
 def run(args) -> int:
@@ -28,13 +30,20 @@ def run(args) -> int:
     path = resolve_recipe(args.recipe)
     recipe, doc = load_recipe_document(path, args.overrides)
     started = time.perf_counter()
+    if args.nproc is not None:  # one rank of N: runner/predict/ranks.py
+        from ..dist.launch import check_launch
+        from ..predict.ranks import per_rank
+
+        check_launch(recipe, str(path), args.nproc)
+        Estimator = per_rank(args.nproc, str(path))  # noqa: N806 - stands in for the class
     with located_errors(doc), _plan_lines_quiet():
         estimate = _estimate(Estimator, EstimateUnavailable, recipe, args.device, str(path))
     seconds = time.perf_counter() - started
     if args.json:
         print(json.dumps({**estimate.record(), "seconds": round(seconds, 2)}))
         return 0
-    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step on {args.device} "
+    per = f" per rank of {args.nproc}" if args.nproc else ""
+    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {args.device} "
           f"(batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, "
           f"checkpointing {recipe.memory.checkpointing.policy})")
     for category, count in estimate.breakdown.items():
@@ -50,14 +59,16 @@ def run(args) -> int:
 def _plan_lines_quiet():
     """The estimator applies the plan to a stand-in model; the lines a run prints for that ("checkpointing
     2 of 2 blocks") would only repeat the recipe above the prediction. Warnings still show; -v shows all."""
-    plan_log = logging.getLogger("runner.memory")
-    level = plan_log.level
-    if not plan_log.isEnabledFor(logging.DEBUG):
-        plan_log.setLevel(logging.WARNING)
+    logs = [logging.getLogger(name) for name in ("runner.memory", "runner.dist")]  # the plan; FSDP's sharding
+    levels = [plan_log.level for plan_log in logs]
+    for plan_log in logs:
+        if not plan_log.isEnabledFor(logging.DEBUG):
+            plan_log.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        plan_log.setLevel(level)
+        for plan_log, level in zip(logs, levels, strict=True):
+            plan_log.setLevel(level)
 def _estimate(estimator, unavailable, recipe, device: str, source: str):
     try:
         return estimator(recipe, device).estimate()

@@ -50,8 +50,9 @@ def wrap_model(model: nn.Module, recipe: Recipe, ranks: Ranks, device: torch.dev
     return model
 
 
-def shard(model: nn.Module, recipe: Recipe, device: torch.device, source: str) -> list[str]:
-    """fully_shard each repeated block, then the root; returns the sharded blocks' names."""
+def shard(model: nn.Module, recipe: Recipe, device: torch.device, source: str, mesh=None) -> list[str]:
+    """fully_shard each repeated block, then the root; returns the sharded blocks' names. `mesh`: the
+    ranks to shard over (default: every rank of the process group)."""
     fully_shard, mixed_precision, cpu_offload = fsdp_api()
     knobs = recipe.memory.sharding
     reshard = True if knobs is None else knobs.reshard_after_forward
@@ -62,6 +63,8 @@ def shard(model: nn.Module, recipe: Recipe, device: torch.device, source: str) -
     options = {"reshard_after_forward": reshard, "mp_policy": _mixed_precision(recipe.precision, mixed_precision)}
     if offload:
         options["offload_policy"] = cpu_offload()
+    if mesh is not None:
+        options["mesh"] = mesh
     try:
         blocks = find_blocks(model, recipe.memory.blocks)
     except ValueError as err:  # no repeated blocks: the root alone is one shard unit

@@ -89,7 +89,7 @@ class Estimator:
         with _unavailable("building the model"), self.fake_mode, self._device_behaviour():
             torch.manual_seed(recipe.train.seed)
             with weight_init_skipped():
-                self.model = _build_for_shapes(recipe.model)
+                self.model = self._prepare(_build_for_shapes(recipe.model))
             self.model.train()
         # a real batch, made outside the mode: synthetic data indexes and masks by value
         self.batch, self.batch_only = _to_fake(_stand_in_batch(recipe, self.model), self.fake_mode)
@@ -100,6 +100,10 @@ class Estimator:
             with gaps:
                 self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
         self.warnings = gaps.warnings()
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The built model as the step runs it; predict/ranks.py shards it here (FSDP), before the optimizer."""
+        return model
 
     def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None) -> Estimate:
         plan = self.recipe.memory if plan is None else plan

@@ -152,3 +152,16 @@ def test_sigterm_to_ckrun_stops_every_rank_after_the_same_whole_step(tmp_path):
     # both ranks stopped after that step and saved it together: a complete checkpoint and the model
     assert complete_checkpoints(out / "checkpoints")[-1].name == f"step-{steps[-1]:08d}"
     assert (out / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_estimate_per_rank_is_within_5_percent_of_the_measured_per_rank_peak(runs, ckrun, strategy):
+    """The fixture's runs: DDP at micro-batch 2, FSDP at its share of 4; both checkpoint every 2nd block."""
+    measured = max(r["peak_mem_bytes"] for r in read_metrics(runs / strategy))  # the highest rank's
+    extra = ["memory.micro_batch=2"] if strategy == "ddp" else []
+    code, out, err = ckrun("estimate", STACK, *TINY, f"distributed.strategy={strategy}", *extra, "--device", "cpu",
+                           "--json", "--nproc", "2")
+    assert code == 0, err
+    predicted = json.loads(out)["peak_bytes"]
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
