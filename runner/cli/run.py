@@ -31,7 +31,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from ..train.guard import NonFiniteLoss, stop_line
-    from ..train.loop import MemoryCapExceeded, train
+    from ..train.loop import MemoryCapExceeded, OutOfMemory, train
     from ..train.output import OutputError
 
     path = resolve_recipe(args.recipe)
@@ -47,16 +47,16 @@ def run(args) -> int:
         with located_errors(doc):
             result = train(recipe, str(path), resume=args.resume)
     except MemoryCapExceeded as err:
-        print(f"ckrun: {err}; {err.advice}", file=sys.stderr)
+        _say(f"ckrun: {err}; {err.advice}", every_rank=isinstance(err, OutOfMemory))
         return EXIT_OVER_CAP
     except NonFiniteLoss as err:
-        print(f"ckrun: {err}", file=sys.stderr)
+        _say(f"ckrun: {err}")
         return EXIT_NON_FINITE
     except OutputError as err:
         print(f"ckrun: {err.strerror}", file=sys.stderr)
         return EXIT_CANNOT_WRITE
     if result.stopped_by:
-        if os.environ.get("RANK", "0") != "0":  # rank 0 says it for the group
+        if not _is_rank_zero():  # rank 0 says it for the group
             return 128 + result.stopped_by
         print(stop_line(result.stopped_by, result.steps_done, recipe.train.steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
@@ -64,6 +64,17 @@ def run(args) -> int:
         log.info("done: %d steps, loss %.4f -> %.4f, metrics in %s/metrics.jsonl", result.steps_done,
                  result.losses[0], result.losses[-1], recipe.output.dir)
     return 0
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(line: str, every_rank: bool = False) -> None:
+    """One line on stderr; under torchrun only from rank 0 when every rank ends for the same reason
+    (the cap and the loss are reduced over the ranks, so all of them see the same peak and loss)."""
+    if every_rank or _is_rank_zero():
+        print(line, file=sys.stderr)
 
 
 COMMAND = Command(

@@ -165,3 +165,13 @@ def test_estimate_per_rank_is_within_5_percent_of_the_measured_per_rank_peak(run
     assert code == 0, err
     predicted = json.loads(out)["peak_bytes"]
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+@pytest.mark.slow
+def test_a_failure_every_rank_shares_is_one_line_with_its_own_exit_status(tmp_path):
+    code, err = finish(ckrun_process(STACK, *TINY, "distributed.strategy=fsdp", "memory.max_mem=1000",
+                                     f"output.dir={tmp_path / 'run'}", "--nproc", 2))
+    assert code == 3, err  # over the cap, as one process says it; not torchrun's 1
+    problems = [line for line in err.splitlines() if line.startswith("ckrun:")]
+    assert len(problems) == 1 and "memory cap 1.0 kB exceeded: step 1 peaked at" in problems[0], err
+    assert "Traceback" not in err
