@@ -6,10 +6,10 @@ own layer or the ones below it:
 2. recipe       recipe, load, located, library (the validated recipe and where its lines are)
 3. build        build/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
-4b. dist        dist/ (ranks joined, DDP/FSDP2 put on the planned model, torchrun started)
-5. train        train/ (the step and the loop; the plan applied, the memory measured)
-6. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
-7. cli          cli/, __main__ (the one place that sees everything)
+5. dist         dist/ (ranks joined, DDP/FSDP2 put on the planned model, torchrun started)
+6. train        train/ (the step and the loop; the plan applied, the memory measured)
+7. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
+8. cli          cli/, __main__ (the one place that sees everything)
 
 autotune/ stands above all of runner/, and no runner module imports it: the CLI names the tune and
 report verbs as module strings and loads the one asked for with importlib (DESIGN: the CLI is the
