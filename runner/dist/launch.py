@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 
@@ -50,12 +51,18 @@ def launch(argv: list[str], nproc: int, verbose: bool = False) -> int:
 
 
 def _first_failure_status(err) -> int:
-    """The exit status of the rank that failed first: the others mostly fail because it left."""
-    rank, failure = min(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    """The exit status of the rank whose failure caused the others'. Timestamps are whole seconds, so
+    they rarely tell; what a rank died of does: a ranks' own status (2-5) or an outside signal is a
+    cause, an internal error (1: often gloo's "connection reset" when a peer vanished) may be a
+    consequence, and SIGTERM is what the agent sends the survivors once one rank has failed."""
+    def as_cause(item):
+        rank, failure = item
+        consequence = 2 if failure.exitcode == -signal.SIGTERM else 1 if failure.exitcode == 1 else 0
+        return consequence, failure.timestamp, rank
+
+    rank, failure = min(err.failures.items(), key=as_cause)
     code = failure.exitcode
     if code < 0:  # killed by a signal, as subprocess reports it
-        import signal
-
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
         print(f"ckrun: rank {rank} was killed by {name}; the other ranks were stopped "
               "(`--resume` continues from the newest complete checkpoint)", file=sys.stderr)

@@ -125,7 +125,7 @@ def test_kill_9_of_a_rank_mid_save_resumes_from_the_previous_checkpoint(runs, tm
     assert code == 0, err
     assert "resuming from" in err and "step-00000002" in err
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
-    assert_close(losses(out), losses(runs / "single")[:4])
+    assert losses(out) == losses(runs / "fsdp")  # the same world size resumes exactly: bit for bit
     assert json.loads((out / "checkpoints" / "step-00000004" / "trainer.json").read_text())["world_size"] == 2
 
 
