@@ -329,6 +329,21 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _sequence_fits_positions(self) -> Recipe:
+        """A sequence past the position table would index out of range at the first step."""
+        if self.model.source != "transformers":
+            return self
+        from .build.model_config import max_positions
+
+        limit = max_positions(transformers_class(self.model.name), self.model.config)
+        for path, data in [(("data",), self.data), (("eval", "data"), self.eval.data if self.eval else None)]:
+            seq_len = getattr(data, "seq_len", None)
+            if limit is not None and seq_len is not None and seq_len > limit:
+                raise KeyedValueError((*path, "seq_len"), f"{seq_len} tokens exceed {self.model.name}'s {limit} "
+                                      f"positions (max_position_embeddings); give seq_len <= {limit}")
+        return self
+
+    @model_validator(mode="after")
     def _micro_batch_divides(self) -> Recipe:
         micro = self.memory.micro_batch
         if micro is not None and self.train.batch_size % micro:
