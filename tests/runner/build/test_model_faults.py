@@ -1,6 +1,7 @@
 """A model the recipe cannot build is one line naming the recipe key, at validate where it can be
 known without running user code, and at build time for what only running it shows."""
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def test_validate_stays_quick_on_the_largest_transformers_recipe(ckrun):
 
 @pytest.fixture
 def user_models(tmp_path, monkeypatch):
-    (tmp_path / "user_models.py").write_text(textwrap.dedent("""
+    """A module of faulty factories. Its own name (tests/runner/train has a user_models.py too), and
+    dropped from sys.modules around the test, so no other test's import of that name is the one found."""
+    (tmp_path / "faulty_models.py").write_text(textwrap.dedent("""
         import torch
         answer = 42
         def picky(width=4):
@@ -58,26 +61,27 @@ def user_models(tmp_path, monkeypatch):
             raise SystemExit(3)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "faulty_models", raising=False)
     return ["model.source=python", "data.task=image_classification", "data.image_size=8", "train.batch_size=2",
             "train.device=cpu", "train.steps=1", f"output.dir={tmp_path / 'out'}"]
 
 
 def test_a_factory_that_raises_is_one_line_naming_where(ckrun, user_models):
-    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=user_models:picky", "model.config={width: 3}")
+    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=faulty_models:picky", "model.config={width: 3}")
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert err.strip().endswith("model.config.width: user_models:picky raised ValueError: width must be at most 2, "
-                                "see the docs (at user_models.py:6); fix the factory or its arguments in model.config")
+    assert err.strip().endswith("model.config.width: faulty_models:picky raised ValueError: width must be at most 2, "
+                                "see the docs (at faulty_models.py:6); fix the factory or its arguments in model.config")
 
 
 def test_a_factory_that_exits_does_not_end_ckrun_silently(ckrun, user_models):
-    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=user_models:quits", "model.config={}")
-    assert code == 2 and "model.name: user_models:quits raised SystemExit: 3 (at user_models.py:9)" in err, err
+    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=faulty_models:quits", "model.config={}")
+    assert code == 2 and "model.name: faulty_models:quits raised SystemExit: 3 (at faulty_models.py:9)" in err, err
 
 
 def test_a_name_that_is_not_callable_is_refused_at_validate(ckrun, user_models):
-    code, _, err = ckrun("validate", BERT_TINY, *user_models, "model.name=user_models:answer", "model.config={}")
+    code, _, err = ckrun("validate", BERT_TINY, *user_models, "model.name=faulty_models:answer", "model.config={}")
     assert code == 2 and len(err.splitlines()) == 1
-    assert "model.name: user_models:answer is an int, not a function or class" in err
+    assert "model.name: faulty_models:answer is an int, not a function or class" in err
 
 
 def test_torchvision_assertions_are_build_errors():
