@@ -25,6 +25,7 @@ def require_datasets():
     except ImportError:
         raise ValueError("data.source: dataset reads data through the datasets package, which is not installed; "
                          "pip install 'ckrun[datasets]'") from None
+    datasets.config.HF_HUB_OFFLINE = True  # read at call time, so it holds when datasets was imported first
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     return datasets
