@@ -137,28 +137,38 @@ def test_without_the_datasets_package_validation_says_how_to_install_it(tmp_path
                             "which is not installed; pip install 'ckrun[datasets]'")
 
 
-BROKEN = {  # file name, content, the key and the words of the one line
-    "not a saved dataset": ("folder/notes.txt", "hi", "data.paths", "is a folder but not one written by save_to_disk"),
-    "cut-short parquet": ("train.parquet", b"PAR1\x00\x01", "data.paths", "not a Parquet file pyarrow can read"),
-    "missing column": ("train.jsonl", '{"txt": "a", "label": 1}\n', "data.input_field", "no column 'text' (it has txt, label)"),
-    "float labels": ("train.jsonl", '{"text": "a", "label": 1.5}\n', "data.target_field", "column 'label' holds float64 values"),
-    "no rows": ("train.csv", "text,label\n", "data.paths", "holds no rows"),
-    "malformed JSON": ("train.jsonl", '{"text": "a", "label": 1}\n{"text": \n', "data.paths", "cannot read"),
+BROKEN = {  # file name, content, the key and the words of the one line, whether `ckrun validate` sees it
+    "not a saved dataset": ("folder/notes.txt", "hi", "data.paths", "is a folder but not one written by save_to_disk", True),
+    "cut-short parquet": ("train.parquet", b"PAR1\x00\x01", "data.paths", "not a Parquet file pyarrow can read", True),
+    "missing column": ("train.jsonl", '{"txt": "a", "label": 1}\n', "data.input_field", "no column 'text' (it has txt, label)", True),
+    "empty file": ("train.csv", "", "data.paths", "is empty", True),
+    "float labels": ("train.jsonl", '{"text": "a", "label": 1.5}\n', "data.target_field", "column 'label' holds float64 values", False),
+    "no rows": ("train.csv", "text,label\n", "data.paths", "holds no rows", False),
+    "malformed JSON": ("train.jsonl", '{"text": "a", "label": 1}\n{"text": \n', "data.paths", "cannot read", False),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_data_is_one_line_naming_it(tmp_path, ckrun, case):
-    name, content, key, words = BROKEN[case]
+    name, content, key, words, at_validate = BROKEN[case]
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     given_path = path.parent if case == "not a saved dataset" else path
-    code, _, err = ckrun(BERT_TINY, *CLASSIFIER, f"data={{source: dataset, paths: [{given_path}]}}",
-                         "train.steps=1", f"output.dir={tmp_path / 'run'}")
+    data = f"data={{source: dataset, paths: [{given_path}]}}"
+    code, _, err = ckrun(BERT_TINY, *CLASSIFIER, data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
     assert code == 2
     [message] = err.splitlines()
     assert f" {key}: " in message and str(given_path) in message and words in message, message
+    assert (ckrun("validate", BERT_TINY, *CLASSIFIER, data)[0] == 2) == at_validate  # caught before training when cheap
+
+
+def test_a_missing_split_is_found_by_validate(tmp_path, ckrun):
+    datasets.DatasetDict(train=reviews(4)).save_to_disk(str(tmp_path / "reviews"))
+    code, _, err = ckrun("validate", BERT_TINY, f"data={{source: dataset, paths: [{tmp_path / 'reviews'}], split: test}}")
+    assert code == 2
+    [message] = err.splitlines()
+    assert message.endswith(f"data.split: {tmp_path / 'reviews'} holds the splits train, not 'test'; set data.split to one of them")
 
 
 VALUES = st.one_of(st.text(max_size=6), st.integers(-2, 3), st.floats(allow_nan=False, width=32), st.booleans(),
@@ -188,7 +198,7 @@ def write_table(path: Path, rows: list[dict]) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=ROWS, suffix=st.sampled_from([".jsonl", ".csv", ".parquet"]),
-       task=st.sampled_from(["sequence_classification", "seq2seq", "causal_lm"]))
+       task=st.sampled_from(["sequence_classification", "seq2seq", "causal_lm", "masked_lm"]))
 def test_any_table_trains_or_is_one_line_naming_it(tmp_path_factory, monkeypatch, rows, suffix, task):
     folder = tmp_path_factory.mktemp("odd")
     monkeypatch.setenv("XDG_CACHE_HOME", str(folder / "user-cache"))
