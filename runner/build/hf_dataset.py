@@ -77,6 +77,7 @@ def dataset_source(data: DatasetData, shape: Shape, batch_size: int, seed: int, 
         cache.save(tokens)
     elif label_ids is None and tokens.get("label_ids"):
         log.info("labels -> ids (as when cached): %s", ", ".join(f"{n}={i}" for n, i in sorted(tokens["label_ids"].items(), key=lambda x: x[1])))
+    _check_vocab(tokens, shape, data, key)
     if packed is None:
         source = LabelledRows(tokens, shape, batch_size, seed, tokenizer)
         log.info("data: %d examples", len(source.inputs))
@@ -84,6 +85,18 @@ def dataset_source(data: DatasetData, shape: Shape, batch_size: int, seed: int, 
     packed.samples = tokens["samples"]
     log.info("data: %d samples of %d tokens", len(packed.samples), data.seq_len)
     return packed
+
+
+def _check_vocab(tokens: dict, shape: Shape, data: DatasetData, key: str) -> None:
+    """Token ids the model's embedding has rows for: another model's tokenizer would fail deep in the forward."""
+    ids = [tokens[name] for name in ("samples", "inputs") if name in tokens]
+    if shape.task == "seq2seq":
+        ids.append(tokens["targets"])
+    largest = max((int(t.max()) for t in ids if t.numel()), default=0)
+    if largest >= shape.vocab_size:
+        raise BuildError(f"{key}.tokenizer", f"{data.tokenizer} gives token ids up to {largest}, but the model's vocab_size "
+                                             f"is {shape.vocab_size}; use the model's own tokenizer or set its vocab_size to "
+                                             f"{largest + 1} or more")
 
 
 def _cache_parts(data: DatasetData, shape: Shape, paths: list[Path], label_ids: dict[str, int] | None) -> dict:

@@ -223,3 +223,14 @@ def test_any_table_trains_or_is_one_line_naming_it(tmp_path_factory, monkeypatch
             assert 0 <= batch.labels.min() and batch.labels.max() < 3
         return
     assert "\n" not in message and str(path) in message, message
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, ckrun):
+    reviews().to_parquet(str(tmp_path / "train.parquet"))
+    tokenizer = word_tokenizer(tmp_path / "tok")  # ids up to 8
+    tiny = GPT[0].replace("vocab_size: 64", "vocab_size: 5")
+    data = f"data={{source: dataset, paths: [{tmp_path / 'train.parquet'}], tokenizer: {tokenizer}, seq_len: 16}}"
+    code, _, err = ckrun(BERT_TINY, tiny, *GPT[1:], data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
+    assert code == 2
+    [message] = err.splitlines()
+    assert f"data.tokenizer: {tokenizer} gives token ids up to 8, but the model's vocab_size is 5" in message
