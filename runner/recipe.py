@@ -169,6 +169,65 @@ class RecordsData(Strict):
         return TextFilesData._tokenizer_dir(tokenizer)
 
 
+class DatasetData(Strict):
+    source: Literal["dataset"]
+    """Local data read through Hugging Face `datasets` (`pip install 'ckrun[datasets]'`): Parquet, JSONL or
+    CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached beside the data."""
+    paths: list[str] = Field(min_length=1)
+    """Files or glob patterns (`.parquet`, `.jsonl`/`.json`, `.csv`/`.tsv`), or folders saved by `save_to_disk`."""
+    split: str | None = None
+    """The split of a saved DatasetDict (`train`, `validation`, ...); unset: `train`, or its only split."""
+    task: Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification"] | None = None
+    """What the model learns; inferred from the model class when unset."""
+    input_field: str = Field(default="text", validate_default=True)
+    """The column holding the input text; language modelling reads only this one, packed into seq_len samples."""
+    target_field: str = Field(default="label", validate_default=True)
+    """The column holding the target: a label (name, integer id or ClassLabel), or for seq2seq the target text."""
+    labels: list[str] | None = Field(default=None, min_length=2)
+    """Label names in id order, as for `records`. Unset: a ClassLabel column's names, else integer labels are
+    their own ids and other labels get ids in sorted order; the mapping is logged."""
+    seq_len: int = Field(default=128, gt=0)
+    """Tokens per sample: inputs are cut or padded (classification, seq2seq), or text is packed (language modelling)."""
+    target_len: int | None = Field(default=None, gt=0)
+    """seq2seq target tokens per sample; seq_len when unset."""
+    tokenizer: str | None = None
+    """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
+    mask_prob: float = Field(default=0.15, gt=0, lt=1)
+    """Fraction of tokens masked for masked_lm."""
+
+    @field_validator("paths")
+    @classmethod
+    def _paths_readable(cls, paths: list[str]) -> list[str]:
+        from .build.dataset_files import check_paths
+
+        check_paths(paths)
+        return paths
+
+    @field_validator("split")
+    @classmethod
+    def _split_present(cls, split: str | None, info: ValidationInfo) -> str | None:
+        if "paths" in info.data:
+            from .build.dataset_files import check_split
+
+            check_split(info.data["paths"], split)
+        return split
+
+    @field_validator("input_field", "target_field")
+    @classmethod
+    def _column_present(cls, name: str, info: ValidationInfo) -> str:
+        needed = info.field_name == "input_field" or info.data.get("task") in ("seq2seq", "sequence_classification")
+        if needed and "paths" in info.data:
+            from .build.dataset_files import check_column
+
+            check_column(info.data["paths"], info.data.get("split"), name)
+        return name
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_dir(cls, tokenizer: str | None) -> str | None:
+        return TextFilesData._tokenizer_dir(tokenizer)
+
+
 class ImageFolderData(Strict):
     source: Literal["image_folder"]
     """A torchvision ImageFolder: ROOT/CLASS_NAME/IMAGE files."""
@@ -186,7 +245,7 @@ class ImageFolderData(Strict):
         return root
 
 
-Data = Annotated[SyntheticData | TextFilesData | RecordsData | ImageFolderData, Field(discriminator="source")]
+Data = Annotated[SyntheticData | TextFilesData | RecordsData | DatasetData | ImageFolderData, Field(discriminator="source")]
 
 # --- training -------------------------------------------------------------------------------
 

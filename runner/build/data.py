@@ -279,12 +279,14 @@ def _reason(err: Exception) -> str:
 def build_data(recipe: Recipe, model: torch.nn.Module, label_ids: dict[str, int] | None = None):
     """The recipe's batch source; `label_ids`: the training data's label ids, for held-out records."""
     shape = describe_inputs(recipe, model)
-    if recipe.data.source == "records":
-        from .records import RecordsSource  # records.py builds on this module
+    if recipe.data.source in ("records", "dataset"):
+        from .hf_dataset import dataset_source  # both build on this module
+        from .records import RecordsSource
 
-        source = RecordsSource(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, label_ids)
+        make = RecordsSource if recipe.data.source == "records" else dataset_source
+        source = make(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, label_ids)
         if label_ids is None:
-            _name_labels(model, source.label_ids)
+            _name_labels(model, getattr(source, "label_ids", None))
         return source
     sources = {"synthetic": SyntheticSource, "text": TextFilesSource, "image_folder": ImageFolderSource}
     return sources[recipe.data.source](recipe.data, shape, recipe.train.batch_size, recipe.train.seed)
