@@ -130,7 +130,7 @@ def test_resume_from_a_cached_dataset_is_exact(tmp_path, ckrun):
 def test_without_the_datasets_package_validation_says_how_to_install_it(tmp_path, ckrun, monkeypatch):
     reviews().to_parquet(str(tmp_path / "train.parquet"))
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
-    code, _, err = ckrun("validate", BERT_TINY, f"data={{source: dataset, paths: [{tmp_path / 'train.parquet'}]}}")
+    code, _, err = ckrun("validate", BERT_TINY, f"data={{source: dataset, paths: [{tmp_path / 'train.parquet'}], seq_len: 32}}")
     assert code == 2
     [message] = err.splitlines()
     assert message.endswith("data.paths: data.source: dataset reads data through the datasets package, "
@@ -155,7 +155,7 @@ def test_broken_data_is_one_line_naming_it(tmp_path, ckrun, case):
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     given_path = path.parent if case == "not a saved dataset" else path
-    data = f"data={{source: dataset, paths: [{given_path}]}}"
+    data = f"data={{source: dataset, paths: [{given_path}], seq_len: 32}}"
     code, _, err = ckrun(BERT_TINY, *CLASSIFIER, data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
     assert code == 2
     [message] = err.splitlines()
@@ -165,7 +165,7 @@ def test_broken_data_is_one_line_naming_it(tmp_path, ckrun, case):
 
 def test_a_missing_split_is_found_by_validate(tmp_path, ckrun):
     datasets.DatasetDict(train=reviews(4)).save_to_disk(str(tmp_path / "reviews"))
-    code, _, err = ckrun("validate", BERT_TINY, f"data={{source: dataset, paths: [{tmp_path / 'reviews'}], split: test}}")
+    code, _, err = ckrun("validate", BERT_TINY, f"data={{source: dataset, paths: [{tmp_path / 'reviews'}], split: test, seq_len: 32}}")
     assert code == 2
     [message] = err.splitlines()
     assert message.endswith(f"data.split: {tmp_path / 'reviews'} holds the splits train, not 'test'; set data.split to one of them")
