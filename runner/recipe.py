@@ -117,6 +117,8 @@ class SyntheticData(Strict):
     """Fraction of tokens masked for masked_lm."""
     vocab_size: int | None = Field(default=None, gt=1)
     """Token ids are drawn below this; taken from the model's config when unset."""
+    target_len: int | None = Field(default=None, gt=0)
+    """seq2seq: tokens per target (the decoder's length); seq_len when unset."""
 
 
 class TextFilesData(Strict):

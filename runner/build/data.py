@@ -76,9 +76,10 @@ def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + salt)
 
 
-def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_prob: float, mask_id: int = MASK_ID) -> Batch:
-    """Turn a [batch, seq] block of token ids into the task's inputs and labels (random targets for
-    seq2seq and classification: only synthetic data comes here with those tasks)."""
+def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_prob: float, mask_id: int = MASK_ID,
+                 target_len: int | None = None) -> Batch:
+    """Turn a [batch, seq] block of token ids into the task's inputs and labels (random targets,
+    `target_len` long, for seq2seq and classification: only synthetic data comes here with those tasks)."""
     ids = tokens.clone()
     attention = torch.ones_like(ids)
     if shape.task == "masked_lm":
@@ -91,7 +92,7 @@ def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_
     elif shape.task == "causal_lm":
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
     elif shape.task == "seq2seq":
-        labels = torch.randint(2, shape.vocab_size, ids.shape, generator=gen)
+        labels = torch.randint(2, shape.vocab_size, (ids.shape[0], target_len or ids.shape[1]), generator=gen)
         decoder = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
         inputs = {"input_ids": ids, "attention_mask": attention, "decoder_input_ids": decoder}
         return Batch(inputs, labels, shape.by_keyword)
@@ -126,7 +127,7 @@ class SyntheticSource:
             key = "pixel_values" if self.shape.by_keyword else "images"
             return Batch({key: images}, labels, self.shape.by_keyword)
         tokens = markov_tokens(self.batch_size, self.data.seq_len, self.shape.vocab_size, self.seed, gen)
-        return shape_tokens(tokens, self.shape, gen, self.data.mask_prob)
+        return shape_tokens(tokens, self.shape, gen, self.data.mask_prob, target_len=self.data.target_len)
 
 
 def markov_tokens(batch: int, length: int, vocab: int, seed: int, gen: torch.Generator) -> torch.Tensor:

@@ -226,7 +226,8 @@ def _stand_in_batch(recipe: Recipe, model: torch.nn.Module) -> Batch:
     data = recipe.data
     shape = describe_inputs(recipe, model)
     synthetic = SyntheticData(task=shape.task, seq_len=getattr(data, "seq_len", 128), image_size=shape.image_size,
-                              channels=shape.channels, mask_prob=getattr(data, "mask_prob", 0.15))
+                              channels=shape.channels, mask_prob=getattr(data, "mask_prob", 0.15),
+                              target_len=getattr(data, "target_len", None))  # records' and datasets' seq2seq targets
     return SyntheticSource(synthetic, shape, recipe.train.batch_size, recipe.train.seed).global_batch(0)
 
 

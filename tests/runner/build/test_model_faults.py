@@ -152,8 +152,8 @@ def test_a_sequence_longer_than_the_position_table_is_refused_at_validate(positi
     from runner.load import recipe_from_text
     from runner.problems import InputError
 
-    data = "data: {source: synthetic, seq_len: 4}\neval: {data: {source: synthetic, seq_len: %d}}" % seq_len if in_eval \
-        else "data: {source: synthetic, seq_len: %d}" % seq_len
+    data = f"data: {{source: synthetic, seq_len: 4}}\neval: {{data: {{source: synthetic, seq_len: {seq_len}}}}}" \
+        if in_eval else f"data: {{source: synthetic, seq_len: {seq_len}}}"
     text = "model: {source: transformers, name: GPT2LMHeadModel, config: {n_layer: 1, n_embd: 16, n_head: 2, " \
            f"n_positions: {positions}, vocab_size: 64}}}}\n{data}\ntrain: {{batch_size: 2, steps: 1}}\n"
     if seq_len <= positions:
