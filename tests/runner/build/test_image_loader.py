@@ -51,6 +51,7 @@ def test_workers_give_the_batches_of_the_training_process(tmp_path):
     root = jpeg_root(tmp_path)
     in_process = source(root, workers=0)
     expected = [in_process.global_batch(step) for step in range(7)]  # 28 rows of 15: into the second epoch
+    assert in_process.rows == 15  # what train.epochs counts
     with_workers, resumed = source(root, workers=2), source(root, workers=2)
     try:
         assert all(same(with_workers.global_batch(step), expected[step]) for step in range(7))
