@@ -151,7 +151,7 @@ def test_any_broken_image_file_loads_or_is_named(tmp_path_factory, kind, data):
     raw = good_image(kind)
     broken = data.draw(st.one_of(st.integers(0, len(raw) - 1).map(lambda cut: raw[:cut]), st.binary(max_size=64)))
     root = image_root(tmp_path_factory.mktemp("img"), {"cat": {f"x.{kind.lower()}": broken}})
-    source = ImageFolderSource(ImageFolderData(source="image_folder", root=str(root), image_size=8),
+    source = ImageFolderSource(ImageFolderData(source="image_folder", root=str(root), image_size=8, workers=0),
                                Shape("image_classification", False, num_classes=2, image_size=8), 1, 0)
     try:
         batch = source.global_batch(0)
