@@ -105,18 +105,29 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out) if "loss" in r]
 
 
-def test_a_run_with_workers_trains_as_one_without_and_resumes_exactly(tmp_path, ckrun):
-    recipe = image_recipe(tmp_path, jpeg_root(tmp_path))
-    runs = {"in-process": ["data.workers=0", "train.steps=5"], "workers": ["data.workers=2", "train.steps=5"],
-            "resumed": ["data.workers=2", "train.steps=3"]}
-    for name, args in runs.items():
-        code, _, err = ckrun(recipe, *CNN_SMALL[:-2], *args, "train.device=cpu", f"output.dir={tmp_path / name}")
+def evaluations(out: Path) -> list[tuple]:
+    return [(r["step"], r["eval"]["loss"], r["eval"]["accuracy"]) for r in read_metrics(out) if "eval" in r]
+
+
+def test_a_run_with_workers_trains_and_evaluates_as_one_without_and_resumes_exactly(tmp_path, ckrun):
+    root = jpeg_root(tmp_path)
+    recipe = image_recipe(tmp_path, root)
+
+    def run(name: str, workers: int, steps: int, *more: str) -> None:
+        held_out = f"{{source: image_folder, root: {root}, image_size: 32, workers: {workers}}}"
+        code, _, err = ckrun(recipe, *CNN_SMALL[:-2], f"data.workers={workers}", f"train.steps={steps}",
+                             f"eval={{every: 2, batches: 2, data: {held_out}}}", f"output.dir={tmp_path / name}", *more)
         assert code == 0, err
-    code, _, err = ckrun(recipe, *CNN_SMALL[:-2], "data.workers=2", "train.steps=5", "train.device=cpu",
-                         f"output.dir={tmp_path / 'resumed'}", "--resume")
-    assert code == 0, err
+
+    run("in-process", 0, 5)
+    run("workers", 2, 5)  # evaluation goes back to its first batch each time: its loader starts again there
+    run("resumed", 2, 3)
+    run("resumed", 2, 5, "--resume")
     assert losses(tmp_path / "workers") == losses(tmp_path / "in-process") == losses(tmp_path / "resumed")
-    assert len(losses(tmp_path / "workers")) == 5
+    assert evaluations(tmp_path / "workers") == evaluations(tmp_path / "in-process")
+    # the first attempt ended at step 3, and a run's last step is always evaluated
+    assert evaluations(tmp_path / "workers") == [e for e in evaluations(tmp_path / "resumed") if e[0] != 3]
+    assert len(losses(tmp_path / "workers")) == 5 and [e[0] for e in evaluations(tmp_path / "workers")] == [2, 4, 5]
 
 
 def session_processes(session: int) -> list[int]:
