@@ -156,7 +156,7 @@ def test_a_stopped_run_leaves_no_worker_behind(tmp_path, stop):
                              start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 1:
             assert child.poll() is None and time.monotonic() < deadline, "the run ended or never started"
             time.sleep(0.2)
         assert len(session_processes(child.pid)) >= 3  # the run and its two workers
