@@ -233,7 +233,7 @@ def _check_cap_fits(cap: Cap, device: Device, typed: str) -> None:
 
 def _config(recipe: Recipe, space: Space, cap: Cap, args, device: Device) -> dict:
     """What a resumed study must share with the one it continues."""
-    measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps"}})
+    measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps", "epochs"}})
     return {"recipe": hashlib.sha256(measured.encode()).hexdigest()[:16], "cap": cap.bytes, "margin": cap.margin,
             "seed": args.seed, "space": {"choices": space.choices, "fixed": space.fixed}, "device": device.name,
             "probe_steps": [args.warmup_steps, args.timed_steps]}

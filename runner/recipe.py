@@ -238,6 +238,12 @@ class ImageFolderData(Strict):
     image_size: int = Field(default=224, gt=0)
     """Images are resized and centre-cropped to this size."""
     task: Literal["image_classification"] = "image_classification"
+    workers: int | None = Field(default=None, ge=0)
+    """Worker processes that decode images ahead of the training step (a torch DataLoader); 0 decodes
+    in the training process. Unset: one fewer than the CPU cores, at most 8, and 0 on a machine of
+    1 or 2 cores, where a worker would take the core the step runs on (the choice is logged)."""
+    prefetch: int = Field(default=2, gt=0)
+    """Batches each worker decodes ahead (DataLoader's prefetch_factor); more hides slow disks, costs memory."""
 
     @field_validator("root")
     @classmethod
@@ -301,8 +307,12 @@ class CosineSchedule(Strict):
 class TrainSpec(Strict):
     batch_size: int = Field(gt=0)
     """The global batch per optimizer step; memory.micro_batch never changes it."""
-    steps: int = Field(gt=0)
-    """Optimizer steps to run."""
+    steps: int | None = Field(default=None, gt=0)
+    """Optimizer steps to run; or give train.epochs instead (exactly one of the two)."""
+    epochs: float | None = Field(default=None, gt=0)
+    """Passes over finite data (text, records, image_folder) instead of train.steps: the run takes
+    ceil(epochs * rows / batch_size) steps, computed and logged once the data is built; may be
+    fractional (0.5: half the data). Synthetic data never runs out, so it has no epochs."""
     optimizer: Annotated[AdamW | SGD, Field(discriminator="name")] = Field(default_factory=lambda: AdamW(name="adamw"))
     """`adamw` (fused on CUDA) or `sgd`."""
     scheduler: Annotated[ConstantSchedule | CosineSchedule, Field(discriminator="name")] = Field(
@@ -315,6 +325,15 @@ class TrainSpec(Strict):
     """Seeds weights, data and dropout: the same seed gives the same run (0 to 2**32 - 1)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: `auto` takes the GPU when there is one."""
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainSpec:
+        if self.steps is not None and self.epochs is not None:
+            raise KeyedValueError(("train", "epochs"), "give train.steps or train.epochs, not both (on the command "
+                                  "line, train.steps=null train.epochs=N swaps one for the other)")
+        if self.steps is None and self.epochs is None:
+            raise KeyedValueError(("train",), "give train.steps (optimizer steps) or train.epochs (passes over the data)")
+        return self
 
 
 class OutputSpec(Strict):
@@ -402,6 +421,13 @@ class Recipe(Strict):
             if limit is not None and seq_len is not None and seq_len > limit:
                 raise KeyedValueError((*path, "seq_len"), f"{seq_len} tokens exceed {self.model.name}'s {limit} "
                                       f"positions (max_position_embeddings); give seq_len <= {limit}")
+        return self
+
+    @model_validator(mode="after")
+    def _epochs_need_finite_data(self) -> Recipe:
+        if self.train.epochs is not None and self.data.source == "synthetic":
+            raise KeyedValueError(("train", "epochs"), "synthetic data never runs out, so it has no epochs; "
+                                  "give train.steps, or train on files (data.source text, records, dataset or image_folder)")
         return self
 
     @model_validator(mode="after")

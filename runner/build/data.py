@@ -194,6 +194,11 @@ class TextFilesSource:
                              "tokenizer with a mask_token (BERT's [MASK]) or set data.task: causal_lm")
         return MASK_ID if mask_id is None else int(mask_id)
 
+    @property
+    def rows(self) -> int:
+        """Samples in one epoch (finite sources have this; synthetic data has none)."""
+        return len(self.samples)
+
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.samples), step, self.batch_size, self.seed)
         return shape_tokens(self.samples[rows], self.shape, _generator(self.seed, step, 1), self.data.mask_prob, self.mask_id)
@@ -221,8 +226,13 @@ def load_tokenizer(directory: str, key: str = "data"):
 
 
 class ImageFolderSource:
-    def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int):
+    """Images decoded and transformed by DataLoader workers (build/image_loader.py), or in this
+    process with workers 0; the same batches either way."""
+
+    def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int, pin_memory: bool = False):
         from torchvision import transforms
+
+        from .image_loader import StepLoader, choose_workers
 
         transform = transforms.Compose([
             transforms.Resize(data.image_size), transforms.CenterCrop(data.image_size), transforms.ToTensor(),
@@ -230,21 +240,32 @@ class ImageFolderSource:
         ])
         self.dataset = _image_folder(data.root, transform)
         self.shape, self.batch_size, self.seed = shape, batch_size, seed
+        workers = choose_workers(data.workers)
+        self.loader = StepLoader(self.dataset, batch_size, seed, workers, data.prefetch, pin_memory) if workers else None
+
+    @property
+    def rows(self) -> int:
+        return len(self.dataset)
 
     def global_batch(self, step: int) -> Batch:
-        rows = epoch_rows(len(self.dataset), step, self.batch_size, self.seed)
-        images, labels = zip(*(self._image(r) for r in rows), strict=True)
+        if self.loader is not None:
+            images, labels = self.loader.batch(step)
+        else:
+            images, labels = self._decode(epoch_rows(len(self.dataset), step, self.batch_size, self.seed))
         key = "pixel_values" if self.shape.by_keyword else "images"
-        return Batch({key: torch.stack(images)}, torch.tensor(labels), self.shape.by_keyword)
+        return Batch({key: images}, labels, self.shape.by_keyword)
 
-    def _image(self, row: int):
-        """One sample; a file PIL cannot read is named (found when first used, not by reading every file up front)."""
-        try:
-            return self.dataset[row]
-        except Exception as err:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError... for broken files
-            path = self.dataset.samples[row][0]
-            raise BuildError("data.root", f"cannot read image {path}: {_reason(err)}; remove or replace it, "
-                             "then continue with --resume") from None
+    def _decode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        from .image_loader import Unreadable, decode_rows
+
+        decoded = decode_rows(self.dataset, rows)
+        if isinstance(decoded, Unreadable):
+            raise decoded.error()
+        return decoded
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
 
 def _image_folder(root: str, transform):
@@ -261,13 +282,13 @@ def _image_folder(root: str, transform):
     try:
         dataset = datasets.ImageFolder(str(directory), transform=transform)
     except (FileNotFoundError, OSError) as err:
-        raise BuildError("data.root", f"{root}: {_reason(err)}") from None
+        raise BuildError("data.root", f"{root}: {describe_image_error(err)}") from None
     if len(dataset) == 0:
         raise BuildError("data.root", f"{root} holds no images")
     return dataset
 
 
-def _reason(err: Exception) -> str:
+def describe_image_error(err: Exception) -> str:
     if isinstance(err, FileNotFoundError) and "no valid file for the classes" in str(err):
         classes = str(err).split("classes ", 1)[1].split(". Supported", 1)[0]
         return f"class folder(s) {classes} hold no images (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"
@@ -289,7 +310,10 @@ def build_data(recipe: Recipe, model: torch.nn.Module, label_ids: dict[str, int]
         if label_ids is None:
             _name_labels(model, getattr(source, "label_ids", None))
         return source
-    sources = {"synthetic": SyntheticSource, "text": TextFilesSource, "image_folder": ImageFolderSource}
+    if recipe.data.source == "image_folder":  # pinned batches copy to the GPU while it computes
+        pinned = any(p.is_cuda for p in model.parameters())
+        return ImageFolderSource(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, pin_memory=pinned)
+    sources = {"synthetic": SyntheticSource, "text": TextFilesSource}
     return sources[recipe.data.source](recipe.data, shape, recipe.train.batch_size, recipe.train.seed)
 
 
@@ -301,3 +325,11 @@ def _name_labels(model: torch.nn.Module, label_ids: dict[str, int] | None) -> No
     if sorted(label_ids.values()) == list(range(len(label_ids))):
         config.id2label = {i: name for name, i in label_ids.items()}
         config.label2id = dict(label_ids)
+
+
+def close_source(source) -> None:
+    """Shut down what a source runs beside the training process (image decoding workers), now:
+    at the end of a run, after a stop or a failure, never left to the garbage collector."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()

@@ -182,6 +182,10 @@ class RecordsSource:
             out[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids, dtype=torch.long), 1
         return out, mask
 
+    @property
+    def rows(self) -> int:
+        return len(self.inputs)
+
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.inputs), step, self.batch_size, self.seed)
         ids, labels = self.inputs[rows], self.targets[rows]

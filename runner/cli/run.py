@@ -46,7 +46,7 @@ def run(args) -> int:
         print(f"ckrun: {err.strerror}", file=sys.stderr)
         return EXIT_CANNOT_WRITE
     if result.stopped_by:
-        print(stop_line(result.stopped_by, result.steps_done, recipe.train.steps, Path(recipe.output.dir)), file=sys.stderr)
+        print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
     if result.losses:
         log.info("done: %d steps, loss %.4f -> %.4f, metrics in %s/metrics.jsonl", result.steps_done,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..build.data import build_data
+from ..build.data import build_data, close_source
 from ..build.model import BuildError, build_model
-from ..build.optim import build_optimizer, build_scheduler
+from ..build.optim import build_optimizer, build_scheduler, total_steps
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
@@ -78,7 +78,8 @@ class RunResult:
     peak_mem_bytes: int = 0
     samples_per_s: list[float] = field(default_factory=list)
     skipped_steps: int = 0
-    stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that ended the run before train.steps
+    stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that ended the run before its last step
+    total_steps: int = 0  # the steps the run was to take: train.steps, or what train.epochs came to
 
 
 class Trainer:
@@ -103,8 +104,9 @@ class Trainer:
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
         self.forward_model = torch.compile(self.model) if recipe.memory.compile else self.model
         self.data = build_data(recipe, self.model)
+        self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
         self.optimizer = build_optimizer(self.model, recipe.train, self.device)
-        self.scheduler = build_scheduler(self.optimizer, recipe.train)
+        self.scheduler = build_scheduler(self.optimizer, recipe.train, self.total_steps)
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
@@ -127,6 +129,10 @@ class Trainer:
         restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
 
+    def close(self) -> None:
+        """Shut down the data's worker processes; the trainer can still step afterwards (they restart)."""
+        close_source(self.data)
+
     # --- running ----------------------------------------------------------------------------
 
     def train_step(self) -> dict:
@@ -148,6 +154,8 @@ class Trainer:
         self.step += 1
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
+        if getattr(self.data, "rows", None):  # finite data: how far through it, as HF Trainer logs it
+            record["epoch"] = round(self.step * self.recipe.train.batch_size / self.data.rows, 4)
         if result.skipped:
             record["skipped"] = True
             log.info("step %d: fp16 loss scaler found inf/nan gradients; the update was skipped", self.step)
@@ -251,7 +259,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
             resume_from_checkpoint(trainer, out_dir, source)
         write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
-                 recipe.train.steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+                 trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
         try:
             result = _run(trainer, out_dir, stop)
         except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
@@ -260,25 +268,27 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
         except BaseException:
             set_aside_unresumable(out_dir)
             raise
+        finally:
+            trainer.close()
     if result.stopped_by:
         set_aside_unresumable(out_dir)
     return result
 
 
 def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
-    recipe, result, watch = trainer.recipe, RunResult(trainer.step), LossWatch()
-    every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step)
+    recipe, result, watch = trainer.recipe, RunResult(trainer.step, total_steps=trainer.total_steps), LossWatch()
+    total, every, bar = trainer.total_steps, recipe.output.checkpoint_every, _progress(trainer.total_steps, trainer.step)
     evaluator = make_evaluator(trainer)
     try:
         with (MetricsLog(out_dir, trainer.source) as metrics,
               tensorboard_log(recipe.output.tensorboard, out_dir, trainer.step) as board):
-            while trainer.step < recipe.train.steps and not stop.requested:
+            while trainer.step < total and not stop.requested:
                 record = trainer.train_step()
                 metrics.append(record)  # first, so the line of a non-finite step shows where it happened
                 board.append(record)
                 watch.check(record)
                 _note(result, record)
-                _report(record, bar, recipe.output.log_every, recipe.train.steps)
+                _report(record, bar, recipe.output.log_every, total)
                 if evaluator is not None and evaluator.due(trainer.step):
                     evaluation = evaluator.run()
                     metrics.append(evaluation)
@@ -288,7 +298,9 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     finally:
         if bar is not None:
             bar.close()
-    if trainer.step < recipe.train.steps:
+        if evaluator is not None:
+            close_source(evaluator.source)
+    if trainer.step < total:
         result.stopped_by = stop.signum
     if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
         try:

@@ -34,6 +34,8 @@ def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: s
         context = cuda_context_bytes(trainer.device) if trainer.device.type == "cuda" else 0
         return {"status": "over_cap", "card_peak_bytes": err.peak, "peak_mem_bytes": max(0, err.peak - context),
                 "cuda_context_bytes": context, "step": err.step, "reason": str(err), **_device(trainer)}
+    finally:
+        trainer.close()  # the data's worker processes, before the measurements are reported
     timed = records[warmup_steps:]
     return {
         "status": "ok",
