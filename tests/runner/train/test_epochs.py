@@ -38,10 +38,11 @@ def steps_of(out: Path) -> list[int]:
     return [r["step"] for r in read_metrics(out) if "loss" in r]
 
 
-@pytest.mark.parametrize("kind, epochs, rows, steps", [("text", "2", 20, 5), ("records", "1.5", 30, 6)])
+@pytest.mark.parametrize("kind, epochs, rows, steps", [("text", "2", 20, 5), ("records", "1.5", 30, 6),
+                                                      ("dataset", "1", 12, 2)])
 def test_epochs_train_the_steps_they_come_to(tmp_path, ckrun, caplog, kind, epochs, rows, steps):
     data = text_data(tmp_path, rows) if kind == "text" else \
-        f"data={{source: records, paths: [{labelled_jsonl(tmp_path / 'train.jsonl', rows)}], seq_len: 32}}"
+        f"data={{source: {kind}, paths: [{labelled_jsonl(tmp_path / 'train.jsonl', rows)}], seq_len: 32}}"
     model = TINY_BERT if kind == "text" else CLASSIFIER
     caplog.set_level(logging.INFO, logger="runner")
     code, _, err = ckrun(BERT_TINY, *model, *EPOCHS, f"train.epochs={epochs}", data, f"output.dir={tmp_path / 'run'}")
