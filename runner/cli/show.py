@@ -13,6 +13,10 @@ from . import Command, add_recipe_arguments
 def add_arguments(parser):
     add_recipe_arguments(parser)
     parser.add_argument("--blocks", action="store_true", help="list the model's repeated blocks instead")
+    parser.add_argument("--costs", action="store_true",
+                        help="per block: bytes kept for backward under keep/recompute/selective/offload (estimated "
+                             "on fake tensors) and recompute time (a short real run)")
+    parser.add_argument("--json", action="store_true", help="with --costs: print one JSON object")
 
 
 def run(args) -> int:
@@ -21,6 +25,11 @@ def run(args) -> int:
     if args.blocks:
         with located_errors(doc):
             return print_blocks(recipe, str(path))
+    if args.costs:
+        from .costs import print_costs
+
+        with located_errors(doc):
+            return print_costs(recipe, str(path), args.json)
     print(dump_yaml(recipe.model_dump(mode="json")), end="")
     return 0
 
@@ -47,5 +56,6 @@ def print_blocks(recipe, source: str = "<recipe>") -> int:
 
 COMMAND = Command(
     "show", "print the resolved recipe as YAML (or its blocks with --blocks)", add_arguments, run,
-    epilog="examples:\n  ckrun show recipes/bert_tiny.yaml train.steps=10\n  ckrun show bert_large --blocks",
+    epilog="examples:\n  ckrun show recipes/bert_tiny.yaml train.steps=10\n  ckrun show bert_large --blocks\n"
+    "  ckrun show bert_tiny --costs memory.micro_batch=4",
 )
