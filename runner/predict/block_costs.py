@@ -65,6 +65,8 @@ class CostTable:
     device: str
     none_peak: int
     """The estimator's peak with every block kept."""
+    full_peak: int
+    """The estimator's peak with every block recomputed."""
     base_bytes: int
     """none_peak less every block's keep_bytes: what no block choice changes."""
     blocks: list[BlockCost]
@@ -85,24 +87,43 @@ def cost_table(estimator: Estimator, micro_batch: int, precision: str, timed_ste
     plan = lambda checkpointing, **more: MemoryPlan(  # noqa: E731
         micro_batch=micro_batch, checkpointing=checkpointing, blocks=recipe.memory.blocks, **more)
     none_peak, keep, _ = block_bytes(estimator, plan(NoCheckpointing()), precision)
-    _, recompute, _ = block_bytes(estimator, plan(FullCheckpointing(policy="full")), precision)
+    full_peak, recompute, _ = block_bytes(estimator, plan(FullCheckpointing(policy="full")), precision)
     _, selective, _ = block_bytes(estimator, plan(SelectiveCheckpointing(policy="selective")), precision)
     offloaded = moved = [None] * len(keep)
     if cuda:
         _, offloaded, moved = block_bytes(estimator, plan(NoCheckpointing(), offload={"policy": "all"}), precision)
         offloaded = [k - m for k, m in zip(keep, moved, strict=True)]  # in flight at the block's end is not saved
+    found = find_blocks(estimator.model, recipe.memory.blocks)
     times = recompute_seconds(recipe, micro_batch, precision, timed_steps) if timed_steps else {}
+    times = _alike_averaged(times, [(type(b.module).__name__, keep[b.index], recompute[b.index]) for b in found])
     bandwidth = host_bandwidth() if times and cuda else None
-    names = [block.name for block in find_blocks(estimator.model, recipe.memory.blocks)]
+    names = [block.name for block in found]
     blocks = [BlockCost(i, names[i], keep[i], recompute[i], selective[i], offloaded[i], moved[i],
                         *_times(times, i), 2 * moved[i] / bandwidth if bandwidth and moved[i] is not None else None)
               for i in range(len(keep))]
     notes = [f"bytes: the estimator ({estimator.recipe.train.batch_size} samples in micro-batches of {micro_batch}, "
              f"{precision}, {'cuda' if cuda else 'cpu'}); times: " +
-             (f"median of {timed_steps} real steps after a warm-up" if times else "not measured")]
+             (f"median of {timed_steps} real steps after a warm-up, the same for blocks of one class that save "
+              "the same bytes (their median)" if times else "not measured")]
     if bandwidth:
         notes.append(f"offload: {format_bytes(int(bandwidth))}/s host copies, counted unhidden (an upper bound)")
-    return CostTable(micro_batch, precision, "cuda" if cuda else "cpu", none_peak, none_peak - sum(keep), blocks, notes)
+    return CostTable(micro_batch, precision, "cuda" if cuda else "cpu", none_peak, full_peak, none_peak - sum(keep),
+                     blocks, notes)
+
+
+def _alike_averaged(times: dict[str, list[float]], kinds: list[tuple]) -> dict[str, list[float]]:
+    """Blocks of one class that save the same bytes do the same work: each gets the median of their
+    timings, since one short run on a busy machine can make any single block look slow."""
+    groups: dict[tuple, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        groups.setdefault(kind, []).append(index)
+    out = {}
+    for name, values in times.items():
+        out[name] = list(values)
+        for members in groups.values():
+            for index in members:
+                out[name][index] = statistics.median(values[i] for i in members)
+    return out
 
 
 def _times(times: dict[str, list[float]], index: int) -> tuple[float | None, float | None, float | None]:
