@@ -27,9 +27,12 @@ def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, devi
                   off_reason: str | None = None) -> list[dict]:
     """The solver's plans as params of `space` (whose choices grow by their per-block labels)."""
     stored = study.user_attrs.get("solver")
-    if stored is None or fresh:
+    if fresh:
         stored = _solve(space, cap, device, predictor, off_reason)
         study.set_user_attr("solver", stored)
+    elif stored is None:  # new choices now would clash with the distributions its trials were told with
+        log.info("solver: --resume: the study started without the solver's plans, so it goes on without them")
+        return []
     elif stored["proposals"]:
         log.info("solver: --resume: the %d plan(s) the study started with", len(stored["proposals"]))
     for line in stored["lines"]:

@@ -237,6 +237,9 @@ def recompute_seconds(recipe: Recipe, micro_batch: int, precision: str, steps: i
         per_step = [_per_step(c, steps, recipe.train.batch_size // micro_batch) for c in calls]
         out[name] = [recompute for _, recompute in per_step]
         out.setdefault("forward", [forward for forward, _ in per_step])
+    del model, optimizer, batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the tuner's model child lives on beside the probes: give the memory back
     return out
 
 
