@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..library import resolve_recipe
 from ..load import load_recipe_document
 from ..located import located_errors
-from ..problems import keyed_error
+from ..problems import InputError, Place, Problem, keyed_error
 from ..yamlio import dump_yaml
 from . import Command, add_recipe_arguments
 
@@ -26,8 +26,6 @@ def run(args) -> int:
         with located_errors(doc):
             return print_blocks(recipe, str(path))
     if args.costs:
-        from .costs import print_costs
-
         with located_errors(doc):
             return print_costs(recipe, str(path), args.json)
     print(dump_yaml(recipe.model_dump(mode="json")), end="")
@@ -51,6 +49,29 @@ def print_blocks(recipe, source: str = "<recipe>") -> int:
     width = max(len(block.name) for block in blocks)
     for block in blocks:
         print(f"{block.index:>4}  {block.name:<{width}}  {count_parameters(block.module):>14,} parameters")
+    return 0
+
+
+def print_costs(recipe, source: str, as_json: bool) -> int:
+    """`ckrun show RECIPE --costs`: the per-block cost table at the recipe's own micro-batch and
+    precision, on the device it trains on (a short real run times the recompute: 2 steps)."""
+    import json
+
+    import torch
+
+    from ..predict.block_costs import cost_table, format_table
+    from ..predict.estimate import EstimateUnavailable, Estimator
+    from .estimate import _plan_lines_quiet
+
+    cuda = recipe.train.device == "cuda" or (recipe.train.device == "auto" and torch.cuda.is_available())
+    try:
+        with _plan_lines_quiet():
+            table = cost_table(Estimator(recipe, "cuda" if cuda else "cpu"), recipe.micro_batch, recipe.precision, 2)
+    except EstimateUnavailable as err:
+        raise InputError([Problem(Place(source), "model", f"per-block costs are unavailable: {err}")]) from None
+    except ValueError as err:
+        raise keyed_error(err, source, "memory") from None
+    print(json.dumps(table.record()) if as_json else format_table(table))
     return 0
 
 
