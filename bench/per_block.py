@@ -1,8 +1,9 @@
 """Per-block plans against the uniform rules, at a cap between full and every-2nd-block checkpointing (CPU).
 
-A GPT-2-style model of 8 blocks, the whole batch in one pass. The cap's limit lies halfway between
-the estimator's peaks of `full` and `every:2` (on the CPU the estimate is the tracker's exact live
-bytes, which is what a probe measures), so every:2 does not fit and full does. The solver proposes
+A GPT-2-style model of 8 blocks, the whole batch in one pass. The cap's limit lies between the
+estimator's peaks of `full` and `every:2` (by default 0.6 of the way, `--at`: there `sqrt` fits
+too; on the CPU the estimate is the tracker's exact live bytes, which is what a probe measures),
+so every:2 does not fit and full does. The solver proposes
 its per-block plan from the block costs (estimator and a short timed run); then the solver's plan
 and every uniform rule that fits (none, full, every:k, sqrt, selective: measured, not assumed) are
 probed ROUNDS times each, interleaved, the way the tuner measures (a fresh single-threaded process
@@ -48,13 +49,13 @@ def label(plan: MemoryPlan) -> str:
         policy.policy, policy.policy)
 
 
-def setting(overrides: list[str]) -> tuple:
-    """The recipe, its estimator, the limit halfway between full's and every:2's peaks, and each rule's peak."""
+def setting(overrides: list[str], at: float = 0.6) -> tuple:
+    """The recipe, its estimator, the limit `at` of the way from full's peak to every:2's, and each rule's peak."""
     recipe = load_recipe(RECIPE, overrides)
     estimator = Estimator(recipe, "cpu")
     peaks = {label(MemoryPlan.model_validate({"checkpointing": rule})): estimator.estimate(
         MemoryPlan.model_validate({"checkpointing": rule})).peak_bytes for rule in RULES}
-    limit = (peaks["full"] + peaks["every:2"]) // 2
+    limit = int(peaks["full"] + at * (peaks["every:2"] - peaks["full"]))
     return recipe, estimator, limit, peaks
 
 
@@ -108,17 +109,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, one timed step: a smoke run")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved measurements of each plan (default 5)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench_per_block")
+    parser.add_argument("--at", type=float, default=0.6,
+                        help="where the limit lies from full's peak (0) to every:2's (1); default 0.6")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("runner.memory").setLevel(logging.WARNING)  # the estimator applies plans many times
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every probe child
     rounds, settings = (1, ProbeSettings(warmup_steps=1, timed_steps=1)) if args.quick else \
         (args.rounds, ProbeSettings(warmup_steps=2, timed_steps=5))
-    recipe, estimator, limit, peaks = setting(QUICK if args.quick else FULL)
+    if not 0 <= args.at < 1:
+        raise SystemExit(f"--at must lie in [0, 1) but got {args.at}")
+    recipe, estimator, limit, peaks = setting(QUICK if args.quick else FULL, args.at)
     plans = plans_to_measure(recipe, estimator, limit, peaks, timed_steps=1 if args.quick else 3)
     measured = measure(recipe, plans, rounds, args.out, settings)
     result = {"limit": limit, "peaks": peaks, "solver_plan": label(plans["solver"]), "measured": measured,
-              "overrides": QUICK if args.quick else FULL}
+              "overrides": QUICK if args.quick else FULL, "at": args.at}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     print(markdown(result))
