@@ -25,6 +25,7 @@ from runner.units import format_bytes
 from runner.yamlio import dump_yaml
 
 from .files import StudyLock
+from .frontier import solver_points
 from .probe import ProbeRunner, ProbeSettings
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
@@ -58,6 +59,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--finalists", type=int, default=2, metavar="K",
                         help="measure the K fastest plans until each has 3 runs, and rank them by the median "
                              "(default 2; 0 trusts one probe per plan)")
+    parser.add_argument("--no-solver", action="store_true",
+                        help="no per-block plans from the solver (which times each block in a short real run); "
+                             "start from the usual rules only")
     parser.add_argument("--no-screen", action="store_true",
                         help="no predictions: probe every plan, also those the estimator puts over the cap, "
                              "and start at the whole batch")
@@ -130,9 +134,11 @@ def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, run
     else:
         log.info("screening: a plan predicted over the cap plus the margin is told infeasible without a probe; "
                  "predictions run in a child process (%s)", model.directory)
+    off = "--no-solver" if args.no_solver else "--no-screen" if args.no_screen else None
+    first = solver_points(study, fresh, space, cap, device, predict, off)
     tuner = Tuner(study, space, cap, evaluate, predict, args.seed)
     if fresh:
-        tuner.start(recipe)
+        tuner.start(recipe, first, budget.trials)
     else:
         log.info("tune: --resume: %d trials already in %s are kept, not run again", len(study.trials), directory)
     started = time.monotonic()

@@ -87,7 +87,7 @@ class Candidate:
     def describe(self) -> str:
         parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {checkpointing_label(self.plan)}"]
         if self.plan.offload.policy != "none":
-            parts.append(f"offload {self.plan.offload.policy}")
+            parts.append(f"offload {offload_label(self.plan)}")
         if self.plan.compile:
             parts.append("compile")
         return ", ".join(parts + [self.precision])
@@ -121,7 +121,7 @@ class Space:
         values = {**self.fixed, **params}
         plan = MemoryPlan.model_validate({
             "micro_batch": values["micro_batch"], "checkpointing": parse_checkpointing(values["checkpointing"]),
-            "offload": {"policy": values["offload"]}, "compile": values["compile"], "blocks": self.blocks_path,
+            "offload": parse_offload(values["offload"]), "compile": values["compile"], "blocks": self.blocks_path,
         })
         return Candidate(plan, values["precision"])
 
@@ -160,12 +160,45 @@ class Space:
 
 def parse_checkpointing(value: str) -> dict:
     policy, _, every = value.partition(":")
+    if policy == "layers":  # a solver's per-block plan: "layers:0,2,5"
+        return {"policy": policy, "layers": [int(i) for i in every.split(",")]}
     return {"policy": policy, "every": int(every)} if every else {"policy": policy}
+
+
+def parse_offload(value: str) -> dict:
+    policy, _, layers = value.partition(":")
+    return {"policy": policy, "layers": [int(i) for i in layers.split(",")]} if layers else {"policy": policy}
 
 
 def checkpointing_label(plan: MemoryPlan) -> str:
     policy = plan.checkpointing
+    if policy.policy == "layers":
+        return "layers:" + ",".join(map(str, policy.layers))
     return f"every:{policy.every}" if policy.policy == "every" else policy.policy
+
+
+def offload_label(plan: MemoryPlan) -> str:
+    return "layers:" + ",".join(map(str, plan.offload.layers)) if plan.offload.policy == "layers" else plan.offload.policy
+
+
+def add_proposals(space: Space, proposals: list[dict]) -> list[dict]:
+    """The solver's plans (`Proposal.record()`s) as points of the space: their per-block labels join
+    the choices (so TPE can move from them to the rules around), and their params come back in order.
+    A proposal whose micro-batch or precision the space does not search is left out."""
+    points = []
+    for proposal in proposals:
+        plan = MemoryPlan.model_validate(proposal["plan"])
+        params = {"micro_batch": plan.micro_batch, "checkpointing": checkpointing_label(plan),
+                  "offload": offload_label(plan), "precision": proposal["precision"], "compile": plan.compile}
+        params = {k: v for k, v in params.items() if k in space.choices or space.fixed.get(k) != v}
+        if any(k not in space.choices for k in params):
+            continue  # it differs from a pinned knob (offload on a CPU, another precision)
+        for name in ("checkpointing", "offload"):
+            if name in params and params[name] not in space.choices[name]:
+                space.choices[name].append(params[name])
+        if all(params[k] in space.choices[k] for k in params) and params not in points:
+            points.append(params)
+    return points
 
 
 def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precision: bool = False,

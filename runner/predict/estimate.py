@@ -101,7 +101,10 @@ class Estimator:
                 self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
         self.warnings = gaps.warnings()
 
-    def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None) -> Estimate:
+    def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None,
+                 watch=None) -> Estimate:
+        """`watch(tracker)`, when given, is a context manager entered around the step (per-block costs
+        read the tracker from hooks it installs)."""
         plan = self.recipe.memory if plan is None else plan
         precision = precision or self.recipe.precision
         micro = _micro_batch(plan, self.recipe.train.batch_size)
@@ -111,7 +114,8 @@ class Estimator:
             tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
             try:
-                with _unavailable("the training step"), tracker:
+                with _unavailable("the training step"), tracker, \
+                        (watch(tracker) if watch else contextlib.nullcontext()):
                     self._step(micro, precision)
             finally:
                 tracker.close()
