@@ -98,6 +98,26 @@ class LayerListOffload(Strict):
 
 Offload = Annotated[NoOffload | AllBlocksOffload | LayerListOffload, Field(discriminator="policy")]
 
+# --- activation compression (lossy) ----------------------------------------------------------
+
+
+class NoCompression(Strict):
+    policy: Literal["none"] = "none"
+    """Saved activations keep their dtype: exact."""
+
+
+class CastCompression(Strict):
+    policy: Literal["bf16", "fp8"]
+    """`bf16`: fp32 saved activations of every block are stored as bfloat16 (half the bytes). `fp8`:
+    every floating saved activation of 2 or more bytes is stored as float8_e4m3fn with one scale per
+    tensor (a quarter of fp32's bytes; torch without float8 refuses it). Lossy: backward computes
+    with rounded activations, so it needs memory.allow_lossy: true."""
+    min_bytes: ByteSize = ByteSize(1 << 10)
+    """Saved tensors smaller than this keep their dtype (casting them costs more than it saves)."""
+
+
+Compression = Annotated[NoCompression | CastCompression, Field(discriminator="policy")]
+
 
 class MemoryPlan(Strict):
     """How a step trades time for memory. Checkpointing, offload and compile never change what is
@@ -115,6 +135,11 @@ class MemoryPlan(Strict):
     """Dotted path of the repeated-block container (e.g. `bert.encoder.layer`) when discovery guesses wrong."""
     compile: bool = False
     """Run the model through torch.compile (slow first step, faster after)."""
+    compression: Compression = Field(default_factory=NoCompression)
+    """Store the blocks' saved activations in a lower precision until backward needs them (lossy)."""
+    allow_lossy: bool = False
+    """Permit knobs that change the gradients (memory.compression); `ckrun tune --allow-lossy` sets it
+    in the plans it tries, and tuned.yaml keeps it so the choice stays visible."""
     max_mem: ByteSize | None = None
     """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
 
@@ -124,3 +149,12 @@ class MemoryPlan(Strict):
         if max_mem is not None and max_mem <= 0:  # as `ckrun tune --max-mem 0` is refused
             raise ValueError(f"the cap must be positive but got {max_mem}; leave max_mem out for no cap")
         return max_mem
+
+
+def lossy_problem(plan: MemoryPlan) -> tuple[tuple[str, ...], str] | None:
+    """(key path, message) when the plan changes the gradients without memory.allow_lossy."""
+    if plan.compression.policy != "none" and not plan.allow_lossy:
+        return ("compression",), (f"memory.compression: {plan.compression.policy} stores saved activations rounded, "
+                                  "which changes the gradients; set memory.allow_lossy: true to accept that (or "
+                                  "`ckrun tune --allow-lossy`), or memory.compression.policy: none")
+    return None

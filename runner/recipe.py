@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .build.resolve import infer_task, resolve_import_path, transformers_class
-from .plan import MemoryPlan, Strict
+from .plan import MemoryPlan, Strict, lossy_problem
 from .problems import suggest
 
 
@@ -337,6 +337,13 @@ class Recipe(Strict):
                 f"memory.micro_batch {micro} does not divide train.batch_size {self.train.batch_size}; "
                 f"use a divisor such as {largest_divisor_at_most(self.train.batch_size, micro)}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lossy_opted_in(self) -> Recipe:
+        problem = lossy_problem(self.memory)
+        if problem is not None:
+            raise KeyedValueError(("memory", *problem[0]), problem[1])
         return self
 
     @property

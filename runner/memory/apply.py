@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..plan import MemoryPlan
+from ..plan import MemoryPlan, lossy_problem
 from .blocks import BlockList, Undo, find_blocks
 from .checkpointing import apply_checkpointing, chosen_blocks
+from .compress import ActivationCompression, apply_compression, chaining_missing, missing_for
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
 from .torch_features import missing_for_sqrt
 
@@ -30,6 +31,7 @@ class AppliedPlan:
     checkpointed: list[int] = field(default_factory=list)
     offloaded: list[int] = field(default_factory=list)
     offload: ActivationOffload | None = None  # its pool and byte counts, when offloading
+    compression: ActivationCompression | None = None  # its byte counts, when compressing
     _undo: list[Undo] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
@@ -47,7 +49,7 @@ class AppliedPlan:
 def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> AppliedPlan:
     """Apply `plan`'s checkpointing and offload to `model`'s blocks (after the model is on `device`)."""
     device = torch.device(device)
-    needs_blocks = plan.checkpointing.policy != "none" or plan.offload.policy != "none"
+    needs_blocks = any(part.policy != "none" for part in (plan.checkpointing, plan.offload, plan.compression))
     check_combination(plan, device)
     if not needs_blocks and plan.blocks is None:
         return AppliedPlan(plan, None)
@@ -56,6 +58,9 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
     if needs_blocks:
         log.info("memory plan on %d blocks of %s", len(blocks), blocks.container_name or type(model).__name__)
     applied._undo.append(apply_checkpointing(blocks, plan.checkpointing))
+    # compression inside offload: offload's hooks are entered first and compression's chain to them
+    undo_compression, applied.compression = apply_compression(blocks, plan.compression)
+    applied._undo.append(undo_compression)
     try:
         undo_offload, applied.offload = apply_offload(blocks, plan.offload, device)
     except BaseException:
@@ -69,6 +74,7 @@ def check_combination(plan: MemoryPlan, device: torch.device) -> None:
     """Plan problems that need no model: a ValueError whose message starts with the key to change."""
     if plan.offload.policy != "none" and device.type != "cuda":
         raise ValueError(CPU_REFUSAL)
+    _check_compression(plan)
     if plan.checkpointing.policy == "sqrt" and missing_for_sqrt():
         raise ValueError(missing_for_sqrt())
     if plan.compile and plan.checkpointing.policy == "sqrt":
@@ -86,3 +92,22 @@ def check_combination(plan: MemoryPlan, device: torch.device) -> None:
         # around each block: the two would interleave on autograd's saved-tensor hook stack
         raise ValueError("memory.offload: cannot be combined with memory.checkpointing.policy: sqrt; "
                          "use policy full, every or layers with offload")
+
+
+def _check_compression(plan: MemoryPlan) -> None:
+    if plan.compression.policy == "none":
+        return
+    problem = lossy_problem(plan)
+    why = problem[1] if problem else missing_for(plan.compression.policy)
+    if why is None and plan.offload.policy != "none":
+        why = chaining_missing()
+    if why is None and plan.compile:
+        # as with offload: dynamo would trace the hooks' Python; compiled code keeps its own activations
+        why = ("memory.compression: cannot be combined with memory.compile: true; set memory.compression.policy: "
+               "none or memory.compile: false")
+    if why is None and plan.checkpointing.policy == "sqrt":
+        # a sqrt segment's checkpoint hooks span several blocks; per-block hooks would interleave with them
+        why = ("memory.compression: cannot be combined with memory.checkpointing.policy: sqrt; use policy full, "
+               "every, layers or selective")
+    if why is not None:
+        raise ValueError(why)

@@ -108,6 +108,18 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
+        self.gradient_error = self._lossy_error()  # None for an exact plan
+
+    def _lossy_error(self) -> float | None:
+        if self.plan.compression is None:
+            return None
+        from .lossy import gradient_error, report_gradient_error
+
+        batch = self.data.global_batch(self.step).to(self.device)
+        error = gradient_error(self.model, self.plan.compression, batch, self.recipe.micro_batch, self.precision,
+                               self.device)
+        log.info(report_gradient_error(error, self.recipe.memory.compression.policy))
+        return error
 
     # --- state ------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: s
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "losses": [r["loss"] for r in records],
         **{k: max(r.get(k, 0) for r in records) for k in ("peak_allocated_bytes", "cuda_context_bytes")},
+        **({"gradient_error": trainer.gradient_error} if trainer.gradient_error is not None else {}),
         **_device(trainer),
     }
 
