@@ -90,6 +90,8 @@ class Candidate:
             parts.append(f"offload {self.plan.offload.policy}")
         if self.plan.compile:
             parts.append("compile")
+        if self.plan.compression.policy != "none":
+            parts.append(f"compression {self.plan.compression.policy} (lossy)")
         return ", ".join(parts + [self.precision])
 
 
@@ -122,6 +124,7 @@ class Space:
         plan = MemoryPlan.model_validate({
             "micro_batch": values["micro_batch"], "checkpointing": parse_checkpointing(values["checkpointing"]),
             "offload": {"policy": values["offload"]}, "compile": values["compile"], "blocks": self.blocks_path,
+            **compression_fields(values.get("compression", "none")),
         })
         return Candidate(plan, values["precision"])
 
@@ -143,7 +146,7 @@ class Space:
             micro_batches = [recipe.train.batch_size]
         for checkpointing in ("none", "full", "every:2"):
             base = {"checkpointing": checkpointing, "offload": "none", "precision": recipe.precision,
-                    "compile": recipe.memory.compile}
+                    "compile": recipe.memory.compile, "compression": "none"}
             base = {k: v for k, v in base.items() if k in self.choices}
             if any(v not in self.choices[k] for k, v in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
@@ -163,13 +166,18 @@ def parse_checkpointing(value: str) -> dict:
     return {"policy": policy, "every": int(every)} if every else {"policy": policy}
 
 
+def compression_fields(policy: str) -> dict:
+    """A plan's compression keys: a lossy policy carries its opt-in, so tuned.yaml shows it."""
+    return {} if policy == "none" else {"compression": {"policy": policy}, "allow_lossy": True}
+
+
 def checkpointing_label(plan: MemoryPlan) -> str:
     policy = plan.checkpointing
     return f"every:{policy.every}" if policy.policy == "every" else policy.policy
 
 
 def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precision: bool = False,
-                search_compile: bool = False, search_micro_batch: bool = False) -> Space:
+                search_compile: bool = False, search_micro_batch: bool = False, allow_lossy: bool = False) -> Space:
     """The space for `recipe` on `device`; every automatic choice is logged with its reason."""
     space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size,
                   batchnorm=facts.batchnorm, dropout=facts.dropout)
@@ -178,6 +186,7 @@ def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precis
     _offload(space, device)
     _precision(space, recipe.precision, device, search_precision)
     _compile(space, recipe.memory.compile, search_compile)
+    _compression(space, recipe.memory, allow_lossy)
     for reason in space.reasons:
         log.info("space: %s", reason)
     log.info("space: %d plans in all", space.size)
@@ -266,3 +275,31 @@ def _compile(space: Space, pinned: bool, search: bool) -> None:
     else:
         space.fixed["compile"] = pinned
         space.reasons.append(f"compile pinned to the recipe's {pinned} (pass --search-compile to try both)")
+
+
+def _compression(space: Space, memory: MemoryPlan, allow_lossy: bool) -> None:
+    from runner.memory.compress import FP8
+
+    pinned = memory.compression.policy
+    if not allow_lossy:
+        if pinned != "none":  # "none" is what a plan without the key gets: the space's fixed keys stay as they were
+            space.fixed["compression"] = pinned
+        why = "the recipe's lossy choice (memory.allow_lossy)" if pinned != "none" else "it is lossy"
+        space.reasons.append(f"compression pinned to {pinned}: {why}; --allow-lossy searches bf16/fp8 storage of "
+                             "saved activations, which changes the gradients")
+        return
+    space.choices["compression"] = ["none", "bf16"] + (["fp8"] if FP8 is not None else [])
+    space.reasons.append(f"compression in {space.choices['compression']} (--allow-lossy): saved activations stored "
+                         "rounded; lossy, and each such plan's gradient error is measured in its probe")
+
+
+def compression_comment(record: dict) -> str | None:
+    """tuned.yaml's line on a lossy winner: what it changes, and by how much on one batch."""
+    policy = (record["plan"].get("compression") or {}).get("policy", "none")
+    if policy == "none":
+        return None
+    error = record.get("gradient_error")
+    measured = f"relative gradient error {error:.2e} against the exact plan (one batch)" if error is not None else \
+        "gradient error not measured"
+    return (f"LOSSY: memory.compression {policy} stores saved activations rounded: {measured}; set "
+            "memory.compression.policy: none for exact gradients")

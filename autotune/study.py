@@ -236,6 +236,8 @@ class Tuner:
         if result["status"] != "ok":
             return {**out, "state": result["status"], "constraint": max(out["constraint"], 1e-6)}
         out["samples_per_s"] = result["samples_per_s"]
+        if "gradient_error" in result:  # a lossy plan (memory.compression): how far its gradient moved
+            out["gradient_error"] = result["gradient_error"]
         if peak > self.cap.limit:
             return {**out, "state": "over_limit",
                     "reason": f"measured {format_bytes(peak)} > limit {self.cap.describe()}"}
@@ -255,7 +257,9 @@ def _log_trial(number: int, candidate: Candidate, record: dict) -> None:
     peak = record.get("measured_peak") or record.get("predicted_peak")
     speed = record.get("samples_per_s")
     numbers = ", ".join(x for x in (f"peak {format_bytes(peak)}" if peak else "",
-                                    f"{speed:.1f} samples/s" if speed else "") if x)
+                                    f"{speed:.1f} samples/s" if speed else "",
+                                    f"gradient error {record['gradient_error']:.2e}" if "gradient_error" in record
+                                    else "") if x)
     log.info("trial %d: %s: %s%s%s", number, record["state"], candidate.describe(),
              f" ({numbers})" if numbers else "", f" - {record['reason']}" if record.get("reason") else "")
 
