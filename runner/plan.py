@@ -119,6 +119,15 @@ class CastCompression(Strict):
 Compression = Annotated[NoCompression | CastCompression, Field(discriminator="policy")]
 
 
+class LengthBucket(Strict):
+    """One bucket of an adaptive plan: the checkpointing for batches up to `max_len` tokens long."""
+
+    max_len: int = Field(gt=0)
+    """Batches whose sequence length is at most this, and over the previous bucket's, use this bucket."""
+    checkpointing: Checkpointing
+    """The checkpointing for these batches (policy sqrt is not switchable: use every or layers)."""
+
+
 class MemoryPlan(Strict):
     """How a step trades time for memory. Checkpointing, offload and compile never change what is
     computed; micro_batch does where the model looks across samples (BatchNorm, dropout masks)."""
@@ -135,6 +144,11 @@ class MemoryPlan(Strict):
     """Dotted path of the repeated-block container (e.g. `bert.encoder.layer`) when discovery guesses wrong."""
     compile: bool = False
     """Run the model through torch.compile (slow first step, faster after)."""
+    adaptive: list[LengthBucket] = Field(default_factory=list)
+    """Checkpointing per batch length, for text whose batches vary in length (data.split: lines):
+    a batch uses the first bucket whose max_len it does not exceed, a longer one memory.checkpointing.
+    Short batches can then recompute less. The trainer switches between steps without rebuilding
+    the model; results are the same as under any fixed plan. Empty: one plan for every batch."""
     compression: Compression = Field(default_factory=NoCompression)
     """Store the blocks' saved activations in a lower precision until backward needs them (lossy)."""
     allow_lossy: bool = False
@@ -142,6 +156,17 @@ class MemoryPlan(Strict):
     in the plans it tries, and tuned.yaml keeps it so the choice stays visible."""
     max_mem: ByteSize | None = None
     """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
+
+    @field_validator("adaptive")
+    @classmethod
+    def _buckets_in_order(cls, buckets: list[LengthBucket]) -> list[LengthBucket]:
+        lengths = [bucket.max_len for bucket in buckets]
+        if lengths != sorted(set(lengths)):
+            raise ValueError(f"buckets must go from short to long, each max_len once, but got max_len {lengths}")
+        if any(bucket.checkpointing.policy == "sqrt" for bucket in buckets):
+            raise ValueError("a bucket cannot use policy sqrt (its segments span blocks, which cannot switch "
+                             "per batch); use policy every or layers")
+        return buckets
 
     @field_validator("max_mem")
     @classmethod

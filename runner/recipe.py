@@ -127,7 +127,12 @@ class TextFilesData(Strict):
     task: Task | None = None
     """What the model learns; inferred from the model class when unset."""
     seq_len: int = Field(default=128, gt=0)
-    """Tokens per sample."""
+    """Tokens per sample (`split: lines`: the most; longer lines are cut)."""
+    split: Literal["packed", "lines"] = "packed"
+    """`packed`: the text is one stream cut into seq_len samples, so every batch is seq_len long.
+    `lines`: each non-empty line is a sample (no packing) and a batch is padded to its longest line,
+    padding masked out of attention and the loss: batch lengths vary, and memory.adaptive can pick
+    a plan per length."""
     tokenizer: str | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
     mask_prob: float = Field(default=0.15, gt=0, lt=1)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..plan import MemoryPlan, lossy_problem
 from .blocks import BlockList, Undo, find_blocks
+from .adaptive import PlanSwitch, apply_adaptive
 from .checkpointing import apply_checkpointing, chosen_blocks
 from .compress import ActivationCompression, apply_compression, chaining_missing, missing_for
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
@@ -32,6 +33,7 @@ class AppliedPlan:
     offloaded: list[int] = field(default_factory=list)
     offload: ActivationOffload | None = None  # its pool and byte counts, when offloading
     compression: ActivationCompression | None = None  # its byte counts, when compressing
+    switch: PlanSwitch | None = None  # memory.adaptive: which bucket's checkpointing runs now
     _undo: list[Undo] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
@@ -49,7 +51,8 @@ class AppliedPlan:
 def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> AppliedPlan:
     """Apply `plan`'s checkpointing and offload to `model`'s blocks (after the model is on `device`)."""
     device = torch.device(device)
-    needs_blocks = any(part.policy != "none" for part in (plan.checkpointing, plan.offload, plan.compression))
+    needs_blocks = bool(plan.adaptive) or any(part.policy != "none" for part in
+                                               (plan.checkpointing, plan.offload, plan.compression))
     check_combination(plan, device)
     if not needs_blocks and plan.blocks is None:
         return AppliedPlan(plan, None)
@@ -57,7 +60,11 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
     applied = AppliedPlan(plan, blocks, chosen_blocks(plan.checkpointing, blocks), offloaded_blocks(plan.offload, blocks))
     if needs_blocks:
         log.info("memory plan on %d blocks of %s", len(blocks), blocks.container_name or type(model).__name__)
-    applied._undo.append(apply_checkpointing(blocks, plan.checkpointing))
+    if plan.adaptive:
+        undo_checkpointing, applied.switch = apply_adaptive(blocks, plan)
+    else:
+        undo_checkpointing = apply_checkpointing(blocks, plan.checkpointing)
+    applied._undo.append(undo_checkpointing)
     # compression inside offload: offload's hooks are entered first and compression's chain to them
     undo_compression, applied.compression = apply_compression(blocks, plan.compression)
     applied._undo.append(undo_compression)
@@ -75,6 +82,9 @@ def check_combination(plan: MemoryPlan, device: torch.device) -> None:
     if plan.offload.policy != "none" and device.type != "cuda":
         raise ValueError(CPU_REFUSAL)
     _check_compression(plan)
+    if plan.adaptive and plan.checkpointing.policy == "sqrt":
+        raise ValueError("memory.adaptive: cannot be combined with memory.checkpointing.policy: sqrt (its segments "
+                         "span blocks, which cannot switch per batch); use policy every or layers")
     if plan.checkpointing.policy == "sqrt" and missing_for_sqrt():
         raise ValueError(missing_for_sqrt())
     if plan.compile and plan.checkpointing.policy == "sqrt":

@@ -149,6 +149,8 @@ class Trainer:
             if not is_out_of_memory(err):
                 raise
             raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
+        if self.plan.switch is not None:
+            self.plan.switch.select(batch)  # memory.adaptive: this batch length's checkpointing
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         ran = self._timed_step(batch)
