@@ -114,6 +114,8 @@ class Tuner:
                  "; ".join(self.space.candidate(p).describe() for p in starts))
 
     def _predicted_to_fit(self, candidate: Candidate) -> bool:
+        if candidate.plan.activation_memory_budget is not None:
+            return True  # the eager estimate bounds no compiled plan under a budget: it is measured instead
         predicted = self._prediction(candidate)
         return predicted is None or predicted <= self.cap.limit
 
@@ -167,7 +169,7 @@ class Tuner:
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             self.study.tell(trial.number, state=TrialState.FAIL)
             # a second run of a finalist is left to confirm(), which decides again which plans need one
-            if set(trial.params) == set(self.space.choices) and "repeat_of" not in trial.user_attrs:
+            if set(trial.params) == set(self.space.distributions()) and "repeat_of" not in trial.user_attrs:
                 self.study.enqueue_trial(trial.params)
                 log.info("tune: trial %d was interrupted mid-probe; measuring its plan again", trial.number)
 
@@ -218,7 +220,9 @@ class Tuner:
         invalid = _invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return {**record, "state": "invalid", "reason": invalid, "constraint": UNMEASURED}
-        predicted = self._prediction(candidate) if screen else None
+        # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
+        measure_only = candidate.plan.activation_memory_budget is not None
+        predicted = self._prediction(candidate) if screen and not measure_only else None
         record["predicted_peak"] = predicted
         if candidate.key in self.unscreened:
             record["unscreened"] = self.unscreened[candidate.key]

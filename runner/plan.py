@@ -6,6 +6,7 @@ written into a recipe, compared, hashed and proposed by the tuner.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
@@ -144,6 +145,13 @@ class MemoryPlan(Strict):
     """Dotted path of the repeated-block container (e.g. `bert.encoder.layer`) when discovery guesses wrong."""
     compile: bool = False
     """Run the model through torch.compile (slow first step, faster after)."""
+    activation_memory_budget: float | None = Field(default=None, ge=0, le=1)
+    """With compile: the fraction of its default activation memory torch's partitioner may keep,
+    recomputing the rest (0: recompute all it can, 1: torch's default). The peak is not monotonic
+    in it (pytorch issue 197838): measure each value. Unset: torch's own setting."""
+    allocator: str | None = None
+    """PYTORCH_CUDA_ALLOC_CONF for the run, e.g. `expandable_segments:True` (less fragmentation),
+    set before CUDA starts; no effect on the CPU. Unset: whatever the environment says."""
     adaptive: list[LengthBucket] = Field(default_factory=list)
     """Checkpointing per batch length, for text whose batches vary in length (data.split: lines):
     a batch uses the first bucket whose max_len it does not exceed, a longer one memory.checkpointing.
@@ -168,6 +176,14 @@ class MemoryPlan(Strict):
                              "per batch); use policy every or layers")
         return buckets
 
+    @field_validator("allocator")
+    @classmethod
+    def _allocator_settings(cls, allocator: str | None) -> str | None:
+        if allocator is not None and not _ALLOCATOR_SETTINGS.fullmatch(allocator):
+            raise ValueError(f"{allocator!r} is not allocator settings; write option:value pairs joined by commas, "
+                             "e.g. expandable_segments:True or max_split_size_mb:128,expandable_segments:False")
+        return allocator
+
     @field_validator("max_mem")
     @classmethod
     def _positive_cap(cls, max_mem: ByteSize | None) -> ByteSize | None:
@@ -176,8 +192,15 @@ class MemoryPlan(Strict):
         return max_mem
 
 
-def lossy_problem(plan: MemoryPlan) -> tuple[tuple[str, ...], str] | None:
-    """(key path, message) when the plan changes the gradients without memory.allow_lossy."""
+_SETTING = r"[A-Za-z_]+:(\[[^\]\s]*\]|[^,:\s\[\]]+)"  # roundup_power2_divisions takes a [list]
+_ALLOCATOR_SETTINGS = re.compile(rf"{_SETTING}(,{_SETTING})*")
+
+
+def plan_problem(plan: MemoryPlan) -> tuple[tuple[str, ...], str] | None:
+    """(key path, message) for a combination the plan's fields cannot have; None when it is fine."""
+    if plan.activation_memory_budget is not None and not plan.compile:
+        return ("activation_memory_budget",), ("memory.activation_memory_budget: is torch.compile's partitioner "
+                                               "setting, and needs memory.compile: true; set it or leave the budget out")
     if plan.compression.policy != "none" and not plan.allow_lossy:
         return ("compression",), (f"memory.compression: {plan.compression.policy} stores saved activations rounded, "
                                   "which changes the gradients; set memory.allow_lossy: true to accept that (or "

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .build.resolve import infer_task, resolve_import_path, transformers_class
-from .plan import MemoryPlan, Strict, lossy_problem
+from .plan import MemoryPlan, Strict, plan_problem
 from .problems import suggest
 
 
@@ -345,8 +345,8 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
-    def _lossy_opted_in(self) -> Recipe:
-        problem = lossy_problem(self.memory)
+    def _plan_consistent(self) -> Recipe:
+        problem = plan_problem(self.memory)
         if problem is not None:
             raise KeyedValueError(("memory", *problem[0]), problem[1])
         return self

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..plan import MemoryPlan, lossy_problem
+from ..plan import MemoryPlan, plan_problem
 from .blocks import BlockList, Undo, find_blocks
 from .adaptive import PlanSwitch, apply_adaptive
 from .checkpointing import apply_checkpointing, chosen_blocks
 from .compress import ActivationCompression, apply_compression, chaining_missing, missing_for
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
-from .torch_features import missing_for_sqrt
+from .torch_features import missing_budget, missing_for_sqrt
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,13 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
 
 def check_combination(plan: MemoryPlan, device: torch.device) -> None:
     """Plan problems that need no model: a ValueError whose message starts with the key to change."""
+    problem = plan_problem(plan)
+    if problem is not None:
+        raise ValueError(problem[1])
     if plan.offload.policy != "none" and device.type != "cuda":
         raise ValueError(CPU_REFUSAL)
+    if plan.activation_memory_budget is not None and missing_budget():
+        raise ValueError(missing_budget())
     _check_compression(plan)
     if plan.adaptive and plan.checkpointing.policy == "sqrt":
         raise ValueError("memory.adaptive: cannot be combined with memory.checkpointing.policy: sqrt (its segments "
@@ -107,8 +112,7 @@ def check_combination(plan: MemoryPlan, device: torch.device) -> None:
 def _check_compression(plan: MemoryPlan) -> None:
     if plan.compression.policy == "none":
         return
-    problem = lossy_problem(plan)
-    why = problem[1] if problem else missing_for(plan.compression.policy)
+    why = missing_for(plan.compression.policy)
     if why is None and plan.offload.policy != "none":
         why = chaining_missing()
     if why is None and plan.compile:

@@ -19,6 +19,7 @@ import torch
 from ..build.data import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler
+from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
@@ -61,6 +62,12 @@ class OutOfMemory(MemoryCapExceeded):
               "`ckrun estimate` predicts a step's peak")
 
 
+def planned_device_kind(recipe: Recipe) -> str:
+    """The device type the run will use, found without initialising CUDA (is_available only counts)."""
+    wanted = recipe.train.device
+    return ("cuda" if torch.cuda.is_available() else "cpu") if wanted == "auto" else wanted
+
+
 def pick_device(recipe: Recipe, source: str = "<recipe>") -> torch.device:
     wanted = recipe.train.device
     if wanted == "cuda" and not torch.cuda.is_available():
@@ -84,6 +91,7 @@ class RunResult:
 class Trainer:
     def __init__(self, recipe: Recipe, source: str = "<recipe>"):
         self.recipe, self.source = recipe, source
+        apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))  # before pick_device starts CUDA
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
@@ -101,6 +109,7 @@ class Trainer:
         self.model = build_model(recipe.model, self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
+        apply_compile_budget(recipe.memory)
         self.forward_model = torch.compile(self.model) if recipe.memory.compile else self.model
         self.data = build_data(recipe, self.model)
         self.optimizer = build_optimizer(self.model, recipe.train, self.device)
