@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..plan import Compression
@@ -63,7 +63,7 @@ def outer_hooks() -> tuple[Callable, Callable] | None:
 class _Compressed:
     """What autograd keeps instead of a tensor: its rounded copy (or what outer hooks made of it)."""
 
-    __slots__ = ("data", "dtype", "scale", "__weakref__")
+    __slots__ = ("data", "dtype", "scale")
 
     def __init__(self, data, dtype: torch.dtype, scale: torch.Tensor | None):
         self.data, self.dtype, self.scale = data, dtype, scale
@@ -91,29 +91,27 @@ class ActivationCompression:
     def hooks(self, module: nn.Module) -> saved_tensors_hooks:
         """The hooks for one forward of `module`, chained to the hooks already in force."""
         outer = outer_hooks()
-        own, seen = _Storages(module), {}
-        pack = functools.partial(self._pack, own, seen, outer[0] if outer else None)
+        own = _Storages(module)
+        pack = functools.partial(self._pack, own, outer[0] if outer else None)
         return saved_tensors_hooks(pack, functools.partial(self._unpack, outer[1] if outer else None))
 
     def compressible(self, tensor: torch.Tensor, own: _Storages) -> bool:
         nbytes = tensor.numel() * tensor.element_size()
-        return (type(tensor) is torch.Tensor and tensor.is_floating_point() and tensor.layout is torch.strided
+        # subclasses (DTensor, float8 tensors) are left alone; fake ones are the estimate's, which must count
+        return (type(tensor) in (torch.Tensor, FakeTensor) and tensor.is_floating_point() and tensor.layout is torch.strided
                 and tensor.element_size() > self.target.itemsize and nbytes >= max(1, self.min_bytes)
                 and not derived_from_parameter(tensor) and not own.holds(tensor))
 
-    def _pack(self, own: _Storages, seen: dict, outer_pack: Callable | None, tensor: torch.Tensor):
+    def _pack(self, own: _Storages, outer_pack: Callable | None, tensor: torch.Tensor):
+        # no de-duplication of a tensor saved twice (offload has one): a table of what was packed held
+        # the copies for the whole block and made the peak depend on when Python freed it
         if not self.compressible(tensor, own):
             return outer_pack(tensor) if outer_pack else tensor
-        hit = seen.get(id(tensor))
-        if hit is not None and hit[0]() is tensor:
-            return hit[1]
         rounded, scale = self.compress(tensor.detach())
         self.original_bytes += tensor.numel() * tensor.element_size()
         self.stored_bytes += rounded.numel() * rounded.element_size() + (0 if scale is None else scale.element_size())
         self.count += 1
-        entry = _Compressed(outer_pack(rounded) if outer_pack else rounded, tensor.dtype, scale)
-        seen[id(tensor)] = (weakref.ref(tensor), entry)
-        return entry
+        return _Compressed(outer_pack(rounded) if outer_pack else rounded, tensor.dtype, scale)
 
     def _unpack(self, outer_unpack: Callable | None, entry):
         if not isinstance(entry, _Compressed):

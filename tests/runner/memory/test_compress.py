@@ -182,3 +182,21 @@ def test_training_reports_the_gradient_error(tmp_path, ckrun, caplog):
     assert len(reports) == 1 and reports[0].startswith("memory.compression bf16 is lossy"), reports
     error = float(reports[0].split("relative gradient error ")[1].split()[0])
     assert 0 < error < 5e-2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
+    """The estimator runs the same hooks on fake tensors: its CPU peak is the peak a real step measures."""
+    from runner.load import load_recipe
+    from runner.predict.estimate import estimate_peak
+    from runner.train.loop import Trainer
+
+    recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"memory.compression={{policy: {policy}}}", "memory.allow_lossy=true",
+                                     f"output.dir={tmp_path}"])
+    trainer = Trainer(recipe)
+    trainer.train_step()  # the first step creates the optimizer state; the estimate is of later steps
+    measured = trainer.train_step()["peak_mem_bytes"]
+    exact = estimate_peak(recipe.model_copy(update={"memory": MemoryPlan()}), "cpu")
+    estimate = estimate_peak(recipe, "cpu")
+    assert estimate.peak_bytes == measured
+    assert estimate.breakdown["activations"] < exact.breakdown["activations"]
