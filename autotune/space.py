@@ -95,6 +95,8 @@ class Candidate:
             parts.append("compile" + (f" (activation budget {budget:g})" if budget is not None else ""))
         if self.plan.allocator is not None:
             parts.append(f"allocator {self.plan.allocator}")
+        for bucket in self.plan.adaptive:
+            parts.append(f"up to {bucket.max_len} tokens: {checkpointing_label(bucket)}")
         if self.plan.compression.policy != "none":
             parts.append(f"compression {self.plan.compression.policy} (lossy)")
         return ", ".join(parts + [self.precision])
@@ -135,6 +137,7 @@ class Space:
             "allocator": None if values.get("allocator", "default") == "default" else values["allocator"],
             "micro_batch": values["micro_batch"], "checkpointing": parse_checkpointing(values["checkpointing"]),
             "offload": {"policy": values["offload"]}, "compile": values["compile"], "blocks": self.blocks_path,
+            "adaptive": adaptive_buckets(values),
             **compression_fields(values.get("compression", "none")),
         })
         return Candidate(plan, values["precision"])
@@ -157,7 +160,8 @@ class Space:
             micro_batches = [recipe.train.batch_size]
         for checkpointing in ("none", "full", "every:2"):
             base = {"checkpointing": checkpointing, "offload": "none", "precision": recipe.precision,
-                    "compile": recipe.memory.compile, "compression": "none", "allocator": "default"}
+                    "compile": recipe.memory.compile, "compression": "none", "allocator": "default",
+                    "short_checkpointing": "same"}
             base = {k: v for k, v in base.items() if k in self.choices}
             if any(v not in self.choices[k] for k, v in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
@@ -190,6 +194,15 @@ def parse_checkpointing(value: str) -> dict:
     return {"policy": policy, "every": int(every)} if every else {"policy": policy}
 
 
+def adaptive_buckets(values: dict) -> list[dict]:
+    """memory.adaptive of a point: the recipe's when pinned, else one bucket of short batches with
+    their own checkpointing ("same": no bucket, one plan for every length)."""
+    if "adaptive" in values:
+        return values["adaptive"]
+    short = values.get("short_checkpointing", "same")
+    return [] if short == "same" else [{"max_len": values["short_len"], "checkpointing": parse_checkpointing(short)}]
+
+
 def compression_fields(policy: str) -> dict:
     """A plan's compression keys: a lossy policy carries its opt-in, so tuned.yaml shows it."""
     return {} if policy == "none" else {"compression": {"policy": policy}, "allow_lossy": True}
@@ -207,6 +220,7 @@ def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precis
                   batchnorm=facts.batchnorm, dropout=facts.dropout)
     _micro_batches(space, recipe.memory.micro_batch or recipe.train.batch_size, search_micro_batch)
     _checkpointing(space, facts.blocks)
+    _adaptive(space, recipe)
     _offload(space, device)
     _allocator(space, recipe.memory.allocator, device)
     _precision(space, recipe.precision, device, search_precision)
@@ -270,6 +284,21 @@ def _checkpointing(space: Space, blocks: BlockList) -> None:
     space.choices["checkpointing"] = options
     space.reasons.append(f"checkpointing in {options}: {count} blocks ({blocks.container_name}); every k-th block "
                          f"for k < {count} from {list(EVERY_K[:4])}...")
+
+
+def _adaptive(space: Space, recipe: Recipe) -> None:
+    """Text of varying length (data.split: lines): short batches may checkpoint less than long ones."""
+    if getattr(recipe.data, "split", "packed") != "lines":
+        return  # every batch is data.seq_len long: one plan fits them all
+    if recipe.memory.adaptive:
+        space.fixed["adaptive"] = [bucket.model_dump(mode="json") for bucket in recipe.memory.adaptive]
+        space.reasons.append("memory.adaptive pinned to the recipe's buckets")
+        return
+    space.fixed["short_len"] = max(1, recipe.data.seq_len // 2)
+    space.choices["short_checkpointing"] = ["same"] + [c for c in space.choices["checkpointing"] if c != "sqrt"]
+    space.reasons.append(f"short_checkpointing in {space.choices['short_checkpointing']}: data.split lines pads each "
+                         f"batch to its longest line, so batches up to {space.fixed['short_len']} tokens may keep "
+                         "more (memory.adaptive); probes run the longest batch of each bucket")
 
 
 def _offload(space: Space, device: Device) -> None:

@@ -115,3 +115,31 @@ def test_bucket_for_a_length():
     assert [switch.bucket_for(n) for n in (1, 8, 9, 16, 17, None)] == [0, 0, 1, 1, 2, 2]
     images = Batch({"images": torch.zeros(2, 3, 4, 4)}, torch.zeros(2, dtype=torch.long), False)
     assert batch_length(images) is None
+
+
+# --- measuring batches of varying length -------------------------------------------------------
+
+
+def test_each_new_batch_length_is_measured(tmp_path):
+    """On CPU the tracker skips steps whose shapes it has measured; a new length is measured."""
+    trainer = Trainer(recipe(tmp_path, "output.log_every=1000"))
+    records = [(trainer.train_step(), batch_length(trainer.data.global_batch(trainer.step - 1))) for _ in range(6)]
+    by_length = {}
+    for record, length in records[1:]:  # the first step has no optimizer state yet
+        by_length.setdefault(length, set()).add(record["peak_mem_bytes"])
+    assert len(by_length) == 2 and all(len(peaks) == 1 for peaks in by_length.values())
+    assert max(by_length[LONG]) > max(next(p for n, p in by_length.items() if n != LONG))
+
+
+def test_a_probe_measures_the_longest_batch_of_each_bucket(tmp_path):
+    from runner.train.probe import SCAN_STEPS, probe, warmup_steps_for
+
+    lossy_free = recipe(tmp_path, BUCKETS, "memory.checkpointing={policy: full}")
+    trainer = Trainer(lossy_free)
+    lengths = [batch_length(trainer.data.global_batch(step)) for step in range(SCAN_STEPS)]
+    warmup = warmup_steps_for(trainer, 1)
+    assert [lengths[step] for step in warmup] == [LONG, LONG, max(n for n in lengths if n <= SHORT)]
+    # the probe's peak is the largest a step of either bucket reaches
+    whole = Trainer(recipe(tmp_path, BUCKETS, "memory.checkpointing={policy: full}", "output.log_every=1"))
+    peaks = [whole.train_step()["peak_mem_bytes"] for _ in range(4)]
+    assert probe(lossy_free, 1, 1)["peak_mem_bytes"] == max(peaks[1:])

@@ -95,3 +95,11 @@ def test_budget_is_set_before_the_first_compiled_step(tmp_path, monkeypatch):
     Trainer(load_recipe(BERT_TINY, [*TINY_BERT, "memory.compile=true", "memory.activation_memory_budget=0.3",
                                     f"output.dir={tmp_path}"]))
     assert config.activation_memory_budget == 0.3
+
+
+def test_the_estimate_models_the_plans_allocator_over_the_environments(monkeypatch):
+    from runner.predict.cuda_extras import allocator_settings
+
+    monkeypatch.setenv(ALLOC_ENV, "max_split_size_mb:128")
+    assert allocator_settings(SETTING) == (True, [])
+    assert allocator_settings(None) == (False, ["max_split_size_mb:128"])
