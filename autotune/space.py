@@ -374,12 +374,12 @@ def _compression(space: Space, memory: MemoryPlan, allow_lossy: bool) -> None:
 
 
 def compression_comment(record: dict) -> str | None:
-    """tuned.yaml's line on a lossy winner: what it changes, and by how much on one batch."""
+    """tuned.yaml's line on a lossy winner: what it changes, and by how much on one micro-batch."""
     policy = (record["plan"].get("compression") or {}).get("policy", "none")
     if policy == "none":
         return None
     error = record.get("gradient_error")
-    measured = f"relative gradient error {error:.2e} against the exact plan (one batch)" if error is not None else \
+    measured = f"relative gradient error {error:.2e} against the exact plan (one micro-batch)" if error is not None else \
         "gradient error not measured"
     return (f"LOSSY: memory.compression {policy} stores saved activations rounded: {measured}; set "
             "memory.compression.policy: none for exact gradients")

@@ -124,9 +124,17 @@ class Trainer:
             return None
         from .lossy import gradient_error, report_gradient_error
 
-        batch = self.data.global_batch(self.step).to(self.device)
-        error = gradient_error(self.model, self.plan.compression, batch, self.recipe.micro_batch, self.precision,
-                               self.device)
+        # one micro-batch: the exact pass keeps every activation, which the whole batch may not fit
+        micro = self.recipe.micro_batch
+        batch = self.data.global_batch(self.step).slice(0, micro).to(self.device)
+        try:
+            error = gradient_error(self.model, self.plan.compression, batch, micro, self.precision, self.device)
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            log.warning("memory.compression: the gradient error was not measured: the exact plan ran out of memory "
+                        "on one micro-batch (%s)", describe_out_of_memory(err))
+            return None
         log.info(report_gradient_error(error, self.recipe.memory.compression.policy))
         return error
 

@@ -1,6 +1,6 @@
 """How far a lossy plan (memory.compression) moves the gradient: measured, never assumed.
 
-On one batch, the gradients of every parameter are computed twice from the same weights and the
+On one micro-batch, the gradients of every parameter are computed twice from the same weights and the
 same RNG state (dropout draws the same masks): once with the plan as applied, once with the
 compression hooks switched off, which is the exact plan. The error is the relative L2 norm over
 all parameter gradients together, ||g_lossy - g_exact|| / ||g_exact||. Nothing of the training
@@ -68,4 +68,4 @@ def _switched_off(compression: ActivationCompression):
 
 def report_gradient_error(error: float, policy: str) -> str:
     return (f"memory.compression {policy} is lossy: relative gradient error {error:.2e} against the exact plan "
-            "(L2 over all parameter gradients, one batch)")
+            "(L2 over all parameter gradients, one micro-batch)")
