@@ -89,12 +89,15 @@ def test_budget_needs_compile(tmp_path, ckrun):
 
 
 @pytest.mark.skipif(missing_budget() is not None, reason="this torch has no activation_memory_budget")
-def test_budget_is_set_before_the_first_compiled_step(tmp_path, monkeypatch):
+def test_budget_is_set_before_the_first_compiled_step(tmp_path):
     config = functorch_config()
-    monkeypatch.setattr(config, "activation_memory_budget", config.activation_memory_budget)  # restored after
-    Trainer(load_recipe(BERT_TINY, [*TINY_BERT, "memory.compile=true", "memory.activation_memory_budget=0.3",
-                                    f"output.dir={tmp_path}"]))
-    assert config.activation_memory_budget == 0.3
+    before = config.activation_memory_budget  # put back by assignment: monkeypatch's undo breaks a ConfigModule
+    try:
+        Trainer(load_recipe(BERT_TINY, [*TINY_BERT, "memory.compile=true", "memory.activation_memory_budget=0.3",
+                                        f"output.dir={tmp_path}"]))
+        assert config.activation_memory_budget == 0.3
+    finally:
+        config.activation_memory_budget = before
 
 
 def test_the_estimate_models_the_plans_allocator_over_the_environments(monkeypatch):
