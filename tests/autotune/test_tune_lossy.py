@@ -54,3 +54,20 @@ def test_a_lossy_winner_is_marked_with_its_gradient_error(tmp_path, monkeypatch)
     assert len(header) == 1 and f"{winner['gradient_error']:.2e}" in header[0]
     memory = yaml.safe_load(text)["memory"]
     assert memory["compression"]["policy"] == "bf16" and memory["allow_lossy"] is True
+
+
+def test_the_flag_reaches_the_study(tmp_path, ckrun, monkeypatch, caplog):
+    """`ckrun tune --allow-lossy` searches compression (formula probes): the space says so, and the
+    starting points, tried first, are exact."""
+    import logging
+
+    from tune_helpers import use_fake_child
+
+    use_fake_child(monkeypatch)
+    caplog.set_level(logging.INFO, logger="autotune")
+    code, _, err = ckrun("tune", BERT_TINY, *TINY_BERT, f"output.dir={tmp_path / 'run'}", "--max-mem", "100MB",
+                         "--output", tmp_path / "tune", "--trials", "2", "--no-screen", "--no-train", "--allow-lossy")
+    assert code == 0, err
+    assert "compression in ['none', 'bf16'" in caplog.text
+    trials = report(tmp_path / "tune")["trials"]
+    assert trials and all(t["plan"]["compression"]["policy"] == "none" for t in trials[:2])
