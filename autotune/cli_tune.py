@@ -29,7 +29,7 @@ from .frontier import solver_points
 from .probe import ProbeRunner, ProbeSettings
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
-from .space import Device, ModelFacts, Space, build_space, micro_batch_comment
+from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
 from .cap import Cap
 from .study import Budget, Tuner, open_study, trial_records
 from .train import nothing_fits, train_with_fallback
@@ -56,6 +56,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--search-micro-batch", action="store_true",
                         help="search micro_batch also for a model with BatchNorm, whose statistics then cover a "
                              "micro-batch, not the batch (default: keep the recipe's)")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="also search memory.compression (saved activations in bf16/fp8), which changes the "
+                             "gradients; each such plan's gradient error is measured and tuned.yaml marks it")
     parser.add_argument("--finalists", type=int, default=2, metavar="K",
                         help="measure the K fastest plans until each has 3 runs, and rank them by the median "
                              "(default 2; 0 trusts one probe per plan)")
@@ -93,7 +96,7 @@ def run(args) -> int:
         try:
             facts = ModelFacts.from_json(read_facts(model, str(path)))
             space = build_space(recipe, facts, device, args.search_precision, args.search_compile,
-                                args.search_micro_batch)
+                                args.search_micro_batch, args.allow_lossy)
             records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
         finally:
             model.stop()
@@ -110,7 +113,8 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
         return EXIT_NOTHING_FITS
 
     def tuned_for(record: dict):
-        notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"])] if note]
+        notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"]),
+                                   compression_comment(record)] if note]
         return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes)
 
     if args.no_train:

@@ -147,6 +147,8 @@ class Tuner:
             self.study.enqueue_trial(params, skip_if_exists=True)
 
     def _predicted_to_fit(self, candidate: Candidate) -> bool:
+        if candidate.plan.activation_memory_budget is not None:
+            return True  # the eager estimate bounds no compiled plan under a budget: it is measured instead
         predicted = self._prediction(candidate)
         return predicted is None or predicted <= self.cap.limit
 
@@ -200,7 +202,7 @@ class Tuner:
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             self.study.tell(trial.number, state=TrialState.FAIL)
             # a second run of a finalist is left to confirm(), which decides again which plans need one
-            if set(trial.params) == set(self.space.choices) and "repeat_of" not in trial.user_attrs:
+            if set(trial.params) == set(self.space.distributions()) and "repeat_of" not in trial.user_attrs:
                 self.study.enqueue_trial(trial.params)
                 log.info("tune: trial %d was interrupted mid-probe; measuring its plan again", trial.number)
 
@@ -251,7 +253,9 @@ class Tuner:
         invalid = _invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return {**record, "state": "invalid", "reason": invalid, "constraint": UNMEASURED}
-        predicted = self._prediction(candidate) if screen else None
+        # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
+        measure_only = candidate.plan.activation_memory_budget is not None
+        predicted = self._prediction(candidate) if screen and not measure_only else None
         record["predicted_peak"] = predicted
         if candidate.key in self.unscreened:
             record["unscreened"] = self.unscreened[candidate.key]
@@ -269,6 +273,8 @@ class Tuner:
         if result["status"] != "ok":
             return {**out, "state": result["status"], "constraint": max(out["constraint"], 1e-6)}
         out["samples_per_s"] = result["samples_per_s"]
+        if "gradient_error" in result:  # a lossy plan (memory.compression): how far its gradient moved
+            out["gradient_error"] = result["gradient_error"]
         if peak > self.cap.limit:
             return {**out, "state": "over_limit",
                     "reason": f"measured {format_bytes(peak)} > limit {self.cap.describe()}"}
@@ -288,7 +294,9 @@ def _log_trial(number: int, candidate: Candidate, record: dict) -> None:
     peak = record.get("measured_peak") or record.get("predicted_peak")
     speed = record.get("samples_per_s")
     numbers = ", ".join(x for x in (f"peak {format_bytes(peak)}" if peak else "",
-                                    f"{speed:.1f} samples/s" if speed else "") if x)
+                                    f"{speed:.1f} samples/s" if speed else "",
+                                    f"gradient error {record['gradient_error']:.2e}" if "gradient_error" in record
+                                    else "") if x)
     log.info("trial %d: %s: %s%s%s", number, record["state"], candidate.describe(),
              f" ({numbers})" if numbers else "", f" - {record['reason']}" if record.get("reason") else "")
 

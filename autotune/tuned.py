@@ -33,11 +33,20 @@ log = logging.getLogger(__name__)
 def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
     """The document's data with the winner's plan and precision; the plan written out in full."""
     data = copy.deepcopy(doc.data)
-    memory = {k: v for k, v in winner["plan"].items() if v is not None}
+    memory = {k: v for k, v in winner["plan"].items() if v is not None and not _quiet_default(k, v)}
     memory["max_mem"] = cap_text  # as the user typed it: `40GB` reads better than 40000000000
     data["memory"] = memory
     data["precision"] = winner["precision"]
     return data
+
+
+_QUIET = ("adaptive", "compression", "allow_lossy")  # left out at their defaults: a plan that uses none stays short
+
+
+def _quiet_default(key: str, value) -> bool:
+    from runner.plan import MemoryPlan
+
+    return key in _QUIET and value == MemoryPlan().model_dump(mode="json")[key]
 
 
 def tuned_text(doc: Document, data: dict) -> str:

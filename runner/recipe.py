@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .build.resolve import infer_task, resolve_import_path, transformers_class
-from .plan import MemoryPlan, Strict
+from .plan import MemoryPlan, Strict, plan_problem
 from .problems import suggest
 
 
@@ -129,7 +129,12 @@ class TextFilesData(Strict):
     task: Task | None = None
     """What the model learns; inferred from the model class when unset."""
     seq_len: int = Field(default=128, gt=0)
-    """Tokens per sample."""
+    """Tokens per sample (`split: lines`: the most; longer lines are cut)."""
+    split: Literal["packed", "lines"] = "packed"
+    """`packed`: the text is one stream cut into seq_len samples, so every batch is seq_len long.
+    `lines`: each non-empty line is a sample (no packing) and a batch is padded to its longest line,
+    padding masked out of attention and the loss: batch lengths vary, and memory.adaptive can pick
+    a plan per length."""
     tokenizer: str | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
@@ -439,6 +444,13 @@ class Recipe(Strict):
                 f"memory.micro_batch {micro} does not divide train.batch_size {self.train.batch_size}; "
                 f"use a divisor such as {largest_divisor_at_most(self.train.batch_size, micro)}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _plan_consistent(self) -> Recipe:
+        problem = plan_problem(self.memory)
+        if problem is not None:
+            raise KeyedValueError(("memory", *problem[0]), problem[1])
         return self
 
     @property

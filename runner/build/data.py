@@ -161,6 +161,9 @@ class TextFilesSource:
         self.data, self.shape, self.batch_size, self.seed = data, shape, batch_size, seed
         self.tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else None
         self.mask_id = self._mask_id()
+        if data.split == "lines":
+            self.samples = self._lines(self._files())
+            return
         stream = self._tokens(self._files())
         count = len(stream) // data.seq_len
         if count < 1:
@@ -199,9 +202,40 @@ class TextFilesSource:
         """Samples in one epoch (finite sources have this; synthetic data has none)."""
         return len(self.samples)
 
+    def _lines(self, files: list[Path]) -> list[torch.Tensor]:
+        """`split: lines`: one sample per non-empty line, cut at seq_len."""
+        lines = [line for f in files for line in _read_text(f).splitlines() if line.strip()]
+        if not lines:
+            raise BuildError("data.paths", "the text files hold no non-empty line, which split: lines needs")
+        return [self._tokens_of(line)[: self.data.seq_len] for line in lines]
+
+    def _tokens_of(self, text: str) -> torch.Tensor:
+        if self.tokenizer is not None:
+            return torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
+        return (torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long() + 2) % self.shape.vocab_size
+
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.samples), step, self.batch_size, self.seed)
-        return shape_tokens(self.samples[rows], self.shape, _generator(self.seed, step, 1), self.data.mask_prob, self.mask_id)
+        generator = _generator(self.seed, step, 1)
+        if self.data.split == "lines":
+            return padded_batch([self.samples[r] for r in rows], self.shape, generator, self.data.mask_prob, self.mask_id)
+        return shape_tokens(self.samples[rows], self.shape, generator, self.data.mask_prob, self.mask_id)
+
+
+def padded_batch(samples: list[torch.Tensor], shape: Shape, gen: torch.Generator, mask_prob: float, mask_id: int) -> Batch:
+    """Samples of several lengths padded (id 0) to the longest: padding is masked out of attention,
+    and no label sits on it or (causal LM) predicts it."""
+    length = max(len(sample) for sample in samples)
+    tokens = torch.zeros(len(samples), length, dtype=torch.long)
+    real = torch.zeros(len(samples), length, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        tokens[row, : len(sample)], real[row, : len(sample)] = sample, True
+    batch = shape_tokens(tokens, shape, gen, mask_prob, mask_id)
+    if "attention_mask" in batch.inputs:
+        batch.inputs["attention_mask"] = real.long()
+    labelled = real if shape.task != "causal_lm" else torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    batch.labels = batch.labels.masked_fill(~labelled, IGNORE)
+    return batch
 
 
 def _read_text(path: Path) -> str:

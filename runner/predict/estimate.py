@@ -162,14 +162,19 @@ class Estimator:
         notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
                  f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists"]
         if plan.compile:
-            notes.append("memory.compile: estimated as eager; compiled code usually needs less")
+            notes.append("memory.compile: estimated as eager; compiled code usually needs less"
+                         + (" (activation_memory_budget is not modelled: measure it)"
+                            if plan.activation_memory_budget is not None else ""))
+        if plan.compression.policy != "none":
+            notes.append(f"memory.compression {plan.compression.policy}: lossy; training logs its gradient error "
+                         "against the exact plan at start, and `ckrun tune` records it per probe")
         if precision == "fp16":
             notes.append("fp16: the GradScaler's few scalar tensors are left out")
         if not self.cuda:
             return Estimate(live, breakdown, notes, live, "cpu")
         capability, measured = target_capability()
         workspace = cublas_workspace_bytes(capability)
-        expandable, ignored = allocator_settings()
+        expandable, ignored = allocator_settings(plan.allocator)
         allocator = replay(tracker.events, CPU, baseline, kept=(workspace,) * BLAS_HANDLES_PER_STEP,
                            expandable=expandable)
         breakdown["cublas_workspaces"] = workspace * BLAS_HANDLES_PER_STEP

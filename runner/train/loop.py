@@ -19,6 +19,7 @@ import torch
 from ..build.data import build_data, close_source
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler, total_steps
+from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
@@ -61,6 +62,12 @@ class OutOfMemory(MemoryCapExceeded):
               "`ckrun estimate` predicts a step's peak")
 
 
+def planned_device_kind(recipe: Recipe) -> str:
+    """The device type the run will use, found without initialising CUDA (is_available only counts)."""
+    wanted = recipe.train.device
+    return ("cuda" if torch.cuda.is_available() else "cpu") if wanted == "auto" else wanted
+
+
 def pick_device(recipe: Recipe, source: str = "<recipe>") -> torch.device:
     wanted = recipe.train.device
     if wanted == "cuda" and not torch.cuda.is_available():
@@ -85,6 +92,7 @@ class RunResult:
 class Trainer:
     def __init__(self, recipe: Recipe, source: str = "<recipe>"):
         self.recipe, self.source = recipe, source
+        apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))  # before pick_device starts CUDA
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
@@ -102,6 +110,7 @@ class Trainer:
         self.model = build_model(recipe.model, self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
+        apply_compile_budget(recipe.memory)
         self.forward_model = torch.compile(self.model) if recipe.memory.compile else self.model
         self.data = build_data(recipe, self.model)
         self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
@@ -110,6 +119,26 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
+        self.gradient_error = self._lossy_error()  # None for an exact plan
+
+    def _lossy_error(self) -> float | None:
+        if self.plan.compression is None:
+            return None
+        from .lossy import gradient_error, report_gradient_error
+
+        # one micro-batch: the exact pass keeps every activation, which the whole batch may not fit
+        micro = self.recipe.micro_batch
+        batch = self.data.global_batch(self.step).slice(0, micro).to(self.device)
+        try:
+            error = gradient_error(self.model, self.plan.compression, batch, micro, self.precision, self.device)
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            log.warning("memory.compression: the gradient error was not measured: the exact plan ran out of memory "
+                        "on one micro-batch (%s)", describe_out_of_memory(err))
+            return None
+        log.info(report_gradient_error(error, self.recipe.memory.compression.policy))
+        return error
 
     # --- state ------------------------------------------------------------------------------
 
@@ -143,6 +172,8 @@ class Trainer:
             if not is_out_of_memory(err):
                 raise
             raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
+        if self.plan.switch is not None:
+            self.plan.switch.select(batch)  # memory.adaptive: this batch length's checkpointing
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         ran = self._timed_step(batch)
