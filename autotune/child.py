@@ -94,8 +94,12 @@ def _guarded(work) -> dict:
 
 
 def _is_out_of_memory(err: Exception) -> bool:
-    torch = sys.modules.get("torch")  # not imported means not even started: it cannot have run out of memory
-    return torch is not None and isinstance(err, torch.OutOfMemoryError)
+    """CUDA's and the CPU allocator's errors alike: a probe on the CPU that runs out is over the cap, not broken."""
+    if "torch" not in sys.modules:  # not imported means not even started: only Python itself can have run out
+        return isinstance(err, MemoryError)
+    from runner.build.oom import is_out_of_memory
+
+    return is_out_of_memory(err)
 
 
 def _first_line(err: BaseException) -> str:

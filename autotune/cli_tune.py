@@ -25,10 +25,11 @@ from runner.units import format_bytes
 from runner.yamlio import dump_yaml
 
 from .files import StudyLock
+from .frontier import solver_points
 from .probe import ProbeRunner, ProbeSettings
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
-from .space import Device, ModelFacts, Space, build_space, micro_batch_comment
+from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
 from .cap import Cap
 from .study import Budget, Tuner, open_study, trial_records
 from .train import nothing_fits, train_with_fallback
@@ -55,9 +56,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--search-micro-batch", action="store_true",
                         help="search micro_batch also for a model with BatchNorm, whose statistics then cover a "
                              "micro-batch, not the batch (default: keep the recipe's)")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="also search memory.compression (saved activations in bf16/fp8), which changes the "
+                             "gradients; each such plan's gradient error is measured and tuned.yaml marks it")
     parser.add_argument("--finalists", type=int, default=2, metavar="K",
                         help="measure the K fastest plans until each has 3 runs, and rank them by the median "
                              "(default 2; 0 trusts one probe per plan)")
+    parser.add_argument("--no-solver", action="store_true",
+                        help="no per-block plans from the solver (which times each block in a short real run); "
+                             "start from the usual rules only")
     parser.add_argument("--no-screen", action="store_true",
                         help="no predictions: probe every plan, also those the estimator puts over the cap, "
                              "and start at the whole batch")
@@ -89,7 +96,7 @@ def run(args) -> int:
         try:
             facts = ModelFacts.from_json(read_facts(model, str(path)))
             space = build_space(recipe, facts, device, args.search_precision, args.search_compile,
-                                args.search_micro_batch)
+                                args.search_micro_batch, args.allow_lossy)
             records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
         finally:
             model.stop()
@@ -106,7 +113,8 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
         return EXIT_NOTHING_FITS
 
     def tuned_for(record: dict):
-        notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"])] if note]
+        notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"]),
+                                   compression_comment(record)] if note]
         return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes)
 
     if args.no_train:
@@ -130,9 +138,11 @@ def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, run
     else:
         log.info("screening: a plan predicted over the cap plus the margin is told infeasible without a probe; "
                  "predictions run in a child process (%s)", model.directory)
+    off = "--no-solver" if args.no_solver else "--no-screen" if args.no_screen else None
+    first = solver_points(study, fresh, space, cap, device, predict, off)
     tuner = Tuner(study, space, cap, evaluate, predict, args.seed)
     if fresh:
-        tuner.start(recipe)
+        tuner.start(recipe, first, budget.trials)
     else:
         log.info("tune: --resume: %d trials already in %s are kept, not run again", len(study.trials), directory)
     started = time.monotonic()
@@ -233,7 +243,7 @@ def _check_cap_fits(cap: Cap, device: Device, typed: str) -> None:
 
 def _config(recipe: Recipe, space: Space, cap: Cap, args, device: Device) -> dict:
     """What a resumed study must share with the one it continues."""
-    measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps"}})
+    measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps", "epochs"}})
     return {"recipe": hashlib.sha256(measured.encode()).hexdigest()[:16], "cap": cap.bytes, "margin": cap.margin,
             "seed": args.seed, "space": {"choices": space.choices, "fixed": space.fixed}, "device": device.name,
             "probe_steps": [args.warmup_steps, args.timed_steps]}

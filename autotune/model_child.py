@@ -12,7 +12,10 @@ Protocol (files are written atomically; the tuner waits for each with a timeout)
 1. DIR/facts.json: `model_facts` of the model built on the meta device.
 2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
 3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32"}`, each
-   answered in DIR/answer-N.json. End of input ends the child.
+   answered in DIR/answer-N.json. End of input ends the child. A request with `"frontier": {"pairs":
+   [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan}}`
+   instead asks for the solver's per-block plans (`autotune.solver.frontier`, which times blocks in a
+   short real run): answered with `proposals` (Proposal records) and `lines` (its reasons).
 Every answer has a `status` ("ok", "bad_input", "unavailable" or "crash") and, unless ok, a
 one-line `reason`. The child leaves with `os._exit` after its last answer: the tuner never waits
 for an interpreter teardown that user code (atexit hooks, threads) could hold up.
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in requests:
         request = json.loads(line)
-        answer = _answer(functools.partial(_predict, estimator, request), expected=_unavailable())
+        work = _frontier if "frontier" in request else _predict
+        answer = _answer(functools.partial(work, estimator, request), expected=_unavailable())
         write_atomic(directory / f"answer-{request['id']}.json", json.dumps(answer))
     return 0
 
@@ -103,6 +107,18 @@ def _predict(estimator, request: dict) -> dict:
 
     estimate = estimator.estimate(MemoryPlan.model_validate(request["plan"]), request["precision"])
     return {"status": "ok", "peak_bytes": int(estimate.peak_bytes), "warnings": list(estimate.warnings)}
+
+
+def _frontier(estimator, request: dict) -> dict:
+    from runner.plan import MemoryPlan
+
+    from .solver import frontier
+
+    asked = request["frontier"]
+    proposals, lines = frontier(estimator, [tuple(pair) for pair in asked["pairs"]], int(asked["limit"]),
+                                MemoryPlan.model_validate(asked["base"]), bool(asked["offload"]),
+                                int(asked["timed_steps"]))
+    return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
 
 
 def _unavailable() -> tuple[type, ...]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.files import write_atomic
+from runner.memory.allocator import ALLOC_ENV
 from runner.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,19 @@ class ProbeRunner:
                    str(result_path), "--parent", str(os.getpid()), *extra]
         with open(log_path, "w", encoding="utf-8") as log_file:
             process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
+                                       start_new_session=True, env=child_env(recipe))
             note_launch(self.directory, what, trial, process.pid)
             code = _wait(process, timeout_s)
         return _result(result_path, log_path, code, timeout_s)
+
+
+def child_env(recipe: Recipe) -> dict[str, str]:
+    """The probe's environment: ours, with the candidate's allocator settings in place before the child
+    even imports torch (the trainer sets them again, logged, before CUDA starts)."""
+    env = dict(os.environ)
+    if recipe.memory.allocator is not None:
+        env[ALLOC_ENV] = recipe.memory.allocator
+    return env
 
 
 def note_launch(directory: Path, what: str, trial: int | None, pid: int) -> None:

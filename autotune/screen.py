@@ -82,6 +82,16 @@ class ModelChild:
             pass  # the child is gone: _await says how it ended
         return self._await(f"answer-{number}.json", f"predicting {candidate.describe()}")
 
+    def ask_frontier(self, frontier: dict) -> dict:
+        """The solver's plans (see model_child); the same protocol and time limit as a prediction."""
+        number, self.requests = self.requests, self.requests + 1
+        try:
+            self.process.stdin.write(json.dumps({"id": number, "frontier": frontier}) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the child is gone: _await says how it ended
+        return self._await(f"answer-{number}.json", "solving per-block plans")
+
     def stop(self) -> int | None:
         """Kill the child's whole group (the user's code may have started processes), reap it, and
         return its exit status."""
@@ -159,6 +169,15 @@ class IsolatedPredictor:
                 self._turn_off(f"{len(self.faults)} predictions hung or killed the model process")
         log.warning("screening: %s: %s; the plan is probed unscreened", candidate.describe(), answer["reason"])
         return Prediction(None, f"unscreened: {answer['reason']}")
+
+    def frontier(self, frontier: dict) -> dict:
+        """The solver's answer, or one with `status` and `reason` saying why there is none."""
+        if self.off or not self._started():
+            return {"status": "unavailable", "reason": f"no estimator ({self.off})"}
+        answer = self.child.ask_frontier(frontier)
+        if answer["status"] in ("died", "timeout"):
+            self._ready = False  # the next prediction starts another child
+        return answer
 
     def _started(self) -> bool:
         """A child with the estimator built; False (and screening off) when the model cannot get there."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from optuna.distributions import CategoricalDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from runner.memory.blocks import Block, BlockList
 from runner.memory.checkpointing import sqrt_segments
 from runner.plan import MemoryPlan
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 EVERY_K = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # k for "checkpoint every k-th block": spread, not exhaustive
 PRECISIONS = ("fp32", "bf16", "fp16")
+ALLOCATOR_SETTINGS = ("default", "expandable_segments:True")  # "default": PYTORCH_CUDA_ALLOC_CONF left alone
+BUDGET_STEP = 0.1  # compile's activation_memory_budget: finer steps than this measure noise, not the knob
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,16 @@ class Candidate:
     def describe(self) -> str:
         parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {checkpointing_label(self.plan)}"]
         if self.plan.offload.policy != "none":
-            parts.append(f"offload {self.plan.offload.policy}")
+            parts.append(f"offload {offload_label(self.plan)}")
         if self.plan.compile:
-            parts.append("compile")
+            budget = self.plan.activation_memory_budget
+            parts.append("compile" + (f" (activation budget {budget:g})" if budget is not None else ""))
+        if self.plan.allocator is not None:
+            parts.append(f"allocator {self.plan.allocator}")
+        for bucket in self.plan.adaptive:
+            parts.append(f"up to {bucket.max_len} tokens: {checkpointing_label(bucket)}")
+        if self.plan.compression.policy != "none":
+            parts.append(f"compression {self.plan.compression.policy} (lossy)")
         return ", ".join(parts + [self.precision])
 
 
@@ -105,30 +114,38 @@ class Space:
     batch_size: int = 0
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
+    numeric: dict[str, FloatDistribution] = field(default_factory=dict)
+    """Continuous knobs (compile's activation_memory_budget): TPE models them as numbers; the grid
+    takes their steps. Nothing is pruned from a neighbour's result: each value is measured."""
 
     @property
     def size(self) -> int:
         size = 1
-        for values in self.choices.values():
+        for values in [*self.choices.values(), *map(grid_of, self.numeric.values())]:
             size *= len(values)
         return size
 
-    def distributions(self) -> dict[str, CategoricalDistribution]:
-        return {name: CategoricalDistribution(values) for name, values in self.choices.items()}
+    def distributions(self) -> dict[str, BaseDistribution]:
+        return {**{name: CategoricalDistribution(values) for name, values in self.choices.items()}, **self.numeric}
 
     def candidate(self, params: dict[str, Any]) -> Candidate:
         """The plan for optuna's `params` (searched knobs) and the pinned ones."""
         values = {**self.fixed, **params}
+        compiled = values["compile"]
         plan = MemoryPlan.model_validate({
+            "activation_memory_budget": _budget(values.get("activation_memory_budget"), compiled),
+            "allocator": None if values.get("allocator", "default") == "default" else values["allocator"],
             "micro_batch": values["micro_batch"], "checkpointing": parse_checkpointing(values["checkpointing"]),
-            "offload": {"policy": values["offload"]}, "compile": values["compile"], "blocks": self.blocks_path,
+            "offload": parse_offload(values["offload"]), "compile": values["compile"], "blocks": self.blocks_path,
+            "adaptive": adaptive_buckets(values),
+            **compression_fields(values.get("compression", "none")),
         })
         return Candidate(plan, values["precision"])
 
     def all_params(self) -> list[dict[str, Any]]:
         """Every point, in a fixed order: the grid the benchmark compares against."""
-        names = list(self.choices)
-        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(self.choices[n] for n in names))]
+        grids = {**self.choices, **{name: grid_of(d) for name, d in self.numeric.items()}}
+        return [dict(zip(grids, combo, strict=True)) for combo in itertools.product(*grids.values())]
 
     def starting_points(self, recipe: Recipe, fits: Callable[[Candidate], bool] | None = None) -> list[dict]:
         """Known-good plans tried first: no plan, every block, every 2nd block checkpointed; each at the
@@ -143,10 +160,13 @@ class Space:
             micro_batches = [recipe.train.batch_size]
         for checkpointing in ("none", "full", "every:2"):
             base = {"checkpointing": checkpointing, "offload": "none", "precision": recipe.precision,
-                    "compile": recipe.memory.compile}
+                    "compile": recipe.memory.compile, "compression": "none", "allocator": "default",
+                    "short_checkpointing": "same"}
             base = {k: v for k, v in base.items() if k in self.choices}
             if any(v not in self.choices[k] for k, v in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
+            if "activation_memory_budget" in self.numeric:
+                base["activation_memory_budget"] = 1.0  # torch's default: the compiled plan as torch makes it
             with_micro = [{**base, "micro_batch": m} if m is not None else base for m in micro_batches]
             fitting = (p for p in with_micro if fits is None or fits(self.candidate(p)))
             start = next(fitting, None)
@@ -158,26 +178,87 @@ class Space:
         return self.choices.get("micro_batch") or [self.fixed["micro_batch"]]
 
 
+def _budget(value: float | None, compiled: bool) -> float | None:
+    """The budget a compiled plan runs with; TPE's 0.30000000000000004 is the grid's 0.3."""
+    return round(value, 6) if compiled and value is not None else None
+
+
+def grid_of(distribution: FloatDistribution) -> list[float]:
+    """The values of a stepped float knob, low to high."""
+    count = round((distribution.high - distribution.low) / distribution.step) + 1
+    return [round(distribution.low + i * distribution.step, 6) for i in range(count)]
+
+
 def parse_checkpointing(value: str) -> dict:
     policy, _, every = value.partition(":")
+    if policy == "layers":  # a solver's per-block plan: "layers:0,2,5"
+        return {"policy": policy, "layers": [int(i) for i in every.split(",")]}
     return {"policy": policy, "every": int(every)} if every else {"policy": policy}
+
+
+def parse_offload(value: str) -> dict:
+    policy, _, layers = value.partition(":")
+    return {"policy": policy, "layers": [int(i) for i in layers.split(",")]} if layers else {"policy": policy}
+
+
+def adaptive_buckets(values: dict) -> list[dict]:
+    """memory.adaptive of a point: the recipe's when pinned, else one bucket of short batches with
+    their own checkpointing ("same": no bucket, one plan for every length)."""
+    if "adaptive" in values:
+        return values["adaptive"]
+    short = values.get("short_checkpointing", "same")
+    return [] if short == "same" else [{"max_len": values["short_len"], "checkpointing": parse_checkpointing(short)}]
+
+
+def compression_fields(policy: str) -> dict:
+    """A plan's compression keys: a lossy policy carries its opt-in, so tuned.yaml shows it."""
+    return {} if policy == "none" else {"compression": {"policy": policy}, "allow_lossy": True}
 
 
 def checkpointing_label(plan: MemoryPlan) -> str:
     policy = plan.checkpointing
+    if policy.policy == "layers":
+        return "layers:" + ",".join(map(str, policy.layers))
     return f"every:{policy.every}" if policy.policy == "every" else policy.policy
 
 
+def offload_label(plan: MemoryPlan) -> str:
+    return "layers:" + ",".join(map(str, plan.offload.layers)) if plan.offload.policy == "layers" else plan.offload.policy
+
+
+def add_proposals(space: Space, proposals: list[dict]) -> list[dict]:
+    """The solver's plans (`Proposal.record()`s) as points of the space: their per-block labels join
+    the choices (so TPE can move from them to the rules around), and their params come back in order.
+    A proposal whose micro-batch or precision the space does not search is left out."""
+    points = []
+    for proposal in proposals:
+        plan = MemoryPlan.model_validate(proposal["plan"])
+        params = {"micro_batch": plan.micro_batch, "checkpointing": checkpointing_label(plan),
+                  "offload": offload_label(plan), "precision": proposal["precision"], "compile": plan.compile}
+        params = {k: v for k, v in params.items() if k in space.choices or space.fixed.get(k) != v}
+        if any(k not in space.choices for k in params):
+            continue  # it differs from a pinned knob (offload on a CPU, another precision)
+        for name in ("checkpointing", "offload"):
+            if name in params and params[name] not in space.choices[name]:
+                space.choices[name].append(params[name])
+        if all(params[k] in space.choices[k] for k in params) and params not in points:
+            points.append(params)
+    return points
+
+
 def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precision: bool = False,
-                search_compile: bool = False, search_micro_batch: bool = False) -> Space:
+                search_compile: bool = False, search_micro_batch: bool = False, allow_lossy: bool = False) -> Space:
     """The space for `recipe` on `device`; every automatic choice is logged with its reason."""
     space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size,
                   batchnorm=facts.batchnorm, dropout=facts.dropout)
     _micro_batches(space, recipe.memory.micro_batch or recipe.train.batch_size, search_micro_batch)
     _checkpointing(space, facts.blocks)
+    _adaptive(space, recipe)
     _offload(space, device)
+    _allocator(space, recipe.memory.allocator, device)
     _precision(space, recipe.precision, device, search_precision)
     _compile(space, recipe.memory.compile, search_compile)
+    _compression(space, recipe.memory, allow_lossy)
     for reason in space.reasons:
         log.info("space: %s", reason)
     log.info("space: %d plans in all", space.size)
@@ -238,6 +319,21 @@ def _checkpointing(space: Space, blocks: BlockList) -> None:
                          f"for k < {count} from {list(EVERY_K[:4])}...")
 
 
+def _adaptive(space: Space, recipe: Recipe) -> None:
+    """Text of varying length (data.split: lines): short batches may checkpoint less than long ones."""
+    if getattr(recipe.data, "split", "packed") != "lines":
+        return  # every batch is data.seq_len long: one plan fits them all
+    if recipe.memory.adaptive:
+        space.fixed["adaptive"] = [bucket.model_dump(mode="json") for bucket in recipe.memory.adaptive]
+        space.reasons.append("memory.adaptive pinned to the recipe's buckets")
+        return
+    space.fixed["short_len"] = max(1, recipe.data.seq_len // 2)
+    space.choices["short_checkpointing"] = ["same"] + [c for c in space.choices["checkpointing"] if c != "sqrt"]
+    space.reasons.append(f"short_checkpointing in {space.choices['short_checkpointing']}: data.split lines pads each "
+                         f"batch to its longest line, so batches up to {space.fixed['short_len']} tokens may keep "
+                         "more (memory.adaptive); probes run the longest batch of each bucket")
+
+
 def _offload(space: Space, device: Device) -> None:
     if device.kind == "cuda":
         space.choices["offload"] = ["none", "all"]
@@ -266,3 +362,57 @@ def _compile(space: Space, pinned: bool, search: bool) -> None:
     else:
         space.fixed["compile"] = pinned
         space.reasons.append(f"compile pinned to the recipe's {pinned} (pass --search-compile to try both)")
+    if search or pinned:
+        _compile_budget(space)
+
+
+def _compile_budget(space: Space) -> None:
+    from runner.memory.torch_features import missing_budget
+
+    if missing_budget():
+        space.reasons.append(f"activation_memory_budget not searched: {missing_budget()}")
+        return
+    space.numeric["activation_memory_budget"] = FloatDistribution(0.0, 1.0, step=BUDGET_STEP)
+    space.reasons.append(f"activation_memory_budget in [0, 1] by {BUDGET_STEP} with compile: what torch.compile's "
+                         "partitioner may keep; its peak is not monotonic in it (pytorch issue 197838), so every "
+                         "value is measured, none ruled out from its neighbours")
+
+
+def _allocator(space: Space, pinned: str | None, device: Device) -> None:
+    if device.kind != "cuda":
+        if pinned is not None:
+            space.fixed["allocator"] = pinned
+        space.reasons.append(f"allocator not searched: the run is on the {device.kind}, which has no CUDA caching "
+                             "allocator to configure")
+        return
+    space.choices["allocator"] = list(dict.fromkeys([pinned or "default", *ALLOCATOR_SETTINGS]))
+    space.reasons.append(f"allocator in {space.choices['allocator']}: PYTORCH_CUDA_ALLOC_CONF per probe, set in the "
+                         "probe's environment before CUDA starts (expandable segments fragment less)")
+
+
+def _compression(space: Space, memory: MemoryPlan, allow_lossy: bool) -> None:
+    from runner.memory.compress import FP8
+
+    pinned = memory.compression.policy
+    if not allow_lossy:
+        if pinned != "none":  # "none" is what a plan without the key gets: the space's fixed keys stay as they were
+            space.fixed["compression"] = pinned
+        why = "the recipe's lossy choice (memory.allow_lossy)" if pinned != "none" else "it is lossy"
+        space.reasons.append(f"compression pinned to {pinned}: {why}; --allow-lossy searches bf16/fp8 storage of "
+                             "saved activations, which changes the gradients")
+        return
+    space.choices["compression"] = ["none", "bf16"] + (["fp8"] if FP8 is not None else [])
+    space.reasons.append(f"compression in {space.choices['compression']} (--allow-lossy): saved activations stored "
+                         "rounded; lossy, and each such plan's gradient error is measured in its probe")
+
+
+def compression_comment(record: dict) -> str | None:
+    """tuned.yaml's line on a lossy winner: what it changes, and by how much on one micro-batch."""
+    policy = (record["plan"].get("compression") or {}).get("policy", "none")
+    if policy == "none":
+        return None
+    error = record.get("gradient_error")
+    measured = f"relative gradient error {error:.2e} against the exact plan (one micro-batch)" if error is not None else \
+        "gradient error not measured"
+    return (f"LOSSY: memory.compression {policy} stores saved activations rounded: {measured}; set "
+            "memory.compression.policy: none for exact gradients")

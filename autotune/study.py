@@ -42,6 +42,7 @@ STARTUP_TRIALS = 5  # trials (starting points included) before TPE models the sp
 CONVERGED_AFTER = 10  # proposals in a row of already-measured plans that end the search
 FINALIST_RUNS = 3  # runs of each finalist: the median of three ignores one outlier, of two it is the mean
 UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad as a plan twice the cap
+UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
 
 Evaluate = Callable[[Candidate, int], dict]  # (candidate, trial number) -> the probe child's result
 
@@ -101,9 +102,18 @@ class Tuner:
         self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
         self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
 
-    def start(self, recipe) -> None:
-        """Queue the starting points; with predictions, each at the largest micro-batch predicted to fit."""
-        starts = self.space.starting_points(recipe, self._predicted_to_fit if self.predict else None)
+    def start(self, recipe, first: list[dict] | None = None, trials: int | None = None) -> None:
+        """Queue `first` (the solver's plans), then the starting points; with predictions, each at the
+        largest micro-batch predicted to fit. A small space is predicted whole, and searched
+        exhaustively when no more plans are predicted to fit than `trials` allows."""
+        first = list(first or [])
+        for params in first:
+            self.study.enqueue_trial(params, user_attrs={"proposed_by": "solver"})
+        if first:
+            log.info("tune: probing the solver's %d plan(s) first: %s", len(first),
+                     "; ".join(self.space.candidate(p).describe() for p in first))
+        starts = [p for p in self.space.starting_points(recipe, self._predicted_to_fit if self.predict else None)
+                  if p not in first]
         for params in starts:
             self.study.enqueue_trial(params)
         predicted = any(peak is not None for peak in self.predicted.values())
@@ -112,8 +122,33 @@ class Tuner:
             how = f"the pinned micro-batch {self.space.fixed['micro_batch']}"
         log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
                  "; ".join(self.space.candidate(p).describe() for p in starts))
+        if trials is not None and self.predict is not None:
+            self._maybe_exhaustive(trials)
+
+    def _maybe_exhaustive(self, trials: int) -> None:
+        """Predict every plan of a small space now; when the plans not screened out are no more than
+        the trial budget, queue them all (the screened ones too: they cost no probe) instead of sampling."""
+        if self.space.size > UPFRONT_MAX:
+            log.info("tune: %d plans: more than %d, so predicted one by one as TPE proposes them",
+                     self.space.size, UPFRONT_MAX)
+            return
+        every, fitting = self.space.all_params(), []
+        for params in every:  # stops at the first plan over the budget: then TPE samples, as usual
+            peak = self._prediction(self.space.candidate(params))
+            if peak is None or peak <= self.cap.screen_above:
+                fitting.append(params)
+            if len(fitting) > trials:
+                log.info("tune: more than --trials %d of the %d plans are predicted under the cap plus margin, so "
+                         "TPE samples among them", trials, len(every))
+                return
+        log.info("tune: exhaustive search: %d of %d plans predicted under the cap plus margin, no more than "
+                 "--trials %d: measuring every one instead of sampling", len(fitting), len(every), trials)
+        for params in fitting + [p for p in every if p not in fitting]:
+            self.study.enqueue_trial(params, skip_if_exists=True)
 
     def _predicted_to_fit(self, candidate: Candidate) -> bool:
+        if candidate.plan.activation_memory_budget is not None:
+            return True  # the eager estimate bounds no compiled plan under a budget: it is measured instead
         predicted = self._prediction(candidate)
         return predicted is None or predicted <= self.cap.limit
 
@@ -167,7 +202,7 @@ class Tuner:
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             self.study.tell(trial.number, state=TrialState.FAIL)
             # a second run of a finalist is left to confirm(), which decides again which plans need one
-            if set(trial.params) == set(self.space.choices) and "repeat_of" not in trial.user_attrs:
+            if set(trial.params) == set(self.space.distributions()) and "repeat_of" not in trial.user_attrs:
                 self.study.enqueue_trial(trial.params)
                 log.info("tune: trial %d was interrupted mid-probe; measuring its plan again", trial.number)
 
@@ -218,7 +253,9 @@ class Tuner:
         invalid = _invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return {**record, "state": "invalid", "reason": invalid, "constraint": UNMEASURED}
-        predicted = self._prediction(candidate) if screen else None
+        # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
+        measure_only = candidate.plan.activation_memory_budget is not None
+        predicted = self._prediction(candidate) if screen and not measure_only else None
         record["predicted_peak"] = predicted
         if candidate.key in self.unscreened:
             record["unscreened"] = self.unscreened[candidate.key]
@@ -236,6 +273,8 @@ class Tuner:
         if result["status"] != "ok":
             return {**out, "state": result["status"], "constraint": max(out["constraint"], 1e-6)}
         out["samples_per_s"] = result["samples_per_s"]
+        if "gradient_error" in result:  # a lossy plan (memory.compression): how far its gradient moved
+            out["gradient_error"] = result["gradient_error"]
         if peak > self.cap.limit:
             return {**out, "state": "over_limit",
                     "reason": f"measured {format_bytes(peak)} > limit {self.cap.describe()}"}
@@ -255,7 +294,9 @@ def _log_trial(number: int, candidate: Candidate, record: dict) -> None:
     peak = record.get("measured_peak") or record.get("predicted_peak")
     speed = record.get("samples_per_s")
     numbers = ", ".join(x for x in (f"peak {format_bytes(peak)}" if peak else "",
-                                    f"{speed:.1f} samples/s" if speed else "") if x)
+                                    f"{speed:.1f} samples/s" if speed else "",
+                                    f"gradient error {record['gradient_error']:.2e}" if "gradient_error" in record
+                                    else "") if x)
     log.info("trial %d: %s: %s%s%s", number, record["state"], candidate.describe(),
              f" ({numbers})" if numbers else "", f" - {record['reason']}" if record.get("reason") else "")
 

@@ -50,7 +50,7 @@ def train_with_fallback(ranked: list[dict], tuned_for: TunedFor, resume: bool,
             _release_memory()  # only now: the exception's traceback held the failed trainer until its block ended
             continue
         if result.stopped_by:
-            print(stop_line(result.stopped_by, result.steps_done, recipe.train.steps, Path(recipe.output.dir)),
+            print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)),
                   file=sys.stderr)
         else:
             log.info("train: done, %d steps, peak %s under the cap", result.steps_done,

@@ -1,9 +1,9 @@
 """DIR/tuned.yaml: the recipe as the user wrote it (overrides applied), with the winning memory
 plan and precision in place of its own, under a comment block saying where the plan comes from.
 
-The file is the recipe's own text with only the top-level sections that change rewritten: `memory:`,
-the `precision:` line, and any section an override changed. Every other line, the user's comments
-included, is kept as written. Where the text cannot be edited line by line (a flow-style document,
+The file is the recipe's own text with only the keys that change rewritten: those of `memory:`, the
+`precision:` line, and those an override changed, as deep as the recipe's block mappings go. Every
+other line, the user's comments included, is kept as written. Where the text cannot be edited line by line (a flow-style document,
 an anchor the edit would cut) it is dumped instead, and the log says why.
 
 The cap goes in as memory.max_mem, so training the file stops with a clear error instead of
@@ -33,11 +33,20 @@ log = logging.getLogger(__name__)
 def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
     """The document's data with the winner's plan and precision; the plan written out in full."""
     data = copy.deepcopy(doc.data)
-    memory = {k: v for k, v in winner["plan"].items() if v is not None}
+    memory = {k: v for k, v in winner["plan"].items() if v is not None and not _quiet_default(k, v)}
     memory["max_mem"] = cap_text  # as the user typed it: `40GB` reads better than 40000000000
     data["memory"] = memory
     data["precision"] = winner["precision"]
     return data
+
+
+_QUIET = ("adaptive", "compression", "allow_lossy")  # left out at their defaults: a plan that uses none stays short
+
+
+def _quiet_default(key: str, value) -> bool:
+    from runner.plan import MemoryPlan
+
+    return key in _QUIET and value == MemoryPlan().model_dump(mode="json")[key]
 
 
 def tuned_text(doc: Document, data: dict) -> str:
@@ -51,28 +60,24 @@ def tuned_text(doc: Document, data: dict) -> str:
 
 
 def _edit_sections(doc: Document, data: dict) -> tuple[str | None, str]:
-    """(the edited text, "") or (None, why not). A top-level section runs from its key's line to the
-    next key's, less the blank and comment lines before that key: those stay with what follows."""
+    """(the edited text, "") or (None, why not). Only the keys whose values differ are rewritten,
+    as deep as the recipe's block mappings go, so comments beside unchanged keys stay."""
     if not doc.text:
         return None, "the recipe's text is not at hand"
     original = parse_document(doc.text, doc.source)
     if set(original.data) - set(data):
         return None, "a top-level key of the recipe is gone"
     lines = doc.text.splitlines(keepends=True)
-    spans = _section_spans(original, len(lines), lines)
-    if spans is None:
-        return None, "its top-level keys do not each start a line"
-    changed = [key for key in data if key not in original.data or original.data[key] != data[key]]
-    overridden = [key for key in changed if key in original.data and key not in ("memory", "precision")]
-    if overridden:
-        log.info("tuned.yaml: %s rewritten with the overrides' values (comments inside them are not kept)",
-                 ", ".join(overridden))
-    for key in sorted((k for k in changed if k in spans), key=lambda k: -spans[k][0]):  # bottom up: spans stay put
-        begin, end = spans[key]
-        lines[begin:end] = [dump_yaml({key: data[key]})]
     if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"
-    lines += [dump_yaml({key: data[key]}) for key in changed if key not in spans]
+    edits = _edits(original, (), original.data, data, (0, len(lines)), lines)
+    if edits is None:
+        return None, "its top-level keys do not each start a line"
+    overridden = sorted({path[0] for path, *_ in edits if path[0] not in ("memory", "precision")})
+    if overridden:
+        log.info("tuned.yaml: the overrides' values written into %s", ", ".join(overridden))
+    for _, begin, end, text in sorted(edits, key=lambda edit: (-edit[1], -edit[2])):  # bottom up: spans stay put
+        lines[begin:end] = [text]
     text = "".join(lines)
     try:
         same = parse_document(text, doc.source).data == data
@@ -82,16 +87,49 @@ def _edit_sections(doc: Document, data: dict) -> tuple[str | None, str]:
                                          "a block scalar the edit would cut)")
 
 
-def _section_spans(doc: Document, count: int, lines: list[str]) -> dict[str, tuple[int, int]] | None:
-    """Top-level key -> (first line, line after its last), 0-based; None unless every key starts a line."""
-    starts = {key: doc.places[(key,)] for key in doc.data}
-    if any(place.col != 1 for place in starts.values()) or len({p.line for p in starts.values()}) < len(starts):
+def _edits(doc: Document, path: tuple, old: dict, new: dict, span: tuple[int, int],
+           lines: list[str]) -> list[tuple] | None:
+    """(path, first line, line after, new text) per key of `new` that differs from `old` in the
+    mapping at `path`, which fills `span`; None when that mapping is not one key per line."""
+    spans = _key_spans(doc, path, old, span, lines)
+    if spans is None:
         return None
-    lines_at = sorted(place.line - 1 for place in starts.values())
+    indent = " " * (doc.places[(*path, next(iter(old)))].col - 1) if old else ""
+    edits, after = [], max((end for _, end in spans.values()), default=span[1])
+    for key, value in new.items():
+        if key not in old:
+            edits.append(((*path, key), after, after, _dumped(key, value, indent)))
+        elif old[key] != value:
+            inner = old[key]
+            deeper = (_edits(doc, (*path, key), inner, value, spans[key], lines)
+                      if isinstance(inner, dict) and isinstance(value, dict) and inner and set(inner) <= set(value)
+                      else None)
+            edits += deeper if deeper is not None else [((*path, key), *spans[key], _dumped(key, value, indent))]
+    return edits
+
+
+def _dumped(key: str, value, indent: str) -> str:
+    return "".join(indent + line for line in dump_yaml({key: value}).splitlines(keepends=True))
+
+
+def _key_spans(doc: Document, path: tuple, mapping: dict, span: tuple[int, int],
+               lines: list[str]) -> dict[str, tuple[int, int]] | None:
+    """Key -> (first line, line after its last), 0-based, for the keys of the mapping at `path`; None
+    unless each starts its own line at one column. A key's span ends before the blank and comment
+    lines that precede the next key: those stay with what follows."""
+    starts = {key: doc.places.get((*path, key)) for key in mapping}
+    if any(place is None for place in starts.values()):
+        return None
+    columns = {place.col for place in starts.values()}
+    first_lines = sorted(place.line - 1 for place in starts.values())
+    if len(columns) > 1 or len(set(first_lines)) < len(starts) or (path and first_lines[0] <= span[0]):
+        return None  # a flow mapping, or keys sharing a line
+    if not path and columns != {1}:
+        return None
     spans = {}
     for key, place in starts.items():
         begin = place.line - 1
-        end = next((line for line in lines_at if line > begin), count)
+        end = next((line for line in first_lines if line > begin), span[1])
         while end > begin + 1 and _between_sections(lines[end - 1]):
             end -= 1
         spans[key] = (begin, end)

@@ -1,16 +1,19 @@
 """`ckrun tune` against an exhaustive grid over the same space, on the CPU.
 
-For a small BERT and a small ResNet: measure every plan of the space (the grid), set the cap so
-that its limit lies halfway between the smallest peak and the no-plan peak, then run `ckrun tune`
-with a third of the grid's probes (the re-runs of its best plan included). The question: does the
-tuner's plan reach >= 0.95 of the grid-best feasible throughput? One measurement per plan is noisy
-on a shared CPU, so the tuner's plan, the grid's best and the plan one writes by hand (every block
-checkpointed, the largest micro-batch that fits) are then measured again side by side, interleaved,
-CONFIRM times each; the ratios use those medians. Probes run single-threaded (OMP_NUM_THREADS=1)
-so that they fight less with other jobs.
+For a small BERT, a small GPT-2 and a small ResNet (with BatchNorm): measure every plan of the
+space (the grid), set the cap so that its limit lies halfway between the smallest peak and the
+no-plan peak, then run `ckrun tune` with a quarter of the grid's probes (the re-runs of its best
+plan included). The questions: does the tuner's plan reach >= 0.98 of the grid-best feasible
+throughput, and how fast is the solver's first proposal (the tuner's first probe) against it?
+One measurement per plan is noisy on a shared CPU, so the tuner's plan, the solver's first plan,
+the grid's best and the plan one writes by hand (every block checkpointed, the largest
+micro-batch that fits) are then measured again side by side, interleaved, CONFIRM times each; the
+ratios use those medians. Probes run single-threaded (OMP_NUM_THREADS=1) so that they fight less
+with other jobs.
 
-    python bench/tune_vs_grid.py                       # both models: 10 minutes idle, an hour busy
+    python bench/tune_vs_grid.py                       # three models: 15 minutes idle, over an hour busy
     python bench/tune_vs_grid.py --cases bert --out runs/bench_tune
+    python bench/tune_vs_grid.py --quick --out /tmp/bench_quick   # tiny models, one step, one re-run: a smoke run
 
 Writes OUT/CASE/{grid,tune,confirm}/, OUT/CASE/results.json and a markdown section to
 docs/benchmarks_tune.md (`--report-only` rewrites the section from OUT).
@@ -32,10 +35,11 @@ from autotune.cap import Cap
 from autotune.child import device_info
 from autotune.probe import ProbeRunner, ProbeSettings
 from autotune.model_child import model_facts
-from autotune.space import Device, ModelFacts, build_space, checkpointing_label
+from autotune.space import Candidate, Device, ModelFacts, build_space, checkpointing_label
 from autotune.study import FINALIST_RUNS
 from runner.cli import main as ckrun
 from runner.load import load_recipe
+from runner.plan import MemoryPlan
 from runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,18 +48,33 @@ CASES = {
     "bert": (ROOT / "recipes/bert_tiny.yaml", [
         "model.config.num_hidden_layers=4", "model.config.hidden_size=64", "model.config.intermediate_size=256",
         "model.config.vocab_size=2048", "data.seq_len=64", "train.batch_size=4", "train.device=cpu"]),
-    "resnet": (ROOT / "recipes/resnet50.yaml", [
+    "gpt2": (ROOT / "recipes/gpt2.yaml", [
+        "model.config.n_layer=4", "model.config.n_embd=64", "model.config.n_head=2", "model.config.vocab_size=2048",
+        "model.config.n_positions=64", "data.seq_len=64", "train.batch_size=4", "train.device=cpu",
+        "precision=fp32", "memory.micro_batch=null"]),
+    "resnet": (ROOT / "recipes/resnet50.yaml", [  # resnet18 has BatchNorm: micro_batch stays the recipe's
         "model.name=resnet18", "model.config.num_classes=10", "data.image_size=224", "train.batch_size=4",
         "train.device=cpu", "precision=fp32", "memory.micro_batch=null"]),
 }
+QUICK = {  # appended for --quick: later overrides win
+    "bert": ["model.config.num_hidden_layers=2", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+             "model.config.vocab_size=256", "data.seq_len=32", "train.batch_size=2"],
+    "gpt2": ["model.config.n_layer=2", "model.config.n_embd=32", "model.config.vocab_size=256",
+             "model.config.n_positions=32", "data.seq_len=32", "train.batch_size=2"],
+    "resnet": ["train.batch_size=2"],  # smaller images leave activations too small to matter beside Adam's state
+}
 SETTINGS = ProbeSettings()  # the tuner's defaults
 CONFIRM = 3
-FINALISTS = 1  # the tuner's best plan is measured FINALIST_RUNS times, within the third of the grid
+FINALISTS = 1  # the tuner's best plan is measured FINALIST_RUNS times, within the quarter of the grid
+SHARE = 4  # the tuner gets 1/SHARE of the grid's probes
 
 
 def _space(path: Path, overrides: list[str]):
     recipe = load_recipe(path, overrides)
-    return recipe, build_space(recipe, ModelFacts.from_json(model_facts(recipe)), Device.from_json(device_info(recipe)))
+    facts = ModelFacts.from_json(model_facts(recipe))
+    if "resnet" in recipe.model.name and not facts.batchnorm:
+        raise SystemExit(f"{recipe.model.name}: no BatchNorm found; the ResNet case is meant to have it")
+    return recipe, build_space(recipe, facts, Device.from_json(device_info(recipe)))
 
 
 def run_grid(path: Path, overrides: list[str], directory: Path) -> list[dict]:
@@ -90,8 +109,9 @@ def run_tuner(path: Path, overrides: list[str], directory: Path, cap: int, probe
     """`ckrun tune` held to `probes` in all: the search gets what the finalists' re-runs leave."""
     extra = FINALISTS * (FINALIST_RUNS - 1)
     code = ckrun(["tune", str(path), *overrides, f"output.dir={directory}", "--output", str(directory),
-                  "--max-mem", str(cap), "--trials", str(probes - extra), "--finalists", str(FINALISTS),
-                  "--no-train", "--seed", "0"])
+                  "--max-mem", str(cap), "--trials", str(max(1, probes - extra)), "--finalists", str(FINALISTS),
+                  "--no-train", "--seed", "0", "--warmup-steps", str(SETTINGS.warmup_steps),
+                  "--timed-steps", str(SETTINGS.timed_steps)])
     report = json.loads((directory / "report.json").read_text())
     report["exit"] = code
     launched = (directory / "probes" / "probes.log").read_text().splitlines()
@@ -101,14 +121,19 @@ def run_tuner(path: Path, overrides: list[str], directory: Path, cap: int, probe
 
 def confirm(path: Path, overrides: list[str], directory: Path, plans: dict[str, str]) -> dict[str, dict]:
     """Each named plan (by key) probed CONFIRM times, interleaved so that they share the machine's moods."""
-    recipe, space = _space(path, overrides)
-    candidates = {space.candidate(p).key: space.candidate(p) for p in space.all_params()}
+    recipe = load_recipe(path, overrides)
+    candidates = {key: _candidate(key) for key in plans.values()}  # the solver's plans are not in the grid
     runner, speeds = ProbeRunner(directory, SETTINGS), {name: [] for name in plans}
     for round_ in range(CONFIRM):
         for index, (name, key) in enumerate(plans.items()):
             result = runner.probe(candidates[key].recipe(recipe, 10**12), round_ * len(plans) + index)
             speeds[name].append(result.get("samples_per_s", 0.0))
     return {name: {"median": statistics.median(values), "runs": values} for name, values in speeds.items()}
+
+
+def _candidate(key: str) -> Candidate:
+    data = json.loads(key)
+    return Candidate(MemoryPlan.model_validate(data["memory"]), data["precision"])
 
 
 def compare(rows: list[dict], report: dict, cap: int, batch_size: int) -> dict:
@@ -122,6 +147,7 @@ def compare(rows: list[dict], report: dict, cap: int, batch_size: int) -> dict:
         "tuner_probes": report["probes"],
         "grid_best": max(feasible, key=lambda r: r["speed"]),
         "winner": trials[report["winner"]] if report["winner"] is not None else None,
+        "solver": next((t for t in report["trials"] if t.get("proposed_by") == "solver"), None),
         "full": full,
     }
 
@@ -136,8 +162,9 @@ def markdown(results: dict[str, dict], run: dict) -> str:
         f"re-measurements of each plan (the runs in brackets); a plan is chosen by the grid's or the tuner's own "
         f"single measurement.", "",
         "| model | grid probes | tuner probes | feasible | grid-best plan | tuner's plan | tuner / best | "
-        "<= 1/3 probes | >= 0.95 | full checkpointing, largest micro-batch that fits | tuned / full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"<= 1/{SHARE} probes | >= 0.98 | solver's first plan | solver first / best "
+        "| full checkpointing, largest micro-batch that fits | tuned / full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in results.items():
         best, won, again = c["grid_best"], c["winner"], c["confirmed"]
@@ -154,8 +181,8 @@ def markdown(results: dict[str, dict], run: dict) -> str:
             f"| {name} (cap {format_bytes(c['cap'])}) | {c['grid_probes']} | {c['tuner_probes']} "
             f"| {c['feasible_in_grid']} | {best['label']}: {_speeds(again['grid best'])} "
             f"| {'the same plan' if same else won['label']}: {_speeds(again['tuner'])} | {ratio:.2f} "
-            f"| {'yes' if 3 * c['tuner_probes'] <= c['grid_probes'] else 'no'} | {'yes' if ratio >= 0.95 else 'no'} "
-            f"| {full_text} | {vs_full} |")
+            f"| {'yes' if SHARE * c['tuner_probes'] <= c['grid_probes'] else 'no'} | {'yes' if ratio >= 0.98 else 'no'} "
+            f"| {_solver_text(c, again)} | {full_text} | {vs_full} |")
     lines += ["", *(f"- {name}: `{CASES[name][0].relative_to(ROOT)}` {' '.join(CASES[name][1])}" for name in results)]
     lines += ["", "Caveat: on a shared 2-core machine the same plan measures differently from run to run (the "
               "runs in brackets show how much), so the grid's best is the best of single noisy measurements and "
@@ -163,23 +190,35 @@ def markdown(results: dict[str, dict], run: dict) -> str:
     return "\n".join(lines)
 
 
+def _solver_text(case: dict, again: dict) -> str:
+    """The solver's first plan and its throughput over the grid's best (re-measured medians)."""
+    solver = case.get("solver")
+    if solver is None or "solver first" not in again:
+        return "none proposed | n/a"
+    ratio = again["solver first"]["median"] / again["grid best"]["median"]
+    return f"{solver['label']}: {_speeds(again['solver first'])} | {ratio:.2f}"
+
+
 def _speeds(confirmed: dict) -> str:
     return f"{confirmed['median']:.2f}/s (runs {', '.join(f'{v:.2f}' for v in confirmed['runs'])})"
 
 
-def measure_case(name: str, out: Path) -> dict:
+def measure_case(name: str, out: Path, quick: bool = False) -> dict:
     path, overrides = CASES[name]
+    overrides = overrides + (QUICK[name] if quick else [])
     batch = load_recipe(path, overrides).train.batch_size
     shutil.rmtree(out / name, ignore_errors=True)  # a study directory must be new without --resume
     rows = run_grid(path, overrides, out / name / "grid")
     (out / name / "grid.json").write_text(json.dumps(rows, indent=1))
     cap = choose_cap(rows, batch)
-    result = compare(rows, run_tuner(path, overrides, out / name / "tune", cap, len(rows) // 3), cap, batch)
+    result = compare(rows, run_tuner(path, overrides, out / name / "tune", cap, len(rows) // SHARE), cap, batch)
     if result["winner"] is None:
         raise SystemExit(f"{name}: the tuner found no plan under {cap} bytes; see {out / name / 'tune'}")
     plans = {"tuner": result["winner"]["key"], "grid best": result["grid_best"]["key"]}
     if result["full"] is not None:
         plans["full"] = result["full"]["key"]
+    if result["solver"] is not None:
+        plans["solver first"] = result["solver"]["key"]
     result["confirmed"] = confirm(path, overrides, out / name / "confirm", plans)
     return result
 
@@ -189,18 +228,24 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench_tune")
     parser.add_argument("--report-only", action="store_true", help="rewrite the markdown from OUT/*/results.json")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models, 1 warm-up + 1 timed step, one re-run: a smoke run whose numbers mean "
+                             "nothing; the markdown goes to OUT, not docs/")
     args = parser.parse_args()
+    global SETTINGS, CONFIRM
+    if args.quick:
+        SETTINGS, CONFIRM = ProbeSettings(warmup_steps=1, timed_steps=1), 1
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every probe child
     if not args.report_only:
         started, clock = time.strftime("%Y-%m-%d %H:%M %Z"), time.monotonic()
         for name in args.cases:
-            (args.out / name / "results.json").write_text(json.dumps(measure_case(name, args.out), indent=1))
+            (args.out / name / "results.json").write_text(json.dumps(measure_case(name, args.out, args.quick), indent=1))
         run = {"started": started, "minutes": (time.monotonic() - clock) / 60, "load": os.getloadavg()[0]}
         (args.out / "run.json").write_text(json.dumps(run))
     results = {path.parent.name: json.loads(path.read_text()) for path in sorted(args.out.glob("*/results.json"))}
     text = markdown(results, json.loads((args.out / "run.json").read_text()))
-    (ROOT / "docs/benchmarks_tune.md").write_text(text, encoding="utf-8")
+    (args.out / "benchmarks_tune.md" if args.quick else ROOT / "docs/benchmarks_tune.md").write_text(text, encoding="utf-8")
     print(text)
 
 

@@ -6,6 +6,7 @@ written into a recipe, compared, hashed and proposed by the tuner.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
@@ -114,6 +115,36 @@ class Sharding(Strict):
     step there (FSDP2's CPUOffloadPolicy); the device holds only the blocks in flight. CUDA only."""
 
 
+# --- activation compression (lossy) ----------------------------------------------------------
+
+
+class NoCompression(Strict):
+    policy: Literal["none"] = "none"
+    """Saved activations keep their dtype: exact."""
+
+
+class CastCompression(Strict):
+    policy: Literal["bf16", "fp8"]
+    """`bf16`: fp32 saved activations of every block are stored as bfloat16 (half the bytes). `fp8`:
+    every floating saved activation of 2 or more bytes is stored as float8_e4m3fn with one scale per
+    tensor (a quarter of fp32's bytes; torch without float8 refuses it). Lossy: backward computes
+    with rounded activations, so it needs memory.allow_lossy: true."""
+    min_bytes: ByteSize = ByteSize(1 << 10)
+    """Saved tensors smaller than this keep their dtype (casting them costs more than it saves)."""
+
+
+Compression = Annotated[NoCompression | CastCompression, Field(discriminator="policy")]
+
+
+class LengthBucket(Strict):
+    """One bucket of an adaptive plan: the checkpointing for batches up to `max_len` tokens long."""
+
+    max_len: int = Field(gt=0)
+    """Batches whose sequence length is at most this, and over the previous bucket's, use this bucket."""
+    checkpointing: Checkpointing
+    """The checkpointing for these batches (policy sqrt is not switchable: use every or layers)."""
+
+
 class MemoryPlan(Strict):
     """How a step trades time for memory. Checkpointing, offload and compile never change what is
     computed; micro_batch does where the model looks across samples (BatchNorm, dropout masks)."""
@@ -132,8 +163,44 @@ class MemoryPlan(Strict):
     """FSDP knobs (only with distributed.strategy: fsdp); unset: reshard after forward, no CPU offload."""
     compile: bool = False
     """Run the model through torch.compile (slow first step, faster after)."""
+    activation_memory_budget: float | None = Field(default=None, ge=0, le=1)
+    """With compile: the fraction of its default activation memory torch's partitioner may keep,
+    recomputing the rest (0: recompute all it can, 1: torch's default). The peak is not monotonic
+    in it (pytorch issue 197838): measure each value. Unset: torch's own setting."""
+    allocator: str | None = None
+    """PYTORCH_CUDA_ALLOC_CONF for the run, e.g. `expandable_segments:True` (less fragmentation),
+    set before CUDA starts; no effect on the CPU. Unset: whatever the environment says."""
+    adaptive: list[LengthBucket] = Field(default_factory=list)
+    """Checkpointing per batch length, for text whose batches vary in length (data.split: lines):
+    a batch uses the first bucket whose max_len it does not exceed, a longer one memory.checkpointing.
+    Short batches can then recompute less. The trainer switches between steps without rebuilding
+    the model; results are the same as under any fixed plan. Empty: one plan for every batch."""
+    compression: Compression = Field(default_factory=NoCompression)
+    """Store the blocks' saved activations in a lower precision until backward needs them (lossy)."""
+    allow_lossy: bool = False
+    """Permit knobs that change the gradients (memory.compression); `ckrun tune --allow-lossy` sets it
+    in the plans it tries, and tuned.yaml keeps it so the choice stays visible."""
     max_mem: ByteSize | None = None
     """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
+
+    @field_validator("adaptive")
+    @classmethod
+    def _buckets_in_order(cls, buckets: list[LengthBucket]) -> list[LengthBucket]:
+        lengths = [bucket.max_len for bucket in buckets]
+        if lengths != sorted(set(lengths)):
+            raise ValueError(f"buckets must go from short to long, each max_len once, but got max_len {lengths}")
+        if any(bucket.checkpointing.policy == "sqrt" for bucket in buckets):
+            raise ValueError("a bucket cannot use policy sqrt (its segments span blocks, which cannot switch "
+                             "per batch); use policy every or layers")
+        return buckets
+
+    @field_validator("allocator")
+    @classmethod
+    def _allocator_settings(cls, allocator: str | None) -> str | None:
+        if allocator is not None and not _ALLOCATOR_SETTINGS.fullmatch(allocator):
+            raise ValueError(f"{allocator!r} is not allocator settings; write option:value pairs joined by commas, "
+                             "e.g. expandable_segments:True or max_split_size_mb:128,expandable_segments:False")
+        return allocator
 
     @field_validator("max_mem")
     @classmethod
@@ -141,3 +208,19 @@ class MemoryPlan(Strict):
         if max_mem is not None and max_mem <= 0:  # as `ckrun tune --max-mem 0` is refused
             raise ValueError(f"the cap must be positive but got {max_mem}; leave max_mem out for no cap")
         return max_mem
+
+
+_SETTING = r"[A-Za-z_]+:(\[[^\]\s]*\]|[^,:\s\[\]]+)"  # roundup_power2_divisions takes a [list]
+_ALLOCATOR_SETTINGS = re.compile(rf"{_SETTING}(,{_SETTING})*")
+
+
+def plan_problem(plan: MemoryPlan) -> tuple[tuple[str, ...], str] | None:
+    """(key path, message) for a combination the plan's fields cannot have; None when it is fine."""
+    if plan.activation_memory_budget is not None and not plan.compile:
+        return ("activation_memory_budget",), ("memory.activation_memory_budget: is torch.compile's partitioner "
+                                               "setting, and needs memory.compile: true; set it or leave the budget out")
+    if plan.compression.policy != "none" and not plan.allow_lossy:
+        return ("compression",), (f"memory.compression: {plan.compression.policy} stores saved activations rounded, "
+                                  "which changes the gradients; set memory.allow_lossy: true to accept that (or "
+                                  "`ckrun tune --allow-lossy`), or memory.compression.policy: none")
+    return None

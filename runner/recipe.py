@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .build.resolve import infer_task, resolve_import_path, transformers_class
-from .plan import MemoryPlan, Strict
+from .plan import MemoryPlan, Strict, plan_problem
 from .problems import suggest
 
 
@@ -117,6 +117,8 @@ class SyntheticData(Strict):
     """Fraction of tokens masked for masked_lm."""
     vocab_size: int | None = Field(default=None, gt=1)
     """Token ids are drawn below this; taken from the model's config when unset."""
+    target_len: int | None = Field(default=None, gt=0)
+    """seq2seq: tokens per target (the decoder's length); seq_len when unset."""
 
 
 class TextFilesData(Strict):
@@ -127,7 +129,12 @@ class TextFilesData(Strict):
     task: Task | None = None
     """What the model learns; inferred from the model class when unset."""
     seq_len: int = Field(default=128, gt=0)
-    """Tokens per sample."""
+    """Tokens per sample (`split: lines`: the most; longer lines are cut)."""
+    split: Literal["packed", "lines"] = "packed"
+    """`packed`: the text is one stream cut into seq_len samples, so every batch is seq_len long.
+    `lines`: each non-empty line is a sample (no packing) and a batch is padded to its longest line,
+    padding masked out of attention and the loss: batch lengths vary, and memory.adaptive can pick
+    a plan per length."""
     tokenizer: str | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
@@ -169,6 +176,65 @@ class RecordsData(Strict):
         return TextFilesData._tokenizer_dir(tokenizer)
 
 
+class DatasetData(Strict):
+    source: Literal["dataset"]
+    """Local data read through Hugging Face `datasets` (`pip install 'ckrun[datasets]'`): Parquet, JSONL or
+    CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached beside the data."""
+    paths: list[str] = Field(min_length=1)
+    """Files or glob patterns (`.parquet`, `.jsonl`/`.json`, `.csv`/`.tsv`), or folders saved by `save_to_disk`."""
+    split: str | None = None
+    """The split of a saved DatasetDict (`train`, `validation`, ...); unset: `train`, or its only split."""
+    task: Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification"] | None = None
+    """What the model learns; inferred from the model class when unset."""
+    input_field: str = Field(default="text", validate_default=True)
+    """The column holding the input text; language modelling reads only this one, packed into seq_len samples."""
+    target_field: str = Field(default="label", validate_default=True)
+    """The column holding the target: a label (name, integer id or ClassLabel), or for seq2seq the target text."""
+    labels: list[str] | None = Field(default=None, min_length=2)
+    """Label names in id order, as for `records`. Unset: a ClassLabel column's names, else integer labels are
+    their own ids and other labels get ids in sorted order; the mapping is logged."""
+    seq_len: int = Field(default=128, gt=0)
+    """Tokens per sample: inputs are cut or padded (classification, seq2seq), or text is packed (language modelling)."""
+    target_len: int | None = Field(default=None, gt=0)
+    """seq2seq target tokens per sample; seq_len when unset."""
+    tokenizer: str | None = None
+    """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
+    mask_prob: float = Field(default=0.15, gt=0, lt=1)
+    """Fraction of tokens masked for masked_lm."""
+
+    @field_validator("paths")
+    @classmethod
+    def _paths_readable(cls, paths: list[str]) -> list[str]:
+        from .build.dataset_files import check_paths
+
+        check_paths(paths)
+        return paths
+
+    @field_validator("split")
+    @classmethod
+    def _split_present(cls, split: str | None, info: ValidationInfo) -> str | None:
+        if "paths" in info.data:
+            from .build.dataset_files import check_split
+
+            check_split(info.data["paths"], split)
+        return split
+
+    @field_validator("input_field", "target_field")
+    @classmethod
+    def _column_present(cls, name: str, info: ValidationInfo) -> str:
+        needed = info.field_name == "input_field" or info.data.get("task") in ("seq2seq", "sequence_classification")
+        if needed and "paths" in info.data:
+            from .build.dataset_files import check_column
+
+            check_column(info.data["paths"], info.data.get("split"), name)
+        return name
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_dir(cls, tokenizer: str | None) -> str | None:
+        return TextFilesData._tokenizer_dir(tokenizer)
+
+
 class ImageFolderData(Strict):
     source: Literal["image_folder"]
     """A torchvision ImageFolder: ROOT/CLASS_NAME/IMAGE files."""
@@ -177,6 +243,12 @@ class ImageFolderData(Strict):
     image_size: int = Field(default=224, gt=0)
     """Images are resized and centre-cropped to this size."""
     task: Literal["image_classification"] = "image_classification"
+    workers: int | None = Field(default=None, ge=0)
+    """Worker processes that decode images ahead of the training step (a torch DataLoader); 0 decodes
+    in the training process. Unset: one fewer than the CPU cores, at most 8, and 0 on a machine of
+    1 or 2 cores, where a worker would take the core the step runs on (the choice is logged)."""
+    prefetch: int = Field(default=2, gt=0)
+    """Batches each worker decodes ahead (DataLoader's prefetch_factor); more hides slow disks, costs memory."""
 
     @field_validator("root")
     @classmethod
@@ -186,7 +258,7 @@ class ImageFolderData(Strict):
         return root
 
 
-Data = Annotated[SyntheticData | TextFilesData | RecordsData | ImageFolderData, Field(discriminator="source")]
+Data = Annotated[SyntheticData | TextFilesData | RecordsData | DatasetData | ImageFolderData, Field(discriminator="source")]
 
 # --- training -------------------------------------------------------------------------------
 
@@ -240,8 +312,12 @@ class CosineSchedule(Strict):
 class TrainSpec(Strict):
     batch_size: int = Field(gt=0)
     """The global batch per optimizer step; memory.micro_batch never changes it."""
-    steps: int = Field(gt=0)
-    """Optimizer steps to run."""
+    steps: int | None = Field(default=None, gt=0)
+    """Optimizer steps to run; or give train.epochs instead (exactly one of the two)."""
+    epochs: float | None = Field(default=None, gt=0)
+    """Passes over finite data (text, records, image_folder) instead of train.steps: the run takes
+    ceil(epochs * rows / batch_size) steps, computed and logged once the data is built; may be
+    fractional (0.5: half the data). Synthetic data never runs out, so it has no epochs."""
     optimizer: Annotated[AdamW | SGD, Field(discriminator="name")] = Field(default_factory=lambda: AdamW(name="adamw"))
     """`adamw` (fused on CUDA) or `sgd`."""
     scheduler: Annotated[ConstantSchedule | CosineSchedule, Field(discriminator="name")] = Field(
@@ -254,6 +330,15 @@ class TrainSpec(Strict):
     """Seeds weights, data and dropout: the same seed gives the same run (0 to 2**32 - 1)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: `auto` takes the GPU when there is one."""
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainSpec:
+        if self.steps is not None and self.epochs is not None:
+            raise KeyedValueError(("train", "epochs"), "give train.steps or train.epochs, not both (on the command "
+                                  "line, train.steps=null train.epochs=N swaps one for the other)")
+        if self.steps is None and self.epochs is None:
+            raise KeyedValueError(("train",), "give train.steps (optimizer steps) or train.epochs (passes over the data)")
+        return self
 
 
 class OutputSpec(Strict):
@@ -363,6 +448,28 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _sequence_fits_positions(self) -> Recipe:
+        """A sequence past the position table would index out of range at the first step."""
+        if self.model.source != "transformers":
+            return self
+        from .build.model_config import max_positions
+
+        limit = max_positions(transformers_class(self.model.name), self.model.config)
+        for path, data in [(("data",), self.data), (("eval", "data"), self.eval.data if self.eval else None)]:
+            seq_len = getattr(data, "seq_len", None)
+            if limit is not None and seq_len is not None and seq_len > limit:
+                raise KeyedValueError((*path, "seq_len"), f"{seq_len} tokens exceed {self.model.name}'s {limit} "
+                                      f"positions (max_position_embeddings); give seq_len <= {limit}")
+        return self
+
+    @model_validator(mode="after")
+    def _epochs_need_finite_data(self) -> Recipe:
+        if self.train.epochs is not None and self.data.source == "synthetic":
+            raise KeyedValueError(("train", "epochs"), "synthetic data never runs out, so it has no epochs; "
+                                  "give train.steps, or train on files (data.source text, records, dataset or image_folder)")
+        return self
+
+    @model_validator(mode="after")
     def _micro_batch_divides(self) -> Recipe:
         micro = self.memory.micro_batch
         if micro is not None and self.train.batch_size % micro:
@@ -371,6 +478,13 @@ class Recipe(Strict):
                 f"memory.micro_batch {micro} does not divide train.batch_size {self.train.batch_size}; "
                 f"use a divisor such as {largest_divisor_at_most(self.train.batch_size, micro)}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _plan_consistent(self) -> Recipe:
+        problem = plan_problem(self.memory)
+        if problem is not None:
+            raise KeyedValueError(("memory", *problem[0]), problem[1])
         return self
 
     @property

@@ -76,9 +76,10 @@ def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + salt)
 
 
-def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_prob: float, mask_id: int = MASK_ID) -> Batch:
-    """Turn a [batch, seq] block of token ids into the task's inputs and labels (random targets for
-    seq2seq and classification: only synthetic data comes here with those tasks)."""
+def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_prob: float, mask_id: int = MASK_ID,
+                 target_len: int | None = None) -> Batch:
+    """Turn a [batch, seq] block of token ids into the task's inputs and labels (random targets,
+    `target_len` long, for seq2seq and classification: only synthetic data comes here with those tasks)."""
     ids = tokens.clone()
     attention = torch.ones_like(ids)
     if shape.task == "masked_lm":
@@ -91,7 +92,7 @@ def shape_tokens(tokens: torch.Tensor, shape: Shape, gen: torch.Generator, mask_
     elif shape.task == "causal_lm":
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
     elif shape.task == "seq2seq":
-        labels = torch.randint(2, shape.vocab_size, ids.shape, generator=gen)
+        labels = torch.randint(2, shape.vocab_size, (ids.shape[0], target_len or ids.shape[1]), generator=gen)
         decoder = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
         inputs = {"input_ids": ids, "attention_mask": attention, "decoder_input_ids": decoder}
         return Batch(inputs, labels, shape.by_keyword)
@@ -126,7 +127,7 @@ class SyntheticSource:
             key = "pixel_values" if self.shape.by_keyword else "images"
             return Batch({key: images}, labels, self.shape.by_keyword)
         tokens = markov_tokens(self.batch_size, self.data.seq_len, self.shape.vocab_size, self.seed, gen)
-        return shape_tokens(tokens, self.shape, gen, self.data.mask_prob)
+        return shape_tokens(tokens, self.shape, gen, self.data.mask_prob, target_len=self.data.target_len)
 
 
 def markov_tokens(batch: int, length: int, vocab: int, seed: int, gen: torch.Generator) -> torch.Tensor:
@@ -160,6 +161,9 @@ class TextFilesSource:
         self.data, self.shape, self.batch_size, self.seed = data, shape, batch_size, seed
         self.tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else None
         self.mask_id = self._mask_id()
+        if data.split == "lines":
+            self.samples = self._lines(self._files())
+            return
         stream = self._tokens(self._files())
         count = len(stream) // data.seq_len
         if count < 1:
@@ -193,9 +197,45 @@ class TextFilesSource:
                              "tokenizer with a mask_token (BERT's [MASK]) or set data.task: causal_lm")
         return MASK_ID if mask_id is None else int(mask_id)
 
+    @property
+    def rows(self) -> int:
+        """Samples in one epoch (finite sources have this; synthetic data has none)."""
+        return len(self.samples)
+
+    def _lines(self, files: list[Path]) -> list[torch.Tensor]:
+        """`split: lines`: one sample per non-empty line, cut at seq_len."""
+        lines = [line for f in files for line in _read_text(f).splitlines() if line.strip()]
+        if not lines:
+            raise BuildError("data.paths", "the text files hold no non-empty line, which split: lines needs")
+        return [self._tokens_of(line)[: self.data.seq_len] for line in lines]
+
+    def _tokens_of(self, text: str) -> torch.Tensor:
+        if self.tokenizer is not None:
+            return torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
+        return (torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long() + 2) % self.shape.vocab_size
+
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.samples), step, self.batch_size, self.seed)
-        return shape_tokens(self.samples[rows], self.shape, _generator(self.seed, step, 1), self.data.mask_prob, self.mask_id)
+        generator = _generator(self.seed, step, 1)
+        if self.data.split == "lines":
+            return padded_batch([self.samples[r] for r in rows], self.shape, generator, self.data.mask_prob, self.mask_id)
+        return shape_tokens(self.samples[rows], self.shape, generator, self.data.mask_prob, self.mask_id)
+
+
+def padded_batch(samples: list[torch.Tensor], shape: Shape, gen: torch.Generator, mask_prob: float, mask_id: int) -> Batch:
+    """Samples of several lengths padded (id 0) to the longest: padding is masked out of attention,
+    and no label sits on it or (causal LM) predicts it."""
+    length = max(len(sample) for sample in samples)
+    tokens = torch.zeros(len(samples), length, dtype=torch.long)
+    real = torch.zeros(len(samples), length, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        tokens[row, : len(sample)], real[row, : len(sample)] = sample, True
+    batch = shape_tokens(tokens, shape, gen, mask_prob, mask_id)
+    if "attention_mask" in batch.inputs:
+        batch.inputs["attention_mask"] = real.long()
+    labelled = real if shape.task != "causal_lm" else torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    batch.labels = batch.labels.masked_fill(~labelled, IGNORE)
+    return batch
 
 
 def _read_text(path: Path) -> str:
@@ -220,8 +260,13 @@ def load_tokenizer(directory: str, key: str = "data"):
 
 
 class ImageFolderSource:
-    def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int):
+    """Images decoded and transformed by DataLoader workers (build/image_loader.py), or in this
+    process with workers 0; the same batches either way."""
+
+    def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int, pin_memory: bool = False):
         from torchvision import transforms
+
+        from .image_loader import StepLoader, choose_workers
 
         transform = transforms.Compose([
             transforms.Resize(data.image_size), transforms.CenterCrop(data.image_size), transforms.ToTensor(),
@@ -229,21 +274,32 @@ class ImageFolderSource:
         ])
         self.dataset = _image_folder(data.root, transform)
         self.shape, self.batch_size, self.seed = shape, batch_size, seed
+        workers = choose_workers(data.workers)
+        self.loader = StepLoader(self.dataset, batch_size, seed, workers, data.prefetch, pin_memory) if workers else None
+
+    @property
+    def rows(self) -> int:
+        return len(self.dataset)
 
     def global_batch(self, step: int) -> Batch:
-        rows = epoch_rows(len(self.dataset), step, self.batch_size, self.seed)
-        images, labels = zip(*(self._image(r) for r in rows), strict=True)
+        if self.loader is not None:
+            images, labels = self.loader.batch(step)
+        else:
+            images, labels = self._decode(epoch_rows(len(self.dataset), step, self.batch_size, self.seed))
         key = "pixel_values" if self.shape.by_keyword else "images"
-        return Batch({key: torch.stack(images)}, torch.tensor(labels), self.shape.by_keyword)
+        return Batch({key: images}, labels, self.shape.by_keyword)
 
-    def _image(self, row: int):
-        """One sample; a file PIL cannot read is named (found when first used, not by reading every file up front)."""
-        try:
-            return self.dataset[row]
-        except Exception as err:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError... for broken files
-            path = self.dataset.samples[row][0]
-            raise BuildError("data.root", f"cannot read image {path}: {_reason(err)}; remove or replace it, "
-                             "then continue with --resume") from None
+    def _decode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        from .image_loader import Unreadable, decode_rows
+
+        decoded = decode_rows(self.dataset, rows)
+        if isinstance(decoded, Unreadable):
+            raise decoded.error()
+        return decoded
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
 
 def _image_folder(root: str, transform):
@@ -260,13 +316,13 @@ def _image_folder(root: str, transform):
     try:
         dataset = datasets.ImageFolder(str(directory), transform=transform)
     except (FileNotFoundError, OSError) as err:
-        raise BuildError("data.root", f"{root}: {_reason(err)}") from None
+        raise BuildError("data.root", f"{root}: {describe_image_error(err)}") from None
     if len(dataset) == 0:
         raise BuildError("data.root", f"{root} holds no images")
     return dataset
 
 
-def _reason(err: Exception) -> str:
+def describe_image_error(err: Exception) -> str:
     if isinstance(err, FileNotFoundError) and "no valid file for the classes" in str(err):
         classes = str(err).split("classes ", 1)[1].split(". Supported", 1)[0]
         return f"class folder(s) {classes} hold no images (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"
@@ -279,14 +335,19 @@ def _reason(err: Exception) -> str:
 def build_data(recipe: Recipe, model: torch.nn.Module, label_ids: dict[str, int] | None = None):
     """The recipe's batch source; `label_ids`: the training data's label ids, for held-out records."""
     shape = describe_inputs(recipe, model)
-    if recipe.data.source == "records":
-        from .records import RecordsSource  # records.py builds on this module
+    if recipe.data.source in ("records", "dataset"):
+        from .hf_dataset import dataset_source  # both build on this module
+        from .records import RecordsSource
 
-        source = RecordsSource(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, label_ids)
+        make = RecordsSource if recipe.data.source == "records" else dataset_source
+        source = make(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, label_ids)
         if label_ids is None:
-            _name_labels(model, source.label_ids)
+            _name_labels(model, getattr(source, "label_ids", None))
         return source
-    sources = {"synthetic": SyntheticSource, "text": TextFilesSource, "image_folder": ImageFolderSource}
+    if recipe.data.source == "image_folder":  # pinned batches copy to the GPU while it computes
+        pinned = any(p.is_cuda for p in model.parameters())
+        return ImageFolderSource(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, pin_memory=pinned)
+    sources = {"synthetic": SyntheticSource, "text": TextFilesSource}
     return sources[recipe.data.source](recipe.data, shape, recipe.train.batch_size, recipe.train.seed)
 
 
@@ -298,3 +359,11 @@ def _name_labels(model: torch.nn.Module, label_ids: dict[str, int] | None) -> No
     if sorted(label_ids.values()) == list(range(len(label_ids))):
         config.id2label = {i: name for name, i in label_ids.items()}
         config.label2id = dict(label_ids)
+
+
+def close_source(source) -> None:
+    """Shut down what a source runs beside the training process (image decoding workers), now:
+    at the end of a run, after a stop or a failure, never left to the garbage collector."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..recipe import ModelSpec
+from .contract import adopt_user_model
 from .oom import describe_out_of_memory, is_out_of_memory
 from .pretrained import from_pretrained, is_checkpoint, load_state
 from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
@@ -28,7 +29,7 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Modul
         model = builders[spec.source](spec)
     if not isinstance(model, nn.Module):
         raise BuildError("model.name", f"{spec.name} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    return adopt_user_model(model, spec.name) if spec.source == "python" else model
 
 
 def _build_transformers(spec: ModelSpec) -> nn.Module:

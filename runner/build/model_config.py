@@ -3,8 +3,8 @@ the config, and that the model can be built from it.
 
 transformers checks types when the config is made (a string for an int), but most shape rules
 (`num_attention_heads` must divide `hidden_size`) only when a layer is made. So validation also
-builds the model on the meta device: no memory, a fraction of a second for the bundled recipes,
-once per config. Layer counts are bounded first, since building a million layers would hang.
+builds the model on the meta device and, for token models, runs one forward there: no memory, a
+fraction of a second for the bundled recipes, once per config. Layer counts are bounded first, since building a million layers would hang.
 """
 
 from __future__ import annotations
@@ -29,8 +29,17 @@ def check_transformers_config(model_class, given: dict) -> None:
     _check_layer_counts(model_class.config_class, config, given)
     problem = _trial_build(model_class, json.dumps(given, sort_keys=True, default=str))
     if problem:
-        raise KeyedValueError(("model", *_key_named_in(problem, given)), f"{model_class.__name__} cannot be built "
-                              f"from this config: {problem}")
+        verb = "does not run with" if problem.startswith("a forward pass") else "cannot be built from"
+        raise KeyedValueError(("model", *_key_named_in(problem, given)), f"{model_class.__name__} {verb} "
+                              f"this config: {problem}")
+
+
+def max_positions(model_class, given: dict) -> int | None:
+    """The longest sequence a transformers model's position table holds (GPT-2's n_positions is
+    max_position_embeddings by its attribute_map); None for relative positions such as T5's."""
+    with _quiet_transformers():
+        limit = getattr(model_class.config_class(**given), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def _make_config(config_class, given: dict):
@@ -63,12 +72,32 @@ def _trial_build(model_class, given_json: str) -> str | None:
     try:
         with _quiet_transformers(), warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # e.g. torch's "zero-element tensors" for a size of 0
-            model_class(model_class.config_class(**json.loads(given_json)))
-    except ValueError as err:  # transformers' own checks: the message says it all
-        return " ".join(str(err).split())
-    except Exception as err:  # anything else a model's __init__ trips over is still the config's to fix
-        return f"{type(err).__name__}: {' '.join(str(err).split())}"
+            model = model_class(model_class.config_class(**json.loads(given_json)))
+    except Exception as err:  # whatever a model's __init__ trips over is still the config's to fix
+        return _one_line(err)
+    try:
+        with _quiet_transformers(), warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            _trial_forward(model)
+    except Exception as err:
+        return f"a forward pass of 8 tokens fails: {_one_line(err)}"
     return None
+
+
+def _one_line(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return text if isinstance(err, ValueError) else f"{type(err).__name__}: {text}"  # transformers' own checks say it all
+
+
+def _trial_forward(model) -> None:
+    """One forward of 8 tokens on the meta device: shape rules that only a forward meets (grouped
+    query attention whose key/value heads do not divide the heads) fail here rather than at step 1.
+    Only for token-input models, whose inputs need nothing from the recipe."""
+    if getattr(model, "main_input_name", None) != "input_ids":
+        return
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    decoder = {"decoder_input_ids": tokens} if getattr(model.config, "is_encoder_decoder", False) else {}
+    model(input_ids=tokens, **decoder)
 
 
 def _key_named_in(message: str, given: dict) -> tuple[str, ...]:

@@ -1,14 +1,16 @@
-"""Optimizer and learning-rate schedule from the recipe's `train` section."""
+"""Optimizer, learning-rate schedule and run length from the recipe's `train` section."""
 
 from __future__ import annotations
 
 import logging
 import math
+from fractions import Fraction
 
 import torch
 from torch import nn
 
-from ..recipe import CosineSchedule, TrainSpec
+from ..recipe import CosineSchedule, Recipe, TrainSpec
+from .resolve import BuildError
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +30,25 @@ def build_optimizer(model: nn.Module, train: TrainSpec, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, fused=fused or None)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec) -> torch.optim.lr_scheduler.LambdaLR:
-    schedule, steps = train.scheduler, train.steps
+def total_steps(recipe: Recipe, data) -> int:
+    """train.steps, or the steps train.epochs takes over the built data: ceil(epochs * rows / batch_size)."""
+    train = recipe.train
+    if train.epochs is None:
+        return train.steps
+    rows = getattr(data, "rows", None)  # finite sources say how many samples an epoch holds
+    if rows is None:
+        raise BuildError("train.epochs", f"data.source {recipe.data.source} has no fixed number of rows, so no "
+                         "epochs; give train.steps")
+    # the decimal the user wrote, exactly: 0.7 epochs of 10 rows at batch 1 is 7 steps, not 8
+    steps = max(1, math.ceil(Fraction(repr(train.epochs)) * rows / train.batch_size))
+    log.info("steps %d: %s epoch%s of %d rows at batch %d", steps, f"{train.epochs:g}", "" if train.epochs == 1 else "s",
+             rows, train.batch_size)
+    return steps
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """`steps`: the run's length (total_steps), which a cosine schedule decays over."""
+    schedule = train.scheduler
     warmup = schedule.warmup_steps
 
     def factor(step: int) -> float:

@@ -88,7 +88,7 @@ def _jsonl_examples(path: Path, data: RecordsData, key: str):
         if not isinstance(record, dict):
             raise BuildError(f"{key}.paths", f"{path}:{number}: a JSON {type(record).__name__}, not an object with "
                                              f"fields {data.input_field!r} and {data.target_field!r}")
-        yield _example(f"{path}:{number}", record, data, key)
+        yield to_example(f"{path}:{number}", record, data, key)
 
 
 def _csv_examples(path: Path, data: RecordsData, key: str, delimiter: str):
@@ -103,12 +103,13 @@ def _csv_examples(path: Path, data: RecordsData, key: str, delimiter: str):
             if len(row) != len(header):
                 raise BuildError(f"{key}.paths", f"{path}:{reader.line_num}: {len(row)} fields where the header has "
                                                  f"{len(header)}; quote fields that hold a {delimiter!r}")
-            yield _example(f"{path}:{reader.line_num}", dict(zip(header, row, strict=True)), data, key)
+            yield to_example(f"{path}:{reader.line_num}", dict(zip(header, row, strict=True)), data, key)
     except csv.Error as err:
         raise BuildError(f"{key}.paths", f"{path}:{reader.line_num}: not CSV ({err})") from None
 
 
-def _example(where: str, record: dict, data: RecordsData, key: str) -> Example:
+def to_example(where: str, record: dict, data: RecordsData, key: str) -> Example:
+    """One record's input and target, checked: a BuildError naming `where` and the field otherwise."""
     values = []
     for name, setting in ((data.input_field, "input_field"), (data.target_field, "target_field")):
         if name not in record:
@@ -126,14 +127,17 @@ def _example(where: str, record: dict, data: RecordsData, key: str) -> Example:
 
 
 def pick_label_ids(examples: list[Example], data: RecordsData, classes: int, key: str = "data",
-                   given: dict[str, int] | None = None) -> dict[str, int]:
-    """Label name -> id: `given` (the training data's, for held-out data), the recipe's `labels`,
-    integer labels as themselves, or the sorted names; every example's label checked against it."""
+                   given: dict[str, int] | None = None, class_names: list[str] | None = None) -> dict[str, int]:
+    """Label name -> id: `given` (the training data's, for held-out data), the recipe's `labels`, the
+    data's own `class_names` (a ClassLabel column), integer labels as themselves, or the sorted names;
+    every example's label checked against it."""
     names = sorted({e.target for e in examples})
     if given is not None:
         ids, source = given, "the training data's labels"
     elif data.labels is not None:
         ids, source = {name: i for i, name in enumerate(data.labels)}, f"{key}.labels"
+    elif class_names is not None:
+        ids, source = {name: i for i, name in enumerate(class_names)}, "the dataset's ClassLabel names"
     elif all(_INTEGER.fullmatch(name) for name in names):
         ids, source = {name: int(name) for name in names}, "integer labels"
     else:
@@ -157,19 +161,17 @@ class RecordsSource:
 
     def __init__(self, data: RecordsData, shape: Shape, batch_size: int, seed: int, label_ids: dict[str, int] | None = None):
         key = "data"  # held-out data's problems are moved to eval.data by the evaluator
-        self.shape, self.batch_size, self.seed = shape, batch_size, seed
         examples = read_examples(data, key)
         tokenizer = load_tokenizer(data.tokenizer, key) if data.tokenizer else None
-        self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-        encode = _encoder(tokenizer, shape.vocab_size)
-        self.inputs, self.attention = self._padded([encode(e.input) for e in examples], data.seq_len, self.pad_id)
-        if shape.task == "seq2seq":
-            self.label_ids = None
-            self.targets = self._padded([encode(e.target) for e in examples], data.target_len or data.seq_len, IGNORE)[0]
-        else:
-            self.label_ids = pick_label_ids(examples, data, shape.num_classes, key, label_ids)
-            self.targets = torch.tensor([self.label_ids[e.target] for e in examples])
+        self.use(encode_examples(examples, data, shape, tokenizer, key, label_ids), shape, batch_size, seed, tokenizer)
         log.info("%s: %d examples from %s", key, len(examples), ", ".join(sorted({e.where.rsplit(':', 1)[0] for e in examples}))[:200])
+
+    def use(self, encoded: dict, shape: Shape, batch_size: int, seed: int, tokenizer) -> None:
+        """Serve batches of `encoded` (what encode_examples returns, perhaps from a cache)."""
+        self.shape, self.batch_size, self.seed = shape, batch_size, seed
+        self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+        self.inputs, self.attention, self.targets = encoded["inputs"], encoded["attention"], encoded["targets"]
+        self.label_ids = encoded["label_ids"]
 
     @staticmethod
     def _padded(sequences: list[list[int]], length: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +181,10 @@ class RecordsSource:
             ids = ids[:length]
             out[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids, dtype=torch.long), 1
         return out, mask
+
+    @property
+    def rows(self) -> int:
+        return len(self.inputs)
 
     def global_batch(self, step: int) -> Batch:
         rows = epoch_rows(len(self.inputs), step, self.batch_size, self.seed)
@@ -190,6 +196,20 @@ class RecordsSource:
             shifted = torch.cat([torch.full_like(labels[:, :1], self.shape.decoder_start), labels[:, :-1]], dim=1)
             inputs["decoder_input_ids"] = shifted.masked_fill(shifted == IGNORE, self.pad_id)
         return Batch(inputs, labels, True)
+
+
+def encode_examples(examples: list[Example], data: RecordsData, shape: Shape, tokenizer, key: str = "data",
+                    label_ids: dict[str, int] | None = None, class_names: list[str] | None = None) -> dict:
+    """Inputs padded to seq_len with their mask, and targets: padded target ids (seq2seq) or label ids."""
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    encode = _encoder(tokenizer, shape.vocab_size)
+    inputs, attention = RecordsSource._padded([encode(e.input) for e in examples], data.seq_len, pad_id)
+    if shape.task == "seq2seq":
+        targets = RecordsSource._padded([encode(e.target) for e in examples], data.target_len or data.seq_len, IGNORE)[0]
+        return {"inputs": inputs, "attention": attention, "targets": targets, "label_ids": None}
+    ids = pick_label_ids(examples, data, shape.num_classes, key, label_ids, class_names)
+    targets = torch.tensor([ids[e.target] for e in examples])
+    return {"inputs": inputs, "attention": attention, "targets": targets, "label_ids": ids}
 
 
 def _encoder(tokenizer, vocab: int):

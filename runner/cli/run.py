@@ -58,7 +58,7 @@ def run(args) -> int:
     if result.stopped_by:
         if not _is_rank_zero():  # rank 0 says it for the group
             return 128 + result.stopped_by
-        print(stop_line(result.stopped_by, result.steps_done, recipe.train.steps, Path(recipe.output.dir)), file=sys.stderr)
+        print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
     if result.losses:
         log.info("done: %d steps, loss %.4f -> %.4f, metrics in %s/metrics.jsonl", result.steps_done,

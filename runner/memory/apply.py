@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..plan import MemoryPlan
+from ..plan import MemoryPlan, plan_problem
 from .blocks import BlockList, Undo, find_blocks
+from .adaptive import PlanSwitch, apply_adaptive
 from .checkpointing import apply_checkpointing, chosen_blocks
+from .compress import ActivationCompression, apply_compression, chaining_missing, missing_for
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
-from .torch_features import missing_for_sqrt
+from .torch_features import missing_budget, missing_for_sqrt
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,8 @@ class AppliedPlan:
     checkpointed: list[int] = field(default_factory=list)
     offloaded: list[int] = field(default_factory=list)
     offload: ActivationOffload | None = None  # its pool and byte counts, when offloading
+    compression: ActivationCompression | None = None  # its byte counts, when compressing
+    switch: PlanSwitch | None = None  # memory.adaptive: which bucket's checkpointing runs now
     _undo: list[Undo] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
@@ -47,7 +51,8 @@ class AppliedPlan:
 def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> AppliedPlan:
     """Apply `plan`'s checkpointing and offload to `model`'s blocks (after the model is on `device`)."""
     device = torch.device(device)
-    needs_blocks = plan.checkpointing.policy != "none" or plan.offload.policy != "none"
+    needs_blocks = bool(plan.adaptive) or any(part.policy != "none" for part in
+                                               (plan.checkpointing, plan.offload, plan.compression))
     check_combination(plan, device)
     if not needs_blocks and plan.blocks is None:
         return AppliedPlan(plan, None)
@@ -55,7 +60,14 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
     applied = AppliedPlan(plan, blocks, chosen_blocks(plan.checkpointing, blocks), offloaded_blocks(plan.offload, blocks))
     if needs_blocks:
         log.info("memory plan on %d blocks of %s", len(blocks), blocks.container_name or type(model).__name__)
-    applied._undo.append(apply_checkpointing(blocks, plan.checkpointing))
+    if plan.adaptive:
+        undo_checkpointing, applied.switch = apply_adaptive(blocks, plan)
+    else:
+        undo_checkpointing = apply_checkpointing(blocks, plan.checkpointing)
+    applied._undo.append(undo_checkpointing)
+    # compression inside offload: offload's hooks are entered first and compression's chain to them
+    undo_compression, applied.compression = apply_compression(blocks, plan.compression)
+    applied._undo.append(undo_compression)
     try:
         undo_offload, applied.offload = apply_offload(blocks, plan.offload, device)
     except BaseException:
@@ -67,8 +79,17 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
 
 def check_combination(plan: MemoryPlan, device: torch.device) -> None:
     """Plan problems that need no model: a ValueError whose message starts with the key to change."""
+    problem = plan_problem(plan)
+    if problem is not None:
+        raise ValueError(problem[1])
     if plan.offload.policy != "none" and device.type != "cuda":
         raise ValueError(CPU_REFUSAL)
+    if plan.activation_memory_budget is not None and missing_budget():
+        raise ValueError(missing_budget())
+    _check_compression(plan)
+    if plan.adaptive and plan.checkpointing.policy == "sqrt":
+        raise ValueError("memory.adaptive: cannot be combined with memory.checkpointing.policy: sqrt (its segments "
+                         "span blocks, which cannot switch per batch); use policy every or layers")
     if plan.checkpointing.policy == "sqrt" and missing_for_sqrt():
         raise ValueError(missing_for_sqrt())
     if plan.compile and plan.checkpointing.policy == "sqrt":
@@ -86,3 +107,21 @@ def check_combination(plan: MemoryPlan, device: torch.device) -> None:
         # around each block: the two would interleave on autograd's saved-tensor hook stack
         raise ValueError("memory.offload: cannot be combined with memory.checkpointing.policy: sqrt; "
                          "use policy full, every or layers with offload")
+
+
+def _check_compression(plan: MemoryPlan) -> None:
+    if plan.compression.policy == "none":
+        return
+    why = missing_for(plan.compression.policy)
+    if why is None and plan.offload.policy != "none":
+        why = chaining_missing()
+    if why is None and plan.compile:
+        # as with offload: dynamo would trace the hooks' Python; compiled code keeps its own activations
+        why = ("memory.compression: cannot be combined with memory.compile: true; set memory.compression.policy: "
+               "none or memory.compile: false")
+    if why is None and plan.checkpointing.policy == "sqrt":
+        # a sqrt segment's checkpoint hooks span several blocks; per-block hooks would interleave with them
+        why = ("memory.compression: cannot be combined with memory.checkpointing.policy: sqrt; use policy full, "
+               "every, layers or selective")
+    if why is not None:
+        raise ValueError(why)

@@ -46,6 +46,29 @@ def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:
     return undo_all(undos)
 
 
+def apply_switched(blocks: BlockList, policies: list[Checkpointing], active: Callable[[], int]) -> Undo:
+    """Checkpointing chosen at each forward: every block runs under `policies[active()]`. Each block
+    that any policy checkpoints is wrapped once, with one checkpointed forward per policy that wants
+    it, so switching is a lookup and never a rebuild. No policy may be sqrt (its regions span blocks)."""
+    chosen = [set(chosen_blocks(policy, blocks)) for policy in policies]
+    undos = [_kv_cache_off(blocks.root)] if any(chosen) else []
+    for index in sorted(set().union(*chosen)):
+        module = blocks[index].module
+        contexts = {k: _context_fns([module], frozenset(p.save_ops) if p.policy == "selective" else None)
+                    for k, p in enumerate(policies) if index in chosen[k]}
+        undos.append(wrap_forward(module, _switched, contexts, active))
+    return undo_all(undos)
+
+
+def _switched(forward: Callable, contexts: dict[int, tuple[Callable, Callable]], active: Callable[[], int]) -> Callable:
+    runs = {k: _checkpointed(forward, *context_fns) for k, context_fns in contexts.items()}
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return runs.get(active(), forward)(*args, **kwargs)
+    return run
+
+
 def chosen_blocks(policy: Checkpointing, blocks: BlockList) -> list[int]:
     """The indices `policy` checkpoints; a ValueError naming the key when one is out of range."""
     count = len(blocks)

@@ -81,13 +81,14 @@ class PeakMeter:
     """Measures each step's peak. On CPU the tracker's per-op cost (about 3% on a tiny BERT)
     would slow the steps it watches, so it watches only some: steps 1 and 2 after a (re)start
     (step 2 is the first with optimizer state, i.e. the steady state) and every `every`-th.
-    A CPU step's peak depends only on shapes and plan, so the other steps report the latest
-    measured peak and say which step it came from; their time is free of the tracker."""
+    A CPU step's peak depends only on shapes and plan, so the other steps report the peak measured
+    for their batch's shapes and say which step it came from; their time is free of the tracker.
+    A batch of shapes not yet measured in the steady state (text of varying length) is measured."""
 
     def __init__(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: int = 10):
         self.device, self.model, self.optimizer, self.every = device, model, optimizer, every
         self._steps_seen = 0
-        self._last: Peak | None = None
+        self._by_shapes: dict[tuple, Peak] = {}  # the batch's shapes -> its steady-state peak
 
     @contextlib.contextmanager
     def measure(self, batch_tensors=(), step: int = 0):
@@ -97,14 +98,18 @@ class PeakMeter:
         if self.device.type == "cuda":
             with self._cuda(peak):
                 yield peak
-        elif self._steps_seen <= 2 or step % self.every == 0:
+            return
+        shapes = tuple(tuple(t.shape) for t in batch_tensors)
+        if self._steps_seen <= 2 or step % self.every == 0 or shapes not in self._by_shapes:
             with self._cpu(peak, batch_tensors):
                 yield peak
             peak.extra = {"peak_measured_step": step}
-            self._last = peak
+            if self._steps_seen >= 2:  # the first step has no optimizer state yet: not the steady state
+                self._by_shapes[shapes] = peak
         else:
             yield peak
-            peak.peak_mem_bytes, peak.extra = self._last.peak_mem_bytes, dict(self._last.extra)
+            known = self._by_shapes[shapes]
+            peak.peak_mem_bytes, peak.extra = known.peak_mem_bytes, dict(known.extra)
 
     @contextlib.contextmanager
     def _cuda(self, peak: Peak):

@@ -58,3 +58,20 @@ def aten_op(name: str):
         return getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
         return None
+
+
+def missing_budget() -> str | None:
+    """Why memory.activation_memory_budget cannot be set on this torch, or None."""
+    if not hasattr(functorch_config(), "activation_memory_budget"):
+        return (f"memory.activation_memory_budget: torch {torch.__version__} has no "
+                "torch._functorch.config.activation_memory_budget; leave memory.activation_memory_budget unset")
+    return None
+
+
+def functorch_config():
+    """torch._functorch.config (the AOT partitioner's settings), or None when this torch lacks it."""
+    try:
+        import torch._functorch.config as config
+    except ImportError:
+        return None
+    return config

@@ -162,6 +162,10 @@ class LiveBytesTracker(TorchDispatchMode):
     def peak_by_device(self) -> dict[str, int]:
         return {str(device): stats.peak for device, stats in self._devices.items()}
 
+    @property
+    def current_by_device(self) -> dict[str, int]:
+        return {str(device): stats.total for device, stats in self._devices.items()}
+
     def reset_peak(self) -> None:
         for stats in self._devices.values():
             stats.reset_peak()

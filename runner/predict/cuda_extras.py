@@ -74,9 +74,10 @@ def hold_during_backward(output: torch.Tensor, inputs: tuple[torch.Tensor, ...],
     needing[0].register_hook(lambda grad: held.clear())
 
 
-def allocator_settings() -> tuple[bool, list[str]]:
-    """(expandable segments on, the settings this model does not follow) from the allocator config."""
-    text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+def allocator_settings(planned: str | None = None) -> tuple[bool, list[str]]:
+    """(expandable segments on, the settings this model does not follow) from the allocator config:
+    the plan's memory.allocator when it has one (the trainer will set it), else the environment's."""
+    text = planned or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get("PYTORCH_ALLOC_CONF", "")
     expandable, ignored = False, []
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition(":")

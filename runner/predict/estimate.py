@@ -105,7 +105,10 @@ class Estimator:
         """The built model as the step runs it; predict/ranks.py shards it here (FSDP), before the optimizer."""
         return model
 
-    def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None) -> Estimate:
+    def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None,
+                 watch=None) -> Estimate:
+        """`watch(tracker)`, when given, is a context manager entered around the step (per-block costs
+        read the tracker from hooks it installs)."""
         plan = self.recipe.memory if plan is None else plan
         precision = precision or self.recipe.precision
         micro = _micro_batch(plan, self.recipe.train.batch_size)
@@ -115,7 +118,8 @@ class Estimator:
             tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
             try:
-                with _unavailable("the training step"), tracker:
+                with _unavailable("the training step"), tracker, \
+                        (watch(tracker) if watch else contextlib.nullcontext()):
                     self._step(micro, precision)
             finally:
                 tracker.close()
@@ -162,14 +166,19 @@ class Estimator:
         notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
                  f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists"]
         if plan.compile:
-            notes.append("memory.compile: estimated as eager; compiled code usually needs less")
+            notes.append("memory.compile: estimated as eager; compiled code usually needs less"
+                         + (" (activation_memory_budget is not modelled: measure it)"
+                            if plan.activation_memory_budget is not None else ""))
+        if plan.compression.policy != "none":
+            notes.append(f"memory.compression {plan.compression.policy}: lossy; training logs its gradient error "
+                         "against the exact plan at start, and `ckrun tune` records it per probe")
         if precision == "fp16":
             notes.append("fp16: the GradScaler's few scalar tensors are left out")
         if not self.cuda:
             return Estimate(live, breakdown, notes, live, "cpu")
         capability, measured = target_capability()
         workspace = cublas_workspace_bytes(capability)
-        expandable, ignored = allocator_settings()
+        expandable, ignored = allocator_settings(plan.allocator)
         allocator = replay(tracker.events, CPU, baseline, kept=(workspace,) * BLAS_HANDLES_PER_STEP,
                            expandable=expandable)
         breakdown["cublas_workspaces"] = workspace * BLAS_HANDLES_PER_STEP
@@ -230,7 +239,8 @@ def _stand_in_batch(recipe: Recipe, model: torch.nn.Module) -> Batch:
     data = recipe.data
     shape = describe_inputs(recipe, model)
     synthetic = SyntheticData(task=shape.task, seq_len=getattr(data, "seq_len", 128), image_size=shape.image_size,
-                              channels=shape.channels, mask_prob=getattr(data, "mask_prob", 0.15))
+                              channels=shape.channels, mask_prob=getattr(data, "mask_prob", 0.15),
+                              target_len=getattr(data, "target_len", None))  # records' and datasets' seq2seq targets
     return SyntheticSource(synthetic, shape, recipe.train.batch_size, recipe.train.seed).global_batch(0)
 
 

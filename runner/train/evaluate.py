@@ -71,7 +71,7 @@ class Evaluator:
             self.task = data.task or infer_task(recipe.model)
 
     def due(self, step: int) -> bool:
-        return bool(self.spec.every and step % self.spec.every == 0) or step == self.trainer.recipe.train.steps
+        return bool(self.spec.every and step % self.spec.every == 0) or step == self.trainer.total_steps
 
     def run(self) -> dict:
         """Evaluate the model as it is now; returns the metrics record {"step": N, "eval": {...}}."""

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from ..build.data import build_data
+from ..build.data import build_data, close_source
 from ..build.model import BuildError, build_model
-from ..build.optim import build_optimizer, build_scheduler
+from ..build.optim import build_optimizer, build_scheduler, total_steps
 from ..dist.ranks import join as join_ranks
 from ..dist.ranks import reduce_step_record
 from ..dist.wrap import wrap_model
+from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
@@ -65,6 +66,12 @@ class OutOfMemory(MemoryCapExceeded):
               "`ckrun estimate` predicts a step's peak")
 
 
+def planned_device_kind(recipe: Recipe) -> str:
+    """The device type the run will use, found without initialising CUDA (is_available only counts)."""
+    wanted = recipe.train.device
+    return ("cuda" if torch.cuda.is_available() else "cpu") if wanted == "auto" else wanted
+
+
 def pick_device(recipe: Recipe, source: str = "<recipe>") -> torch.device:
     wanted = recipe.train.device
     if wanted == "cuda" and not torch.cuda.is_available():
@@ -82,12 +89,14 @@ class RunResult:
     peak_mem_bytes: int = 0
     samples_per_s: list[float] = field(default_factory=list)
     skipped_steps: int = 0
-    stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that ended the run before train.steps
+    stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that ended the run before its last step
+    total_steps: int = 0  # the steps the run was to take: train.steps, or what train.epochs came to
 
 
 class Trainer:
     def __init__(self, recipe: Recipe, source: str = "<recipe>"):
         self.recipe, self.source = recipe, source
+        apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))  # before pick_device starts CUDA
         self.ranks = join_ranks(recipe, source)  # before the device: under nccl it picks this rank's GPU
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
@@ -107,15 +116,37 @@ class Trainer:
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
         wrapped = wrap_model(self.model, recipe, self.ranks, self.device, self.source)  # after the plan, before the optimizer
+        apply_compile_budget(recipe.memory)
         self.forward_model = torch.compile(wrapped) if recipe.memory.compile else wrapped
         if self.ranks.rank > 0:  # every rank built the same weights; dropout now draws a stream of its own
             torch.manual_seed(recipe.train.seed + (self.ranks.rank << 32))
         self.data = build_data(recipe, self.model)
+        self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
         self.optimizer = build_optimizer(self.model, recipe.train, self.device)
-        self.scheduler = build_scheduler(self.optimizer, recipe.train)
+        self.scheduler = build_scheduler(self.optimizer, recipe.train, self.total_steps)
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
+        self.gradient_error = self._lossy_error()  # None for an exact plan
+
+    def _lossy_error(self) -> float | None:
+        if self.plan.compression is None:
+            return None
+        from .lossy import gradient_error, report_gradient_error
+
+        # one micro-batch: the exact pass keeps every activation, which the whole batch may not fit
+        micro = self.recipe.micro_batch
+        batch = self.data.global_batch(self.step).slice(0, micro).to(self.device)
+        try:
+            error = gradient_error(self.model, self.plan.compression, batch, micro, self.precision, self.device)
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            log.warning("memory.compression: the gradient error was not measured: the exact plan ran out of memory "
+                        "on one micro-batch (%s)", describe_out_of_memory(err))
+            return None
+        log.info(report_gradient_error(error, self.recipe.memory.compression.policy))
+        return error
 
     # --- state ------------------------------------------------------------------------------
 
@@ -135,6 +166,10 @@ class Trainer:
         restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
 
+    def close(self) -> None:
+        """Shut down the data's worker processes; the trainer can still step afterwards (they restart)."""
+        close_source(self.data)
+
     # --- running ----------------------------------------------------------------------------
 
     def train_step(self) -> dict:
@@ -146,6 +181,8 @@ class Trainer:
             if not is_out_of_memory(err):
                 raise
             raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
+        if self.plan.switch is not None:
+            self.plan.switch.select(batch)  # memory.adaptive: this batch length's checkpointing
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         ran = self._timed_step(batch, label_total)
@@ -158,6 +195,8 @@ class Trainer:
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
         record = reduce_step_record(record, result.loss, self.ranks, self.recipe.train.batch_size)
+        if getattr(self.data, "rows", None):  # finite data: how far through it, as HF Trainer logs it
+            record["epoch"] = round(self.step * self.recipe.train.batch_size / self.data.rows, 4)
         if result.skipped:
             record["skipped"] = True
             log.info("step %d: fp16 loss scaler found inf/nan gradients; the update was skipped", self.step)
@@ -262,7 +301,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
         if trainer.ranks.is_main:
             write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
-                 recipe.train.steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+                 trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
         try:
             result = _run(trainer, out_dir, stop)
         except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
@@ -273,25 +312,28 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
             if trainer.ranks.is_main:
                 set_aside_unresumable(out_dir)
             raise
+        finally:
+            trainer.close()
     if result.stopped_by and trainer.ranks.is_main:
         set_aside_unresumable(out_dir)
     return result
 
 
 def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
-    recipe, result, watch = trainer.recipe, RunResult(trainer.step), LossWatch()
-    every, bar = recipe.output.checkpoint_every, _progress(recipe.train.steps, trainer.step) if trainer.ranks.is_main else None
+    recipe, result, watch = trainer.recipe, RunResult(trainer.step, total_steps=trainer.total_steps), LossWatch()
+    total, every = trainer.total_steps, recipe.output.checkpoint_every
+    bar = _progress(total, trainer.step) if trainer.ranks.is_main else None
     evaluator = make_evaluator(trainer)
     try:
         with (metrics_sink(trainer, out_dir) as metrics,
               tensorboard_log(recipe.output.tensorboard and trainer.ranks.is_main, out_dir, trainer.step) as board):
-            while trainer.step < recipe.train.steps and not stop_agreed(stop, trainer.ranks):
+            while trainer.step < total and not stop_agreed(stop, trainer.ranks):
                 record = trainer.train_step()
                 metrics.append(record)  # first, so the line of a non-finite step shows where it happened
                 board.append(record)
                 watch.check(record)
                 _note(result, record)
-                _report(record, bar, recipe.output.log_every, recipe.train.steps)
+                _report(record, bar, recipe.output.log_every, total)
                 if evaluator is not None and evaluator.due(trainer.step):
                     evaluation = evaluator.run()
                     metrics.append(evaluation)
@@ -301,7 +343,9 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     finally:
         if bar is not None:
             bar.close()
-    if trainer.step < recipe.train.steps:
+        if evaluator is not None:
+            close_source(evaluator.source)
+    if trainer.step < total:
         result.stopped_by = stop.signum
     if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
         try:

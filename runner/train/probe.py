@@ -23,17 +23,22 @@ def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: s
     reserve plus the CUDA context on CUDA, the live tensor bytes on CPU.
 
     The peak is measured in the warm-up steps (on CPU the tracker watches the first two, the
-    second being the first with optimizer state); the timed steps run without it."""
+    second being the first with optimizer state, and any batch of new shapes); the timed steps run
+    without it. For text of varying length the warm-up runs the longest batches (`warmup_steps_for`)."""
     trainer = Trainer(recipe, source)
-    records = []
+    records, warmup = [], warmup_steps_for(trainer, warmup_steps)
+    warmup_steps = len(warmup)
     try:
-        for _ in range(warmup_steps + timed_steps):
+        for step in [*warmup, *range(warmup_steps, warmup_steps + timed_steps)]:
+            trainer.step = step  # the batch of that step: a probe measures, it does not train
             records.append(trainer.train_step())
     except MemoryCapExceeded as err:
         # err.peak is already the card peak (reserve plus context), as the cap counts it
         context = cuda_context_bytes(trainer.device) if trainer.device.type == "cuda" else 0
         return {"status": "over_cap", "card_peak_bytes": err.peak, "peak_mem_bytes": max(0, err.peak - context),
                 "cuda_context_bytes": context, "step": err.step, "reason": str(err), **_device(trainer)}
+    finally:
+        trainer.close()  # the data's worker processes, before the measurements are reported
     timed = records[warmup_steps:]
     return {
         "status": "ok",
@@ -43,8 +48,30 @@ def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: s
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "losses": [r["loss"] for r in records],
         **{k: max(r.get(k, 0) for r in records) for k in ("peak_allocated_bytes", "cuda_context_bytes")},
+        **({"gradient_error": trainer.gradient_error} if trainer.gradient_error is not None else {}),
         **_device(trainer),
     }
+
+
+SCAN_STEPS = 32  # batches looked at for the longest one of each length bucket
+
+
+def warmup_steps_for(trainer: Trainer, count: int) -> list[int]:
+    """The steps whose batches the warm-up runs. For text of varying length (data.split: lines) the
+    cap must hold for the longest batch of each plan bucket: those (among the first SCAN_STEPS) run
+    after one step that creates the optimizer state, so each is measured in the steady state."""
+    if getattr(trainer.recipe.data, "split", "packed") != "lines":
+        return list(range(count))
+    from ..memory.adaptive import batch_length
+
+    switch, longest = trainer.plan.switch, {}
+    for step in range(SCAN_STEPS):
+        length = batch_length(trainer.data.global_batch(step))
+        bucket = switch.bucket_for(length) if switch is not None else 0
+        if bucket not in longest or length > longest[bucket][0]:
+            longest[bucket] = (length, step)
+    covering = [step for _, step in sorted(longest.values(), reverse=True)]
+    return ([covering[0]] + covering + list(range(count)))[: max(count, len(covering) + 1)]
 
 
 def _device(trainer: Trainer) -> dict:

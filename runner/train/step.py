@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..build.contract import check_logits, logits_from, user_forward
 from ..build.data import IGNORE, Batch
+from ..build.resolve import BuildError
 from ..problems import InputError, Place, Problem
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,9 +74,15 @@ def predict_only_at(model: nn.Module, positions: torch.Tensor | None):
         handle.remove()
 
 
-def call_model(model: nn.Module, batch: Batch):
-    output = model(**batch.inputs) if batch.by_keyword else model(*batch.inputs.values())
-    return output.logits if hasattr(output, "logits") else output
+def call_model(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The model's logits for `batch`, checked against its labels (build/contract.py says why)."""
+    with user_forward(model, batch.inputs):
+        output = model(**batch.inputs) if batch.by_keyword else model(*batch.inputs.values())
+    logits, labels = logits_from(output, model), batch.labels
+    if batch.positions is not None and logits.dim() == 3 and logits.shape[1] == batch.positions.shape[1]:
+        labels = labels.gather(1, batch.positions)  # the sparse masked-LM head: logits at the masked positions
+    check_logits(logits, labels, model)
+    return logits
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,7 +96,12 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor
             logits = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         labels = labels.gather(1, positions)
     logits = logits.float()  # the softmax of a large vocabulary is unstable in half precision
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    try:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                               reduction="sum")
+    except IndexError as err:  # "Target 7 is out of bounds" (CPU): a label past the model's classes, on a later batch
+        raise BuildError("model.name", f"the model returns {logits.shape[-1]} classes but a batch holds a label "
+                                       f"past them ({err}); give the model as many outputs as the data has classes") from None
 
 
 def label_count(labels: torch.Tensor) -> torch.Tensor:

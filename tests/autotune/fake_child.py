@@ -19,6 +19,8 @@ def measure(recipe: dict, warmup: int, timed: int) -> dict:
     memory, batch = recipe["memory"], recipe["train"]["batch_size"]
     micro, checkpointing = memory["micro_batch"], memory["checkpointing"]
     every = checkpointing.get("every")
+    if checkpointing["policy"] == "layers":  # a per-block plan: as every k-th with the same share of blocks
+        every = recipe["model"]["config"].get("num_hidden_layers", 4) / len(checkpointing["layers"])
     kept = 1 - 0.75 / every if every else KEPT[checkpointing["policy"]]
     slower = 1 + 0.35 / every if every else SLOWER[checkpointing["policy"]]
     peak = 1_000_000 + int(micro * 400_000 * kept)  # parameters and optimizer state, then activations

@@ -34,7 +34,9 @@ def test_the_winner_fits_under_a_cap_the_recipe_does_not(study):
     assert code == 0
     found = report(directory)
     trials = {t["number"]: t for t in found["trials"]}
-    first = trials[0]  # the no-plan starting point
+    solver = [t for t in trials.values() if t.get("proposed_by") == "solver"]
+    assert [t["number"] for t in solver] == list(range(len(solver)))  # the solver's plans are probed first
+    first = trials[len(solver)]  # the no-plan starting point
     assert first["plan"]["checkpointing"]["policy"] == "none"
     if first["plan"]["micro_batch"] == 8:  # without predictions the whole batch is tried, and is over
         assert first["state"] in ("over_cap", "over_limit")

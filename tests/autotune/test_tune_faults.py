@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from autotune.cli_tune import _check_cap_fits
 from autotune.space import Device
@@ -108,3 +109,20 @@ def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
     result = train_with_fallback(ranked, _tuned_for, resume=False, train_fn=train)
     assert result.stopped_by == signal.SIGTERM and trained == ["tuned-4.yaml"]
     assert capsys.readouterr().err.strip().startswith("ckrun: stopped by SIGTERM after step 2 of ")
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to "
+                 "allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"),
+    MemoryError(),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+])
+def test_a_probe_that_runs_out_of_host_or_device_memory_is_recorded_as_oom(error):
+    """On the CPU a plan over the machine's memory fails in the CPU allocator: still a plan that does
+    not fit, which the search learns from, not a crash."""
+    from autotune.child import _guarded
+
+    def step():
+        raise error
+
+    assert _guarded(step)["status"] == "oom"

@@ -83,3 +83,19 @@ def test_a_flow_style_recipe_is_dumped_and_the_log_says_why(caplog):
         text = tuned_text(doc, expected)
     assert parse_document(text, "tuned.yaml").data == expected
     assert any("without the recipe's own comments" in r.message and "start a line" in r.message for r in caplog.records)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tunings())
+def test_an_override_rewrites_the_keys_it_sets_not_their_section(tuning):
+    """Every line of the recipe outside memory: and the precision line is still in tuned.yaml, but
+    the lines of the keys the overrides set (their comments beside them go with the old value)."""
+    path, overrides, doc, winner, cap = tuning
+    text = tuned_text(doc, tuned_data(doc, winner, cap))
+    original = parse_document(path.read_text(encoding="utf-8"), str(path))
+    keys = [tuple(override.split("=")[0].split(".")) for override in overrides]
+    overridden = {original.places[key].line for key in keys if key in original.places}
+    kept = kept_lines(original.text, {"memory", "precision"})
+    lines = original.text.splitlines()
+    wanted = [line for number, line in enumerate(lines, 1) if number not in overridden and line in kept]
+    assert is_subsequence(wanted, text.splitlines()), (overrides, text)

@@ -47,6 +47,8 @@ ALLOWED = {
         "loading a recipe puts its folder on the import path its user code resolves through",
     ("runner.recipe", "runner.build.pretrained"):
         "validation checks that model.pretrained can hold weights for the recipe's model",
+    ("runner.recipe", "runner.build.dataset_files"):
+        "validation checks a dataset's files, split and columns from their schemas (no torch, no data read)",
 }
 
 

@@ -1,10 +1,13 @@
 """A model the recipe cannot build is one line naming the recipe key, at validate where it can be
 known without running user code, and at build time for what only running it shows."""
 
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from conftest import BERT_TINY, TINY_BERT
@@ -45,7 +48,9 @@ def test_validate_stays_quick_on_the_largest_transformers_recipe(ckrun):
 
 @pytest.fixture
 def user_models(tmp_path, monkeypatch):
-    (tmp_path / "user_models.py").write_text(textwrap.dedent("""
+    """A module of faulty factories. Its own name (tests/runner/train has a user_models.py too), and
+    dropped from sys.modules around the test, so no other test's import of that name is the one found."""
+    (tmp_path / "faulty_models.py").write_text(textwrap.dedent("""
         import torch
         answer = 42
         def picky(width=4):
@@ -56,26 +61,27 @@ def user_models(tmp_path, monkeypatch):
             raise SystemExit(3)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "faulty_models", raising=False)
     return ["model.source=python", "data.task=image_classification", "data.image_size=8", "train.batch_size=2",
             "train.device=cpu", "train.steps=1", f"output.dir={tmp_path / 'out'}"]
 
 
 def test_a_factory_that_raises_is_one_line_naming_where(ckrun, user_models):
-    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=user_models:picky", "model.config={width: 3}")
+    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=faulty_models:picky", "model.config={width: 3}")
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert err.strip().endswith("model.config.width: user_models:picky raised ValueError: width must be at most 2, "
-                                "see the docs (at user_models.py:6); fix the factory or its arguments in model.config")
+    assert err.strip().endswith("model.config.width: faulty_models:picky raised ValueError: width must be at most 2, "
+                                "see the docs (at faulty_models.py:6); fix the factory or its arguments in model.config")
 
 
 def test_a_factory_that_exits_does_not_end_ckrun_silently(ckrun, user_models):
-    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=user_models:quits", "model.config={}")
-    assert code == 2 and "model.name: user_models:quits raised SystemExit: 3 (at user_models.py:9)" in err, err
+    code, _, err = ckrun(BERT_TINY, *user_models, "model.name=faulty_models:quits", "model.config={}")
+    assert code == 2 and "model.name: faulty_models:quits raised SystemExit: 3 (at faulty_models.py:9)" in err, err
 
 
 def test_a_name_that_is_not_callable_is_refused_at_validate(ckrun, user_models):
-    code, _, err = ckrun("validate", BERT_TINY, *user_models, "model.name=user_models:answer", "model.config={}")
+    code, _, err = ckrun("validate", BERT_TINY, *user_models, "model.name=faulty_models:answer", "model.config={}")
     assert code == 2 and len(err.splitlines()) == 1
-    assert "model.name: user_models:answer is an int, not a function or class" in err
+    assert "model.name: faulty_models:answer is an int, not a function or class" in err
 
 
 def test_torchvision_assertions_are_build_errors():
@@ -116,3 +122,44 @@ def test_unreadable_local_weights_are_one_line_without_torch_advice(tmp_path, co
 
 def test_tiny_recipes_still_validate_and_build(ckrun):
     assert ckrun("validate", BERT_TINY, *TINY_BERT)[0] == 0
+
+
+TINY_LLAMA = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
+              "vocab_size": 64}
+
+
+@pytest.mark.parametrize("kv_heads, fits", [(4, True), (2, True), (1, True), (3, False)])
+def test_a_shape_rule_only_a_forward_meets_is_found_at_validate(kv_heads, fits):
+    """Grouped-query attention builds with any key/value head count; only a forward trips on one
+    that does not divide the heads, so validation runs one on the meta device."""
+    from runner.load import recipe_from_text
+    from runner.problems import InputError
+
+    config = {**TINY_LLAMA, "num_key_value_heads": kv_heads}
+    text = f"model: {{source: transformers, name: LlamaForCausalLM, config: {config}}}\n" \
+           "data: {source: synthetic, seq_len: 16}\ntrain: {batch_size: 2, steps: 1}\n"
+    if fits:
+        recipe_from_text(text)
+        return
+    with pytest.raises(InputError) as caught:
+        recipe_from_text(text)
+    assert "does not run with this config: a forward pass of 8 tokens fails" in str(caught.value)
+
+
+@settings(max_examples=25, deadline=None)
+@given(positions=st.integers(8, 64), seq_len=st.integers(1, 96), in_eval=st.booleans())
+def test_a_sequence_longer_than_the_position_table_is_refused_at_validate(positions, seq_len, in_eval):
+    from runner.load import recipe_from_text
+    from runner.problems import InputError
+
+    data = f"data: {{source: synthetic, seq_len: 4}}\neval: {{data: {{source: synthetic, seq_len: {seq_len}}}}}" \
+        if in_eval else f"data: {{source: synthetic, seq_len: {seq_len}}}"
+    text = "model: {source: transformers, name: GPT2LMHeadModel, config: {n_layer: 1, n_embd: 16, n_head: 2, " \
+           f"n_positions: {positions}, vocab_size: 64}}}}\n{data}\ntrain: {{batch_size: 2, steps: 1}}\n"
+    if seq_len <= positions:
+        recipe_from_text(text)
+        return
+    with pytest.raises(InputError) as caught:
+        recipe_from_text(text)
+    key = "eval.data.seq_len" if in_eval else "data.seq_len"
+    assert f"{key}: {seq_len} tokens exceed GPT2LMHeadModel's {positions} positions" in str(caught.value)

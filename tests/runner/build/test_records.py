@@ -82,7 +82,7 @@ def test_a_bad_records_file_is_one_line_naming_file_and_line(tmp_path, ckrun, na
     data.write_text(content)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(Path(BERT_TINY).read_text())
-    code, _, err = ckrun(recipe, *CLASSIFIER, f"data={{source: records, paths: [{data}]}}", f"output.dir={tmp_path / 'run'}")
+    code, _, err = ckrun(recipe, *CLASSIFIER, f"data={{source: records, paths: [{data}], seq_len: 32}}", f"output.dir={tmp_path / 'run'}")
     assert code == 2
     [message] = err.splitlines()
     where = f"{data}:{line}: " if line else f"{data} "

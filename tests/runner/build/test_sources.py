@@ -86,6 +86,6 @@ def test_local_safetensors_weights_are_loaded(tmp_path, ckrun, monkeypatch):
 
 
 def test_no_text_files_matching_is_one_line(tmp_path, ckrun):
-    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "data={source: text, paths: [" + str(tmp_path) + "/*.txt]}",
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "data={source: text, paths: [" + str(tmp_path) + "/*.txt], seq_len: 32}",
                          f"output.dir={tmp_path / 'x'}")
     assert code == 2 and len(err.splitlines()) == 1 and "data.paths: no files match" in err

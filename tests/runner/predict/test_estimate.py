@@ -185,3 +185,28 @@ def test_bert_large_estimates_within_a_minute():
     estimate = estimate_peak(load_recipe(Path(__file__).parents[3] / "recipes" / "bert_large.yaml"), "cuda")
     assert time.perf_counter() - started < 60
     assert 5e9 < estimate.peak_bytes < 40e9  # its plan (micro-batches of 16, full checkpointing) fits 40 GB
+
+
+TINY_T5 = """
+model:
+  source: transformers
+  name: T5ForConditionalGeneration
+  config: {vocab_size: 128, d_model: 32, d_ff: 64, d_kv: 8, num_heads: 4, num_layers: 1}
+data: {source: synthetic, seq_len: 16, target_len: %d}
+train: {batch_size: 4, steps: 2, device: cpu}
+"""
+
+
+def test_seq2seq_targets_are_target_len_long_in_training_and_in_the_estimate():
+    """The decoder's length is the target's, not the input's: both the batch and the estimate follow it."""
+    from runner.train.loop import Trainer
+
+    peaks = {}
+    for target_len in (4, 24):
+        recipe = recipe_from_text(TINY_T5 % target_len)
+        trainer = Trainer(recipe)
+        assert trainer.data.global_batch(0).labels.shape == (4, target_len)
+        trainer.train_step()
+        peaks[target_len] = trainer.train_step()["peak_mem_bytes"]
+        assert estimate_peak(recipe, "cpu").peak_bytes == peaks[target_len]
+    assert peaks[24] > peaks[4]

@@ -118,6 +118,6 @@ def test_file_data_needs_held_out_files(tmp_path, ckrun):
 
 
 def test_missing_held_out_files_are_one_line_naming_the_eval_key(tmp_path, ckrun):
-    held_out = "eval={data: {source: text, paths: [" + str(tmp_path / "nothing*.txt") + "]}}"
+    held_out = "eval={data: {source: text, paths: [" + str(tmp_path / "nothing*.txt") + "], seq_len: 32}}"
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, held_out, "train.steps=1", f"output.dir={tmp_path / 'run'}")
     assert code == 2 and err.strip().splitlines()[-1].endswith(f"eval.data.paths: no files match {tmp_path}/nothing*.txt")

@@ -1,0 +1,211 @@
+"""Per-block plans from a solver: for one micro-batch and precision, which blocks keep their
+activations, which recompute them and which offload them, for the least predicted step time under
+the cap.
+
+The costs are `runner.predict.block_costs.CostTable`: per block the bytes each choice leaves for
+backward and the seconds it adds. A plan's predicted peak is the bytes no choice changes plus the
+blocks' bytes; and in backward, a block that recomputes (or fetches back) holds all of its
+activations again on top of the bytes of the blocks before it. So the solver is an exact dynamic
+programme over the blocks in order, its state the bytes the blocks so far leave (in units of
+about 1/2048 of the budget, rounded up): a knapsack whose items are the blocks, with that side
+condition checked at each block. States dominated by one with fewer bytes and no more time are
+dropped, which keeps it exact and small.
+
+The model of the peak is approximate (gradients and temporaries move the real peak), so each plan
+is checked with the estimator and, while it is predicted over, solved again with the budget cut
+by the excess. The plan is written with the fields a recipe already has (`checkpointing: {policy:
+layers}`, `offload: {policy: layers}`), so tuned.yaml reads like a hand-written plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runner.memory.blocks import short_list
+from runner.plan import MemoryPlan
+from runner.predict.block_costs import CostTable
+from runner.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+RESOLUTION = 2048  # byte units per budget: finer costs more states, coarser wastes up to 1/RESOLUTION per block
+REFITS = 6  # solves per plan while the estimator puts the solution over the limit
+
+
+@dataclass(frozen=True)
+class Option:
+    """One choice for one block, in integer byte units and seconds."""
+
+    choice: str  # keep | recompute | offload
+    saved: int  # units the block leaves for backward
+    seconds: float  # what the choice adds to a step
+    transient: int = 0  # units the block holds again in backward (recompute, fetch), on top of the earlier blocks'
+
+
+def solve(blocks: list[list[Option]], budget: int) -> tuple[float, list[int]] | None:
+    """(least total seconds, the option index per block) with the saved units at most `budget` and,
+    at every block, the earlier blocks' units plus its transient at most `budget`; None if no choice
+    fits. Ties go to fewer units, then to the lexicographically smallest choice list."""
+    states: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}  # units so far -> (seconds, picks)
+    for options in blocks:
+        following: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for units, (seconds, picks) in states.items():
+            for index, option in enumerate(options):
+                total = units + option.saved
+                if total > budget or units + option.transient > budget:
+                    continue
+                candidate = (seconds + option.seconds, (*picks, index))
+                if total not in following or candidate < following[total]:
+                    following[total] = candidate
+        states = _pareto(following)
+        if not states:
+            return None
+    units = min(states, key=lambda u: (states[u][0], u, states[u][1]))
+    return states[units][0], list(states[units][1])
+
+
+def _pareto(states: dict[int, tuple[float, tuple[int, ...]]]) -> dict[int, tuple[float, tuple[int, ...]]]:
+    """Only states faster than every state with fewer units: more units never make a later block fit."""
+    kept, best = {}, None
+    for units in sorted(states):
+        if best is None or states[units] < best:
+            kept[units], best = states[units], states[units]
+    return kept
+
+
+# --- from a cost table to a plan ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Proposal:
+    plan: MemoryPlan
+    precision: str
+    predicted_peak: int
+    added_s: float
+    """Seconds per step the recomputes and copies add, by the cost table."""
+    reason: str
+
+    def record(self) -> dict:
+        return {"plan": self.plan.model_dump(mode="json"), "precision": self.precision,
+                "predicted_peak": self.predicted_peak, "added_s": self.added_s, "reason": self.reason}
+
+
+def block_options(table: CostTable, unit: int, offload: bool) -> list[list[Option]]:
+    """Each block's options in units of `unit` bytes (rounded up: the solution never under-counts)."""
+    up = lambda n: math.ceil(max(0, n) / unit)  # noqa: E731
+    blocks = []
+    for cost in table.blocks:
+        options = [Option("keep", up(cost.keep_bytes), 0.0),
+                   Option("recompute", up(cost.recompute_bytes), _seconds(cost.recompute_s), up(cost.keep_bytes))]
+        if offload and cost.offload_bytes is not None and cost.moved_bytes:
+            options.append(Option("offload", up(cost.offload_bytes), _seconds(cost.offload_s), up(cost.keep_bytes)))
+        blocks.append(options)
+    return blocks
+
+
+def _seconds(measured: float | None) -> float:
+    return 1.0 if measured is None else measured  # untimed: fewest recomputes wins
+
+
+def plan_for(choices: list[str], base: MemoryPlan) -> MemoryPlan:
+    """`base` with per-block choices written as the recipe's own fields."""
+    recompute = [i for i, c in enumerate(choices) if c == "recompute"]
+    offload = [i for i, c in enumerate(choices) if c == "offload"]
+    if not recompute:
+        checkpointing = {"policy": "none"}
+    elif len(recompute) == len(choices):
+        checkpointing = {"policy": "full"}
+    else:
+        checkpointing = {"policy": "layers", "layers": recompute}
+    offloading = {"policy": "layers", "layers": offload} if offload else {"policy": "none"}
+    return base.model_copy(update={"checkpointing": MemoryPlan.model_validate({"checkpointing": checkpointing}).checkpointing,
+                                   "offload": MemoryPlan.model_validate({"offload": offloading}).offload})
+
+
+def propose(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
+            offload: bool = False) -> Proposal | None:
+    """The fastest plan the estimator puts at or under `limit`, or None: the solver's per-block plan,
+    or selective checkpointing of every block where the costs say that is faster and it fits."""
+    proposal = _per_block(table, limit, predict, base, offload)
+    selective_s = sum(_seconds(b.selective_s) for b in table.blocks)
+    if proposal is not None and selective_s >= proposal.added_s:
+        return proposal
+    plan = base.model_copy(update={"checkpointing": MemoryPlan.model_validate(
+        {"checkpointing": {"policy": "selective"}}).checkpointing})
+    peak = predict(plan)
+    if peak > limit:
+        return proposal
+    return Proposal(plan, table.precision, peak, selective_s,
+                    f"micro_batch {table.micro_batch}, {table.precision}: selective checkpointing of every block "
+                    f"(+{1000 * selective_s:.1f} ms a step by the costs, less than the per-block plan's); predicted "
+                    f"{format_bytes(peak)} <= limit {format_bytes(limit)}")
+
+
+def _per_block(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
+               offload: bool) -> Proposal | None:
+    budget = limit - table.base_bytes
+    for _ in range(REFITS):
+        if budget <= 0:
+            return None
+        unit = max(1, math.ceil(budget / RESOLUTION))
+        solved = solve(block_options(table, unit, offload), budget // unit)
+        if solved is None:
+            return None
+        seconds, picks = solved
+        options = block_options(table, unit, offload)
+        choices = [options[i][pick].choice for i, pick in enumerate(picks)]
+        plan = plan_for(choices, base)
+        peak = predict(plan)
+        if peak <= limit:
+            return Proposal(plan, table.precision, peak, seconds, _reason(table, choices, seconds, peak, limit))
+        budget -= peak - limit + unit  # the model of the peak was short by this much: ask for less
+    return None
+
+
+def _reason(table: CostTable, choices: list[str], seconds: float, peak: int, limit: int) -> str:
+    picked = {c: [i for i, x in enumerate(choices) if x == c] for c in ("recompute", "offload")}
+    what = "; ".join(f"{c} blocks {short_list(v)}" for c, v in picked.items() if v) or "keep every block"
+    return (f"micro_batch {table.micro_batch}, {table.precision}: {what} ({len(picked['recompute'])} of "
+            f"{len(choices)} recomputed, +{1000 * seconds:.1f} ms a step by the costs); predicted "
+            f"{format_bytes(peak)} <= limit {format_bytes(limit)}")
+
+
+# --- the frontier: one proposal per micro-batch and precision ---------------------------------------
+
+
+def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPlan, offload: bool = False,
+             timed_steps: int = 1) -> tuple[list[Proposal], list[str]]:
+    """The solver's plan for each (micro_batch, precision) that needs one, with a line per decision.
+
+    Per precision the micro-batches go from the largest down and stop at the first where keeping
+    every block is predicted to fit (smaller ones only run slower); a pair where even recomputing
+    every block is predicted over the limit (and no offload) gets no plan."""
+    from runner.predict.block_costs import cost_table
+
+    proposals, lines = [], []
+    for precision in dict.fromkeys(p for _, p in pairs):
+        for micro in sorted((m for m, p in pairs if p == precision), reverse=True):
+            at = base.model_copy(update={"micro_batch": micro})
+            predict = lambda plan, precision=precision: estimator.estimate(plan, precision).peak_bytes  # noqa: E731
+            kept = predict(at.model_copy(update={"checkpointing": MemoryPlan().checkpointing}))
+            if kept <= limit:
+                lines.append(f"micro_batch {micro}, {precision}: keeping every block is predicted to fit "
+                             f"({format_bytes(kept)}); no solver plan needed here or below")
+                break
+            table = cost_table(estimator, micro, precision, timed_steps)
+            if table.full_peak > limit and not offload:
+                lines.append(f"micro_batch {micro}, {precision}: even recomputing every block is predicted over "
+                             f"the limit ({format_bytes(table.full_peak)}); no plan")
+                continue
+            proposal = propose(table, limit, predict, at, offload)
+            if proposal is None:
+                lines.append(f"micro_batch {micro}, {precision}: the solver found no plan the estimator puts "
+                             f"under {format_bytes(limit)}")
+                continue
+            proposals.append(proposal)
+            lines.append(proposal.reason)
+    return proposals, lines
+

@@ -1,0 +1,140 @@
+"""Activation compression: the saved activations of every block are kept in a lower precision.
+
+While a block runs forward, `saved_tensors_hooks` replace each floating tensor autograd saves for
+backward (not a weight nor a view or cast of one, at least `min_bytes`) by a rounded copy: bf16 for
+fp32 tensors, or float8_e4m3fn with one scale per tensor (amax / 448, so nothing overflows). The
+original is then free to go, and backward gets the copy cast back to the original dtype. This is
+lossy: the gradient changes by the rounding, which `gradient_error` (runner/train/lossy.py) measures.
+
+Composition. The hooks sit outside a checkpointed block's checkpoint, as offload's do: what gets
+compressed there is what the checkpoint keeps (its input), and the recompute starts from the rounded
+input. On a block that is offloaded too, offload's hooks are entered first and these chain to them:
+the compressed copy goes to the host, so the copy moves fewer bytes. autograd only calls the top pair
+of its hook stack, so the chaining reads the pair beneath (a private torch call, feature-detected).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.graph import saved_tensors_hooks
+
+from ..plan import Compression
+from ..units import format_bytes
+from .blocks import BlockList, Undo, undo_all, wrap_forward
+from .offload import _Storages, derived_from_parameter
+
+log = logging.getLogger(__name__)
+
+FP8 = getattr(torch, "float8_e4m3fn", None)  # torch builds without float8 refuse policy fp8
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def target_dtype(policy: str) -> torch.dtype:
+    return torch.bfloat16 if policy == "bf16" else FP8
+
+
+def missing_for(policy: str) -> str | None:
+    """Why `policy` cannot run on this torch, or None."""
+    if policy == "fp8" and FP8 is None:
+        return (f"memory.compression: policy fp8 needs torch.float8_e4m3fn, which torch {torch.__version__} does "
+                "not have; use policy bf16")
+    return None
+
+
+def chaining_missing() -> str | None:
+    if _TOP_HOOKS is None:
+        return (f"memory.compression: cannot be combined with memory.offload on torch {torch.__version__} (it "
+                "cannot chain saved-tensor hooks); set memory.offload.policy: none or memory.compression.policy: none")
+    return None
+
+
+def outer_hooks() -> tuple[Callable, Callable] | None:
+    """The saved-tensor hooks in force before ours (offload's), or None."""
+    return _TOP_HOOKS(True) if _TOP_HOOKS is not None else None
+
+
+class _Compressed:
+    """What autograd keeps instead of a tensor: its rounded copy (or what outer hooks made of it)."""
+
+    __slots__ = ("data", "dtype", "scale")
+
+    def __init__(self, data, dtype: torch.dtype, scale: torch.Tensor | None):
+        self.data, self.dtype, self.scale = data, dtype, scale
+
+
+class ActivationCompression:
+    """saved_tensors_hooks that round saved activations of chosen blocks; counts what they stored."""
+
+    def __init__(self, policy: str, min_bytes: int):
+        self.policy, self.target, self.min_bytes = policy, target_dtype(policy), min_bytes
+        self.original_bytes = 0  # totals since creation: what the compressed tensors held, and now hold
+        self.stored_bytes = 0
+        self.count = 0
+        self.enabled = True  # off: the exact plan, for measuring the gradient error on the same model
+
+    def wrapper(self, forward: Callable, module: nn.Module) -> Callable:
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            if not torch.is_grad_enabled() or not self.enabled:
+                return forward(*args, **kwargs)
+            with self.hooks(module):
+                return forward(*args, **kwargs)
+        return run
+
+    def hooks(self, module: nn.Module) -> saved_tensors_hooks:
+        """The hooks for one forward of `module`, chained to the hooks already in force."""
+        outer = outer_hooks()
+        own = _Storages(module)
+        pack = functools.partial(self._pack, own, outer[0] if outer else None)
+        return saved_tensors_hooks(pack, functools.partial(self._unpack, outer[1] if outer else None))
+
+    def compressible(self, tensor: torch.Tensor, own: _Storages) -> bool:
+        nbytes = tensor.numel() * tensor.element_size()
+        # subclasses (DTensor, float8 tensors) are left alone; fake ones are the estimate's, which must count
+        return (type(tensor) in (torch.Tensor, FakeTensor) and tensor.is_floating_point() and tensor.layout is torch.strided
+                and tensor.element_size() > self.target.itemsize and nbytes >= max(1, self.min_bytes)
+                and not derived_from_parameter(tensor) and not own.holds(tensor))
+
+    def _pack(self, own: _Storages, outer_pack: Callable | None, tensor: torch.Tensor):
+        # no de-duplication of a tensor saved twice (offload has one): a table of what was packed held
+        # the copies for the whole block and made the peak depend on when Python freed it
+        if not self.compressible(tensor, own):
+            return outer_pack(tensor) if outer_pack else tensor
+        rounded, scale = self.compress(tensor.detach())
+        self.original_bytes += tensor.numel() * tensor.element_size()
+        self.stored_bytes += rounded.numel() * rounded.element_size() + (0 if scale is None else scale.element_size())
+        self.count += 1
+        return _Compressed(outer_pack(rounded) if outer_pack else rounded, tensor.dtype, scale)
+
+    def _unpack(self, outer_unpack: Callable | None, entry):
+        if not isinstance(entry, _Compressed):
+            return outer_unpack(entry) if outer_unpack else entry
+        rounded = outer_unpack(entry.data) if outer_unpack else entry.data
+        restored = rounded.to(entry.dtype)
+        return restored if entry.scale is None else restored.mul_(entry.scale.to(entry.dtype))
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.target is torch.bfloat16:
+            return tensor.to(torch.bfloat16), None
+        # one scale per tensor, kept in fp32: amax maps to fp8's largest value; an all-zero tensor keeps scale 1
+        amax = tensor.abs().amax().float()
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return (tensor.float() / scale).to(self.target), scale
+
+
+def apply_compression(blocks: BlockList, policy: Compression) -> tuple[Undo, ActivationCompression | None]:
+    """Compress the saved activations of every block; returns (undo, the compressor)."""
+    if policy.policy == "none":
+        return undo_all([]), None
+    compression = ActivationCompression(policy.policy, int(policy.min_bytes))
+    log.info("memory.compression: saved activations of all %d blocks stored as %s (lossy: the gradient changes "
+             "by the rounding); weights and tensors under %s keep their dtype", len(blocks), compression.target,
+             format_bytes(int(policy.min_bytes)))
+    return undo_all([wrap_forward(block.module, compression.wrapper, block.module) for block in blocks]), compression

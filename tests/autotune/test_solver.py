@@ -1,0 +1,69 @@
+"""The per-block solver: its dynamic programme is optimal (against brute force over random small
+cost tables), and its plans are the recipe's own fields."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings, strategies as st
+
+from autotune.solver import Option, plan_for, solve
+from runner.plan import MemoryPlan
+
+
+def brute_force(blocks: list[list[Option]], budget: int) -> float | None:
+    """The least total seconds over every assignment that satisfies the same conditions as solve()."""
+    best = None
+    for picks in itertools.product(*(range(len(options)) for options in blocks)):
+        units, seconds, fits = 0, 0.0, True
+        for options, pick in zip(blocks, picks, strict=True):
+            option = options[pick]
+            if units + option.transient > budget or units + option.saved > budget:
+                fits = False
+                break
+            units, seconds = units + option.saved, seconds + option.seconds
+        if fits and (best is None or seconds < best):
+            best = seconds
+    return best
+
+
+def _feasible_seconds(blocks, picks, budget) -> float:
+    units, seconds = 0, 0.0
+    for options, pick in zip(blocks, picks, strict=True):
+        option = options[pick]
+        assert units + option.transient <= budget and units + option.saved <= budget
+        units, seconds = units + option.saved, seconds + option.seconds
+    return seconds
+
+
+options = st.builds(Option, st.sampled_from(["keep", "recompute", "offload"]), st.integers(0, 40),
+                    st.integers(0, 50).map(float), st.integers(0, 60))
+tables = st.lists(st.lists(options, min_size=1, max_size=3), min_size=1, max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tables, st.integers(0, 150))
+def test_the_programme_finds_the_brute_force_optimum(blocks, budget):
+    expected = brute_force(blocks, budget)
+    solved = solve(blocks, budget)
+    if expected is None:
+        assert solved is None
+        return
+    seconds, picks = solved
+    assert seconds == expected
+    assert _feasible_seconds(blocks, picks, budget) == seconds  # the picks it returns do what it says
+
+
+def test_a_bigger_budget_never_costs_more_time():
+    blocks = [[Option("keep", 10, 0.0), Option("recompute", 1, 3.0, 10)] for _ in range(8)]
+    times = [solve(blocks, budget)[0] for budget in range(18, 90, 7)]
+    assert times == sorted(times, reverse=True)
+
+
+def test_choices_become_the_recipes_own_plan_fields():
+    base = MemoryPlan(micro_batch=4)
+    assert plan_for(["keep", "keep"], base).checkpointing.policy == "none"
+    assert plan_for(["recompute", "recompute"], base).checkpointing.policy == "full"
+    mixed = plan_for(["recompute", "keep", "offload", "recompute"], base)
+    assert (mixed.checkpointing.policy, mixed.checkpointing.layers) == ("layers", [0, 3])
+    assert (mixed.offload.policy, mixed.offload.layers, mixed.micro_batch) == ("layers", [2], 4)

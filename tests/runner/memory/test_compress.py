@@ -1,0 +1,218 @@
+"""Activation compression: saved activations rounded to bf16 or fp8. The bytes it saves are counted
+(by dtype, through saved-tensor hooks around the model), the forward is untouched, the gradient error
+is small, measured and reported, it composes with checkpointing and offload, and it is refused
+without the opt-in."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import BERT_TINY, TINY_BERT
+from runner.memory.apply import apply_plan
+from runner.memory.blocks import find_blocks, wrap_forward
+from runner.memory.compress import FP8, ActivationCompression, apply_compression
+from runner.memory.offload import ActivationOffload, CopyTransport
+from runner.plan import MemoryPlan
+
+POLICIES = ["bf16"] + (["fp8"] if FP8 is not None else [])
+
+
+def chain(blocks: int = 4, width: int = 64) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.1)) for _ in range(blocks)])
+
+
+def plan(**memory) -> MemoryPlan:
+    return MemoryPlan.model_validate(memory)
+
+
+def lossy(policy: str, **memory) -> MemoryPlan:
+    return plan(compression={"policy": policy, "min_bytes": 0}, allow_lossy=True, **memory)
+
+
+def saved_by_dtype(model: nn.Module, x: torch.Tensor) -> tuple[Counter, torch.Tensor]:
+    """Bytes autograd keeps for backward, per dtype, as hooks around the whole model see them (the
+    block hooks chain to these), and the loss."""
+    counts = Counter()
+
+    def pack(tensor):
+        counts[tensor.dtype] += tensor.numel() * tensor.element_size()
+        return tensor
+    with saved_tensors_hooks(pack, lambda t: t):
+        torch.manual_seed(1)
+        loss = model(x).square().mean()
+    return counts, loss
+
+
+def gradients(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(1)
+    model(x).square().mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# --- bytes -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(blocks=st.integers(2, 5), width=st.sampled_from([8, 32, 48]), batch=st.integers(1, 6),
+       policy=st.sampled_from(POLICIES))
+def test_saved_bytes_shrink_as_counted(blocks, width, batch, policy):
+    model, x = chain(blocks, width), torch.randn(batch, width)
+    exact, exact_loss = saved_by_dtype(model, x)
+    with apply_plan(model, lossy(policy), "cpu") as applied:
+        compressed, loss = saved_by_dtype(model, x)
+    counted = applied.compression
+    assert torch.equal(loss, exact_loss)  # the forward computes with the originals: only the saved copies change
+    assert counted.count > 0 and counted.original_bytes > 0
+    ratio = 2 if policy == "bf16" else 4
+    scales = 0 if policy == "bf16" else 4 * counted.count  # one fp32 scale per fp8 tensor
+    assert counted.stored_bytes == counted.original_bytes // ratio + scales
+    # what the hooks outside see: the rounded copies in place of the originals, byte for byte
+    assert compressed[torch.float32] == exact[torch.float32] - counted.original_bytes
+    assert compressed[counted.target] == counted.original_bytes // ratio
+    assert sum(compressed.values()) < sum(exact.values())
+
+
+def test_small_tensors_weights_and_integers_keep_their_dtype():
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    ids = torch.randint(0, 50, (4, 8))
+    compression = ActivationCompression("bf16", min_bytes=4 * 8 * 16 * 4 + 1)  # just over one activation
+    with compression.hooks(model):
+        model(ids).sum().backward()
+    assert compression.count == 0  # the ids are integers, the weights are the model's own, activations too small
+
+
+# --- gradients -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy, bound", [("bf16", 2e-2), ("fp8", 1e-1)])
+def test_gradient_error_is_small_but_real(policy, bound):
+    if policy not in POLICIES:
+        pytest.skip("this torch has no float8_e4m3fn")
+    model, x = chain(), torch.randn(16, 64)
+    exact = gradients(model, x)
+    with apply_plan(model, lossy(policy), "cpu"):
+        error = relative_error(gradients(model, x), exact)
+    assert 0 < error < bound
+
+
+@pytest.mark.parametrize("checkpointing", [{"policy": "full"}, {"policy": "every", "every": 2},
+                                           {"policy": "selective"}])
+def test_composes_with_checkpointing(checkpointing):
+    """The recompute still happens (backward FLOPs as without compression), what the checkpoint keeps
+    is compressed, and the gradient stays close."""
+    model, x = chain(), torch.randn(16, 64)
+    exact = gradients(model, x)
+
+    def backward_flops(memory: MemoryPlan) -> tuple[int, float]:
+        with apply_plan(model, memory, "cpu") as applied:
+            torch.manual_seed(1)
+            loss = model(x).square().mean()
+            with FlopCounterMode(display=False) as counter:
+                loss.backward()
+            grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+            assert applied.compression is None or applied.compression.count > 0
+        return counter.get_total_flops(), relative_error(grads, exact)
+
+    checkpointed, exact_error = backward_flops(plan(checkpointing=checkpointing))
+    compressed, error = backward_flops(lossy("bf16", checkpointing=checkpointing))
+    plain, _ = backward_flops(plan())
+    assert exact_error == 0 and compressed == checkpointed
+    # selective keeps the matmuls' outputs and recomputes pointwise ops, which count no FLOPs
+    assert checkpointed > plain or checkpointing["policy"] == "selective"
+    assert 0 < error < 2e-2
+
+
+def test_composes_with_offload():
+    """On a block that is offloaded too, the rounded copy is what goes to the host: half the bytes."""
+    model, x = chain(), torch.randn(16, 64)
+    exact = gradients(model, x)
+    blocks = find_blocks(model)
+    undo, compression = apply_compression(blocks, lossy("bf16").compression)
+    offload = ActivationOffload("cpu", 0, CopyTransport("cpu", "cpu"))
+    undos = [wrap_forward(block.module, offload.wrapper, block.module) for block in blocks]
+    try:
+        error = relative_error(gradients(model, x), exact)
+    finally:
+        for step in reversed(undos):
+            step()
+        undo()
+    assert compression.count > 0 and offload.offloaded_bytes == compression.stored_bytes
+    assert 0 < error < 2e-2
+
+
+# --- the opt-in, and the report --------------------------------------------------------------
+
+
+def test_refused_without_the_opt_in(tmp_path, ckrun):
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "memory.compression={policy: bf16}", f"output.dir={tmp_path / 'r'}")
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "memory.compression: bf16 stores saved activations rounded" in lines[0]
+    assert "memory.allow_lossy: true" in lines[0] and "--allow-lossy" in lines[0]
+
+
+def test_refused_by_apply_plan_too():
+    with pytest.raises(ValueError, match="^memory.compression: bf16 stores saved activations rounded"):
+        apply_plan(chain(), plan(compression={"policy": "bf16"}), "cpu")
+    with pytest.raises(ValueError, match="^memory.compression: cannot be combined with memory.compile"):
+        apply_plan(chain(), lossy("bf16", compile=True), "cpu")
+
+
+def test_training_reports_the_gradient_error(tmp_path, ckrun, caplog):
+    caplog.set_level(logging.INFO)
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", "memory.compression={policy: bf16}",
+                         "memory.allow_lossy=true", f"output.dir={tmp_path / 'r'}")
+    assert code == 0, err
+    reports = [r.getMessage() for r in caplog.records if "relative gradient error" in r.getMessage()]
+    assert len(reports) == 1 and reports[0].startswith("memory.compression bf16 is lossy"), reports
+    error = float(reports[0].split("relative gradient error ")[1].split()[0])
+    assert 0 < error < 5e-2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
+    """The estimator runs the same hooks on fake tensors: its CPU peak is the peak a real step measures."""
+    from runner.load import load_recipe
+    from runner.predict.estimate import estimate_peak
+    from runner.train.loop import Trainer
+
+    recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"memory.compression={{policy: {policy}}}", "memory.allow_lossy=true",
+                                     f"output.dir={tmp_path}"])
+    trainer = Trainer(recipe)
+    trainer.train_step()  # the first step creates the optimizer state; the estimate is of later steps
+    measured = trainer.train_step()["peak_mem_bytes"]
+    exact = estimate_peak(recipe.model_copy(update={"memory": MemoryPlan()}), "cpu")
+    estimate = estimate_peak(recipe, "cpu")
+    assert estimate.peak_bytes == measured
+    assert estimate.breakdown["activations"] < exact.breakdown["activations"]
+
+
+def test_an_exact_pass_that_runs_out_of_memory_leaves_the_error_unmeasured(tmp_path, monkeypatch, caplog):
+    """The exact plan keeps every activation: where that does not fit, training goes on, and says so."""
+    import runner.train.lossy
+    from runner.load import load_recipe
+    from runner.train.loop import Trainer
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(runner.train.lossy, "gradient_error", out_of_memory)
+    caplog.set_level(logging.INFO)
+    trainer = Trainer(load_recipe(BERT_TINY, [*TINY_BERT, "memory.compression={policy: bf16}", "memory.allow_lossy=true",
+                                              f"output.dir={tmp_path}"]))
+    assert trainer.gradient_error is None and trainer.train_step()["step"] == 1
+    assert any("the gradient error was not measured" in r.getMessage() for r in caplog.records)
