@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,52 +71,50 @@ def traced_saves(count: list[int], moment: int | None):
     return traced_save
 
 
-def killed_in_save_at(moment: int, args: list[str]) -> int:
-    """Run ckrun in a forked child (torch already imported: no start-up cost) that SIGKILLs itself
-    at the `moment`-th line of its checkpoint saves; returns the child's exit status."""
-    pid = os.fork()
-    if pid:
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    try:
-        loop.save_checkpoint = traced_saves([0], moment)
-        main(args)
-    finally:
-        os._exit(0)  # never back into pytest; 0 means the moment never came
+def run_traced(moment: int | None, args: list[str], count_file: str) -> int:
+    """In a fresh child process: ckrun with its saves traced (and SIGKILLed at line `moment`); the
+    lines the saves executed go to count_file when the run ends."""
+    count = [0]
+    loop.save_checkpoint = traced_saves(count, moment)
+    code = main(args)
+    Path(count_file).write_text(str(count[0]))
+    return code
+
+
+def traced_child(moment: int | None, args: list[str], count_file: Path) -> subprocess.CompletedProcess:
+    """`run_traced` in a new interpreter: a fork of the test process would inherit whatever the tests
+    before it left behind (threads, patched modules), and the line counts of straight and killed runs
+    must come from processes started alike."""
+    paths = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]
+    code = (f"import sys; sys.path[:0] = {paths!r}; import torch; torch.set_num_threads(1); import test_kill; "
+            f"sys.exit(test_kill.run_traced({moment!r}, {[str(a) for a in args]!r}, {str(count_file)!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The losses of RUN never killed, and how many lines its three saves execute."""
-    out, count = tmp_path_factory.mktemp("straight"), [0]
-    real_save = loop.save_checkpoint
-    loop.save_checkpoint = traced_saves(count, None)
-    try:
-        assert main([*RUN, f"output.dir={out}"]) == 0
-    finally:
-        loop.save_checkpoint = real_save
-    return [m["loss"] for m in read_metrics(out)], count[0]
+    out = tmp_path_factory.mktemp("straight")
+    child = traced_child(None, [*RUN, f"output.dir={out}"], out / "count")
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [m["loss"] for m in read_metrics(out)], int((out / "count").read_text())
 
 
 def check_kill_then_resume(tmp_path, capsys, straight, fraction: float) -> None:
     losses, lines = straight
     out, moment = tmp_path / "run", max(1, round(fraction * lines))
-    assert killed_in_save_at(moment, [*RUN, f"output.dir={out}"]) == -signal.SIGKILL
-    capsys.readouterr()
+    child = traced_child(moment, [*RUN, f"output.dir={out}"], tmp_path / "count")
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stderr[-2000:])
     assert main([*RUN, f"output.dir={out}", "--resume"]) == 0, capsys.readouterr().err
     assert [m["loss"] for m in read_metrics(out)] == losses
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]  # a later save swept them
 
 
-FORK = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a copy of the test process to kill")
-
-
-@FORK
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.3, 0.45, 0.6, 0.8, 0.99])
 def test_kill_9_during_a_checkpoint_save_then_resume_gives_the_same_losses(tmp_path, capsys, straight, fraction):
     check_kill_then_resume(tmp_path, capsys, straight, fraction)
 
 
-@FORK
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [i / 52 for i in range(52)])
 def test_kill_9_at_52_moments_of_the_saves(tmp_path, capsys, straight, fraction):
