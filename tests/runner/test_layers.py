@@ -3,7 +3,7 @@ own layer or the ones below it:
 
 1. foundations  problems, units, files, yamlio, plan, checkpoint_files (messages, YAML, the plan's
                 data, the checkpoint file format)
-2. recipe       recipe, load, located, library (the validated recipe and where its lines are)
+2. recipe       recipe, recipe_data, load, located, library (the validated recipe and where its lines are)
 3. build        build/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
 5. dist         dist/ (ranks joined, DDP/FSDP2 put on the planned model, torchrun started)
@@ -28,7 +28,7 @@ from conftest import ROOT
 LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.yamlio", "runner.plan",
                      "runner.checkpoint_files"}),
-    ("recipe", {"runner.recipe", "runner.load", "runner.located", "runner.library"}),
+    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.load", "runner.located", "runner.library"}),
     ("build", {"runner.build", "runner.models"}),
     ("memory", {"runner.memory"}),
     ("dist", {"runner.dist"}),
@@ -47,7 +47,7 @@ ALLOWED = {
         "loading a recipe puts its folder on the import path its user code resolves through",
     ("runner.recipe", "runner.build.pretrained"):
         "validation checks that model.pretrained can hold weights for the recipe's model",
-    ("runner.recipe", "runner.build.dataset_files"):
+    ("runner.recipe_data", "runner.build.dataset_files"):
         "validation checks a dataset's files, split and columns from their schemas (no torch, no data read)",
 }
 
