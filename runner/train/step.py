@@ -55,8 +55,12 @@ def predict_only_at(model: nn.Module, positions: torch.Tensor | None):
     onto the whole vocabulary: on BERT-large at seq 512 those logits and their gradient are
     about 1 GB per micro-batch of 16. A forward pre-hook on `get_output_embeddings()` gathers
     the labelled rows first, so the logits come out [batch, k, vocab]. A compiled model keeps
-    full logits (a hook added per call would recompile it); `loss_sum` gathers them then."""
+    full logits (a hook added per call would recompile it); `loss_sum` gathers them then. Under DDP
+    the hook goes on the wrapped model's head: DDP's forward runs it, and without the hook every
+    rank would hold the full logits."""
     head = None
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
     if positions is not None and not hasattr(model, "_orig_mod") and hasattr(model, "get_output_embeddings"):
         head = model.get_output_embeddings()
     if head is None:
