@@ -7,11 +7,14 @@ of a new session, so killing its process group also takes anything it started (c
     python -m autotune.child probe  RECIPE.json RESULT.json --parent PID --trial N --warmup W --timed T
     python -m autotune.child device RECIPE.json RESULT.json --parent PID
 
+With `--nproc N` (N > 1) the probe runs as a torchrun group of N ranks: this process starts them
+and combines their results, each rank being this module again (autotune/rank_probe.py).
+
 The result is written atomically; no result file means the process died before it could report.
 Once it is written the process leaves at once (`finish`), without the interpreter's teardown.
 
 Test hook (read only here): CKRUN_PROBE_FAULT=KIND:TRIAL[,KIND:TRIAL...] injects a fault into the
-probe of trial TRIAL. KIND is `oom` (torch.OutOfMemoryError, as a step that ran out would raise),
+probe of trial TRIAL (KIND:TRIAL@RANK: only in that rank of a group). KIND is `oom` (torch.OutOfMemoryError, as a step that ran out would raise),
 `crash` (the process kills itself with SIGSEGV before reporting) or `hang` (starts a grandchild,
 then sleeps: the tuner's timeout must kill both).
 """
@@ -41,10 +44,28 @@ def main(argv: list[str] | None = None) -> int:
     recipe_json = Path(args.recipe).read_text(encoding="utf-8")
     if args.what == "device":
         result = _guarded(lambda: device_info(_recipe(recipe_json)))
+    elif args.nproc > 1 and "WORLD_SIZE" in os.environ:  # one rank of a probe's group
+        return _rank_probe(args, recipe_json)
+    elif args.nproc > 1:  # the group's agent
+        from . import rank_probe
+
+        command = rank_probe.rank_command(__spec__.name, args.recipe, args.result, args.trial, args.warmup,
+                                          args.timed, args.nproc)
+        result = _guarded(lambda: rank_probe.run_group(command, Path(args.result), args.nproc))
     else:
         result = _guarded(lambda: _probe(recipe_json, args.trial, args.warmup, args.timed))
     write_atomic(Path(args.result), json.dumps(result, indent=1))
     return 0
+
+
+def _rank_probe(args, recipe_json: str) -> int:
+    from .probe import note_launch
+    from .rank_probe import write_rank_result
+
+    rank = int(os.environ["RANK"])
+    note_launch(Path(args.result).parent, "rank", args.trial, os.getpid())  # the tuner kills what a timeout leaves
+    result = _guarded(lambda: _probe(recipe_json, args.trial, args.warmup, args.timed))
+    return write_rank_result(Path(args.result), rank, result)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--trial", type=int, default=-1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timed", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks of the probe's torchrun group")
     return parser
 
 
@@ -137,16 +159,18 @@ def device_info(recipe) -> dict:
         precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
         return {"status": "ok", "kind": "cuda", "name": props.name, "total_bytes": props.total_memory,
                 "precisions": precisions, "torch": torch.__version__, "cuda": torch.version.cuda,
-                "context_bytes": context_after_kernels(device)}
+                "context_bytes": context_after_kernels(device), "count": torch.cuda.device_count()}
     # fp16 autocast on a CPU is emulated and slower than fp32: only bf16 is worth a probe there
     return {"status": "ok", "kind": "cpu", "name": f"cpu ({platform.processor() or platform.machine()})",
             "total_bytes": 0, "precisions": ["fp32", "bf16"], "torch": torch.__version__, "cuda": None}
 
 
 def _fault_for(trial: int) -> str | None:
+    rank = os.environ.get("RANK", "0")
     for item in os.environ.get(FAULT_ENV, "").split(","):
-        kind, _, number = item.strip().partition(":")
-        if number.strip().isdigit() and int(number) == trial:
+        kind, _, where = item.strip().partition(":")
+        number, _, in_rank = where.partition("@")
+        if number.strip().isdigit() and int(number) == trial and in_rank.strip() in ("", rank):
             return kind
     return None
 

@@ -31,6 +31,7 @@ from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
 from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
 from .cap import Cap
+from .rank_tune import RanksEnded, check_devices, check_ranks, rank_training, ranks_comment
 from .study import Budget, Tuner, open_study, trial_records
 from .train import nothing_fits, train_with_fallback
 from .tuned import write_tuned
@@ -47,6 +48,9 @@ def add_arguments(parser) -> None:
                         help="most new plans to measure; the finalists' re-runs come on top (default 20)")
     parser.add_argument("--time-budget", metavar="DURATION", help="stop proposing after this long: 90s, 10m, 1h")
     parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune)")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N",
+                        help="tune for N ranks on this machine (torchrun): the cap holds per rank, each probe is a "
+                             "group of N ranks, and ddp/fsdp and FSDP's knobs join the search (default 1)")
     parser.add_argument("--no-train", action="store_true", help="stop after writing DIR/tuned.yaml")
     parser.add_argument("--resume", action="store_true", help="continue the study in DIR; finished trials are kept")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed proposes the same plans")
@@ -81,6 +85,7 @@ def run(args) -> int:
     path, overrides = _recipe_source(args.recipe, args.overrides)
     recipe, doc = load_recipe_document(path, overrides)
     cap, budget = _cap(args), _budget(args)
+    check_ranks(recipe, str(path), args.nproc)
     directory = _directory(args.output, recipe)
     log.info("tune: %s, batch %d, on %s; cap %s, limit %s", recipe.model.name, recipe.train.batch_size,
              recipe.train.device, format_bytes(cap.bytes), cap.describe())
@@ -88,15 +93,18 @@ def run(args) -> int:
     with StudyLock(directory):
         if not args.no_train:
             _check_training_output(recipe, args.resume, str(path))  # before the search, not an hour later
-        runner = ProbeRunner(directory, ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps))
+        settings = ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps, args.nproc)
+        runner = ProbeRunner(directory, settings)
         device = _device(runner, recipe)
         _check_cap_fits(cap, device, args.max_mem)
+        check_devices(device, args.nproc)
         # the user's model runs only in this child: the tuner never builds it or runs its forward
-        model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen)
+        model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen,
+                           nproc=args.nproc)
         try:
             facts = ModelFacts.from_json(read_facts(model, str(path)))
             space = build_space(recipe, facts, device, args.search_precision, args.search_compile,
-                                args.search_micro_batch, args.allow_lossy)
+                                args.search_micro_batch, args.allow_lossy, args.nproc)
             records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
         finally:
             model.stop()
@@ -114,14 +122,19 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
 
     def tuned_for(record: dict):
         notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"]),
-                                   compression_comment(record)] if note]
-        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes)
+                                   compression_comment(record), ranks_comment(args.nproc)] if note]
+        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes,
+                           f" --nproc {args.nproc}" if args.nproc > 1 else "")
 
     if args.no_train:
         tuned_path, _ = tuned_for(ranked[0])
-        log.info("tune: wrote %s; --no-train: train it with `ckrun %s`", tuned_path, tuned_path)
+        nproc = f" --nproc {args.nproc}" if args.nproc > 1 else ""
+        log.info("tune: wrote %s; --no-train: train it with `ckrun %s%s`", tuned_path, tuned_path, nproc)
         return 0
-    result = train_with_fallback(ranked, tuned_for, args.resume)
+    try:
+        result = train_with_fallback(ranked, tuned_for, args.resume, **rank_training(args.nproc))
+    except RanksEnded as err:
+        return err.exit_code
     if result is None:
         return EXIT_NOTHING_FITS
     return 128 + result.stopped_by if result.stopped_by else 0  # 130/143, as `ckrun run` stops
@@ -139,6 +152,8 @@ def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, run
         log.info("screening: a plan predicted over the cap plus the margin is told infeasible without a probe; "
                  "predictions run in a child process (%s)", model.directory)
     off = "--no-solver" if args.no_solver else "--no-screen" if args.no_screen else None
+    if args.nproc > 1:
+        off = f"--nproc {args.nproc}: the solver plans the blocks of one process"
     first = solver_points(study, fresh, space, cap, device, predict, off)
     tuner = Tuner(study, space, cap, evaluate, predict, args.seed)
     if fresh:
@@ -246,7 +261,7 @@ def _config(recipe: Recipe, space: Space, cap: Cap, args, device: Device) -> dic
     measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps", "epochs"}})
     return {"recipe": hashlib.sha256(measured.encode()).hexdigest()[:16], "cap": cap.bytes, "margin": cap.margin,
             "seed": args.seed, "space": {"choices": space.choices, "fixed": space.fixed}, "device": device.name,
-            "probe_steps": [args.warmup_steps, args.timed_steps]}
+            "probe_steps": [args.warmup_steps, args.timed_steps], **({"nproc": args.nproc} if args.nproc > 1 else {})}
 
 
 COMMAND = Command(

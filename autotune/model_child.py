@@ -6,13 +6,14 @@ predicted peak per plan. Both run the user's code (the factory; the forward, on 
 both happen here, in a child that leads its own process group, never in the tuner: a hang, a
 segfault or an `os._exit` in the user's code then costs a timeout and a line in the report.
 
-    python -m autotune.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--facts-only]
+    python -m autotune.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--nproc N] [--facts-only]
 
 Protocol (files are written atomically; the tuner waits for each with a timeout):
 1. DIR/facts.json: `model_facts` of the model built on the meta device.
 2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
-3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32"}`, each
-   answered in DIR/answer-N.json. End of input ends the child. A request with `"frontier": {"pairs":
+3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32", "strategy":
+   null}`, each answered in DIR/answer-N.json (with --nproc N, the peak of one of N ranks under
+   `strategy`, ddp or fsdp: runner/predict/ranks.py). End of input ends the child. A request with `"frontier": {"pairs":
    [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan}}`
    instead asks for the solver's per-block plans (`autotune.solver.frontier`, which times blocks in a
    short real run): answered with `proposals` (Proposal records) and `lines` (its reasons).
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in requests:
         request = json.loads(line)
-        work = _frontier if "frontier" in request else _predict
+        work = _frontier if "frontier" in request else functools.partial(_predict, nproc=args.nproc)
         answer = _answer(functools.partial(work, estimator, request), expected=_unavailable())
         write_atomic(directory / f"answer-{request['id']}.json", json.dumps(answer))
     return 0
@@ -72,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("directory", help="where facts.json, ready.json and answer-N.json go")
     parser.add_argument("--parent", type=int, required=True, help="the tuner's pid; its death ends this process")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device to predict for")
+    parser.add_argument("--nproc", type=int, default=1, help="predict one rank of N (tune --nproc)")
     parser.add_argument("--facts-only", action="store_true", help="report the facts and exit: no screening")
     return parser
 
@@ -102,11 +104,27 @@ def facts_answer(recipe) -> dict:
     return _answer(lambda: {"status": "ok", **model_facts(recipe)}, expected=())
 
 
-def _predict(estimator, request: dict) -> dict:
+def _predict(estimator, request: dict, nproc: int = 1) -> dict:
     from runner.plan import MemoryPlan
 
-    estimate = estimator.estimate(MemoryPlan.model_validate(request["plan"]), request["precision"])
+    if nproc > 1:
+        estimate = _rank_estimate(estimator, request, nproc)
+    else:
+        estimate = estimator.estimate(MemoryPlan.model_validate(request["plan"]), request["precision"])
     return {"status": "ok", "peak_bytes": int(estimate.peak_bytes), "warnings": list(estimate.warnings)}
+
+
+def _rank_estimate(estimator, request: dict, nproc: int):
+    """One rank's peak: the candidate's recipe (plan, precision, strategy) estimated as `ckrun estimate
+    --nproc` does; FSDP shards the model anew for each, so nothing is shared with `estimator` but its recipe."""
+    from runner.predict.ranks import per_rank
+    from runner.recipe import Recipe
+
+    data = estimator.recipe.model_dump(mode="json")
+    data.update(memory=request["plan"], precision=request["precision"])
+    if request.get("strategy"):
+        data["distributed"] = {"strategy": request["strategy"]}
+    return per_rank(nproc)(Recipe.model_validate(data), "cuda" if estimator.cuda else "cpu").estimate()
 
 
 def _frontier(estimator, request: dict) -> dict:

@@ -32,6 +32,7 @@ class ProbeSettings:
     timeout_s: float = 600.0
     warmup_steps: int = 2  # steps 1-2 measure the peak (step 2 is the first with optimizer state)
     timed_steps: int = 3
+    nproc: int = 1  # --nproc: each probe is a torchrun group of this many ranks (autotune/rank_probe.py)
 
 
 class ProbeRunner:
@@ -45,7 +46,7 @@ class ProbeRunner:
     def probe(self, recipe: Recipe, trial: int) -> dict:
         stem = self.directory / f"trial-{trial}"
         extra = ["--trial", str(trial), "--warmup", str(self.settings.warmup_steps),
-                 "--timed", str(self.settings.timed_steps)]
+                 "--timed", str(self.settings.timed_steps), "--nproc", str(self.settings.nproc)]
         started = time.monotonic()
         result = self._run("probe", recipe, stem, extra, self.settings.timeout_s, trial)
         result["probe_s"] = round(time.monotonic() - started, 2)
@@ -67,6 +68,8 @@ class ProbeRunner:
                                        start_new_session=True, env=child_env(recipe))
             note_launch(self.directory, what, trial, process.pid)
             code = _wait(process, timeout_s)
+        if trial is not None and (code is None or code < 0):
+            kill_ranks(self.directory, trial)  # torchrun put each rank in a session of its own
         return _result(result_path, log_path, code, timeout_s)
 
 
@@ -84,6 +87,23 @@ def note_launch(directory: Path, what: str, trial: int | None, pid: int) -> None
     test can check that no child of any kind outlived the tuner."""
     with open(directory / "probes.log", "a", encoding="utf-8") as launches:
         launches.write(json.dumps({"what": what, "trial": trial, "pid": pid, "time": time.time()}) + "\n")
+
+
+def kill_ranks(directory: Path, trial: int) -> None:
+    """Kill the groups of the ranks a probe's agent started, as they noted them in probes.log. Only
+    after a timeout or a killed agent: then the ranks may still be running (a hang holding the
+    interpreter keeps their own watch from acting), and their pids are seconds old."""
+    try:
+        lines = (directory / "probes.log").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            launch = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if launch.get("what") == "rank" and launch.get("trial") == trial:
+            kill_group(int(launch["pid"]))
 
 
 def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:

@@ -39,8 +39,8 @@ CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of autotun
 class ModelChild:
     """One model child at a time for a tune; its files go to DIR/probes/model/, its output to model.log."""
 
-    def __init__(self, recipe: Recipe, probes: Path, device_kind: str, timeout_s: float, screen: bool):
-        self.recipe, self.probes, self.device_kind = recipe, probes, device_kind
+    def __init__(self, recipe: Recipe, probes: Path, device_kind: str, timeout_s: float, screen: bool, nproc: int = 1):
+        self.recipe, self.probes, self.device_kind, self.nproc = recipe, probes, device_kind, nproc
         self.timeout_s, self.screen = timeout_s, screen
         self.directory = probes / "model"
         self.log_path = self.directory / "model.log"
@@ -59,7 +59,7 @@ class ModelChild:
         recipe_path = self.directory / "recipe.json"
         write_atomic(recipe_path, self.recipe.model_dump_json(indent=1))
         command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.model_child"), str(recipe_path), str(self.directory),
-                   "--parent", str(os.getpid()), "--device", self.device_kind, *([] if self.screen else ["--facts-only"])]
+                   "--parent", str(os.getpid()), "--device", self.device_kind, "--nproc", str(self.nproc), *([] if self.screen else ["--facts-only"])]
         with open(self.log_path, "a", encoding="utf-8") as log_file:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
                                             start_new_session=True, text=True)
@@ -74,7 +74,8 @@ class ModelChild:
 
     def ask(self, candidate: Candidate) -> dict:
         number, self.requests = self.requests, self.requests + 1
-        request = {"id": number, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision}
+        request = {"id": number, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision,
+                   "strategy": candidate.strategy}
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()

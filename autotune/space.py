@@ -24,8 +24,13 @@ from typing import Any
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from runner.memory.blocks import Block, BlockList
 from runner.memory.checkpointing import sqrt_segments
+from pydantic import TypeAdapter
 from runner.plan import MemoryPlan
-from runner.recipe import Recipe
+from runner.recipe import Distributed, Recipe
+
+from .labels import (adaptive_buckets, checkpointing_label, compression_fields, offload_label, parse_checkpointing,
+                     parse_offload)
+from .sharding import add_sharding, describe_sharding, parse_sharding
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +51,12 @@ class Device:
     torch: str
     cuda: str | None = None
     context_bytes: int = 0  # the CUDA context once a step's kernels are loaded; counts against a card-level cap
+    count: int = 1  # GPUs on this machine: ranks for tune --nproc
 
     @classmethod
     def from_json(cls, data: dict) -> Device:
         return cls(data["kind"], data["name"], data["total_bytes"], tuple(data["precisions"]), data["torch"],
-                   data.get("cuda"), int(data.get("context_bytes") or 0))
+                   data.get("cuda"), int(data.get("context_bytes") or 0), int(data.get("count") or 1))
 
 
 @dataclass(frozen=True)
@@ -75,19 +81,28 @@ class Candidate:
 
     plan: MemoryPlan
     precision: str
+    strategy: str | None = None  # distributed.strategy under --nproc; None: the recipe's
 
     @property
     def key(self) -> str:
         """Identical plans have identical keys: a repeated proposal reuses the earlier measurement."""
-        return json.dumps({"memory": self.plan.model_dump(mode="json"), "precision": self.precision}, sort_keys=True)
+        ranks = {"distributed": self.strategy} if self.strategy else {}
+        return json.dumps({"memory": self.plan.model_dump(mode="json"), "precision": self.precision, **ranks},
+                          sort_keys=True)
 
     def recipe(self, base: Recipe, cap_bytes: int) -> Recipe:
         """`base` running this candidate; max_mem makes the probe stop (CUDA: fail to allocate) at the cap."""
         plan = self.plan.model_copy(update={"max_mem": cap_bytes})
-        return base.model_copy(update={"memory": plan, "precision": self.precision})
+        update = {"memory": plan, "precision": self.precision}
+        if self.strategy:
+            update["distributed"] = TypeAdapter(Distributed).validate_python({"strategy": self.strategy})
+        return base.model_copy(update=update)
 
     def describe(self) -> str:
         parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {checkpointing_label(self.plan)}"]
+        if self.strategy:
+            sharding = self.plan.sharding.model_dump() if self.plan.sharding else None
+            parts.insert(0, describe_sharding(self.strategy, sharding))
         if self.plan.offload.policy != "none":
             parts.append(f"offload {offload_label(self.plan)}")
         if self.plan.compile:
@@ -114,6 +129,7 @@ class Space:
     batch_size: int = 0
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
+    world_size: int = 1  # --nproc: batch_size is then a rank's share of the global batch
     numeric: dict[str, FloatDistribution] = field(default_factory=dict)
     """Continuous knobs (compile's activation_memory_budget): TPE models them as numbers; the grid
     takes their steps. Nothing is pruned from a neighbour's result: each value is measured."""
@@ -132,6 +148,7 @@ class Space:
         """The plan for optuna's `params` (searched knobs) and the pinned ones."""
         values = {**self.fixed, **params}
         compiled = values["compile"]
+        strategy, sharding = parse_sharding(values["sharding"]) if "sharding" in values else (None, None)
         plan = MemoryPlan.model_validate({
             "activation_memory_budget": _budget(values.get("activation_memory_budget"), compiled),
             "allocator": None if values.get("allocator", "default") == "default" else values["allocator"],
@@ -139,8 +156,9 @@ class Space:
             "offload": parse_offload(values["offload"]), "compile": values["compile"], "blocks": self.blocks_path,
             "adaptive": adaptive_buckets(values),
             **compression_fields(values.get("compression", "none")),
+            **({"sharding": sharding} if sharding else {}),
         })
-        return Candidate(plan, values["precision"])
+        return Candidate(plan, values["precision"], strategy)
 
     def all_params(self) -> list[dict[str, Any]]:
         """Every point, in a fixed order: the grid the benchmark compares against."""
@@ -157,11 +175,11 @@ class Space:
         elif fits:
             micro_batches = sorted(self.choices["micro_batch"], reverse=True)
         else:
-            micro_batches = [recipe.train.batch_size]
+            micro_batches = [self.batch_size]  # a rank's share under --nproc
         for checkpointing in ("none", "full", "every:2"):
             base = {"checkpointing": checkpointing, "offload": "none", "precision": recipe.precision,
                     "compile": recipe.memory.compile, "compression": "none", "allocator": "default",
-                    "short_checkpointing": "same"}
+                    "short_checkpointing": "same", "sharding": self.choices.get("sharding", [None])[0]}
             base = {k: v for k, v in base.items() if k in self.choices}
             if any(v not in self.choices[k] for k, v in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
@@ -189,43 +207,6 @@ def grid_of(distribution: FloatDistribution) -> list[float]:
     return [round(distribution.low + i * distribution.step, 6) for i in range(count)]
 
 
-def parse_checkpointing(value: str) -> dict:
-    policy, _, every = value.partition(":")
-    if policy == "layers":  # a solver's per-block plan: "layers:0,2,5"
-        return {"policy": policy, "layers": [int(i) for i in every.split(",")]}
-    return {"policy": policy, "every": int(every)} if every else {"policy": policy}
-
-
-def parse_offload(value: str) -> dict:
-    policy, _, layers = value.partition(":")
-    return {"policy": policy, "layers": [int(i) for i in layers.split(",")]} if layers else {"policy": policy}
-
-
-def adaptive_buckets(values: dict) -> list[dict]:
-    """memory.adaptive of a point: the recipe's when pinned, else one bucket of short batches with
-    their own checkpointing ("same": no bucket, one plan for every length)."""
-    if "adaptive" in values:
-        return values["adaptive"]
-    short = values.get("short_checkpointing", "same")
-    return [] if short == "same" else [{"max_len": values["short_len"], "checkpointing": parse_checkpointing(short)}]
-
-
-def compression_fields(policy: str) -> dict:
-    """A plan's compression keys: a lossy policy carries its opt-in, so tuned.yaml shows it."""
-    return {} if policy == "none" else {"compression": {"policy": policy}, "allow_lossy": True}
-
-
-def checkpointing_label(plan: MemoryPlan) -> str:
-    policy = plan.checkpointing
-    if policy.policy == "layers":
-        return "layers:" + ",".join(map(str, policy.layers))
-    return f"every:{policy.every}" if policy.policy == "every" else policy.policy
-
-
-def offload_label(plan: MemoryPlan) -> str:
-    return "layers:" + ",".join(map(str, plan.offload.layers)) if plan.offload.policy == "layers" else plan.offload.policy
-
-
 def add_proposals(space: Space, proposals: list[dict]) -> list[dict]:
     """The solver's plans (`Proposal.record()`s) as points of the space: their per-block labels join
     the choices (so TPE can move from them to the rules around), and their params come back in order.
@@ -247,11 +228,14 @@ def add_proposals(space: Space, proposals: list[dict]) -> list[dict]:
 
 
 def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precision: bool = False,
-                search_compile: bool = False, search_micro_batch: bool = False, allow_lossy: bool = False) -> Space:
-    """The space for `recipe` on `device`; every automatic choice is logged with its reason."""
-    space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size,
+                search_compile: bool = False, search_micro_batch: bool = False, allow_lossy: bool = False,
+                nproc: int = 1) -> Space:
+    """The space for `recipe` on `device` (each of `nproc` ranks); every automatic choice is logged with its reason."""
+    space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size // nproc,
                   batchnorm=facts.batchnorm, dropout=facts.dropout)
-    _micro_batches(space, recipe.memory.micro_batch or recipe.train.batch_size, search_micro_batch)
+    if nproc > 1:
+        add_sharding(space, recipe, device, nproc)
+    _micro_batches(space, recipe.memory.micro_batch or space.batch_size, search_micro_batch)
     _checkpointing(space, facts.blocks)
     _adaptive(space, recipe)
     _offload(space, device)
@@ -275,7 +259,9 @@ def _micro_batches(space: Space, recipe_micro: int, search: bool) -> None:
                              f"micro_batch would change what it computes (--search-micro-batch searches {divisors})")
         return
     space.choices["micro_batch"] = divisors
-    space.reasons.append(f"micro_batch in {divisors}: the divisors of train.batch_size {batch_size}, so the global "
+    whose = f"train.batch_size {batch_size}" if space.world_size == 1 else \
+        f"a rank's share {batch_size} (train.batch_size over {space.world_size} ranks)"
+    space.reasons.append(f"micro_batch in {divisors}: the divisors of {whose}, so the global "
                          "batch stays the same; the gradient is the same only without BatchNorm and dropout")
     if space.batchnorm:
         space.reasons.append(f"note: micro_batch searched (--search-micro-batch) although the model has BatchNorm "

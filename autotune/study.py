@@ -33,6 +33,7 @@ from runner.units import format_bytes
 
 from .cap import Cap
 from .report import ranked_feasible
+from .sharding import sharding_problem
 from .space import Candidate, Space
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,8 @@ class Tuner:
     def _record(self, number: int, candidate: Candidate, screen: bool = True) -> dict:
         """Measure the candidate, unless it is invalid or (`screen`) predicted clearly over the cap."""
         record = {"key": candidate.key, "plan": candidate.plan.model_dump(mode="json"),
-                  "precision": candidate.precision, "label": candidate.describe()}
+                  "precision": candidate.precision, "label": candidate.describe(),
+                  **({"strategy": candidate.strategy} if candidate.strategy else {})}
         invalid = _invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return {**record, "state": "invalid", "reason": invalid, "constraint": UNMEASURED}
@@ -282,7 +284,11 @@ class Tuner:
 
 
 def _invalid_reason(candidate: Candidate, space: Space) -> str | None:
-    """Combinations apply_plan refuses (offload with sqrt segments) are told infeasible, never probed."""
+    """Combinations apply_plan refuses (offload with sqrt segments) and strategies the trainer refuses
+    with a precision (fsdp with fp16) are told infeasible, never probed."""
+    refused = sharding_problem(candidate.strategy, candidate.precision)
+    if refused:
+        return refused
     try:
         check_combination(candidate.plan, torch.device(space.device_kind))
     except ValueError as err:

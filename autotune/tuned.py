@@ -37,6 +37,8 @@ def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
     memory["max_mem"] = cap_text  # as the user typed it: `40GB` reads better than 40000000000
     data["memory"] = memory
     data["precision"] = winner["precision"]
+    if winner.get("strategy"):  # tune --nproc: how the ranks share the work is part of the plan
+        data["distributed"] = {**data.get("distributed", {}), "strategy": winner["strategy"]}
     return data
 
 
@@ -73,7 +75,7 @@ def _edit_sections(doc: Document, data: dict) -> tuple[str | None, str]:
     edits = _edits(original, (), original.data, data, (0, len(lines)), lines)
     if edits is None:
         return None, "its top-level keys do not each start a line"
-    overridden = sorted({path[0] for path, *_ in edits if path[0] not in ("memory", "precision")})
+    overridden = sorted({path[0] for path, *_ in edits if path[0] not in ("memory", "precision", "distributed")})
     if overridden:
         log.info("tuned.yaml: the overrides' values written into %s", ", ".join(overridden))
     for _, begin, end, text in sorted(edits, key=lambda edit: (-edit[1], -edit[2])):  # bottom up: spans stay put
@@ -141,14 +143,14 @@ def _between_sections(line: str) -> bool:
 
 
 def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: Path, trials: int,
-               notes: list[str] = ()) -> str:
+               notes: list[str] = (), flags: str = "") -> str:
     device = winner.get("device") or {}
     total = device.get("device_total_bytes")
     versions = f"torch {device.get('torch')}" + (f", CUDA {device['cuda']}" if device.get("cuda") else "")
     lines = [
         f"Tuned by `ckrun tune` on {time.strftime('%Y-%m-%d %H:%M %Z')} from {source}",
         f"  overrides:  {' '.join(overrides)}" if overrides else "",
-        f"  train it:   ckrun {path}",
+        f"  train it:   ckrun {path}{flags}",
         f"  device:     {device.get('device')}{f' ({format_bytes(total)})' if total else ''}; {versions}",
         f"  measured:   peak {format_bytes(winner['measured_peak'])} within {cap.describe()}, "
         f"{winner['samples_per_s']:.2f} samples/s" + (f" (median of {winner['runs']} runs)" if winner["runs"] > 1 else ""),
@@ -160,9 +162,12 @@ def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: 
 
 
 def write_tuned(directory: Path, doc: Document, winner: dict, cap: Cap, cap_text: str,
-                source: str, overrides: list[str], trials: int, notes: list[str] = ()) -> tuple[Path, Recipe]:
+                source: str, overrides: list[str], trials: int, notes: list[str] = (),
+                flags: str = "") -> tuple[Path, Recipe]:
+    """`flags`: what `ckrun tuned.yaml` needs besides the file (` --nproc 2`), shown in the comment."""
     path = directory / "tuned.yaml"
-    text = provenance(winner, cap, source, overrides, path, trials, notes) + tuned_text(doc, tuned_data(doc, winner, cap_text))
+    text = (provenance(winner, cap, source, overrides, path, trials, notes, flags)
+            + tuned_text(doc, tuned_data(doc, winner, cap_text)))
     recipe = recipe_from_text(text, str(path))  # an InputError here is a tuner bug: better now than at training
     write_atomic(path, text)
     return path, recipe

@@ -35,7 +35,8 @@ from autotune.cap import Cap
 from autotune.child import device_info
 from autotune.probe import ProbeRunner, ProbeSettings
 from autotune.model_child import model_facts
-from autotune.space import Candidate, Device, ModelFacts, build_space, checkpointing_label
+from autotune.labels import checkpointing_label
+from autotune.space import Candidate, Device, ModelFacts, build_space
 from autotune.study import FINALIST_RUNS
 from runner.cli import main as ckrun
 from runner.load import load_recipe

@@ -27,10 +27,9 @@ def rank_command(argv: list[str], verbose: bool = False) -> list[str]:
     return ["-m", "runner.cli", *(["-v"] if verbose else []), "run", *argv]
 
 
-def launch(argv: list[str], nproc: int, verbose: bool = False) -> int:
-    """Run `ckrun run ARGV` as `nproc` ranks; returns the exit status the whole run ends with."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+def start_ranks(command: list[str], nproc: int) -> None:
+    """Run `python COMMAND` as `nproc` ranks of a group of their own (a fresh rendezvous on a free
+    local port) and wait for them; raises what elastic_launch raises (ChildFailedError, SignalException)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -41,8 +40,16 @@ def launch(argv: list[str], nproc: int, verbose: bool = False) -> int:
     log.info("starting %d ranks on this machine (torchrun, standalone rendezvous; %s CPU thread(s) each)", nproc,
              os.environ["OMP_NUM_THREADS"])
     _quiet_agent()
+    elastic_launch(config, sys.executable)(*command)
+
+
+def launch(argv: list[str], nproc: int, verbose: bool = False) -> int:
+    """Run `ckrun run ARGV` as `nproc` ranks; returns the exit status the whole run ends with."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        elastic_launch(config, sys.executable)(*rank_command(argv, verbose))
+        start_ranks(rank_command(argv, verbose), nproc)
     except ChildFailedError as err:
         return _first_failure_status(err)
     except SignalException as err:  # the agent has already passed the signal on and waited for the ranks

@@ -1,0 +1,149 @@
+"""`ckrun tune --nproc N`: the sharding knob in the space, the candidate recipes it makes, how a
+probe group's ranks' results become one, and the checks made before anything starts."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autotune.rank_probe import combine
+from autotune.rank_tune import check_devices, check_ranks, ranks_comment
+from autotune.sharding import describe_sharding, parse_sharding, sharding_value
+from autotune.space import Device, ModelFacts, build_space
+from autotune.study import _invalid_reason
+from autotune.tuned import tuned_data
+from conftest import BERT_TINY, TINY_BERT
+from runner.load import load_recipe
+from runner.problems import InputError
+from runner.recipe import Recipe
+from runner.yamlio import Document
+
+CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "test")
+GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=2)
+FACTS = ModelFacts.from_json({"container_name": "encoder.layer", "blocks": [f"encoder.layer.{i}" for i in range(4)],
+                              "containers": ["encoder.layer"] * 4})
+
+
+def _recipe(*overrides: str) -> Recipe:
+    return load_recipe(BERT_TINY, [*TINY_BERT, *overrides])
+
+
+def test_without_nproc_the_space_has_no_sharding_knob():
+    space = build_space(_recipe(), FACTS, CPU)
+    assert "sharding" not in space.choices and "sharding" not in space.fixed
+    assert space.candidate(space.all_params()[0]).strategy is None
+
+
+def test_with_nproc_ddp_and_fsdp_are_searched_and_micro_batches_divide_a_ranks_share():
+    space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
+    assert space.choices["sharding"] == ["ddp", "fsdp", "fsdp:keep"]  # CPU offload needs CUDA
+    assert space.choices["micro_batch"] == [1, 2, 4]  # the divisors of 8 / 2
+    assert any("ddp and fsdp both searched" in reason for reason in space.reasons)
+    gpu = build_space(_recipe("train.batch_size=8"), FACTS, GPU, nproc=2)
+    assert "fsdp:cpu" in gpu.choices["sharding"]
+
+
+def test_a_recipes_strategy_is_kept_ddp_pinned_and_fsdp_searched_from_its_own_knobs():
+    pinned = build_space(_recipe("distributed.strategy=ddp"), FACTS, CPU, nproc=2)
+    assert pinned.fixed["sharding"] == "ddp" and "sharding" not in pinned.choices
+    fsdp = build_space(_recipe("distributed.strategy=fsdp", "memory.sharding.reshard_after_forward=false"),
+                       FACTS, CPU, nproc=2)
+    assert fsdp.choices["sharding"][0] == "fsdp:keep"  # the recipe's own first: the starting points use it
+    assert set(fsdp.choices["sharding"]) == {"fsdp", "fsdp:keep"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_every_point_of_a_ranked_space_is_a_recipe_the_trainer_accepts_or_is_told_invalid(data):
+    nproc = data.draw(st.sampled_from([2, 4]), label="nproc")
+    space = build_space(_recipe("train.batch_size=8"), FACTS, GPU, search_precision=True, nproc=nproc)
+    params = data.draw(st.sampled_from(space.all_params()), label="params")
+    candidate = space.candidate(params)
+    strategy, knobs = parse_sharding(params["sharding"])
+    assert candidate.strategy == strategy and sharding_value(strategy, knobs) == params["sharding"]
+    recipe = candidate.recipe(_recipe("train.batch_size=8"), 10**9)
+    reason = _invalid_reason(candidate, space)
+    if strategy == "fsdp" and candidate.precision == "fp16":  # the trainer refuses it: no probe is spent
+        assert reason and "fp16 with fsdp" in reason
+        return
+    if reason:
+        return  # a plan apply_plan refuses (offload with sqrt segments), as without --nproc
+    again = Recipe.model_validate_json(recipe.model_dump_json())  # what the probe child reads
+    assert again.distributed.strategy == strategy
+    assert (again.memory.sharding is not None) == bool(knobs)
+    assert (8 // nproc) % again.memory.micro_batch == 0
+    assert strategy in candidate.describe()
+
+
+def test_plans_that_differ_only_in_sharding_have_different_keys_and_labels():
+    space = build_space(_recipe(), FACTS, CPU, nproc=2)
+    base = space.all_params()[0]
+    candidates = [space.candidate({**base, "sharding": value}) for value in space.choices["sharding"]]
+    assert len({c.key for c in candidates}) == len(candidates)
+    assert describe_sharding("fsdp", {"reshard_after_forward": False}) == "fsdp (reshard_after_forward false)"
+
+
+def test_tuned_yaml_carries_the_winners_strategy():
+    doc = Document(data={"model": {}, "distributed": {"strategy": "fsdp"}}, text="", source="r.yaml")
+    winner = {"plan": {"micro_batch": 2, "sharding": None}, "precision": "fp32", "strategy": "ddp"}
+    assert tuned_data(doc, winner, "1GB")["distributed"] == {"strategy": "ddp"}
+    assert "2 ranks" in ranks_comment(2) and ranks_comment(1) is None
+
+
+@pytest.mark.parametrize("overrides, nproc, message", [
+    (["train.batch_size=6"], 4, "does not split over 4 ranks"),
+    ([], 0, "needs a rank count of 1 or more"),
+])
+def test_bad_rank_counts_are_one_line(overrides, nproc, message):
+    with pytest.raises(InputError, match=message):
+        check_ranks(_recipe(*overrides), "r.yaml", nproc)
+
+
+def test_a_micro_batch_the_recipe_pinned_does_not_stop_the_tuner_choosing_another(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    check_ranks(_recipe("train.batch_size=8", "memory.micro_batch=8"), "r.yaml", 2)  # 8 does not divide 4: fine
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InputError, match="already runs under torchrun"):
+        check_ranks(_recipe(), "r.yaml", 2)
+
+
+def test_more_ranks_than_gpus_is_refused():
+    with pytest.raises(InputError, match="this machine has 2"):
+        check_devices(GPU, 4)
+    check_devices(CPU, 8)  # ranks on the CPU share its cores
+
+
+# --- a probe group's ranks' results --------------------------------------------------------------
+
+OK = {"status": "ok", "samples_per_s": 10.0, "measured_peak_bytes": 100}
+REPORTS = {
+    "ok": OK, "over_cap": {"status": "over_cap", "reason": "memory cap 1 MB exceeded", "measured_peak_bytes": 200},
+    "oom": {"status": "oom", "reason": "out of memory"}, "bad_input": {"status": "bad_input", "reason": "bad key"},
+    "crash": {"status": "crash", "reason": "RuntimeError: Connection closed by peer"}, "none": None,
+}
+CODES = st.sampled_from([1, -signal.SIGKILL, -signal.SIGTERM, -signal.SIGSEGV])
+
+
+@given(kinds=st.lists(st.sampled_from(sorted(REPORTS)), min_size=2, max_size=4), codes=st.lists(CODES, max_size=4))
+def test_a_groups_result_names_the_rank_whose_failure_caused_the_others(kinds, codes):
+    results = {rank: REPORTS[kind] for rank, kind in enumerate(kinds)}
+    exit_codes = {rank: code for rank, code in enumerate(codes) if rank < len(kinds) and kinds[rank] != "ok"}
+    combined = combine(results, exit_codes)
+    json.dumps(combined)  # written as the probe's result file
+    if all(kind == "ok" for kind in kinds):
+        assert combined["status"] == "ok" and combined["world_size"] == len(kinds)
+        return
+    assert combined["status"] != "ok" and combined["reason"].startswith("rank ")
+    if {"over_cap", "oom"} & set(kinds):
+        assert combined["status"] in ("over_cap", "oom")  # the memory is the news, not the peers that lost it
+    elif "bad_input" in kinds:
+        assert combined["status"] == "bad_input"
+    rank = int(combined["reason"].split()[1])
+    assert kinds[rank] != "ok"
+    killed = [r for r, code in exit_codes.items() if kinds[r] == "none" and code not in (1, -signal.SIGTERM)]
+    if killed and not {"over_cap", "oom", "bad_input"} & set(kinds):
+        assert rank in killed and "was killed by" in combined["reason"]  # not a survivor torchrun stopped
