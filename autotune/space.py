@@ -168,7 +168,8 @@ class Space:
     def starting_points(self, recipe: Recipe, fits: Callable[[Candidate], bool] | None = None) -> list[dict]:
         """Known-good plans tried first: no plan, every block, every 2nd block checkpointed; each at the
         largest micro-batch that `fits` (the prediction) accepts, else with the whole batch; in the
-        recipe's own precision and compile. A policy with no micro-batch that fits is left out."""
+        recipe's own precision and compile. A policy with no micro-batch that fits is left out. Under
+        --nproc each takes the first sharding (in the order of its choices) with a micro-batch that fits."""
         starts = []
         if "micro_batch" not in self.choices:
             micro_batches = [None]  # pinned: `fixed` holds it
@@ -179,13 +180,15 @@ class Space:
         for checkpointing in ("none", "full", "every:2"):
             base = {"checkpointing": checkpointing, "offload": "none", "precision": recipe.precision,
                     "compile": recipe.memory.compile, "compression": "none", "allocator": "default",
-                    "short_checkpointing": "same", "sharding": self.choices.get("sharding", [None])[0]}
+                    "short_checkpointing": "same"}
             base = {k: v for k, v in base.items() if k in self.choices}
             if any(v not in self.choices[k] for k, v in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
             if "activation_memory_budget" in self.numeric:
                 base["activation_memory_budget"] = 1.0  # torch's default: the compiled plan as torch makes it
-            with_micro = [{**base, "micro_batch": m} if m is not None else base for m in micro_batches]
+            shardings = [{"sharding": s} for s in self.choices.get("sharding", [])] or [{}]
+            with_micro = [{**base, **sharding, **({"micro_batch": m} if m is not None else {})}
+                          for sharding in (shardings if fits else shardings[:1]) for m in micro_batches]
             fitting = (p for p in with_micro if fits is None or fits(self.candidate(p)))
             start = next(fitting, None)
             if start is not None:

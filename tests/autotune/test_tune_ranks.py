@@ -147,3 +147,11 @@ def test_a_groups_result_names_the_rank_whose_failure_caused_the_others(kinds, c
     killed = [r for r, code in exit_codes.items() if kinds[r] == "none" and code not in (1, -signal.SIGTERM)]
     if killed and not {"over_cap", "oom", "bad_input"} & set(kinds):
         assert rank in killed and "was killed by" in combined["reason"]  # not a survivor torchrun stopped
+
+
+def test_a_starting_point_moves_on_to_fsdp_when_no_ddp_micro_batch_is_predicted_to_fit():
+    space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
+    fits = lambda candidate: candidate.strategy == "fsdp"  # noqa: E731 - a prediction where only sharding fits
+    starts = space.starting_points(_recipe(), fits)
+    assert starts and all(start["sharding"] == "fsdp" and start["micro_batch"] == 4 for start in starts)
+    assert all(start["sharding"] == "ddp" for start in space.starting_points(_recipe(), None))  # unpredicted: first
