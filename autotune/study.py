@@ -284,9 +284,9 @@ class Tuner:
 
 
 def _invalid_reason(candidate: Candidate, space: Space) -> str | None:
-    """Combinations apply_plan refuses (offload with sqrt segments) and strategies the trainer refuses
-    with a precision (fsdp with fp16) are told infeasible, never probed."""
-    refused = sharding_problem(candidate.strategy, candidate.precision)
+    """Combinations apply_plan refuses (offload with sqrt segments) and what the recipe refuses with
+    fsdp (fp16, sqrt segments) are told infeasible, never probed."""
+    refused = sharding_problem(candidate.strategy, candidate.precision, candidate.plan.checkpointing.policy)
     if refused:
         return refused
     try:

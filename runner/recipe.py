@@ -260,6 +260,11 @@ class Recipe(Strict):
         if self.memory.sharding is not None and strategy != "fsdp":
             raise KeyedValueError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy is "
                                   f"{strategy}; set distributed.strategy: fsdp or remove memory.sharding")
+        if strategy == "fsdp" and self.memory.checkpointing.policy == "sqrt":
+            # a segment's recompute replays its blocks' forwards, past the hooks FSDP2 gathers parameters in
+            raise KeyedValueError(("memory", "checkpointing"), "sqrt segments do not work with distributed.strategy "
+                                  "fsdp (their recompute bypasses FSDP's parameter gathering); use every, layers or "
+                                  "full, or strategy ddp")
         if strategy == "fsdp" and self.precision == "fp16":
             # the loss scaler would find inf/nan in each rank's shard alone: ranks could disagree on skipping
             raise KeyedValueError(("precision",), "fp16 with distributed.strategy fsdp is not supported (its loss "

@@ -24,6 +24,8 @@ CASES = [  # (arguments, the fragment of the one line)
     (["memory.sharding.offload=cpu"], "memory.sharding: sharding knobs apply to FSDP, but distributed.strategy is none"),
     (["distributed.strategy=ddp", "memory.sharding.reshard_after_forward=false"], "distributed.strategy is ddp"),
     (["distributed.strategy=fsdp", "precision=fp16"], "precision: fp16 with distributed.strategy fsdp is not supported"),
+    (["distributed.strategy=fsdp", "memory.checkpointing={policy: sqrt}", "--nproc", "2"],
+     "memory.checkpointing: sqrt segments do not work with distributed.strategy fsdp"),
     (["distributed.strategy=fsdp", "memory.sharding.offload=gpu"], "memory.sharding.offload: 'gpu' is not one of none, cpu"),
     (["distributed.strategy=zero3"], "distributed: unknown strategy 'zero3'"),
 ]
