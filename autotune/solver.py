@@ -96,14 +96,28 @@ class Proposal:
 def block_options(table: CostTable, unit: int, offload: bool) -> list[list[Option]]:
     """Each block's options in units of `unit` bytes (rounded up: the solution never under-counts)."""
     up = lambda n: math.ceil(max(0, n) / unit)  # noqa: E731
-    blocks = []
+    blocks, earlier = [], 0  # earlier: what the blocks before this one save when all are recomputed
     for cost in table.blocks:
         options = [Option("keep", up(cost.keep_bytes), 0.0),
-                   Option("recompute", up(cost.recompute_bytes), _seconds(cost.recompute_s), up(cost.keep_bytes))]
+                   Option("recompute", up(cost.recompute_bytes), _seconds(cost.recompute_s),
+                          up(_recompute_transient(table, cost, earlier)))]
+        earlier += cost.recompute_bytes
         if offload and cost.offload_bytes is not None and cost.moved_bytes:
             options.append(Option("offload", up(cost.offload_bytes), _seconds(cost.offload_s), up(cost.keep_bytes)))
         blocks.append(options)
     return blocks
+
+
+def _recompute_transient(table: CostTable, cost, earlier: int) -> int:
+    """What recomputing the block holds in backward beyond base_bytes and the earlier blocks' savings.
+
+    Its activations (keep_bytes) on top of base_bytes overstates it whenever base_bytes is the
+    head's and loss's memory, gone by the time the blocks recompute: a language model's logits
+    then made every recompute look over a limit that full checkpointing meets. The full plan's own
+    peak bounds it instead: with every block recomputed, the earlier blocks' savings plus this
+    block's recompute stayed within full_peak, and any other plan only changes those savings. The
+    smaller of the two is used; the estimator checks every solution anyway (`_per_block`)."""
+    return min(cost.keep_bytes, max(0, table.full_peak - table.base_bytes - earlier))
 
 
 def _seconds(measured: float | None) -> float:
@@ -149,11 +163,11 @@ def _per_block(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int
     budget = limit - table.base_bytes
     for _ in range(REFITS):
         if budget <= 0:
-            return None
+            break
         unit = max(1, math.ceil(budget / RESOLUTION))
         solved = solve(block_options(table, unit, offload), budget // unit)
         if solved is None:
-            return None
+            break
         seconds, picks = solved
         options = block_options(table, unit, offload)
         choices = [options[i][pick].choice for i, pick in enumerate(picks)]
@@ -162,7 +176,18 @@ def _per_block(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int
         if peak <= limit:
             return Proposal(plan, table.precision, peak, seconds, _reason(table, choices, seconds, peak, limit))
         budget -= peak - limit + unit  # the model of the peak was short by this much: ask for less
-    return None
+    return _every_block(table, limit, base)
+
+
+def _every_block(table: CostTable, limit: int, base: MemoryPlan) -> Proposal | None:
+    """Every block recomputed, when the estimator put that under the limit: the programme's rounding
+    (units rounded up) or its additive model can miss the one plan that is known to fit."""
+    if table.full_peak > limit:
+        return None
+    choices = ["recompute"] * len(table.blocks)
+    seconds = sum(_seconds(cost.recompute_s) for cost in table.blocks)
+    return Proposal(plan_for(choices, base), table.precision, table.full_peak, seconds,
+                    _reason(table, choices, seconds, table.full_peak, limit))
 
 
 def _reason(table: CostTable, choices: list[str], seconds: float, peak: int, limit: int) -> str:

@@ -67,3 +67,28 @@ def test_choices_become_the_recipes_own_plan_fields():
     mixed = plan_for(["recompute", "keep", "offload", "recompute"], base)
     assert (mixed.checkpointing.policy, mixed.checkpointing.layers) == ("layers", [0, 3])
     assert (mixed.offload.policy, mixed.offload.layers, mixed.micro_batch) == ("layers", [2], 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(1, 6), keep=st.integers(10_000, 50_000), recompute=st.integers(100, 2_000),
+       head=st.integers(0, 200_000), slack=st.integers(0, 5_000))
+def test_whenever_full_checkpointing_is_predicted_to_fit_the_solver_proposes_a_plan(blocks, keep, recompute,
+                                                                                   head, slack):
+    """A language model's base_bytes is mostly its head and loss (logits), gone before any block
+    recomputes: a recompute must not be charged its activations on top of them."""
+    from autotune.solver import propose
+    from runner.predict.block_costs import BlockCost, CostTable
+
+    base = 100_000 + head
+    costs = [BlockCost(i, f"h.{i}", keep, recompute, keep // 2, None, None, 0.01, 0.01, 0.01, None)
+             for i in range(blocks)]
+    full_peak = base + blocks * recompute
+    table = CostTable(4, "fp32", "cpu", base + blocks * keep, full_peak, base, costs)
+
+    def predict(plan: MemoryPlan) -> int:  # the tracker's exact sum: no block's recompute goes over full_peak
+        recomputed = set(range(blocks)) if plan.checkpointing.policy == "full" else \
+            set(getattr(plan.checkpointing, "layers", []))
+        return base + sum(recompute if i in recomputed else keep for i in range(blocks))
+
+    proposal = propose(table, full_peak + slack, predict, MemoryPlan(micro_batch=4))
+    assert proposal is not None and proposal.predicted_peak <= full_peak + slack
