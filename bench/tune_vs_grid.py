@@ -45,48 +45,56 @@ from runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGIN = 0.05
+# (recipe, overrides, tune flags); batch 32 gives 6 micro-batches x 6 checkpointing rules = 36 plans, so a
+# quarter of the grid (9 probes) is a real search. ResNet has BatchNorm, so the tuner keeps its micro_batch
+# unless told otherwise: --search-micro-batch (BatchNorm then normalises over a micro-batch) gives 4 x 8 plans.
+# (bf16 instead would double the grid but runs ten times slower on a CPU without bf16 units.)
 CASES = {
     "bert": (ROOT / "recipes/bert_tiny.yaml", [
         "model.config.num_hidden_layers=4", "model.config.hidden_size=64", "model.config.intermediate_size=256",
-        "model.config.vocab_size=2048", "data.seq_len=64", "train.batch_size=4", "train.device=cpu"]),
+        "model.config.vocab_size=2048", "data.seq_len=64", "train.batch_size=32", "train.device=cpu"], []),
     "gpt2": (ROOT / "recipes/gpt2.yaml", [
         "model.config.n_layer=4", "model.config.n_embd=64", "model.config.n_head=2", "model.config.vocab_size=2048",
-        "model.config.n_positions=64", "data.seq_len=64", "train.batch_size=4", "train.device=cpu",
-        "precision=fp32", "memory.micro_batch=null"]),
+        "model.config.n_positions=64", "data.seq_len=64", "train.batch_size=32", "train.device=cpu",
+        "precision=fp32", "memory.micro_batch=null"], []),
     "resnet": (ROOT / "recipes/resnet50.yaml", [  # resnet18 has BatchNorm: micro_batch stays the recipe's
-        "model.name=resnet18", "model.config.num_classes=10", "data.image_size=224", "train.batch_size=4",
-        "train.device=cpu", "precision=fp32", "memory.micro_batch=null"]),
+        "model.name=resnet18", "model.config.num_classes=10", "data.image_size=112", "train.batch_size=8",
+        "train.device=cpu", "precision=fp32", "memory.micro_batch=null"], ["--search-micro-batch"]),
 }
 QUICK = {  # appended for --quick: later overrides win
     "bert": ["model.config.num_hidden_layers=2", "model.config.hidden_size=32", "model.config.intermediate_size=64",
              "model.config.vocab_size=256", "data.seq_len=32", "train.batch_size=2"],
     "gpt2": ["model.config.n_layer=2", "model.config.n_embd=32", "model.config.vocab_size=256",
              "model.config.n_positions=32", "data.seq_len=32", "train.batch_size=2"],
-    "resnet": ["train.batch_size=2"],  # smaller images leave activations too small to matter beside Adam's state
+    "resnet": ["train.batch_size=2", "data.image_size=64"],
 }
 SETTINGS = ProbeSettings()  # the tuner's defaults
 CONFIRM = 3
 FINALISTS = 1  # the tuner's best plan is measured FINALIST_RUNS times, within the quarter of the grid
 SHARE = 4  # the tuner gets 1/SHARE of the grid's probes
+MIN_SEARCH = 4  # new plans the search needs at least; below it the finalists' re-runs are dropped
 
 
-def _space(path: Path, overrides: list[str]):
+def _space(path: Path, overrides: list[str], flags: list[str]):
     recipe = load_recipe(path, overrides)
     facts = ModelFacts.from_json(model_facts(recipe))
     if "resnet" in recipe.model.name and not facts.batchnorm:
         raise SystemExit(f"{recipe.model.name}: no BatchNorm found; the ResNet case is meant to have it")
-    return recipe, build_space(recipe, facts, Device.from_json(device_info(recipe)))
+    device = Device.from_json(device_info(recipe))
+    return recipe, build_space(recipe, facts, device, search_precision="--search-precision" in flags,
+                               search_micro_batch="--search-micro-batch" in flags)
 
 
-def run_grid(path: Path, overrides: list[str], directory: Path) -> list[dict]:
+def run_grid(path: Path, overrides: list[str], flags: list[str], directory: Path) -> list[dict]:
     """Every plan of the space, measured the way the tuner measures (one child per plan)."""
-    recipe, space = _space(path, overrides)
+    recipe, space = _space(path, overrides, flags)
     runner, rows = ProbeRunner(directory, SETTINGS), []
     for number, params in enumerate(space.all_params()):
         candidate = space.candidate(params)
         result = runner.probe(candidate.recipe(recipe, 10**12), number)  # no cap: measure everything
         rows.append({"key": candidate.key, "label": candidate.describe(), "micro_batch": candidate.plan.micro_batch,
-                     "checkpointing": checkpointing_label(candidate.plan), "status": result["status"],
+                     "checkpointing": checkpointing_label(candidate.plan), "precision": candidate.precision,
+                     "status": result["status"],
                      "peak": result.get("measured_peak_bytes"), "speed": result.get("samples_per_s"),
                      "reason": result.get("reason")})
         logging.info("grid %d/%d: %s: %s", number + 1, space.size, candidate.describe(), _row_text(rows[-1]))
@@ -99,18 +107,20 @@ def _row_text(row: dict) -> str:
     return f"{format_bytes(row['peak'])}, {row['speed']:.2f} samples/s"
 
 
-def choose_cap(rows: list[dict], batch_size: int) -> int:
+def choose_cap(rows: list[dict], batch_size: int, precision: str) -> int:
     """The cap whose limit (cap minus margin) lies halfway between the smallest and the no-plan peak."""
     ok = [r for r in rows if r["status"] == "ok"]
-    no_plan = next(r for r in ok if r["label"].startswith(f"micro_batch {batch_size}, checkpointing none"))
+    no_plan = next(r for r in ok if r["label"] == f"micro_batch {batch_size}, checkpointing none, {precision}")
     return int((no_plan["peak"] + min(r["peak"] for r in ok)) / 2 / (1 - MARGIN))
 
 
-def run_tuner(path: Path, overrides: list[str], directory: Path, cap: int, probes: int) -> dict:
-    """`ckrun tune` held to `probes` in all: the search gets what the finalists' re-runs leave."""
-    extra = FINALISTS * (FINALIST_RUNS - 1)
-    code = ckrun(["tune", str(path), *overrides, f"output.dir={directory}", "--output", str(directory),
-                  "--max-mem", str(cap), "--trials", str(max(1, probes - extra)), "--finalists", str(FINALISTS),
+def run_tuner(path: Path, overrides: list[str], flags: list[str], directory: Path, cap: int, probes: int) -> dict:
+    """`ckrun tune` held to `probes` in all: the search gets what the finalists' re-runs can take at most
+    (Tuner.confirm stops after 2 x finalists x (runs - 1): a re-run can change which plans are the finalists)."""
+    finalists = FINALISTS if probes - 2 * FINALISTS * (FINALIST_RUNS - 1) >= MIN_SEARCH else 0
+    extra = 2 * finalists * (FINALIST_RUNS - 1)
+    code = ckrun(["tune", str(path), *overrides, *flags, f"output.dir={directory}", "--output", str(directory),
+                  "--max-mem", str(cap), "--trials", str(max(1, probes - extra)), "--finalists", str(finalists),
                   "--no-train", "--seed", "0", "--warmup-steps", str(SETTINGS.warmup_steps),
                   "--timed-steps", str(SETTINGS.timed_steps)])
     report = json.loads((directory / "report.json").read_text())
@@ -137,12 +147,13 @@ def _candidate(key: str) -> Candidate:
     return Candidate(MemoryPlan.model_validate(data["memory"]), data["precision"])
 
 
-def compare(rows: list[dict], report: dict, cap: int, batch_size: int) -> dict:
+def compare(rows: list[dict], report: dict, cap: int, precision: str) -> dict:
     limit = Cap(cap, MARGIN).limit
     feasible = [r for r in rows if r["status"] == "ok" and r["peak"] <= limit]
     trials = {t["number"]: t for t in report["trials"]}
     # the plan one writes by hand: checkpoint every block, then lower the micro-batch until it fits
-    full = max((r for r in feasible if r["checkpointing"] == "full"), key=lambda r: r["micro_batch"], default=None)
+    full = max((r for r in feasible if r["checkpointing"] == "full" and r["precision"] == precision),
+               key=lambda r: r["micro_batch"], default=None)
     return {
         "cap": cap, "grid_probes": len(rows), "feasible_in_grid": len(feasible),
         "tuner_probes": report["probes"],
@@ -184,7 +195,8 @@ def markdown(results: dict[str, dict], run: dict) -> str:
             f"| {'the same plan' if same else won['label']}: {_speeds(again['tuner'])} | {ratio:.2f} "
             f"| {'yes' if SHARE * c['tuner_probes'] <= c['grid_probes'] else 'no'} | {'yes' if ratio >= 0.98 else 'no'} "
             f"| {_solver_text(c, again)} | {full_text} | {vs_full} |")
-    lines += ["", *(f"- {name}: `{CASES[name][0].relative_to(ROOT)}` {' '.join(CASES[name][1])}" for name in results)]
+    lines += ["", *(f"- {name}: `{CASES[name][0].relative_to(ROOT)}` {' '.join(CASES[name][1] + CASES[name][2])}"
+                    for name in results)]
     lines += ["", "Caveat: on a shared 2-core machine the same plan measures differently from run to run (the "
               "runs in brackets show how much), so the grid's best is the best of single noisy measurements and "
               "a ratio near 1 is within the noise either way.", ""]
@@ -205,14 +217,15 @@ def _speeds(confirmed: dict) -> str:
 
 
 def measure_case(name: str, out: Path, quick: bool = False) -> dict:
-    path, overrides = CASES[name]
+    path, overrides, flags = CASES[name]
     overrides = overrides + (QUICK[name] if quick else [])
-    batch = load_recipe(path, overrides).train.batch_size
+    recipe = load_recipe(path, overrides)
     shutil.rmtree(out / name, ignore_errors=True)  # a study directory must be new without --resume
-    rows = run_grid(path, overrides, out / name / "grid")
+    rows = run_grid(path, overrides, flags, out / name / "grid")
     (out / name / "grid.json").write_text(json.dumps(rows, indent=1))
-    cap = choose_cap(rows, batch)
-    result = compare(rows, run_tuner(path, overrides, out / name / "tune", cap, len(rows) // SHARE), cap, batch)
+    cap = choose_cap(rows, recipe.train.batch_size, recipe.precision)
+    report = run_tuner(path, overrides, flags, out / name / "tune", cap, len(rows) // SHARE)
+    result = compare(rows, report, cap, recipe.precision)
     if result["winner"] is None:
         raise SystemExit(f"{name}: the tuner found no plan under {cap} bytes; see {out / name / 'tune'}")
     plans = {"tuner": result["winner"]["key"], "grid best": result["grid_best"]["key"]}
