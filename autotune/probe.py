@@ -97,6 +97,7 @@ def kill_ranks(directory: Path, trial: int) -> None:
         lines = (directory / "probes.log").read_text(encoding="utf-8").splitlines()
     except OSError:
         return
+    ranks = []
     for line in lines:
         try:
             launch = json.loads(line)
@@ -104,6 +105,28 @@ def kill_ranks(directory: Path, trial: int) -> None:
             continue  # a line cut by a kill
         if launch.get("what") == "rank" and launch.get("trial") == trial:
             kill_group(int(launch["pid"]))
+            ranks.append(int(launch["pid"]))
+    _wait_gone(ranks)
+
+
+def _wait_gone(groups: list[int], timeout_s: float = 10.0) -> None:
+    """Killed ranks (and what they started) are not ours to reap, and dying takes a moment: on a GPU
+    the next probe must not start while their memory is still held, so wait until no process of
+    their groups runs (a zombie holds no memory)."""
+    deadline = time.monotonic() + timeout_s
+    while groups and _groups_running(set(groups)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _groups_running(groups: set[int]) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):  # no /proc: nothing found, nothing waited for
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone while we looked
+        if state not in ("Z", "X") and int(group) in groups:
+            return True
+    return False
 
 
 def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
