@@ -38,6 +38,7 @@ EVERY_K = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # k for "checkpoint every k-th block"
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATOR_SETTINGS = ("default", "expandable_segments:True")  # "default": PYTORCH_CUDA_ALLOC_CONF left alone
 BUDGET_STEP = 0.1  # compile's activation_memory_budget: finer steps than this measure noise, not the knob
+DISTRIBUTED = TypeAdapter(Distributed)  # built once: a TypeAdapter compiles its schema when made
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Candidate:
         plan = self.plan.model_copy(update={"max_mem": cap_bytes})
         update = {"memory": plan, "precision": self.precision}
         if self.strategy:
-            update["distributed"] = TypeAdapter(Distributed).validate_python({"strategy": self.strategy})
+            update["distributed"] = DISTRIBUTED.validate_python({"strategy": self.strategy})
         return base.model_copy(update=update)
 
     def describe(self) -> str:
