@@ -46,7 +46,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-mem", required=True, metavar="SIZE", help="the cap on peak memory: 40GB, 40GiB, 512MB")
     parser.add_argument("--trials", type=int, default=20,
                         help="most new plans to measure; the finalists' re-runs come on top (default 20)")
-    parser.add_argument("--time-budget", metavar="DURATION", help="stop proposing after this long: 90s, 10m, 1h")
+    parser.add_argument("--time-budget", metavar="DURATION",
+                        help="wall-clock budget of the search from the start (the model's facts, the solver, probes "
+                             "and the finalists' re-runs; the winner's training aside): no probe starts that would "
+                             "end past it, the first excepted: 90s, 10m, 1h")
     parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
                         help="tune for N ranks on this machine (torchrun): the cap holds per rank, each probe is a "
@@ -160,10 +163,10 @@ def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, run
         tuner.start(recipe, first, budget.trials)
     else:
         log.info("tune: --resume: %d trials already in %s are kept, not run again", len(study.trials), directory)
-    started = time.monotonic()
     tuner.run(budget)
-    tuner.confirm(args.finalists)
-    log.info("tune: searched for %.0f s, %d plans measured", time.monotonic() - started, tuner.probes)
+    tuner.confirm(args.finalists, budget)
+    log.info("tune: searched for %.0f s%s, %d plans measured", time.monotonic() - budget.started,
+             f" of --time-budget {budget.time_s:g} s" if budget.time_s else "", tuner.probes)
     screening = predict.summary() if predict else {"state": "off", "reason": "--no-screen"}
     study.set_user_attr("screening", screening)  # `ckrun report` rewrites report.json with it
     return trial_records(study), config, screening

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
@@ -61,8 +62,16 @@ Predict = Callable[[Candidate], "int | Prediction | None"]  # predicted peak byt
 
 @dataclass(frozen=True)
 class Budget:
+    """What the search may spend: new plans measured, and wall-clock seconds from `started` (the
+    start of `ckrun tune`: the model's facts, predictions and the solver count, the winner's
+    training does not). No probe starts that is expected to end past the time budget."""
+
     trials: int = 20  # probes, i.e. measurements; screened and repeated proposals cost none
     time_s: float | None = None
+    started: float = field(default_factory=lambda: time.monotonic())
+
+    def time_left(self) -> float | None:
+        return None if self.time_s is None else self.time_s - (time.monotonic() - self.started)
 
 
 def open_study(directory: Path, config: dict, resume: bool) -> tuple[optuna.Study, bool]:
@@ -165,10 +174,9 @@ class Tuner:
 
     def run(self, budget: Budget) -> str:
         """Propose, evaluate and tell until the budget is spent; returns why it stopped."""
-        started = time.monotonic()
         self._redo_interrupted()
         while True:
-            reason = self._stop_reason(budget, started)
+            reason = self._stop_reason(budget)
             if reason:
                 log.info("tune: stopping: %s", reason)
                 return reason
@@ -180,16 +188,35 @@ class Tuner:
     def probes(self) -> int:
         return sum(1 for t in self.first_of.values() if t.user_attrs.get("probe_s") is not None)
 
-    def _stop_reason(self, budget: Budget, started: float) -> str | None:
+    def _stop_reason(self, budget: Budget) -> str | None:
         if self.probes >= budget.trials:
             return f"{self.probes} plans measured (--trials {budget.trials})"
         if len(self.first_of) >= self.space.size:
             return f"every plan in the space ({self.space.size}) has been tried"
-        if budget.time_s is not None and time.monotonic() - started >= budget.time_s:
-            return f"the time budget of {budget.time_s:g} s is spent"
         if self.duplicates_in_a_row >= CONVERGED_AFTER:
             return f"the sampler proposed {CONVERGED_AFTER} already-measured plans in a row: it has converged"
+        return self._out_of_time(budget)
+
+    def _out_of_time(self, budget: Budget) -> str | None:
+        """Why no probe may start now: the time budget is spent, or the next probe (as long as the
+        median probe so far) would end past it. The first probe always runs: without one measured
+        plan there is nothing to choose."""
+        left = budget.time_left()
+        if left is None or self.probes == 0:
+            return None
+        expected = self.expected_probe_s()
+        if left <= 0:
+            return f"the time budget of {budget.time_s:g} s is spent"
+        if expected > left:
+            return (f"the time budget of {budget.time_s:g} s has {left:.0f} s left, less than a probe takes "
+                    f"(median {expected:.0f} s)")
         return None
+
+    def expected_probe_s(self) -> float:
+        """How long a probe takes here: the median of the probes so far (re-runs included)."""
+        seconds = [t.user_attrs["probe_s"] for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                   if t.user_attrs.get("probe_s") and "duplicate_of" not in t.user_attrs]
+        return statistics.median(seconds) if seconds else 0.0
 
     def _sampler(self) -> optuna.samplers.TPESampler:
         """A sampler seeded for this proposal: the count of proposals so far (interrupted ones not counted)."""
@@ -207,21 +234,42 @@ class Tuner:
                 self.study.enqueue_trial(trial.params)
                 log.info("tune: trial %d was interrupted mid-probe; measuring its plan again", trial.number)
 
-    def confirm(self, finalists: int) -> None:
+    def confirm(self, finalists: int, budget: Budget | None = None) -> None:
         """Measure the fastest plans again until the top `finalists` have FINALIST_RUNS runs each: on a
         busy machine one probe's throughput can be off by more than the gap between the best plans.
-        Runs made before an interruption count; the extra probes are bounded."""
+        Runs made before an interruption count; the extra probes are bounded, and so is their time."""
+        self._close_unreached()
         params = {t.number: t.params for t in self.study.get_trials(deepcopy=False)}
         for _ in range(2 * finalists * (FINALIST_RUNS - 1)):
             short = [p for p in ranked_feasible(trial_records(self.study))[:finalists] if p["runs"] < FINALIST_RUNS]
             if not short:
                 return
+            late = self._out_of_time(budget) if budget else None
+            if late:
+                log.info("tune: no more re-runs of the finalists: %s", late)
+                return
             number = short[0]["number"]
             self.study.enqueue_trial(params[number], user_attrs={"repeat_of": number})
             trial = self.study.ask(self.space.distributions())
+            if trial.params != params[number]:  # only this plan is queued now: anything else is a bug
+                raise RuntimeError(f"trial {trial.number} was to measure trial {number}'s plan again but holds "
+                                   f"{trial.params}")
             log.info("trial %d: measuring the plan of trial %d again (a finalist, run %d of %d)", trial.number,
                      number, short[0]["runs"] + 1, FINALIST_RUNS)
             self._evaluate(trial, self.space.candidate(trial.params))
+
+    def _close_unreached(self) -> None:
+        """Plans still queued when the search stopped (starting points, the solver's, an exhaustive
+        grid's) are closed as `skipped`: ask() hands out the oldest queued trial, so a re-run queued
+        after them would measure one of them instead."""
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        for _ in waiting:
+            trial = self.study.ask(self.space.distributions())
+            trial.set_user_attr("state", "skipped")
+            trial.set_user_attr("reason", "queued, but the search stopped before it was measured")
+            self.study.tell(trial, state=TrialState.FAIL)
+        if waiting:
+            log.info("tune: %d queued plan(s) were not reached before the search stopped", len(waiting))
 
     def _evaluate(self, trial: Trial, candidate: Candidate) -> None:
         earlier = self.first_of.get(candidate.key)

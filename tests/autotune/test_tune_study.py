@@ -116,13 +116,13 @@ def test_failed_probes_are_infeasible_trials_and_the_search_goes_on(tmp_path, se
     assert ranked_feasible(records)  # later trials still found a plan
 
 
-def test_the_time_budget_stops_proposing(tmp_path, setting):
+def test_a_spent_time_budget_stops_after_the_one_probe_a_choice_needs(tmp_path, setting):
     recipe, space = setting
     study, _ = open_study(tmp_path, {}, False)
     tuner = Tuner(study, space, CAP, Counting(recipe))
     tuner.start(recipe)
     assert tuner.run(Budget(trials=20, time_s=1e-9)) == "the time budget of 1e-09 s is spent"
-    assert not study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 1
 
 
 @pytest.mark.parametrize("text, seconds", [("90s", 90), ("10m", 600), ("1.5h", 5400), ("45", 45)])
@@ -158,3 +158,65 @@ def test_finalists_are_measured_three_times_and_one_lucky_run_does_not_win(tmp_p
     ranked = ranked_feasible(trial_records(study))
     assert ranked[0]["key"] == best["key"] and [p["runs"] for p in ranked[:2]] == [3, 3]
     assert ranked[1]["samples_per_s"] == pytest.approx(second["samples_per_s"])  # the median drops the lucky run
+
+
+def test_a_re_measurement_measures_the_plan_it_names_though_queued_plans_were_left(tmp_path, setting):
+    """The search ends (--trials 2) with starting points still queued; each finalist's re-run must
+    probe the finalist's plan, not a leftover queued one (optuna's ask() pops the oldest queued trial)."""
+    recipe, space = setting
+    study, _ = open_study(tmp_path, {}, False)
+    probe = Counting(recipe)
+    tuner = Tuner(study, space, CAP, probe)
+    tuner.start(recipe)
+    assert study.get_trials(states=(TrialState.WAITING,)), "the test needs plans left queued by the search"
+    tuner.run(Budget(trials=2))
+    searched = list(probe.asked)
+    tuner.confirm(2)
+    records = {r["number"]: r for r in trial_records(study)}
+    repeats = [r for r in records.values() if "repeat_of" in r]
+    assert repeats, "confirm() measured no finalist again"
+    for repeat in repeats:
+        assert repeat["key"] == records[repeat["repeat_of"]]["key"]
+    assert set(probe.asked[len(searched):]) <= set(searched)  # only plans measured before were probed again
+    assert all(p["runs"] == 3 for p in ranked_feasible(trial_records(study))[:2])
+    assert not study.get_trials(states=(TrialState.WAITING,))  # the unreached plans are closed, and say why
+    assert {r["state"] for r in records.values() if r["number"] not in {x["number"] for x in repeats}} >= {"skipped"}
+
+
+class Slow(Counting):
+    """The formula, each probe taking `seconds` of a fake clock."""
+
+    def __init__(self, recipe, clock, seconds):
+        super().__init__(recipe)
+        self.clock, self.seconds = clock, seconds
+
+    def __call__(self, candidate, number):
+        self.clock.now += self.seconds
+        return {**super().__call__(candidate, number), "probe_s": self.seconds}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("budget_s, probe_s", [(40, 15), (100, 15), (40, 30), (1, 15), (61, 10)])
+def test_the_time_budget_bounds_search_and_re_runs(tmp_path, setting, monkeypatch, budget_s, probe_s):
+    """No probe starts that would end past the budget (its expected length is the median of the probes
+    so far), re-runs included; only the first probe may overrun, since a plan must be measured."""
+    recipe, space = setting
+    clock = Clock()
+    monkeypatch.setattr("autotune.study.time.monotonic", clock)
+    budget = Budget(trials=20, time_s=budget_s)
+    study, _ = open_study(tmp_path, {}, False)
+    tuner = Tuner(study, space, CAP, Slow(recipe, clock, probe_s))
+    tuner.start(recipe)
+    tuner.run(budget)
+    tuner.confirm(2, budget)
+    spent = clock.now - budget.started
+    assert spent <= max(budget_s, probe_s)
+    probes = len([r for r in trial_records(study) if r.get("probe_s") and r["state"] != "duplicate"])
+    assert probes == max(1, budget_s // probe_s)
