@@ -37,7 +37,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "run": ("runner.cli.run", "train a recipe (the default verb: `ckrun RECIPE` is `ckrun run RECIPE`)"),
     "validate": ("runner.cli.validate", "check a recipe and report every problem, one line each"),
     "show": ("runner.cli.show", "print the resolved recipe as YAML (or its blocks with --blocks)"),
-    "estimate": ("runner.cli.estimate", "predict a training step's peak memory on fake tensors (no GPU, no real memory)"),
+    "estimate": ("runner.cli.estimate", "predict a training step's peak memory and time on fake tensors (no GPU, no real memory)"),
     "tune": ("autotune.cli_tune", "search memory plans under a cap, write tuned.yaml, then train with the fastest"),
     "report": ("autotune.cli_report", "draw a run's training curves, or print a tuning study's Pareto table and plot"),
     "ls": ("runner.cli.ls", "list the recipe library: name, family, parameter count, description"),

@@ -1,4 +1,11 @@
-"""`ckrun estimate RECIPE [k=v ...] [--device cuda|cpu] [--json]`: predicted peak of one step, no GPU needed."""
+"""`ckrun estimate RECIPE [k=v ...] [--device cuda|cpu] [--gpu NAME] [--json]`: predicted peak and time of
+one step, no GPU needed.
+
+The time is a roofline of the step's ops on the named device (runner/predict/roofline.py): an
+ordering of plans and a first number, not a promise. Without --gpu it is predicted for this
+machine's GPU when there is one (its name looked up), for this CPU with --device cpu, and not at
+all for --device cuda on a machine without a GPU (the line says how to ask for it).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,10 @@ def add_arguments(parser):
     add_recipe_arguments(parser)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="the device to predict for (default cuda: works without a GPU)")
+    parser.add_argument("--gpu", metavar="NAME",
+                        help="predict the step's time on this GPU: a short name (h100, h100-pcie, h200, a100, "
+                             "a100-40gb, l4, a10), the name torch reports (\"NVIDIA A100-SXM4-40GB\"), or a facts "
+                             ".json measured on the GPU; default: this machine's GPU. `cpu`: this CPU")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--nproc", type=int, metavar="N", help="predict one of N ranks (distributed.strategy ddp "
                         "or fsdp): its share of the batch, FSDP's shards and gathered blocks, DDP's buckets")
@@ -29,6 +40,7 @@ def run(args) -> int:
 
     path = resolve_recipe(args.recipe)
     recipe, doc = load_recipe_document(path, args.overrides)
+    device, facts, why_no_time = target_facts(args.device, args.gpu)
     started = time.perf_counter()
     if args.nproc is not None:  # one rank of N: runner/predict/ranks.py
         from ..dist.launch import check_launch
@@ -37,22 +49,62 @@ def run(args) -> int:
         check_launch(recipe, str(path), args.nproc)
         Estimator = per_rank(args.nproc, str(path))  # noqa: N806 - stands in for the class
     with located_errors(doc), _plan_lines_quiet():
-        estimate = _estimate(Estimator, EstimateUnavailable, recipe, args.device, str(path))
+        estimate = _estimate(Estimator, EstimateUnavailable, recipe, device, facts, str(path))
     seconds = time.perf_counter() - started
     if args.json:
-        print(json.dumps({**estimate.record(), "seconds": round(seconds, 2)}))
+        print(json.dumps({**estimate.record(), "seconds": round(seconds, 2),
+                          **({"time_unavailable": why_no_time} if why_no_time else {})}))
         return 0
     per = f" per rank of {args.nproc}" if args.nproc else ""
-    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {args.device} "
+    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} "
           f"(batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, "
           f"checkpointing {recipe.memory.checkpointing.policy})")
     for category, count in estimate.breakdown.items():
         print(f"  {category:<16} {format_bytes(count):>10}")
+    for line in time_lines(estimate.time) if estimate.time else [f"step time: not predicted ({why_no_time})"]:
+        print(f"  {line}")
     for note in estimate.notes:
         print(f"  note: {note}")
     for warning in estimate.warnings:
         print(f"  warning: {warning}")
     return 0
+
+
+def target_facts(device: str, gpu: str | None):
+    """(the device to estimate for, its facts or None, why there are none) from --device and --gpu."""
+    from ..predict.hardware import UnknownDevice, resolve_device, this_cpu, this_gpu
+
+    if gpu is not None:
+        try:
+            facts = resolve_device(gpu)
+        except UnknownDevice as err:
+            raise InputError([Problem(Place("--gpu"), "", str(err))]) from None
+        if device == "cpu" and facts.kind == "cuda":
+            raise InputError([Problem(Place("--gpu"), "", f"{gpu!r} is a GPU but --device is cpu; drop one of them")])
+        return facts.kind, facts, ""
+    if device == "cpu":
+        return "cpu", this_cpu(), ""
+    facts = this_gpu()
+    if facts is None:
+        import torch
+
+        return "cuda", None, ("this machine's GPU is not in the table; name one with --gpu" if torch.cuda.is_available()
+                              else "no GPU here: name one with --gpu h100 (or a100, l4, ...)")
+    return "cuda", facts, ""
+
+
+def time_lines(step) -> list[str]:
+    """The step-time part of the estimate, as `ckrun estimate` prints it."""
+    rate = f"{step.samples_per_s:,.1f} samples/s" + (f", {step.tokens_per_s:,.0f} tokens/s" if step.tokens_per_s else "")
+    parts = ", ".join(f"{name} {1000 * value:.1f} ms" for name, value in (
+        ("forward", step.forward_s), ("backward", step.backward_s), ("recompute", step.recompute_s),
+        ("update", step.update_s), ("offload", step.offload_s), ("collectives", step.comm_s)) if value)
+    return [f"step time {1000 * step.seconds:.1f} ms on {step.device}: {rate}",
+            f"  MFU {100 * step.mfu:.1f}%, HFU {100 * step.hfu:.1f}% ({step.model_flops / 1e12:.2f} TFLOP of the model, "
+            f"{step.flops / 1e12:.2f} run, a step)",
+            f"  {parts}",
+            "  (a roofline of the step's ops: an ordering of plans and a first number, not a promise; "
+            "README: calibrating it on a GPU)"]
 
 
 @contextlib.contextmanager
@@ -69,9 +121,9 @@ def _plan_lines_quiet():
     finally:
         for plan_log, level in zip(logs, levels, strict=True):
             plan_log.setLevel(level)
-def _estimate(estimator, unavailable, recipe, device: str, source: str):
+def _estimate(estimator, unavailable, recipe, device: str, facts, source: str):
     try:
-        return estimator(recipe, device).estimate()
+        return estimator(recipe, device, facts).estimate()
     except unavailable as err:
         raise InputError([Problem(Place(source), "model", f"prediction is unavailable: {err}; "
                                   "`ckrun tune` will measure this recipe instead")]) from None
@@ -80,7 +132,9 @@ def _estimate(estimator, unavailable, recipe, device: str, source: str):
 
 
 COMMAND = Command(
-    "estimate", "predict a training step's peak memory on fake tensors (no GPU, no real memory)", add_arguments, run,
-    epilog="examples:\n  ckrun estimate recipes/bert_large.yaml --device cuda\n"
+    "estimate", "predict a training step's peak memory and time on fake tensors (no GPU, no real memory)",
+    add_arguments, run,
+    epilog="examples:\n  ckrun estimate recipes/bert_large.yaml --device cuda --gpu h100\n"
+    "  ckrun estimate recipes/bert_large.yaml --gpu a100-40gb --json memory.micro_batch=8\n"
     "  ckrun estimate recipes/bert_tiny.yaml --device cpu --json memory.micro_batch=4",
 )

@@ -14,12 +14,21 @@ bytes, which is what a cap on the card limits.
 
 Where the step runs an op whose fake kernel is known to allocate less than the real one
 (`fake_gaps.FAKE_GAPS`, e.g. an LSTM's oneDNN workspace), the estimate says so in `warnings`.
+
+Time: given a device's facts (`hardware.DeviceFacts`), the same fake step is also priced op by
+op (`roofline.OpClock`, a second dispatch mode beside the tracker) and `Estimate.time` holds the
+step's predicted time, throughput, MFU and HFU (`step_time`). One pass gives both numbers.
+
+A step of many micro-batches runs only its first two on fake tensors: every later micro-batch
+starts from the state the second started from (gradients exist, the same activations come and
+go), so it repeats the second's peak exactly (a property test compares both over generated
+recipes and plans) and its time; the update runs once after them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -35,18 +44,23 @@ from ..build.optim import build_optimizer
 from ..build.resolve import transformers_class
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
+from ..memory.checkpointing import chosen_blocks
 from ..memory.offload import ActivationOffload, CopyTransport, offloaded_blocks
 from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload
 from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData
-from ..train.step import Precision, run_step
+from ..train.step import Precision, label_count, run_step
 from ..units import format_bytes
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
 from .fake_gaps import FakeGapWatch
+from .hardware import DeviceFacts
+from .roofline import OpClock
+from .step_time import StepShape, StepTime, assemble
 
 CPU = torch.device("cpu")
 HOST = torch.device("meta")  # where offloaded activations land in an estimate (fake host memory)
+MICRO_BATCHES_RUN = 2  # the first micro-batch, then one that every later one repeats (module docstring)
 
 
 class EstimateUnavailable(RuntimeError):
@@ -66,22 +80,29 @@ class Estimate:
     device: str = "cpu"
     warnings: list[str] = field(default_factory=list)
     """Where the estimate is known to be low: ops whose fake kernels allocate less than the real ones."""
+    time: StepTime | None = None
+    """The step's predicted time on the named device; None when no device facts were given."""
 
     def record(self) -> dict:
         return {"device": self.device, "peak_bytes": self.peak_bytes, "live_peak_bytes": self.live_peak_bytes,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes), "warnings": list(self.warnings)}
+                "breakdown": dict(self.breakdown), "notes": list(self.notes), "warnings": list(self.warnings),
+                "time": self.time.record() if self.time else None}
 
 
-def estimate_peak(recipe: Recipe, device: str = "cpu") -> Estimate:
-    """The predicted peak of one training step of `recipe` with its own memory plan and precision."""
-    return Estimator(recipe, device).estimate()
+def estimate_peak(recipe: Recipe, device: str = "cpu", facts: DeviceFacts | None = None) -> Estimate:
+    """The predicted peak of one training step of `recipe` with its own memory plan and precision
+    (and its time on the device `facts` describe, when given)."""
+    return Estimator(recipe, device, facts).estimate()
 
 
 class Estimator:
     """A recipe's model built once on fake tensors; `estimate(plan)` is cheap enough to call per plan."""
 
-    def __init__(self, recipe: Recipe, device: str = "cpu"):
-        self.recipe = recipe
+    world_size = 1  # ranks the step's samples are one share of (predict/ranks.py)
+    ddp_gradient_bytes = 0  # gradients DDP all-reduces after the last micro-batch (predict/ranks.py)
+
+    def __init__(self, recipe: Recipe, device: str = "cpu", facts: DeviceFacts | None = None):
+        self.recipe, self.facts = recipe, facts
         self.cuda = torch.device(device).type == "cuda"
         if torch.device(device).type not in ("cpu", "cuda"):
             raise ValueError(f"cannot estimate for device {device!r}; use cpu or cuda")
@@ -114,38 +135,53 @@ class Estimator:
         micro = _micro_batch(plan, self.recipe.train.batch_size)
         check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
         tracker = LiveBytesTracker(CPU, record_events=self.cuda)
-        with self.fake_mode, self._device_behaviour(), self._applied(plan):
+        clock = OpClock(self.facts, self.world_size, moded_blocks=self._moded_blocks(plan)) if self.facts else None
+        with self.fake_mode, self._device_behaviour(), self._applied(plan, clock):
             tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
             try:
-                with _unavailable("the training step"), tracker, \
+                with _unavailable("the training step"), tracker, (clock or contextlib.nullcontext()), \
                         (watch(tracker) if watch else contextlib.nullcontext()):
                     self._step(micro, precision)
             finally:
                 tracker.close()
         estimate = self._result(tracker, baseline, plan, precision)
         estimate.warnings.extend(self.warnings)
+        if clock is not None:
+            estimate = replace(estimate, time=assemble(clock.ledger, self._shape(micro, precision), self.facts))
         return estimate
 
     # --- running ---------------------------------------------------------------------------------
 
     def _step(self, micro_batch: int, precision: PrecisionName) -> None:
-        # fp16's GradScaler reads found-inf flags (.item()), which fake tensors do not have; it only
-        # adds a few scalars, so the estimate runs without it
-        run_step(self.model, self.optimizer, self.batch, micro_batch, Precision(precision, "cpu"), None,
-                 self.recipe.train.grad_clip)
+        """The first MICRO_BATCHES_RUN micro-batches of the step, then its update (module docstring).
+        fp16's GradScaler reads found-inf flags (.item()), which fake tensors do not have; it only
+        adds a few scalars, so the estimate runs without it."""
+        batch = self.batch.slice(0, MICRO_BATCHES_RUN * micro_batch)  # views: the whole batch stays counted
+        run_step(self.model, self.optimizer, batch, micro_batch, Precision(precision, "cpu"), None,
+                 self.recipe.train.grad_clip, label_total=label_count(self.batch.labels))
+
+    def _shape(self, micro_batch: int, precision: PrecisionName) -> StepShape:
+        tokens = self.batch.inputs.get("input_ids")
+        return StepShape(micro_batches=self.recipe.train.batch_size // micro_batch,
+                         samples=self.recipe.train.batch_size, precision=precision, world_size=self.world_size,
+                         tokens_per_sample=int(tokens.shape[1]) if tokens is not None and tokens.dim() > 1 else None,
+                         ddp_gradient_bytes=self.ddp_gradient_bytes)
 
     def _device_behaviour(self):
         return CudaOnCpu() if self.cuda else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _applied(self, plan: MemoryPlan):
+    def _applied(self, plan: MemoryPlan, clock: OpClock | None = None):
         """The plan on the model for one step: checkpointing via apply_plan, offload with training's
-        `ActivationOffload` whose copies are synchronous and land on the meta device (no streams)."""
+        `ActivationOffload` whose copies are synchronous and land on the meta device (no streams);
+        with a clock, the markers that tell it where the step is."""
         undos = []
         try:
             blocks = None if plan.checkpointing.policy == "none" and plan.offload.policy == "none" else \
                 find_blocks(self.model, plan.blocks)
+            if clock is not None:  # innermost, inside any checkpoint: a recompute is seen as one
+                undos += self._clock_markers(clock, plan)
             if self.cuda and plan.checkpointing.policy != "none":  # inside the checkpoint: its recompute too
                 undos += [wrap_forward(block.module, in_cuda_mode) for block in blocks]
             undos.append(apply_plan(self.model, plan.model_copy(update={"offload": NoOffload()}), CPU).remove)
@@ -157,6 +193,23 @@ class Estimator:
             yield
         finally:
             undo_all(undos)()
+
+    def _moded_blocks(self, plan: MemoryPlan) -> frozenset[int]:
+        """Blocks whose ops selective checkpointing's Python dispatch mode handles (a host cost per op)."""
+        if plan.checkpointing.policy != "selective":
+            return frozenset()
+        return frozenset(chosen_blocks(plan.checkpointing, find_blocks(self.model, plan.blocks)))
+
+    def _clock_markers(self, clock: OpClock, plan: MemoryPlan) -> list:
+        """The model's forward starts a micro-batch; each block's forward names its block (a model
+        without blocks the finder recognises is timed whole)."""
+        handle = self.model.register_forward_pre_hook(lambda *_: clock.start_micro_batch())
+        undos = [handle.remove]
+        try:
+            blocks = find_blocks(self.model, plan.blocks)
+        except ValueError:
+            return undos
+        return undos + [wrap_forward(block.module, clock.in_block, block.index) for block in blocks]
 
     # --- reporting -------------------------------------------------------------------------------
 
@@ -177,6 +230,8 @@ class Estimator:
         if not self.cuda:
             return Estimate(live, breakdown, notes, live, "cpu")
         capability, measured = target_capability()
+        if self.facts is not None and self.facts.capability and not measured:
+            capability, measured = self.facts.capability, True
         workspace = cublas_workspace_bytes(capability)
         expandable, ignored = allocator_settings(plan.allocator)
         allocator = replay(tracker.events, CPU, baseline, kept=(workspace,) * BLAS_HANDLES_PER_STEP,
@@ -184,6 +239,8 @@ class Estimator:
         breakdown["cublas_workspaces"] = workspace * BLAS_HANDLES_PER_STEP
         breakdown["allocator_cache"] = allocator.reserved - live - breakdown["cublas_workspaces"]
         gpu = f"sm{capability[0]}{capability[1]}" + ("" if measured else " (assumed: no GPU here)")
+        if self.facts is not None and self.facts.capability == capability:
+            gpu = f"sm{capability[0]}{capability[1]}, {self.facts.name}"
         notes.append(f"CUDA caching allocator model{' with expandable segments' if expandable else ''}: "
                      f"{format_bytes(allocator.reserved)} reserved for {format_bytes(live)} of live tensors and "
                      f"{BLAS_HANDLES_PER_STEP} cuBLAS workspaces of {format_bytes(workspace)} ({gpu}); the CUDA "

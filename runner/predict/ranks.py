@@ -24,21 +24,22 @@ from ..dist.wrap import shard
 from ..recipe import Recipe
 from ..units import format_bytes
 from .estimate import Estimate, EstimateUnavailable, Estimator
+from .hardware import DeviceFacts
 
 
 def per_rank(nproc: int, source: str = "<recipe>"):
     """An estimator factory, `(recipe, device) -> object with .estimate()`, for one of `nproc` ranks."""
 
-    def make(recipe: Recipe, device: str):
-        return _RankEstimate(recipe, device, nproc, source)
+    def make(recipe: Recipe, device: str, facts: DeviceFacts | None = None):
+        return _RankEstimate(recipe, device, nproc, source, facts)
 
     return make
 
 
 class _RankEstimate:
-    def __init__(self, recipe: Recipe, device: str, nproc: int, source: str):
+    def __init__(self, recipe: Recipe, device: str, nproc: int, source: str, facts: DeviceFacts | None = None):
         check_world(recipe, nproc, source)  # the batch must split, as --nproc demands
-        self.recipe, self.device, self.nproc, self.source = recipe, device, nproc, source
+        self.recipe, self.device, self.nproc, self.source, self.facts = recipe, device, nproc, source, facts
         share = recipe.train.model_copy(update={"batch_size": recipe.train.batch_size // nproc})
         self.share = recipe.model_copy(update={"train": share})
 
@@ -46,33 +47,41 @@ class _RankEstimate:
         strategy = self.recipe.distributed.strategy
         if strategy == "fsdp" and self.nproc > 1:
             with fake_process_group(self.nproc) as mesh:
-                estimate = _ShardedEstimator(self.share, self.device, mesh, self.source).estimate()
+                estimate = _ShardedEstimator(self.share, self.device, mesh, self.source, self.facts).estimate()
         else:
-            estimate = Estimator(self.share, self.device).estimate()
+            estimator = Estimator(self.share, self.device, self.facts)
+            estimator.world_size = self.nproc
             if strategy == "ddp" and self.nproc > 1:
-                estimate = _add_gradient_buckets(estimate, self.share)
+                estimator.ddp_gradient_bytes = _gradient_bytes(self.share)
+            estimate = estimator.estimate()
+            if strategy == "ddp" and self.nproc > 1:
+                estimate = _add_gradient_buckets(estimate, estimator.ddp_gradient_bytes)
         estimate.notes.insert(0, f"one of {self.nproc} ranks ({strategy}): its share of {self.share.train.batch_size} "
                                  f"samples of the global batch {self.recipe.train.batch_size}")
         return estimate
 
 
 class _ShardedEstimator(Estimator):
-    def __init__(self, recipe: Recipe, device: str, mesh, source: str):
+    def __init__(self, recipe: Recipe, device: str, mesh, source: str, facts: DeviceFacts | None = None):
         self.mesh, self.source = mesh, source
-        super().__init__(recipe, device)
+        self.world_size = mesh.size()
+        super().__init__(recipe, device, facts)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         shard(model, self.recipe, torch.device("cpu"), self.source, self.mesh)
         return model
 
 
-def _add_gradient_buckets(estimate: Estimate, recipe: Recipe) -> Estimate:
-    """DDP reduces gradients through flat buckets of its own, as large as the gradients, for the whole run."""
+def _gradient_bytes(recipe: Recipe) -> int:
     from .estimate import _build_for_shapes
 
     with torch.device("meta"):
         model = _build_for_shapes(recipe.model)
-    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _add_gradient_buckets(estimate: Estimate, buckets: int) -> Estimate:
+    """DDP reduces gradients through flat buckets of its own, as large as the gradients, for the whole run."""
     notes = [*estimate.notes, f"ddp: {format_bytes(buckets)} of gradient buckets, held for the whole run"]
     return replace(estimate, peak_bytes=estimate.peak_bytes + buckets, live_peak_bytes=estimate.live_peak_bytes + buckets,
                    breakdown={**estimate.breakdown, "gradient_buckets": buckets}, notes=notes)

@@ -1,0 +1,238 @@
+"""What the time model needs to know about a device: peak FLOP/s, memory bandwidth, links.
+
+`resolve_device("h100")`, `resolve_device("NVIDIA H100 80GB HBM3")` or a JSON file of measured
+facts gives a `DeviceFacts`; `this_cpu()` measures the CPU this runs on.
+
+Where the figures come from. ckrun keeps its own small table of the GPUs it names (dense
+datasheet figures, each with its source) rather than reading torch's
+`torch._inductor.analysis.device_info` at run time, because that table changes under us: torch
+2.11 lists the H100's bf16 peak with 2:4 sparsity (1979 TFLOP/s, twice the dense 989) and its
+tf32 as 156; torch 2.15 marks the sparsity but then also halves the H100's fp32; both give the L4
+the H100's 3350 GB/s (the L4 has 300) and its sparse bf16 figure. The same recipe would be
+predicted 2x apart on two installs. A test checks this table against torch's wherever torch marks
+its figures dense, and a GPU ckrun does not list is read from torch's table where that torch has
+one (`datasheet_tops(..., device_name=)`, torch 2.15 and later), with a note.
+
+The achievable share of a peak is a field (`matmul_efficiency`, `memory_efficiency`): on an H100
+here an 8192^3 bf16 product ran at 798 TFLOP/s (81 % of 989) and a copy at 3.0 TB/s (90 % of
+3.35), while a transformer's smaller products reach less. A calibrated file (`bench/gpu/facts.py`
+measures one) gives achieved figures with efficiencies of 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch.utils._python_dispatch import TorchDispatchMode
+
+Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
+MiB = 1 << 20
+
+
+class DeviceFacts(BaseModel):
+    """One device's figures for the roofline time model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    """The name torch reports (`torch.cuda.get_device_name()`), or `cpu (...)`."""
+    kind: Literal["cuda", "cpu"] = "cuda"
+    matmul_tflops: dict[Dtype, float]
+    """Dense peak TFLOP/s of matrix products per compute dtype (tf32: fp32 inputs on tensor cores)."""
+    memory_gbs: float = Field(gt=0)
+    """Device memory bandwidth, GB/s."""
+    memory_bytes: int = 0
+    """The card's memory as the driver reports it (0: unknown, or a CPU)."""
+    host_gbs: float = 0.0
+    """Pinned host <-> device copies, GB/s each way: what activation offload moves over."""
+    peer_gbs: float = 0.0
+    """GPU <-> GPU, GB/s each way (NVLink, else PCIe): what collectives move over."""
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability (sizes the cuBLAS workspace the memory estimate counts)."""
+    matmul_efficiency: float = Field(0.7, gt=0, le=1)
+    """Share of `matmul_tflops` an eager training step's products reach."""
+    memory_efficiency: float = Field(0.75, gt=0, le=1)
+    """Share of `memory_gbs` its elementwise and normalisation kernels reach."""
+    launch_us: float = Field(5.0, ge=0)
+    """The least an op costs: eager dispatch plus kernel launch, microseconds."""
+    python_mode_us: float = Field(50.0, ge=0)
+    """What an op adds on the host when a Python dispatch mode handles it (selective checkpointing's
+    cache, in forward and recompute), microseconds. Default from the H100 run of 2026-11-22: selective
+    at micro-batch 16 took 0.118 s more than none, of which its recompute explains about 0.01 s,
+    over about 2,000 ops run under the mode."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def matmul_flops(self, dtype: Dtype) -> float:
+        """Achievable FLOP/s of a matrix product computed in `dtype`."""
+        peak = self.matmul_tflops.get(dtype) or self.matmul_tflops.get("fp32") or min(self.matmul_tflops.values())
+        return peak * 1e12 * self.matmul_efficiency
+
+    def peak_flops(self, dtype: Dtype) -> float:
+        """The datasheet peak MFU and HFU are stated against."""
+        return (self.matmul_tflops.get(dtype) or self.matmul_tflops["fp32"]) * 1e12
+
+    def bandwidth(self) -> float:
+        """Achievable device-memory bytes per second."""
+        return self.memory_gbs * 1e9 * self.memory_efficiency
+
+
+def _gpu(name: str, fp32: float, tf32: float, half: float, memory_gbs: float, memory_mib: int, host_gbs: float,
+         peer_gbs: float, capability: tuple[int, int], source: str) -> DeviceFacts:
+    return DeviceFacts(name=name, matmul_tflops={"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half},
+                       memory_gbs=memory_gbs, memory_bytes=memory_mib * MiB, host_gbs=host_gbs, peer_gbs=peer_gbs,
+                       capability=capability, source=source)
+
+
+# Dense figures from each vendor datasheet (tensor-core rows without sparsity). Memory: what
+# nvidia-smi shows for the card. Host links: pinned copies as measured here on an H100 (55 GB/s,
+# PCIe 5 x16), PCIe 4 x16 cards at about 25 GB/s. Peer: NVLink per direction, else PCIe.
+GPUS: dict[str, DeviceFacts] = {
+    "h100": _gpu("NVIDIA H100 80GB HBM3", 67, 494.7, 989.4, 3350, 81559, 55, 450, (9, 0),
+                 "NVIDIA H100 SXM5 datasheet (dense); memory as nvidia-smi showed on the H100 lent here"),
+    "h100-pcie": _gpu("NVIDIA H100 PCIe", 51, 378, 756, 2000, 81559, 55, 300, (9, 0),
+                      "NVIDIA H100 PCIe datasheet (dense)"),
+    "h200": _gpu("NVIDIA H200", 67, 494.7, 989.4, 4800, 143771, 55, 450, (9, 0),
+                 "NVIDIA H200 SXM datasheet (dense); memory as nvidia-smi showed on the H200 lent here"),
+    "a100": _gpu("NVIDIA A100-SXM4-80GB", 19.5, 156, 312, 2039, 81920, 25, 300, (8, 0),
+                 "NVIDIA A100 80GB SXM datasheet (dense)"),
+    "a100-40gb": _gpu("NVIDIA A100-SXM4-40GB", 19.5, 156, 312, 1555, 40960, 25, 300, (8, 0),
+                      "NVIDIA A100 40GB SXM datasheet (dense)"),
+    "l4": _gpu("NVIDIA L4", 30.3, 60, 121, 300, 23034, 25, 25, (8, 9),
+               "NVIDIA L4 datasheet (dense: half its sparse 120/242 TFLOP/s)"),
+    "a10": _gpu("NVIDIA A10", 31.2, 62.5, 125, 600, 23028, 25, 25, (8, 6), "NVIDIA A10 datasheet (dense)"),
+}
+# Names torch reports, matched after upper-casing and dropping everything but letters and digits.
+_REPORTED = [
+    (r"H100.*(PCIE)", "h100-pcie"), (r"H100", "h100"), (r"H200", "h200"), (r"GH200", "h200"),
+    (r"A100.*40GB", "a100-40gb"), (r"A100", "a100"), (r"^(NVIDIA)?L4$", "l4"), (r"^(NVIDIA)?A10$", "a10"),
+]
+
+
+class UnknownDevice(ValueError):
+    """A --gpu name this table and torch's do not know, or a facts file that does not read."""
+
+
+def resolve_device(name: str) -> DeviceFacts:
+    """Facts for a short name (`h100`), a reported name (`NVIDIA A100-SXM4-40GB`), `cpu`, or a JSON file."""
+    text = name.strip()
+    if text.lower() == "cpu":
+        return this_cpu()
+    if text.lower().endswith(".json"):
+        return load_facts(Path(text))
+    if text.lower() in GPUS:
+        return GPUS[text.lower()]
+    squeezed = re.sub(r"[^A-Z0-9]", "", text.upper())
+    for pattern, key in _REPORTED:
+        if re.search(pattern, squeezed.removeprefix("NVIDIA") if pattern.startswith("^") else squeezed):
+            return GPUS[key]
+    found = _from_torch_table(text)
+    if found is not None:
+        return found
+    raise UnknownDevice(f"unknown GPU {name!r}; known: {', '.join(known_names())} (or a facts .json file)")
+
+
+def known_names() -> list[str]:
+    return [*GPUS, "cpu"]
+
+
+def load_facts(path: Path) -> DeviceFacts:
+    """Measured facts written by `bench/gpu/facts.py --facts-json` (or by hand, same fields)."""
+    try:
+        return DeviceFacts.model_validate(json.loads(path.read_text(encoding="utf-8")))
+    except OSError as err:
+        raise UnknownDevice(f"cannot read device facts {path}: {err.strerror}") from None
+    except (ValueError, ValidationError) as err:
+        first = str(err).strip().splitlines()
+        raise UnknownDevice(f"{path}: not a device facts file ({' '.join(first[:3])})") from None
+
+
+def _from_torch_table(name: str) -> DeviceFacts | None:
+    """A GPU only torch's datasheet table knows, where that torch reports dense figures by name."""
+    try:
+        from torch._inductor.analysis import device_info
+    except ImportError:
+        return None
+    info = getattr(device_info, "lookup_device_info", lambda _: None)(name)
+    if info is None or "tops_sparsity_factor" not in getattr(type(info), "__dataclass_fields__", {}):
+        return None  # older tables mix sparse and dense figures: not trusted
+    dense = {key: device_info.datasheet_tops(dtype, is_tf32=tf32, device_name=name)
+             for key, dtype, tf32 in (("fp32", torch.float32, False), ("tf32", torch.float32, True),
+                                      ("bf16", torch.bfloat16, False), ("fp16", torch.float16, False))}
+    dense = {key: value for key, value in dense.items() if value}
+    if not dense or "fp32" not in dense:
+        return None
+    return DeviceFacts(name=name, matmul_tflops=dense, memory_gbs=info.dram_bw_gbs,
+                       memory_bytes=int(info.dram_gb * 1e9),
+                       source=f"torch {torch.__version__.split('+')[0]} datasheet table (not in ckrun's own)")
+
+
+def this_gpu() -> DeviceFacts | None:
+    """The local GPU's facts by its reported name; None without a GPU or when its name is unknown."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return resolve_device(torch.cuda.get_device_name())
+    except UnknownDevice:
+        return None
+
+
+@functools.cache
+def this_cpu() -> DeviceFacts:
+    """This CPU's figures, measured once per process (~0.5 s): the best of a few fp32 and bf16
+    products, a copy larger than the caches, and the cost of one small op with and without a
+    Python dispatch mode."""
+    threads = torch.get_num_threads()
+    matmul = {"fp32": _matmul_tflops(torch.float32), "bf16": _matmul_tflops(torch.bfloat16)}
+    plain = _op_overhead_us()
+    with _PassThrough():
+        moded = _op_overhead_us()
+    return DeviceFacts(name=f"cpu ({threads} thread{'s' if threads != 1 else ''})", kind="cpu",
+                       matmul_tflops={**matmul, "tf32": matmul["fp32"], "fp16": matmul["bf16"]},
+                       memory_gbs=_copy_gbs(), matmul_efficiency=1.0, memory_efficiency=1.0,
+                       launch_us=plain, python_mode_us=max(0.0, moded - plain), source="measured on this CPU at start")
+
+
+def _best_of(work, repeats: int = 7) -> float:
+    """The fastest of `repeats` runs after one warm-up: other work on the machine only slows a run."""
+    work()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _matmul_tflops(dtype: torch.dtype, size: int = 512) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    return 2 * size**3 / _best_of(lambda: a @ b) / 1e12
+
+
+def _copy_gbs(nbytes: int = 64 * MiB) -> float:
+    source, target = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    source.fill_(1)
+    return 2 * nbytes / _best_of(lambda: target.copy_(source)) / 1e9  # bytes read and written
+
+
+class _PassThrough(TorchDispatchMode):
+    """The cheapest Python dispatch mode: what any such mode costs an op, at least."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _op_overhead_us(ops: int = 400) -> float:
+    x = torch.ones(8)
+
+    def work():
+        for _ in range(ops):
+            torch.add(x, x)
+    return _best_of(work) / ops * 1e6

@@ -1,0 +1,143 @@
+"""A step's predicted time from the op clock's ledger: phases, micro-batches, overlap, MFU and HFU.
+
+The estimator runs the first two micro-batches of a step (the rest repeat the second exactly) and
+the update; the step's time is then, per phase,
+    first micro-batch + (micro-batches - 1) x the last
+where the "update" phase of a micro-batch is what runs after its backward: adding up the loss,
+and after the last one clipping and the optimizer (so (n - 1) x the first's tail + the last's)
+plus what the side streams cannot hide:
+- activation offload: a block's copy to the host hides behind the next block's forward, its copy
+  back behind the next block's backward (taken as the step's backward in proportion to that
+  block's forward); only the excess shows;
+- collectives: FSDP's all-gathers behind the forward, its reduce-scatters behind the backward, and
+  DDP's gradient all-reduce behind the last micro-batch's backward; only the excess shows.
+MFU counts the model's FLOPs (a recompute does not count), HFU every FLOP the device runs, both
+against the datasheet peak of the precision's matrix rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .hardware import DeviceFacts
+from .roofline import Ledger
+
+LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")
+
+
+@dataclass(frozen=True)
+class BlockTime:
+    index: int
+    forward_s: float
+    """The block's forward in one step (every micro-batch)."""
+    recompute_s: float
+    """What its recompute adds to a step under this plan (0: not recomputed)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step's predicted time on `device`, by phase, and what it does with the device."""
+
+    device: str
+    seconds: float
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    update_s: float
+    offload_s: float
+    """Copy time to and from the host that compute does not hide."""
+    comm_s: float
+    """Collective time that compute does not hide (--nproc)."""
+    flops: float
+    """FLOPs the device runs in a step, recompute included (hardware FLOPs)."""
+    model_flops: float
+    """FLOPs of the step without recompute."""
+    mfu: float
+    hfu: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    blocks: list[BlockTime] = field(default_factory=list)
+    source: str = ""
+
+    def record(self) -> dict:
+        data = asdict(self)
+        data["blocks"] = [asdict(b) for b in self.blocks]
+        return data
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the time is divided by: the step's samples (the global batch), tokens per sample, ranks."""
+
+    micro_batches: int
+    samples: int
+    tokens_per_sample: int | None
+    precision: str
+    world_size: int = 1
+    ddp_gradient_bytes: int = 0
+    tf32: bool = False
+
+
+def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
+    n = shape.micro_batches
+    phase = {name: _extrapolated(ledger.seconds, name, n) for name in ("forward", "backward", "recompute")}
+    update = _extrapolated(ledger.seconds, "update", n)  # each micro-batch's tail; the last's holds the update
+    flops = sum(_extrapolated(ledger.flops, name, n) for name in ("forward", "backward", "recompute", "update"))
+    recompute_flops = _extrapolated(ledger.flops, "recompute", n)
+    offload = n * _offload_exposed(ledger, facts, phase["forward"] / n, (phase["backward"] + phase["recompute"]) / n)
+    comm = _comm_exposed(ledger, shape, facts, phase)
+    seconds = sum(phase.values()) + update + offload + comm
+    peak = facts.peak_flops(_matmul_dtype(shape))
+    samples_per_s = shape.samples * shape.world_size / seconds if seconds else 0.0
+    blocks = [BlockTime(i, n * ledger.block_forward_s[i], n * ledger.block_recompute_s.get(i, 0.0))
+              for i in sorted(ledger.block_forward_s)]
+    return StepTime(
+        device=facts.name, seconds=seconds, forward_s=phase["forward"], backward_s=phase["backward"],
+        recompute_s=phase["recompute"], update_s=update, offload_s=offload, comm_s=comm, flops=flops,
+        model_flops=flops - recompute_flops, mfu=(flops - recompute_flops) / seconds / peak if seconds else 0.0,
+        hfu=flops / seconds / peak if seconds else 0.0, samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * shape.tokens_per_sample if shape.tokens_per_sample else None,
+        blocks=blocks, source=facts.source)
+
+
+def _extrapolated(table: dict, phase: str, micro_batches: int) -> float:
+    first, repeat = table[("first", phase)], table[("repeat", phase)]
+    return first + (micro_batches - 1) * repeat if micro_batches > 1 else first
+
+
+def _matmul_dtype(shape: StepShape) -> str:
+    if shape.precision in ("bf16", "fp16"):
+        return shape.precision
+    return "tf32" if shape.tf32 else "fp32"
+
+
+def _offload_exposed(ledger: Ledger, facts: DeviceFacts, forward_s: float, backward_s: float) -> float:
+    """One micro-batch's copy time that the next block's compute does not hide, both ways."""
+    if not ledger.to_host.get("first"):
+        return 0.0
+    if not facts.host_gbs:
+        return 0.0
+    rate = facts.host_gbs * 1e9
+    order = sorted(ledger.block_forward_s)
+    windows = {i: ledger.block_forward_s[j] for i, j in zip(order, order[1:], strict=False)}
+    if order:
+        windows[order[-1]] = ledger.outside_blocks_forward_s
+    share = backward_s / forward_s if forward_s else 0.0
+    exposed = 0.0
+    for block, nbytes in ledger.block_to_host.items():
+        window = windows.get(block, 0.0)
+        exposed += max(0.0, nbytes / rate - window) + max(0.0, nbytes / rate - share * window)
+    unplaced = ledger.to_host["first"] - sum(ledger.block_to_host.values())
+    return exposed + 2 * max(0, unplaced) / rate
+
+
+def _comm_exposed(ledger: Ledger, shape: StepShape, facts: DeviceFacts, phase: dict[str, float]) -> float:
+    n, exposed = shape.micro_batches, 0.0
+    for name, compute in (("forward", phase["forward"]), ("backward", phase["backward"] + phase["recompute"])):
+        comm = _extrapolated(ledger.comm_s, name, n)
+        exposed += max(0.0, comm - compute)
+    exposed += _extrapolated(ledger.comm_s, "update", n)
+    if shape.ddp_gradient_bytes and shape.world_size > 1 and facts.peer_gbs:
+        ring = 2 * shape.ddp_gradient_bytes * (shape.world_size - 1) / shape.world_size / (facts.peer_gbs * 1e9)
+        exposed += max(0.0, ring - (phase["backward"] + phase["recompute"]) / n)
+    return exposed

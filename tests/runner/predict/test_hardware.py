@@ -1,0 +1,68 @@
+"""Device facts: names resolve to one table whatever torch is installed, and that table agrees with
+torch's own where torch states dense figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runner.predict.hardware import GPUS, DeviceFacts, UnknownDevice, known_names, resolve_device
+
+
+@pytest.mark.parametrize("name, key", [
+    ("h100", "h100"), ("H100", "h100"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H200", "h200"), ("a100", "a100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100 80GB PCIe", "a100"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("A100-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+    ("l4", "l4"), ("NVIDIA L4", "l4"), ("NVIDIA A10", "a10"),
+])
+def test_short_and_reported_names_resolve(name, key):
+    assert resolve_device(name) == GPUS[key]
+
+
+@pytest.mark.parametrize("name", ["h300", "NVIDIA L40S", "", "l"])
+def test_an_unknown_name_lists_the_known_ones(name):
+    with pytest.raises(UnknownDevice) as err:
+        resolve_device(name)
+    assert "known: " + ", ".join(known_names()) in str(err.value)
+
+
+def test_the_table_holds_dense_figures():
+    for facts in GPUS.values():
+        assert facts.matmul_tflops["bf16"] == facts.matmul_tflops["fp16"]
+        assert facts.matmul_tflops["fp32"] < facts.matmul_tflops["tf32"] < facts.matmul_tflops["bf16"]
+        assert facts.memory_bytes > 20 * 2**30 and facts.capability >= (8, 0)
+    assert GPUS["h100"].matmul_tflops["bf16"] == pytest.approx(989.4)  # not the sparse 1979
+    assert GPUS["l4"].memory_gbs == 300  # torch's table (2.11, 2.15) gives the H100's 3350
+
+
+def test_the_table_agrees_with_torchs_where_torch_states_dense_figures():
+    device_info = pytest.importorskip("torch._inductor.analysis.device_info")
+    entry = device_info.lookup_device_info("NVIDIA H100")
+    if "tops_sparsity_factor" not in getattr(type(entry), "__dataclass_fields__", {}):
+        pytest.skip(f"torch {torch.__version__}'s table mixes sparse and dense figures")
+    for name, key in (("NVIDIA H100", "h100"), ("NVIDIA A100", "a100")):
+        ours = GPUS[key]
+        for dtype, label in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+            assert device_info.datasheet_tops(dtype, device_name=name) == pytest.approx(
+                ours.matmul_tflops[label], rel=0.01)
+        assert device_info.datasheet_dram_bw_gbs(name) == pytest.approx(ours.memory_gbs, rel=0.01)
+
+
+def test_a_facts_file_round_trips_and_a_bad_one_is_one_line(tmp_path):
+    measured = GPUS["h100"].model_copy(update={"matmul_efficiency": 1.0, "matmul_tflops": {"fp32": 50, "bf16": 700}})
+    path = tmp_path / "facts.json"
+    path.write_text(measured.model_dump_json())
+    assert resolve_device(str(path)) == measured
+    path.write_text(json.dumps({"name": "x", "matmul_tflops": {"bf16": 1}, "memory_gbs": 1, "typo": 1}))
+    with pytest.raises(UnknownDevice, match="not a device facts file"):
+        resolve_device(str(path))
+    with pytest.raises(UnknownDevice, match="cannot read device facts"):
+        resolve_device(str(tmp_path / "missing.json"))
+
+
+def test_this_cpu_is_measured():
+    facts = resolve_device("cpu")
+    assert facts.kind == "cpu" and facts.matmul_flops("fp32") > 0 and facts.bandwidth() > 0
+    assert isinstance(facts, DeviceFacts) and facts.source.startswith("measured")

@@ -1,0 +1,178 @@
+"""The step-time model, checked by counting: FLOPs and bytes priced on made-up device figures, so
+every expected number follows from the figures and the shapes, never from a machine or a torch
+version's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from runner.load import recipe_from_text
+from runner.plan import MemoryPlan
+from runner.predict import estimate as estimate_module
+from runner.predict.estimate import Estimator
+from runner.predict.hardware import DeviceFacts
+from runner.predict.roofline import OpClock
+
+# round numbers: 1 TFLOP/s for every dtype, 100 GB/s, no efficiency loss, a 10 us floor per op
+FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 1.0, "tf32": 1.0, "bf16": 4.0, "fp16": 4.0},
+                    memory_gbs=100.0, host_gbs=10.0, peer_gbs=50.0, capability=(9, 0), matmul_efficiency=1.0,
+                    memory_efficiency=1.0, launch_us=10.0, python_mode_us=0.0)
+
+TINY_BERT = """
+model:
+  source: transformers
+  name: BertForMaskedLM
+  config: {vocab_size: 512, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 2,
+           intermediate_size: 128, max_position_embeddings: 64, hidden_dropout_prob: 0.0,
+           attention_probs_dropout_prob: 0.0}
+data: {source: synthetic, seq_len: 32}
+train: {batch_size: 8, steps: 2, device: cpu}
+"""
+
+
+def _plan(policy: str = "none", micro_batch: int = 8, **more) -> MemoryPlan:
+    checkpointing = {"policy": policy, **({"every": 2} if policy == "every" else {})}
+    return MemoryPlan.model_validate({"micro_batch": micro_batch, "checkpointing": checkpointing, **more})
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def estimator(request):
+    return Estimator(recipe_from_text(TINY_BERT), request.param, FACTS)
+
+
+def test_an_op_costs_the_slowest_of_its_flops_bytes_and_the_floor():
+    with FakeTensorMode():
+        a, b = torch.empty(256, 512), torch.empty(512, 1024)
+        small = torch.empty(4)
+        with OpClock(FACTS) as clock:
+            a @ b
+            big = torch.empty(1 << 24)
+            big + big
+            small + small
+    flops = 2 * 256 * 512 * 1024
+    matmul_s = max(flops / 1e12, 4 * (256 * 512 + 512 * 1024 + 256 * 1024) / 100e9)
+    add_s = 3 * 4 * (1 << 24) / 100e9  # two reads and a write
+    assert clock.ledger.flops[("first", "forward")] == flops
+    assert clock.ledger.seconds[("first", "forward")] == pytest.approx(matmul_s + add_s + 10e-6)
+    assert clock.ledger.ops == 3  # empty() allocates and launches nothing
+
+
+def test_the_compute_rate_follows_the_dtype():
+    with FakeTensorMode():
+        a = torch.empty(1024, 1024, dtype=torch.bfloat16)
+        with OpClock(FACTS) as clock:
+            a @ a
+    assert clock.ledger.seconds[("first", "forward")] == pytest.approx(2 * 1024**3 / 4e12)
+
+
+def test_recompute_is_counted_as_hardware_flops_not_model_flops(estimator):
+    none = estimator.estimate(_plan("none")).time
+    full = estimator.estimate(_plan("full")).time
+    every = estimator.estimate(_plan("every")).time
+    assert none.recompute_s == 0 and none.flops == none.model_flops
+    assert full.model_flops == none.model_flops == every.model_flops
+    assert 0 < every.flops - none.flops < full.flops - none.flops  # half the blocks recompute half the work
+    assert full.recompute_s > every.recompute_s > 0
+    assert full.mfu < full.hfu and none.mfu == pytest.approx(none.hfu)
+    assert full.seconds == pytest.approx(none.seconds + full.recompute_s)
+
+
+def test_selective_recomputes_less_than_full(estimator):
+    """It keeps the products' outputs, so its recompute is mostly pointwise traffic (on CUDA the
+    attention kernel, which it does not keep, is run again too)."""
+    full = estimator.estimate(_plan("full")).time
+    selective = estimator.estimate(_plan("selective")).time
+    assert 0 <= selective.flops - selective.model_flops < full.flops - full.model_flops
+    assert 0 < selective.recompute_s < full.recompute_s
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 4])
+def test_splitting_the_batch_keeps_the_model_flops_and_adds_floors(estimator, micro_batch):
+    """The step runs two micro-batches and extrapolates: the FLOPs of the whole batch must come out
+    the same whatever the split, and smaller micro-batches can only cost more (more op floors,
+    weights read more often)."""
+    whole = estimator.estimate(_plan("none", 8)).time
+    split = estimator.estimate(_plan("none", micro_batch)).time
+    assert split.model_flops == pytest.approx(whole.model_flops, rel=1e-12)
+    assert split.seconds > whole.seconds
+    assert split.samples_per_s == pytest.approx(8 / split.seconds)
+
+
+GPT2 = """
+model:
+  source: transformers
+  name: GPT2LMHeadModel
+  config: {vocab_size: 300, n_embd: 32, n_layer: 3, n_head: 2, n_positions: 32}
+data: {source: synthetic, seq_len: 16}
+train: {batch_size: 12, steps: 2, device: cpu}
+"""
+VISION = """
+model: {source: torchvision, name: resnet18, config: {num_classes: 10}}
+data: {source: synthetic, image_size: 32}
+train: {batch_size: 8, steps: 2, device: cpu}
+"""
+_ESTIMATORS: dict = {}
+
+
+def _cached(text: str, device: str) -> Estimator:
+    if (text, device) not in _ESTIMATORS:
+        _ESTIMATORS[(text, device)] = Estimator(recipe_from_text(text), device, FACTS)
+    return _ESTIMATORS[(text, device)]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=st.sampled_from([TINY_BERT, GPT2, VISION]), device=st.sampled_from(["cpu", "cuda"]),
+       policy=st.sampled_from(["none", "full", "every", "selective", "sqrt"]),
+       precision=st.sampled_from(["fp32", "bf16"]), split=st.sampled_from([3, 4, 6]))
+def test_the_two_micro_batches_run_give_the_peak_and_time_of_all(monkeypatch, model, device, policy, precision,
+                                                                  split):
+    """Every later micro-batch repeats the second: running them all gives the same peak (CPU: live
+    bytes; CUDA: the allocator model's reserved bytes), and the time the clock extrapolated."""
+    estimator = _cached(model, device)
+    batch = estimator.recipe.train.batch_size
+    assume(batch % split == 0)
+    plan = _plan(policy, batch // split)
+    short = estimator.estimate(plan, precision)
+    monkeypatch.setattr(estimate_module, "MICRO_BATCHES_RUN", split)
+    whole = estimator.estimate(plan, precision)
+    monkeypatch.setattr(estimate_module, "MICRO_BATCHES_RUN", 2)
+    assert short.peak_bytes == whole.peak_bytes
+    assert short.time.flops == pytest.approx(whole.time.flops, rel=1e-12)
+    assert short.time.seconds == pytest.approx(whole.time.seconds, rel=1e-9)
+
+
+def test_offload_copies_hide_behind_compute_until_the_link_is_too_slow():
+    recipe = recipe_from_text(TINY_BERT)
+    plan = _plan("none", 8, offload={"policy": "all", "min_bytes": 0})  # the tiny model saves small tensors
+    exposed = []
+    for host_gbs in (1e6, 10.0, 0.01):
+        facts = FACTS.model_copy(update={"host_gbs": host_gbs})
+        step = Estimator(recipe, "cuda", facts).estimate(plan).time
+        exposed.append(step.offload_s)
+    assert exposed[0] == 0.0 and 0 <= exposed[1] < exposed[2]
+    moved = Estimator(recipe, "cuda", FACTS).estimate(_plan("none", 8)).time.offload_s
+    assert moved == 0.0
+
+
+def test_python_mode_cost_lands_on_selective_blocks_only():
+    recipe = recipe_from_text(TINY_BERT)
+    slow = FACTS.model_copy(update={"python_mode_us": 1000.0})
+    for policy in ("none", "full"):
+        assert Estimator(recipe, "cuda", slow).estimate(_plan(policy)).time.seconds == pytest.approx(
+            Estimator(recipe, "cuda", FACTS).estimate(_plan(policy)).time.seconds)
+    fast = Estimator(recipe, "cuda", FACTS).estimate(_plan("selective")).time
+    moded = Estimator(recipe, "cuda", slow).estimate(_plan("selective")).time
+    assert moded.forward_s > fast.forward_s and moded.recompute_s > fast.recompute_s
+
+
+def test_tokens_per_second_for_language_models(estimator):
+    step = estimator.estimate(_plan("none")).time
+    assert step.tokens_per_s == pytest.approx(step.samples_per_s * 32)
+
+
+def test_no_facts_no_time():
+    assert Estimator(recipe_from_text(TINY_BERT), "cpu").estimate().time is None
