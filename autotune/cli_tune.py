@@ -11,7 +11,6 @@ import hashlib
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
@@ -25,14 +24,16 @@ from runner.units import format_bytes
 from runner.yamlio import dump_yaml
 
 from .files import StudyLock
-from .frontier import solver_points
 from .probe import ProbeRunner, ProbeSettings
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
 from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
 from .cap import Cap
 from .rank_tune import RanksEnded, check_devices, check_ranks, rank_training, ranks_comment
-from .study import Budget, Tuner, open_study, trial_records
+from .predicted import (CachedPredictor, predict_settings, predicted_device, predicted_note, predicted_probe,
+                        ranked_lines, time_facts)
+from .search import SearchSettings, search
+from .study import Budget, open_study
 from .train import nothing_fits, train_with_fallback
 from .tuned import write_tuned
 
@@ -55,6 +56,12 @@ def add_arguments(parser) -> None:
                         help="tune for N ranks on this machine (torchrun): the cap holds per rank, each probe is a "
                              "group of N ranks, and ddp/fsdp and FSDP's knobs join the search (default 1)")
     parser.add_argument("--no-train", action="store_true", help="stop after writing DIR/tuned.yaml")
+    parser.add_argument("--predict", action="store_true",
+                        help="predict every plan instead of measuring it (peak and step time on --gpu, a roofline): "
+                             "no GPU needed, nothing trained; tuned.yaml is marked predicted")
+    parser.add_argument("--gpu", metavar="NAME",
+                        help="the GPU to predict for: h100, h100-pcie, h200, a100, a100-40gb, l4, a10, the name torch "
+                             "reports, or a facts .json measured on it (default: this machine's GPU)")
     parser.add_argument("--resume", action="store_true", help="continue the study in DIR; finished trials are kept")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed proposes the same plans")
     parser.add_argument("--margin", type=float, default=0.05, help="fraction of the cap kept free (default 0.05)")
@@ -88,22 +95,23 @@ def run(args) -> int:
     path, overrides = _recipe_source(args.recipe, args.overrides)
     recipe, doc = load_recipe_document(path, overrides)
     cap, budget = _cap(args), _budget(args)
+    facts = time_facts(args, recipe)
     check_ranks(recipe, str(path), args.nproc)
     directory = _directory(args.output, recipe)
     log.info("tune: %s, batch %d, on %s; cap %s, limit %s", recipe.model.name, recipe.train.batch_size,
              recipe.train.device, format_bytes(cap.bytes), cap.describe())
     log.debug("tune: resolved recipe:\n%s", dump_yaml(recipe.model_dump(mode="json")))
     with StudyLock(directory):
-        if not args.no_train:
+        if not args.no_train and not args.predict:
             _check_training_output(recipe, args.resume, str(path))  # before the search, not an hour later
         settings = ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps, args.nproc)
         runner = ProbeRunner(directory, settings)
-        device = _device(runner, recipe)
+        device = predicted_device(facts, args.nproc) if args.predict else _device(runner, recipe)
         _check_cap_fits(cap, device, args.max_mem)
         check_devices(device, args.nproc)
         # the user's model runs only in this child: the tuner never builds it or runs its forward
         model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen,
-                           nproc=args.nproc)
+                           nproc=args.nproc, time_facts=facts)
         try:
             facts = ModelFacts.from_json(read_facts(model, str(path)))
             space = build_space(recipe, facts, device, args.search_precision, args.search_compile,
@@ -112,6 +120,8 @@ def run(args) -> int:
         finally:
             model.stop()
         print(publish(directory, records, config, screening))
+        if args.predict and ranked_feasible(records):
+            print(ranked_lines(ranked_feasible(records)))
         return _conclude(args, records, doc, cap, space, device, directory, str(path), overrides)
 
 
@@ -125,14 +135,17 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
 
     def tuned_for(record: dict):
         notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"]),
-                                   compression_comment(record), ranks_comment(args.nproc)] if note]
+                                   compression_comment(record), ranks_comment(args.nproc),
+                                   predicted_note(record) if args.predict else None] if note]
         return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes,
                            f" --nproc {args.nproc}" if args.nproc > 1 else "")
 
-    if args.no_train:
+    if args.no_train or args.predict:
         tuned_path, _ = tuned_for(ranked[0])
         nproc = f" --nproc {args.nproc}" if args.nproc > 1 else ""
-        log.info("tune: wrote %s; --no-train: train it with `ckrun %s%s`", tuned_path, tuned_path, nproc)
+        why = (f"--predict: measure it on the GPU with `ckrun tune {tuned_path} --max-mem {args.max_mem}{nproc}`"
+               if args.predict else f"--no-train: train it with `ckrun {tuned_path}{nproc}`")
+        log.info("tune: wrote %s; %s", tuned_path, why)
         return 0
     try:
         result = train_with_fallback(ranked, tuned_for, args.resume, **rank_training(args.nproc))
@@ -147,29 +160,24 @@ def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, run
             device: Device, model: ModelChild) -> tuple[list[dict], dict, dict]:
     config = _config(recipe, space, cap, args, device)
     study, fresh = open_study(directory, config, args.resume)
-    evaluate = lambda candidate, number: runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
-    predict = None if args.no_screen else IsolatedPredictor(model, device.context_bytes)
+    predictor = None if args.no_screen else CachedPredictor(IsolatedPredictor(model, device.context_bytes))
     if args.no_screen:
         log.info("screening: off (--no-screen): every new plan is probed")
     else:
         log.info("screening: a plan predicted over the cap plus the margin is told infeasible without a probe; "
                  "predictions run in a child process (%s)", model.directory)
-    off = "--no-solver" if args.no_solver else "--no-screen" if args.no_screen else None
-    if args.nproc > 1:
-        off = f"--nproc {args.nproc}: the solver plans the blocks of one process"
-    first = solver_points(study, fresh, space, cap, device, predict, off)
-    tuner = Tuner(study, space, cap, evaluate, predict, args.seed)
-    if fresh:
-        tuner.start(recipe, first, budget.trials)
+    if args.predict:
+        evaluate, settings = predicted_probe(predictor), predict_settings(args)
     else:
-        log.info("tune: --resume: %d trials already in %s are kept, not run again", len(study.trials), directory)
-    tuner.run(budget)
-    tuner.confirm(args.finalists, budget)
-    log.info("tune: searched for %.0f s%s, %d plans measured", time.monotonic() - budget.started,
-             f" of --time-budget {budget.time_s:g} s" if budget.time_s else "", tuner.probes)
-    screening = predict.summary() if predict else {"state": "off", "reason": "--no-screen"}
+        evaluate = lambda candidate, number: runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
+        off = "--no-solver" if args.no_solver else None
+        if args.nproc > 1:
+            off = f"--nproc {args.nproc}: the solver plans the blocks of one process"
+        settings = SearchSettings(args.seed, args.finalists, off)
+    records = search(study, fresh, recipe, space, cap, device, budget, evaluate, predictor, settings)
+    screening = predictor.summary() if predictor else {"state": "off", "reason": "--no-screen"}
     study.set_user_attr("screening", screening)  # `ckrun report` rewrites report.json with it
-    return trial_records(study), config, screening
+    return records, config, screening
 
 
 def _recipe_source(given: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
@@ -264,7 +272,8 @@ def _config(recipe: Recipe, space: Space, cap: Cap, args, device: Device) -> dic
     measured = recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps", "epochs"}})
     return {"recipe": hashlib.sha256(measured.encode()).hexdigest()[:16], "cap": cap.bytes, "margin": cap.margin,
             "seed": args.seed, "space": {"choices": space.choices, "fixed": space.fixed}, "device": device.name,
-            "probe_steps": [args.warmup_steps, args.timed_steps], **({"nproc": args.nproc} if args.nproc > 1 else {})}
+            "probe_steps": [args.warmup_steps, args.timed_steps], **({"nproc": args.nproc} if args.nproc > 1 else {}),
+            **({"predicted": True} if args.predict else {})}
 
 
 COMMAND = Command(
@@ -273,6 +282,7 @@ COMMAND = Command(
     "  ckrun tune --max-mem 24GB --trials 30 --time-budget 20m      # ./ckrun.yaml, else the default recipe\n"
     "  ckrun tune bert_tiny --max-mem 150MB --no-train --output runs/t  # then: ckrun runs/t/tuned.yaml\n"
     "  ckrun tune bert_tiny --max-mem 150MB --output runs/t --resume    # continue a stopped study\n"
+    "  ckrun tune recipes/bert_large.yaml --max-mem 40GB --predict --gpu h100   # no GPU needed: predicted\n"
     f"exit status: 0 tuned (and trained), {EXIT_BAD_INPUT} bad input, {EXIT_NOTHING_FITS} nothing fits under the cap "
     "or no plan could be measured (the line says why)",
 )

@@ -7,13 +7,16 @@ both happen here, in a child that leads its own process group, never in the tune
 segfault or an `os._exit` in the user's code then costs a timeout and a line in the report.
 
     python -m autotune.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--nproc N] [--facts-only]
+        [--time-facts FACTS.json]
 
 Protocol (files are written atomically; the tuner waits for each with a timeout):
 1. DIR/facts.json: `model_facts` of the model built on the meta device.
 2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
 3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32", "strategy":
    null}`, each answered in DIR/answer-N.json (with --nproc N, the peak of one of N ranks under
-   `strategy`, ddp or fsdp: runner/predict/ranks.py). End of input ends the child. A request with `"frontier": {"pairs":
+   `strategy`, ddp or fsdp: runner/predict/ranks.py); with --time-facts (a device's
+   `runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
+   it (`StepTime.record()`). End of input ends the child. A request with `"frontier": {"pairs":
    [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan}}`
    instead asks for the solver's per-block plans (`autotune.solver.frontier`, which times blocks in a
    short real run): answered with `proposals` (Proposal records) and `lines` (its reasons).
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal estimator
         from runner.predict.estimate import Estimator
 
-        estimator = Estimator(recipe, args.device)
+        estimator = Estimator(recipe, args.device, _time_facts(args.time_facts))
         return {"status": "ok"}
 
     write_atomic(directory / "ready.json", json.dumps(_answer(build, expected=_unavailable())))
@@ -75,7 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device to predict for")
     parser.add_argument("--nproc", type=int, default=1, help="predict one rank of N (tune --nproc)")
     parser.add_argument("--facts-only", action="store_true", help="report the facts and exit: no screening")
+    parser.add_argument("--time-facts", metavar="FILE", help="a device's facts (JSON): predict step times on it too")
     return parser
+
+
+def _time_facts(path: str | None):
+    if path is None:
+        return None
+    from runner.predict.hardware import load_facts
+
+    return load_facts(Path(path))
 
 
 def model_facts(recipe) -> dict:
@@ -111,7 +123,8 @@ def _predict(estimator, request: dict, nproc: int = 1) -> dict:
         estimate = _rank_estimate(estimator, request, nproc)
     else:
         estimate = estimator.estimate(MemoryPlan.model_validate(request["plan"]), request["precision"])
-    return {"status": "ok", "peak_bytes": int(estimate.peak_bytes), "warnings": list(estimate.warnings)}
+    return {"status": "ok", "peak_bytes": int(estimate.peak_bytes), "warnings": list(estimate.warnings),
+            "time": estimate.time.record() if estimate.time else None}
 
 
 def _rank_estimate(estimator, request: dict, nproc: int):
@@ -124,7 +137,8 @@ def _rank_estimate(estimator, request: dict, nproc: int):
     data.update(memory=request["plan"], precision=request["precision"])
     if request.get("strategy"):
         data["distributed"] = {"strategy": request["strategy"]}
-    return per_rank(nproc)(Recipe.model_validate(data), "cuda" if estimator.cuda else "cpu").estimate()
+    device = "cuda" if estimator.cuda else "cpu"
+    return per_rank(nproc)(Recipe.model_validate(data), device, estimator.facts).estimate()
 
 
 def _frontier(estimator, request: dict) -> dict:

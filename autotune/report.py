@@ -65,7 +65,8 @@ def winner_reason(records: list[dict], limit: int) -> str:
     best = ranked[0]
     faster = sorted((r for r in plans(records) if r["state"] != "feasible"
                      and r["samples_per_s"] > best["samples_per_s"]), key=lambda r: -r["samples_per_s"])
-    why = (f"trial {best['number']} is the fastest of {len(ranked)} plan(s) whose measured peak stays within "
+    how = "predicted" if best.get("predicted") else "measured"
+    why = (f"trial {best['number']} is the fastest of {len(ranked)} plan(s) whose {how} peak stays within "
            f"{format_bytes(limit)}")
     if faster:
         over = ", ".join(f"trial {r['number']} ({format_bytes(r['measured_peak'])})" for r in faster[:3])

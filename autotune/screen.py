@@ -39,9 +39,11 @@ CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of autotun
 class ModelChild:
     """One model child at a time for a tune; its files go to DIR/probes/model/, its output to model.log."""
 
-    def __init__(self, recipe: Recipe, probes: Path, device_kind: str, timeout_s: float, screen: bool, nproc: int = 1):
+    def __init__(self, recipe: Recipe, probes: Path, device_kind: str, timeout_s: float, screen: bool, nproc: int = 1,
+                 time_facts=None):
         self.recipe, self.probes, self.device_kind, self.nproc = recipe, probes, device_kind, nproc
         self.timeout_s, self.screen = timeout_s, screen
+        self.time_facts = time_facts  # runner.predict.hardware.DeviceFacts: predictions carry step times
         self.directory = probes / "model"
         self.log_path = self.directory / "model.log"
         self.process: subprocess.Popen | None = None
@@ -58,8 +60,13 @@ class ModelChild:
             stale.unlink(missing_ok=True)  # left by a killed tuner or the child before a restart
         recipe_path = self.directory / "recipe.json"
         write_atomic(recipe_path, self.recipe.model_dump_json(indent=1))
-        command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.model_child"), str(recipe_path), str(self.directory),
-                   "--parent", str(os.getpid()), "--device", self.device_kind, "--nproc", str(self.nproc), *([] if self.screen else ["--facts-only"])]
+        timing = []
+        if self.time_facts is not None:
+            write_atomic(self.directory / "time_facts.json", self.time_facts.model_dump_json(indent=1))
+            timing = ["--time-facts", str(self.directory / "time_facts.json")]
+        command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.model_child"), str(recipe_path),
+                   str(self.directory), "--parent", str(os.getpid()), "--device", self.device_kind, "--nproc",
+                   str(self.nproc), *([] if self.screen else ["--facts-only"]), *timing]
         with open(self.log_path, "a", encoding="utf-8") as log_file:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
                                             start_new_session=True, text=True)
@@ -159,7 +166,7 @@ class IsolatedPredictor:
         answer = self.child.ask(candidate)
         if answer["status"] == "ok":
             self._warn(answer.get("warnings", []))
-            return Prediction(answer["peak_bytes"] + self.context_bytes)
+            return Prediction(answer["peak_bytes"] + self.context_bytes, time=answer.get("time"))
         if answer["status"] == "unavailable":
             log.info("screening: no prediction for %s (%s): it is probed", candidate.describe(), answer["reason"])
             return None

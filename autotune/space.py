@@ -199,6 +199,30 @@ class Space:
     def micro_batches(self) -> list[int]:
         return self.choices.get("micro_batch") or [self.fixed["micro_batch"]]
 
+    def own_point(self, recipe: Recipe) -> dict | None:
+        """The recipe's own plan as a point of the space (its per-block labels join the choices), or
+        None where it sets something the space cannot say (a knob pinned otherwise, memory.adaptive
+        buckets, sharding)."""
+        plan = recipe.memory
+        if plan.adaptive or "sharding" in self.choices:
+            return None
+        values = {"micro_batch": plan.micro_batch or self.batch_size, "checkpointing": checkpointing_label(plan),
+                  "offload": offload_label(plan), "precision": recipe.precision, "compile": plan.compile,
+                  "allocator": plan.allocator or "default", "compression": plan.compression.policy,
+                  "short_checkpointing": "same"}
+        if any(self.fixed.get(k, v) != v for k, v in values.items() if k not in self.choices):
+            return None
+        point = {k: v for k, v in values.items() if k in self.choices}
+        for name in ("checkpointing", "offload"):
+            if name in point and point[name] not in self.choices[name]:
+                self.choices[name].append(point[name])
+        if any(v not in self.choices[k] for k, v in point.items()):
+            return None
+        if "activation_memory_budget" in self.numeric:
+            point["activation_memory_budget"] = round(plan.activation_memory_budget if plan.activation_memory_budget
+                                                      is not None else 1.0, 1)
+        return point
+
 
 def _budget(value: float | None, compiled: bool) -> float | None:
     """The budget a compiled plan runs with; TPE's 0.30000000000000004 is the grid's 0.3."""

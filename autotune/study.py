@@ -51,10 +51,16 @@ Evaluate = Callable[[Candidate, int], dict]  # (candidate, trial number) -> the 
 
 @dataclass(frozen=True)
 class Prediction:
-    """A predicted peak, or none and why (the plan is then probed unscreened, the reason recorded)."""
+    """A predicted peak, or none and why (the plan is then probed unscreened, the reason recorded);
+    with the device's facts, the step's predicted time too (`StepTime.record()`)."""
 
     peak: int | None
     reason: str = ""
+    time: dict | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return self.time["seconds"] if self.time else None
 
 
 Predict = Callable[[Candidate], "int | Prediction | None"]  # predicted peak bytes; None: no prediction possible
@@ -110,30 +116,57 @@ class Tuner:
                 self.first_of.setdefault(trial.user_attrs["key"], trial)
         self.duplicates_in_a_row = 0
         self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
+        self.predicted_time: dict[str, dict] = {}  # plan key -> its predicted StepTime record, when timed
         self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
 
     def start(self, recipe, first: list[dict] | None = None, trials: int | None = None) -> None:
-        """Queue `first` (the solver's plans), then the starting points; with predictions, each at the
-        largest micro-batch predicted to fit. A small space is predicted whole, and searched
-        exhaustively when no more plans are predicted to fit than `trials` allows."""
+        """Queue `first` (the solver's plans), the recipe's own plan, then the starting points; with
+        predictions, each at the largest micro-batch predicted to fit, the predicted fastest first.
+        A small space is predicted whole, and searched exhaustively when no more plans are predicted
+        to fit than `trials` allows."""
         first = list(first or [])
         for params in first:
             self.study.enqueue_trial(params, user_attrs={"proposed_by": "solver"})
         if first:
             log.info("tune: probing the solver's %d plan(s) first: %s", len(first),
                      "; ".join(self.space.candidate(p).describe() for p in first))
-        starts = [p for p in self.space.starting_points(recipe, self._predicted_to_fit if self.predict else None)
-                  if p not in first]
-        for params in starts:
+        own = self._own_plan(recipe, first)
+        fits = self._predicted_to_fit if self.predict else None
+        starts = self._fastest_first([p for p in self.space.starting_points(recipe, fits) if p not in first + own])
+        for params in own + starts:
             self.study.enqueue_trial(params)
         predicted = any(peak is not None for peak in self.predicted.values())
         how = "the largest micro-batch predicted to fit" if predicted else "the whole batch (no predictions)"
         if "micro_batch" not in self.space.choices:
             how = f"the pinned micro-batch {self.space.fixed['micro_batch']}"
+        if self.predicted_time:
+            how += ", the predicted fastest first"
         log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
                  "; ".join(self.space.candidate(p).describe() for p in starts))
         if trials is not None and self.predict is not None:
             self._maybe_exhaustive(trials)
+
+    def _own_plan(self, recipe, first: list[dict]) -> list[dict]:
+        """The recipe's own memory plan (a hand-written one, or a tuned.yaml from `tune --predict`),
+        unless it is the solver's, or predicted not to fit."""
+        point = self.space.own_point(recipe)
+        own = [point] if point is not None and point not in first else []
+        own = [p for p in own if not self.predict or self._predicted_to_fit(self.space.candidate(p))]
+        if own:
+            log.info("tune: the recipe's own plan first: %s", self.space.candidate(own[0]).describe())
+        return own
+
+    def _fastest_first(self, starts: list[dict]) -> list[dict]:
+        """Starting points in order of predicted step time, when there are predicted times."""
+        seconds = {json.dumps(p, sort_keys=True): self._predicted_seconds(self.space.candidate(p)) for p in starts}
+        if not any(v is not None for v in seconds.values()):
+            return starts
+        return sorted(starts, key=lambda p: (seconds[json.dumps(p, sort_keys=True)] is None,
+                                             seconds[json.dumps(p, sort_keys=True)] or 0.0))
+
+    def _predicted_seconds(self, candidate: Candidate) -> float | None:
+        self._prediction(candidate)
+        return (self.predicted_time.get(candidate.key) or {}).get("seconds")
 
     def _maybe_exhaustive(self, trials: int) -> None:
         """Predict every plan of a small space now; when the plans not screened out are no more than
@@ -168,6 +201,8 @@ class Tuner:
             if isinstance(predicted, Prediction):
                 if predicted.reason:
                     self.unscreened[candidate.key] = predicted.reason
+                if predicted.time:
+                    self.predicted_time[candidate.key] = predicted.time
                 predicted = predicted.peak
             self.predicted[candidate.key] = predicted
         return self.predicted[candidate.key]
@@ -307,6 +342,8 @@ class Tuner:
         measure_only = candidate.plan.activation_memory_budget is not None
         predicted = self._prediction(candidate) if screen and not measure_only else None
         record["predicted_peak"] = predicted
+        if candidate.key in self.predicted_time:
+            record["predicted_s"] = self.predicted_time[candidate.key]["seconds"]
         if candidate.key in self.unscreened:
             record["unscreened"] = self.unscreened[candidate.key]
         if predicted is not None and predicted > self.cap.screen_above:
@@ -323,6 +360,9 @@ class Tuner:
         if result["status"] != "ok":
             return {**out, "state": result["status"], "constraint": max(out["constraint"], 1e-6)}
         out["samples_per_s"] = result["samples_per_s"]
+        for extra in ("step_s", "mfu", "hfu", "predicted"):  # tune --predict: what the prediction said
+            if extra in result:
+                out[extra] = result[extra]
         if "gradient_error" in result:  # a lossy plan (memory.compression): how far its gradient moved
             out["gradient_error"] = result["gradient_error"]
         if peak > self.cap.limit:

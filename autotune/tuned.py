@@ -152,7 +152,8 @@ def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: 
         f"  overrides:  {' '.join(overrides)}" if overrides else "",
         f"  train it:   ckrun {path}{flags}",
         f"  device:     {device.get('device')}{f' ({format_bytes(total)})' if total else ''}; {versions}",
-        f"  measured:   peak {format_bytes(winner['measured_peak'])} within {cap.describe()}, "
+        f"  {'predicted:' if winner.get('predicted') else 'measured: '}  peak {format_bytes(winner['measured_peak'])} "
+        f"within {cap.describe()}, "
         f"{winner['samples_per_s']:.2f} samples/s" + (f" (median of {winner['runs']} runs)" if winner["runs"] > 1 else ""),
         f"  plan:       {winner['label']}",
         f"  chosen:     trial {winner['number']} of {trials}; the study, report.json and pareto.png are in {path.parent}",

@@ -9,8 +9,11 @@ depend on what its neighbours chose, so a plan's block bytes are the sum of its 
 Time comes from a short real run (the model built on the training device) with every block
 checkpointed: each block's forward is timed at its first call (the forward) and its second (the
 recompute in backward), once fully, once under selective checkpointing, whose recompute skips the
-ops it cached. Offload costs no recompute; its time is the bytes moved both ways at a measured
-host-copy bandwidth, not hidden behind compute (an upper bound: the copies overlap compute).
+ops it cached but whose forward pays for its caching mode (both count). Where no real run is
+possible or wanted (`timed_steps` 0: `tune --predict`, a target GPU that is not this machine), the
+times are the estimator's own predictions for its device (`Estimate.time`, per block). Offload
+costs no recompute; its time is the bytes moved both ways at the host link's bandwidth (measured,
+or the device's facts), not hidden behind compute (an upper bound: the copies overlap compute).
 Offload exists on CUDA only, so its columns are empty for a CPU run.
 """
 
@@ -29,7 +32,7 @@ from ..memory.blocks import BlockList, find_blocks, undo_all, wrap_forward
 from ..plan import FullCheckpointing, MemoryPlan, NoCheckpointing, SelectiveCheckpointing
 from ..recipe import Recipe
 from ..units import format_bytes
-from .estimate import HOST, Estimator
+from .estimate import HOST, Estimate, Estimator
 
 CHOICES = ("keep", "recompute", "selective", "offload")
 
@@ -81,34 +84,59 @@ class CostTable:
 
 
 def cost_table(estimator: Estimator, micro_batch: int, precision: str, timed_steps: int = 2) -> CostTable:
-    """The per-block costs of `estimator`'s recipe at `micro_batch` and `precision`; `timed_steps` 0
-    leaves the times out (no real model is built)."""
+    """The per-block costs of `estimator`'s recipe at `micro_batch` and `precision`. Times: a short real
+    run of `timed_steps`; with 0, the estimator's predictions when it has device facts, else none."""
     recipe, cuda = estimator.recipe, estimator.cuda
     plan = lambda checkpointing, **more: MemoryPlan(  # noqa: E731
         micro_batch=micro_batch, checkpointing=checkpointing, blocks=recipe.memory.blocks, **more)
-    none_peak, keep, _ = block_bytes(estimator, plan(NoCheckpointing()), precision)
-    full_peak, recompute, _ = block_bytes(estimator, plan(FullCheckpointing(policy="full")), precision)
-    _, selective, _ = block_bytes(estimator, plan(SelectiveCheckpointing(policy="selective")), precision)
+    none, keep, _ = block_bytes(estimator, plan(NoCheckpointing()), precision)
+    full, recompute, _ = block_bytes(estimator, plan(FullCheckpointing(policy="full")), precision)
+    selective_run, selective, _ = block_bytes(estimator, plan(SelectiveCheckpointing(policy="selective")), precision)
     offloaded = moved = [None] * len(keep)
     if cuda:
         _, offloaded, moved = block_bytes(estimator, plan(NoCheckpointing(), offload={"policy": "all"}), precision)
         offloaded = [k - m for k, m in zip(keep, moved, strict=True)]  # in flight at the block's end is not saved
     found = find_blocks(estimator.model, recipe.memory.blocks)
-    times = recompute_seconds(recipe, micro_batch, precision, timed_steps) if timed_steps else {}
-    times = _alike_averaged(times, [(type(b.module).__name__, keep[b.index], recompute[b.index]) for b in found])
-    bandwidth = host_bandwidth() if times and cuda else None
+    if timed_steps:
+        times = recompute_seconds(recipe, micro_batch, precision, timed_steps)
+        times = _alike_averaged(times, [(type(b.module).__name__, keep[b.index], recompute[b.index]) for b in found])
+        how = (f"median of {timed_steps} real steps after a warm-up, the same for blocks of one class that save "
+               "the same bytes (their median)")
+    else:
+        times, how = _predicted_times(none, full, selective_run), f"predicted for {estimator.facts.name} (a roofline)" \
+            if estimator.facts else "not measured"
+    bandwidth = _host_rate(estimator, measured=timed_steps > 0) if times and cuda else None
     names = [block.name for block in found]
     blocks = [BlockCost(i, names[i], keep[i], recompute[i], selective[i], offloaded[i], moved[i],
                         *_times(times, i), 2 * moved[i] / bandwidth if bandwidth and moved[i] is not None else None)
               for i in range(len(keep))]
     notes = [f"bytes: the estimator ({estimator.recipe.train.batch_size} samples in micro-batches of {micro_batch}, "
-             f"{precision}, {'cuda' if cuda else 'cpu'}); times: " +
-             (f"median of {timed_steps} real steps after a warm-up, the same for blocks of one class that save "
-              "the same bytes (their median)" if times else "not measured")]
+             f"{precision}, {'cuda' if cuda else 'cpu'}); times: {how}"]
     if bandwidth:
         notes.append(f"offload: {format_bytes(int(bandwidth))}/s host copies, counted unhidden (an upper bound)")
-    return CostTable(micro_batch, precision, "cuda" if cuda else "cpu", none_peak, full_peak, none_peak - sum(keep),
-                     blocks, notes)
+    return CostTable(micro_batch, precision, "cuda" if cuda else "cpu", none.peak_bytes, full.peak_bytes,
+                     none.peak_bytes - sum(keep), blocks, notes)
+
+
+def _predicted_times(none, full, selective) -> dict[str, list[float]]:
+    """Per block, from the estimator's step times: the forward, what full recompute adds, and what
+    selective adds (its recompute, and its caching mode's cost in the forward)."""
+    if none.time is None or not none.time.blocks:
+        return {}
+    plain = {b.index: b.forward_s for b in none.time.blocks}
+    recomputed = {b.index: b.recompute_s for b in full.time.blocks}
+    cached = {b.index: b.recompute_s + max(0.0, b.forward_s - plain.get(b.index, 0.0)) for b in selective.time.blocks}
+    count = max(plain) + 1
+    return {"forward": [plain.get(i, 0.0) for i in range(count)],
+            "recompute": [recomputed.get(i, 0.0) for i in range(count)],
+            "selective": [cached.get(i, 0.0) for i in range(count)]}
+
+
+def _host_rate(estimator: Estimator, measured: bool) -> float | None:
+    if measured and torch.cuda.is_available():
+        return host_bandwidth()
+    facts = estimator.facts
+    return facts.host_gbs * 1e9 if facts is not None and facts.host_gbs else None
 
 
 def _alike_averaged(times: dict[str, list[float]], kinds: list[tuple]) -> dict[str, list[float]]:
@@ -163,13 +191,12 @@ def format_table(table: CostTable) -> str:
 # --- bytes, from the estimator ---------------------------------------------------------------
 
 
-def block_bytes(estimator: Estimator, plan: MemoryPlan, precision: str) -> tuple[int, list[int], list[int]]:
-    """(peak, per-block device bytes, per-block host bytes) of one step of `plan` on fake tensors."""
+def block_bytes(estimator: Estimator, plan: MemoryPlan, precision: str) -> tuple[Estimate, list[int], list[int]]:
+    """(the estimate, per-block device bytes, per-block host bytes) of one step of `plan` on fake tensors."""
     blocks = find_blocks(estimator.model, plan.blocks)
     device_bytes, host_bytes = [0] * len(blocks), [0] * len(blocks)
     watch = lambda tracker: _watched(blocks, tracker, device_bytes, host_bytes)  # noqa: E731
-    peak = estimator.estimate(plan, precision, watch=watch).peak_bytes
-    return peak, device_bytes, host_bytes
+    return estimator.estimate(plan, precision, watch=watch), device_bytes, host_bytes
 
 
 @contextlib.contextmanager
@@ -236,6 +263,9 @@ def recompute_seconds(recipe: Recipe, micro_batch: int, precision: str, steps: i
             timers()
         per_step = [_per_step(c, steps, recipe.train.batch_size // micro_batch) for c in calls]
         out[name] = [recompute for _, recompute in per_step]
+        if name == "selective":  # its caching mode slows the forward as well: that is part of its cost
+            out[name] = [r + max(0.0, f - plain) for r, (f, _), plain in zip(out[name], per_step, out["forward"],
+                                                                           strict=True)]
         out.setdefault("forward", [forward for forward, _ in per_step])
     del model, optimizer, batch
     if device.type == "cuda":

@@ -55,8 +55,8 @@ from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_works
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
 from .fake_gaps import FakeGapWatch
 from .hardware import DeviceFacts
-from .roofline import OpClock
-from .step_time import StepShape, StepTime, assemble
+from .roofline import OpClock, StepWork
+from .step_time import StepShape, StepTime, step_time
 
 CPU = torch.device("cpu")
 HOST = torch.device("meta")  # where offloaded activations land in an estimate (fake host memory)
@@ -82,6 +82,15 @@ class Estimate:
     """Where the estimate is known to be low: ops whose fake kernels allocate less than the real ones."""
     time: StepTime | None = None
     """The step's predicted time on the named device; None when no device facts were given."""
+    work: StepWork | None = field(default=None, repr=False, compare=False)
+    """What the step's ops did (device-independent): `time_on` prices it on another device."""
+    shape: StepShape | None = field(default=None, repr=False, compare=False)
+
+    def time_on(self, facts: DeviceFacts) -> StepTime:
+        """The same step's time on another device (the peak is this estimate's)."""
+        if self.work is None or self.shape is None:
+            raise ValueError("this estimate was made without device facts: it recorded no work to price")
+        return step_time(self.work, self.shape, facts)
 
     def record(self) -> dict:
         return {"device": self.device, "peak_bytes": self.peak_bytes, "live_peak_bytes": self.live_peak_bytes,
@@ -135,7 +144,7 @@ class Estimator:
         micro = _micro_batch(plan, self.recipe.train.batch_size)
         check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
         tracker = LiveBytesTracker(CPU, record_events=self.cuda)
-        clock = OpClock(self.facts, self.world_size, moded_blocks=self._moded_blocks(plan)) if self.facts else None
+        clock = OpClock(self.world_size, moded_blocks=self._moded_blocks(plan)) if self.facts else None
         with self.fake_mode, self._device_behaviour(), self._applied(plan, clock):
             tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
@@ -148,7 +157,8 @@ class Estimator:
         estimate = self._result(tracker, baseline, plan, precision)
         estimate.warnings.extend(self.warnings)
         if clock is not None:
-            estimate = replace(estimate, time=assemble(clock.ledger, self._shape(micro, precision), self.facts))
+            shape = self._shape(micro, precision)
+            estimate = replace(estimate, work=clock.work, shape=shape, time=step_time(clock.work, shape, self.facts))
         return estimate
 
     # --- running ---------------------------------------------------------------------------------

@@ -1,17 +1,19 @@
-"""The time of each op of a fake training step on a named device: a roofline, op by op.
+"""The work of each op of a fake training step, and its time on a named device: a roofline.
 
 `OpClock` is a dispatch mode stacked beside the memory tracker in the estimator's one fake step.
-Each aten op costs the longest of
-- its FLOPs at the device's matmul rate for the op's dtype (torch's own FLOP formulas,
-  `torch.utils.flop_counter.flop_registry`: products, convolutions, attention);
-- the bytes it reads and writes at the device's memory bandwidth (`get_num_bytes` of torch's
-  runtime estimation: broadcast dimensions read once);
-- the device's per-op floor (eager dispatch and kernel launch), which small ops never beat.
+It records each aten op's work (`StepWork`): its FLOPs (torch's own formulas,
+`torch.utils.flop_counter.flop_registry`: products, convolutions, attention), the bytes it reads
+and writes (`get_num_bytes` of torch's runtime estimation: broadcast dimensions read once) and
+its compute dtype. `price(work, facts)` then gives each op the longest of
+- its FLOPs at the device's matmul rate for that dtype,
+- its bytes at the device's memory bandwidth,
+- the device's per-op floor (eager dispatch and kernel launch, plus the Python dispatch mode's
+  cost where selective checkpointing's cache handles the op), which small ops never beat.
 Views and tensor creation cost nothing. Copies between the device and the host (activation
 offload: the estimate's host is the meta device) go to a copy stream at the host link's rate, and
 collectives (FSDP's all-gathers and reduce-scatters on the fake process group) to a comm stream at
-the peer link's rate (ring: (N-1)/N of the bytes). `step_time.assemble` then overlaps those
-streams with compute.
+the peer link's rate (ring: (N-1)/N of the bytes). `step_time.assemble` overlaps those streams
+with compute. The work does not depend on the device, so one fake step can be priced on many.
 
 This is torch's own roofline (`torch.distributed._tools.runtime_estimator.RuntimeEstimator`'s
 "operator-level-cost-model") rebuilt from the same parts, because RuntimeEstimator itself cannot
@@ -47,7 +49,7 @@ _FREE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_emp
                    "detach", "alias", "_local_scalar_dense", "set_", "resize_", "_unsafe_view", "_reshape_alias"})
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _PRICED = frozenset({"aten", "fsdp", *_COLLECTIVE_NAMESPACES})  # fsdp: FSDP2's copy-in/out kernels
-PHASES = ("forward", "backward", "recompute", "update")
+AFTER_BLOCKS = -1  # the block field of a forward op after the last block (the head, the loss)
 
 
 @functools.cache
@@ -59,44 +61,95 @@ def _num_bytes():
         return lambda t: t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class OpWork:
+    kind: str  # "first" or "repeat" (the last micro-batch seen)
+    phase: str  # forward | backward | recompute | update
+    block: int | None  # the repeated block it ran in; AFTER_BLOCKS after them; None elsewhere
+    flops: float
+    dtype: str  # fp32 | bf16 | fp16: the rate its FLOPs run at
+    nbytes: int
+    moded: bool  # handled by a Python dispatch mode (selective checkpointing's cache)
+
+
+@dataclass
+class StepWork:
+    """What a fake step's ops did, device-independent: price it with `price`."""
+
+    ops: list[OpWork] = field(default_factory=list)
+    to_host: list[tuple[str, int | None, int]] = field(default_factory=list)
+    """(kind, block, bytes) of each device -> host copy (activation offload stashes)."""
+    collectives: list[tuple[str, str, float]] = field(default_factory=list)
+    """(kind, phase, ring bytes: what one rank sends) of each collective."""
+    world_size: int = 1
+    tf32: bool = False
+
+    def forget_repeat(self) -> None:
+        """A later micro-batch starts: "repeat" holds only the last one (the step's update runs after it)."""
+        self.ops = [op for op in self.ops if op.kind != "repeat"]
+        self.to_host = [copy for copy in self.to_host if copy[0] != "repeat"]
+        self.collectives = [c for c in self.collectives if c[0] != "repeat"]
+
+
 @dataclass
 class Ledger:
     """Seconds and FLOPs by (micro-batch kind, phase), per-block figures of the first micro-batch,
-    and the bytes put on the copy and comm streams."""
+    and the bytes and seconds of the copy and comm streams: `StepWork` priced on one device."""
 
     seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     flops: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
-    ops: int = 0
     block_forward_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     block_recompute_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     block_to_host: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     to_host: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    """Bytes copied device -> host per micro-batch kind (offload stashes)."""
     comm_s: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     outside_blocks_forward_s: float = 0.0
     """Forward seconds of the first micro-batch after its last block (head, loss)."""
 
-    def forget_repeat(self) -> None:
-        """A later micro-batch starts: "repeat" holds only the last one (the step's update runs after it)."""
-        for table in (self.seconds, self.flops, self.comm_s):
-            for key in [k for k in table if k[0] == "repeat"]:
-                del table[key]
-        self.to_host.pop("repeat", None)
+
+def price(work: StepWork, facts: DeviceFacts) -> Ledger:
+    """The step's work on `facts`: each op the slowest of compute, memory traffic and its floor."""
+    ledger, bandwidth = Ledger(), facts.bandwidth()
+    floor, moded_floor = facts.launch_us * 1e-6, (facts.launch_us + facts.python_mode_us) * 1e-6
+    rates = {dtype: facts.matmul_flops("tf32" if dtype == "fp32" and work.tf32 else dtype)
+             for dtype in ("fp32", "bf16", "fp16")}
+    for op in work.ops:
+        seconds = max(op.flops / rates[op.dtype] if op.flops else 0.0, op.nbytes / bandwidth,
+                      moded_floor if op.moded else floor)
+        ledger.seconds[(op.kind, op.phase)] += seconds
+        ledger.flops[(op.kind, op.phase)] += op.flops
+        if op.kind == "first":
+            _file_block(ledger, op, seconds)
+    for kind, block, nbytes in work.to_host:
+        ledger.to_host[kind] += nbytes
+        if kind == "first" and block is not None and block >= 0:
+            ledger.block_to_host[block] += nbytes
+    if work.world_size > 1 and facts.peer_gbs:
+        for kind, phase, nbytes in work.collectives:
+            ledger.comm_s[(kind, phase)] += nbytes * (work.world_size - 1) / work.world_size / (facts.peer_gbs * 1e9)
+    return ledger
+
+
+def _file_block(ledger: Ledger, op: OpWork, seconds: float) -> None:
+    if op.phase == "forward" and op.block == AFTER_BLOCKS:
+        ledger.outside_blocks_forward_s += seconds
+    elif op.phase == "forward" and op.block is not None:
+        ledger.block_forward_s[op.block] += seconds
+    elif op.phase == "recompute" and op.block is not None:
+        ledger.block_recompute_s[op.block] += seconds
 
 
 class OpClock(TorchDispatchMode):
-    """Prices every op of the region on `facts` and files it in a `Ledger` (module docstring).
+    """Records the work of every op of the region in a `StepWork` (module docstring).
 
     The estimator tells it where the step is: `start_micro_batch()` as the model's forward
     begins, and `in_block(index)` around each repeated block's forward (installed inside any
     checkpoint, so a recompute in backward is seen as one)."""
 
-    def __init__(self, facts: DeviceFacts, world_size: int = 1, tf32: bool = False,
-                 moded_blocks: frozenset[int] = frozenset()):
+    def __init__(self, world_size: int = 1, tf32: bool = False, moded_blocks: frozenset[int] = frozenset()):
         super().__init__()
-        self.facts, self.world_size, self.tf32 = facts, world_size, tf32
+        self.work = StepWork(world_size=world_size, tf32=tf32)
         self.moded_blocks = moded_blocks  # blocks whose forward and recompute run under a Python mode
-        self.ledger = Ledger()
         self.micro = 0
         self.block: int | None = None
         self.backward_seen = False  # since this micro-batch's forward began
@@ -108,7 +161,7 @@ class OpClock(TorchDispatchMode):
         self.micro += 1
         self.backward_seen = False
         if self.micro > 2:
-            self.ledger.forget_repeat()
+            self.work.forget_repeat()
 
     def in_block(self, forward, index: int):
         """A block's forward that tells the clock it runs (wrap it inside the checkpoint)."""
@@ -129,76 +182,56 @@ class OpClock(TorchDispatchMode):
             return kind, "recompute" if self.block is not None else "backward"
         return (kind, "update") if self.backward_seen else (kind, "forward")
 
-    # --- pricing ----------------------------------------------------------------------------------
+    def _block(self, phase: str) -> int | None:
+        if self.block is None and phase == "forward" and self.last_block_seen >= 0:
+            return AFTER_BLOCKS
+        return self.block
+
+    # --- recording --------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         try:
-            self._file(func, args, kwargs, out)
-        except Exception as err:  # noqa: BLE001 - pricing must never break the memory estimate
-            log.debug("time model: %s not priced: %s", func, err)
+            self._record(func, args, kwargs, out)
+        except Exception as err:  # noqa: BLE001 - timing must never break the memory estimate
+            log.debug("time model: %s not counted: %s", func, err)
         return out
 
-    def _file(self, func, args, kwargs, out) -> None:
-        kind, phase = self._where()
+    def _record(self, func, args, kwargs, out) -> None:
         name = func._overloadpacket.__name__
         if func.namespace not in _PRICED or func.is_view or name in _FREE:
             return  # prim::device and the like read metadata; profiler ops mark ranges
+        kind, phase = self._where()
         if func.namespace in _COLLECTIVE_NAMESPACES:
-            self.ledger.comm_s[(kind, phase)] += self._collective_s(name, args, out)
+            self.work.collectives.append((kind, phase, _ring_bytes(name, args, out)))
             return
         moved = _host_copy_bytes(args, out)
         if moved:
-            if moved > 0:
-                self.ledger.to_host[kind] += moved
-                if kind == "first" and self.block is not None:
-                    self.ledger.block_to_host[self.block] += moved
+            if moved > 0:  # what comes back in backward is what went out: priced both ways from this
+                self.work.to_host.append((kind, self._block(phase), moved))
             return
-        flops, seconds = self._cost(func, args, kwargs, out)
-        if self.block in self.moded_blocks and phase in ("forward", "recompute"):
-            seconds = max(seconds, (self.facts.launch_us + self.facts.python_mode_us) * 1e-6)
-        self.ledger.seconds[(kind, phase)] += seconds
-        self.ledger.flops[(kind, phase)] += flops
-        self.ledger.ops += 1
-        self._file_block(kind, phase, seconds)
+        flops, dtype, nbytes = _work(func, args, kwargs, out)
+        moded = self.block in self.moded_blocks and phase in ("forward", "recompute")
+        self.work.ops.append(OpWork(kind, phase, self._block(phase), flops, dtype, nbytes, moded))
 
-    def _file_block(self, kind: str, phase: str, seconds: float) -> None:
-        if kind != "first":
-            return
-        if phase == "forward" and self.block is not None:
-            self.ledger.block_forward_s[self.block] += seconds
-        elif phase == "recompute":
-            self.ledger.block_recompute_s[self.block] += seconds
-        elif phase == "forward" and self.last_block_seen >= 0:
-            self.ledger.outside_blocks_forward_s += seconds
 
-    def _cost(self, func, args, kwargs, out) -> tuple[float, float]:
-        """(FLOPs, seconds) of one op: the slowest of compute, memory traffic and the launch floor."""
-        flat_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        flat_out = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        nbytes = sum(map(_num_bytes(), flat_in)) + sum(map(_num_bytes(), flat_out))
-        nbytes += _mutated_bytes(func, args, flat_out)
-        flops, compute_s = 0.0, 0.0
-        counter = flop_registry.get(func._overloadpacket)
-        if counter is not None:
-            flops = float(counter(*args, **kwargs, out_val=out))
-            compute_s = flops / self.facts.matmul_flops(self._compute_dtype(flat_out or flat_in))
-        memory_s = nbytes / self.facts.bandwidth()
-        return flops, max(compute_s, memory_s, self.facts.launch_us * 1e-6)
+def _work(func, args, kwargs, out) -> tuple[float, str, int]:
+    """(FLOPs, compute dtype, bytes read and written) of one op."""
+    flat_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    flat_out = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    nbytes = sum(map(_num_bytes(), flat_in)) + sum(map(_num_bytes(), flat_out)) + _mutated_bytes(func, args, flat_out)
+    counter = flop_registry.get(func._overloadpacket)
+    flops = float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
+    dtype = next((_COMPUTE_DTYPES[t.dtype] for t in flat_out or flat_in if t.dtype in _COMPUTE_DTYPES), "fp32")
+    return flops, dtype, nbytes
 
-    def _compute_dtype(self, tensors: list[torch.Tensor]) -> str:
-        dtype = next((_COMPUTE_DTYPES[t.dtype] for t in tensors if t.dtype in _COMPUTE_DTYPES), "fp32")
-        return "tf32" if dtype == "fp32" and self.tf32 else dtype
 
-    def _collective_s(self, name: str, args, out) -> float:
-        """Ring collectives move (N-1)/N of the gathered bytes each way; an all-reduce twice that."""
-        if self.world_size <= 1 or not self.facts.peer_gbs:
-            return 0.0
-        tensors = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
-        nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
-        factor = 2.0 if "all_reduce" in name or "allreduce" in name else 1.0
-        return factor * nbytes * (self.world_size - 1) / self.world_size / (self.facts.peer_gbs * 1e9)
+def _ring_bytes(name: str, args, out) -> float:
+    """Ring collectives send (N-1)/N of the gathered bytes (priced in `price`); an all-reduce twice that."""
+    tensors = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+    nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+    return (2.0 if "all_reduce" in name or "allreduce" in name else 1.0) * nbytes
 
 
 def _host_copy_bytes(args, out) -> int:

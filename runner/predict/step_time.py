@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .hardware import DeviceFacts
-from .roofline import Ledger
+from .roofline import Ledger, StepWork, price
 
 LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")
 
@@ -75,7 +75,11 @@ class StepShape:
     precision: str
     world_size: int = 1
     ddp_gradient_bytes: int = 0
-    tf32: bool = False
+
+
+def step_time(work: StepWork, shape: StepShape, facts: DeviceFacts) -> StepTime:
+    """The step whose work the op clock recorded, on the device `facts` describe."""
+    return assemble(price(work, facts), shape, facts)
 
 
 def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
@@ -106,9 +110,7 @@ def _extrapolated(table: dict, phase: str, micro_batches: int) -> float:
 
 
 def _matmul_dtype(shape: StepShape) -> str:
-    if shape.precision in ("bf16", "fp16"):
-        return shape.precision
-    return "tf32" if shape.tf32 else "fp32"
+    return shape.precision if shape.precision in ("bf16", "fp16") else "fp32"
 
 
 def _offload_exposed(ledger: Ledger, facts: DeviceFacts, forward_s: float, backward_s: float) -> float:

@@ -15,7 +15,7 @@ from runner.plan import MemoryPlan
 from runner.predict import estimate as estimate_module
 from runner.predict.estimate import Estimator
 from runner.predict.hardware import DeviceFacts
-from runner.predict.roofline import OpClock
+from runner.predict.roofline import OpClock, price
 
 # round numbers: 1 TFLOP/s for every dtype, 100 GB/s, no efficiency loss, a 10 us floor per op
 FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 1.0, "tf32": 1.0, "bf16": 4.0, "fp16": 4.0},
@@ -48,7 +48,7 @@ def test_an_op_costs_the_slowest_of_its_flops_bytes_and_the_floor():
     with FakeTensorMode():
         a, b = torch.empty(256, 512), torch.empty(512, 1024)
         small = torch.empty(4)
-        with OpClock(FACTS) as clock:
+        with OpClock() as clock:
             a @ b
             big = torch.empty(1 << 24)
             big + big
@@ -56,17 +56,18 @@ def test_an_op_costs_the_slowest_of_its_flops_bytes_and_the_floor():
     flops = 2 * 256 * 512 * 1024
     matmul_s = max(flops / 1e12, 4 * (256 * 512 + 512 * 1024 + 256 * 1024) / 100e9)
     add_s = 3 * 4 * (1 << 24) / 100e9  # two reads and a write
-    assert clock.ledger.flops[("first", "forward")] == flops
-    assert clock.ledger.seconds[("first", "forward")] == pytest.approx(matmul_s + add_s + 10e-6)
-    assert clock.ledger.ops == 3  # empty() allocates and launches nothing
+    ledger = price(clock.work, FACTS)
+    assert ledger.flops[("first", "forward")] == flops
+    assert ledger.seconds[("first", "forward")] == pytest.approx(matmul_s + add_s + 10e-6)
+    assert len(clock.work.ops) == 3  # empty() allocates and launches nothing
 
 
 def test_the_compute_rate_follows_the_dtype():
     with FakeTensorMode():
         a = torch.empty(1024, 1024, dtype=torch.bfloat16)
-        with OpClock(FACTS) as clock:
+        with OpClock() as clock:
             a @ a
-    assert clock.ledger.seconds[("first", "forward")] == pytest.approx(2 * 1024**3 / 4e12)
+    assert price(clock.work, FACTS).seconds[("first", "forward")] == pytest.approx(2 * 1024**3 / 4e12)
 
 
 def test_recompute_is_counted_as_hardware_flops_not_model_flops(estimator):
@@ -172,6 +173,15 @@ def test_python_mode_cost_lands_on_selective_blocks_only():
 def test_tokens_per_second_for_language_models(estimator):
     step = estimator.estimate(_plan("none")).time
     assert step.tokens_per_s == pytest.approx(step.samples_per_s * 32)
+
+
+def test_one_step_priced_on_another_device_is_that_devices_estimate():
+    recipe = recipe_from_text(TINY_BERT)
+    other = FACTS.model_copy(update={"name": "other", "memory_gbs": 7.0, "launch_us": 3.0})
+    here = Estimator(recipe, "cuda", FACTS).estimate(_plan("full", 4))
+    there = Estimator(recipe, "cuda", other).estimate(_plan("full", 4))
+    assert here.time_on(other) == there.time
+    assert here.time_on(other).seconds != here.time.seconds
 
 
 def test_no_facts_no_time():

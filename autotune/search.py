@@ -1,0 +1,48 @@
+"""One search, whoever answers its probes: `ckrun tune` (real probes), `ckrun tune --predict`
+(predictions in their place) and `bench/tune_oracle.py` (an oracle's fixed numbers) all run this.
+
+The order: the solver's per-block plans (computed once per study), the recipe's own plan and the
+known starting points, TPE until the budget is spent, then the finalists measured again. What
+answers a probe (`evaluate`), what predicts a plan (`predictor`: its peak, and its step time when it
+knows the device) and how many re-runs settle the winner are the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import optuna
+
+from .cap import Cap
+from .frontier import solver_points
+from .space import Device, Space
+from .study import Budget, Evaluate, Tuner, trial_records
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    seed: int = 0
+    finalists: int = 2  # plans measured again until each has FINALIST_RUNS runs; 0 for deterministic answers
+    solver_off: str | None = None  # why the solver proposes nothing, or None
+    timed_steps: int | None = None  # the solver's real block timing (None: its default; 0: predicted times)
+
+
+def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, device: Device, budget: Budget,
+           evaluate: Evaluate, predictor=None, settings: SearchSettings = SearchSettings()) -> list[dict]:
+    """Run the search on `study` and return every trial as a record (`study.trial_records`)."""
+    off = settings.solver_off or (None if predictor is not None else "no predictions")
+    first = solver_points(study, fresh, space, cap, device, predictor, off, settings.timed_steps)
+    tuner = Tuner(study, space, cap, evaluate, predictor, settings.seed)
+    if fresh:
+        tuner.start(recipe, first, budget.trials)
+    else:
+        log.info("tune: --resume: %d trials already in the study are kept, not run again", len(study.trials))
+    tuner.run(budget)
+    tuner.confirm(settings.finalists, budget)
+    log.info("tune: searched for %.0f s%s, %d plans measured", time.monotonic() - budget.started,
+             f" of --time-budget {budget.time_s:g} s" if budget.time_s else "", tuner.probes)
+    return trial_records(study)
