@@ -85,8 +85,9 @@ def step_time(work: StepWork, shape: StepShape, facts: DeviceFacts) -> StepTime:
 def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
     n = shape.micro_batches
     phase = {name: _extrapolated(ledger.seconds, name, n) for name in ("forward", "backward", "recompute")}
-    update = _extrapolated(ledger.seconds, "update", n)  # each micro-batch's tail; the last's holds the update
-    flops = sum(_extrapolated(ledger.flops, name, n) for name in ("forward", "backward", "recompute", "update"))
+    update = _tails(ledger.seconds, n)
+    flops = sum(_extrapolated(ledger.flops, name, n) for name in ("forward", "backward", "recompute"))
+    flops += _tails(ledger.flops, n)
     recompute_flops = _extrapolated(ledger.flops, "recompute", n)
     offload = n * _offload_exposed(ledger, facts, phase["forward"] / n, (phase["backward"] + phase["recompute"]) / n)
     comm = _comm_exposed(ledger, shape, facts, phase)
@@ -105,8 +106,15 @@ def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
 
 
 def _extrapolated(table: dict, phase: str, micro_batches: int) -> float:
+    """A phase of every micro-batch: the first, then the rest as the last one seen."""
     first, repeat = table[("first", phase)], table[("repeat", phase)]
     return first + (micro_batches - 1) * repeat if micro_batches > 1 else first
+
+
+def _tails(table: dict, micro_batches: int) -> float:
+    """What runs after each backward: every micro-batch's tail as the first's, the last's holding the update."""
+    first, last = table[("first", "update")], table[("repeat", "update")]
+    return (micro_batches - 1) * first + last if micro_batches > 1 else first
 
 
 def _matmul_dtype(shape: StepShape) -> str:
@@ -138,7 +146,7 @@ def _comm_exposed(ledger: Ledger, shape: StepShape, facts: DeviceFacts, phase: d
     for name, compute in (("forward", phase["forward"]), ("backward", phase["backward"] + phase["recompute"])):
         comm = _extrapolated(ledger.comm_s, name, n)
         exposed += max(0.0, comm - compute)
-    exposed += _extrapolated(ledger.comm_s, "update", n)
+    exposed += _tails(ledger.comm_s, n)
     if shape.ddp_gradient_bytes and shape.world_size > 1 and facts.peer_gbs:
         ring = 2 * shape.ddp_gradient_bytes * (shape.world_size - 1) / shape.world_size / (facts.peer_gbs * 1e9)
         exposed += max(0.0, ring - (phase["backward"] + phase["recompute"]) / n)

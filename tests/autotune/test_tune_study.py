@@ -10,7 +10,8 @@ from autotune.cli_tune import parse_duration
 from autotune.model_child import model_facts
 from autotune.space import Device, ModelFacts, build_space
 from autotune.cap import Cap
-from autotune.study import Budget, Tuner, open_study, trial_records
+from autotune.labels import checkpointing_label
+from autotune.study import Budget, Prediction, Tuner, open_study, trial_records
 from autotune.report import ranked_feasible
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
@@ -220,3 +221,22 @@ def test_the_time_budget_bounds_search_and_re_runs(tmp_path, setting, monkeypatc
     assert spent <= max(budget_s, probe_s)
     probes = len([r for r in trial_records(study) if r.get("probe_s") and r["state"] != "duplicate"])
     assert probes == max(1, budget_s // probe_s)
+
+
+def test_predicted_times_order_the_starting_points_after_the_recipes_own_plan(tmp_path, setting):
+    """With step times in the predictions (a GPU whose facts are known), the known rules are tried
+    fastest first; the recipe's own plan (a hand-written or predicted tuned.yaml) comes before them."""
+    recipe, space = setting
+    own = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"micro_batch": 4})})
+    slowest_first = {"none": 3.0, "full": 1.0, "every:2": 2.0}
+
+    def predict(candidate):
+        label = checkpointing_label(candidate.plan)
+        return Prediction(1000, time={"seconds": slowest_first.get(label, 9.0) + candidate.plan.micro_batch / 100})
+
+    study, _ = open_study(tmp_path, {}, False)
+    tuner = Tuner(study, space, CAP, Counting(recipe), predict)
+    tuner.start(own)
+    queued = [space.candidate(t.system_attrs["fixed_params"]) for t in study.get_trials(states=(TrialState.WAITING,))]
+    assert [(c.plan.micro_batch, checkpointing_label(c.plan)) for c in queued[:4]] == [
+        (4, "none"), (8, "full"), (8, "every:2"), (8, "none")]

@@ -1,0 +1,80 @@
+"""`ckrun tune --predict --gpu NAME`: the search with predictions in place of probes, on a CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import BERT_TINY, TINY_BERT
+from runner.cli import main
+from tune_helpers import launches, report
+
+# the tiny BERT for a GPU: bf16, 4 blocks, batch 16; its peaks sit just above the CUDA context
+FOR_GPU = [*[o for o in TINY_BERT if not o.startswith(("train.device", "train.batch_size"))],
+           "model.config.num_hidden_layers=4", "train.batch_size=16", "precision=bf16", "train.device=auto"]
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("predicted")
+    code = main(["tune", BERT_TINY, *FOR_GPU, f"output.dir={out / 'run'}", "--max-mem", "1GB", "--predict",
+                 "--gpu", "a100-40gb", "--output", str(out / "tune"), "--trials", "6"])
+    return out, code
+
+
+def test_predict_searches_without_probing_and_writes_a_tuned_yaml_marked_predicted(predicted, capsys):
+    out, code = predicted
+    assert code == 0
+    found = report(out / "tune")
+    measured = [t for t in found["trials"] if t["state"] == "feasible"]
+    assert measured and all(t["predicted"] and t["step_s"] > 0 and 0 < t["mfu"] <= 1 for t in measured)
+    assert all(t["device"]["device"] == "NVIDIA A100-SXM4-40GB" for t in measured)
+    assert not [launch for launch in launches(out / "tune") if launch["what"] == "probe"]  # nothing ran for real
+    assert not (out / "run" / "metrics.jsonl").exists()  # nor trained
+    text = (out / "tune" / "tuned.yaml").read_text()
+    assert "PREDICTED, not measured: NVIDIA A100-SXM4-40GB" in text and "#   predicted:" in text
+    winner = found["trials"][found["winner"]]
+    assert yaml.safe_load(text)["memory"]["micro_batch"] == winner["plan"]["micro_batch"]
+    assert winner["samples_per_s"] == max(t["samples_per_s"] for t in measured if t["measured_peak"] <= found["limit_bytes"])
+
+
+def test_a_predicted_tuned_yaml_is_where_the_next_tune_starts(predicted, tmp_path):
+    """On the GPU, `ckrun tune tuned.yaml` tries the recipe's own plan (the predicted winner) first."""
+    out, _ = predicted
+    tuned = out / "tune" / "tuned.yaml"
+    winner = report(out / "tune")["trials"][report(out / "tune")["winner"]]
+    code = main(["tune", str(tuned), f"output.dir={tmp_path / 'run'}", "--max-mem", "1GB", "--predict", "--gpu",
+                 "a100-40gb", "--output", str(tmp_path / "again"), "--trials", "1", "--no-solver"])
+    assert code == 0
+    first = report(tmp_path / "again")["trials"][0]
+    assert first["key"] == winner["key"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--predict"], "--predict: predicting needs the device: name it with --gpu h100"),
+    (["--gpu", "h100"], "--gpu: the probes run on this machine, which has no GPU; add --predict"),
+    (["--predict", "--gpu", "h300"], "--gpu: unknown GPU 'h300'; known: h100,"),
+    (["--predict", "--gpu", "h100", "--no-screen"], "--no-screen: --predict answers every probe with a prediction"),
+    (["--predict", "--gpu", "l4", "train.device=cpu"], "train.device: the recipe trains on cpu but NVIDIA L4 is a GPU"),
+    (["--predict", "--gpu", "l4", "--max-mem", "30GB"], "--max-mem 30GB: more than the NVIDIA L4 has"),
+])
+def test_predict_refuses_what_it_cannot_do_in_one_line(tmp_path, capsys, flags, says):
+    pytest.importorskip("torch").cuda.is_available() and pytest.skip("these refusals are for a machine without a GPU")
+    cap = [] if "--max-mem" in flags else ["--max-mem", "1GB"]
+    code = main(["tune", BERT_TINY, *FOR_GPU, f"output.dir={tmp_path / 'run'}", "--output", str(tmp_path / "t"),
+                 *cap, *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if not line[:2].isdigit()]) == 1  # one line, besides log lines
+
+
+def test_estimate_gives_time_on_a_named_gpu(ckrun):
+    code, out, err = ckrun("estimate", BERT_TINY, *FOR_GPU, "--gpu", "h100", "--json")
+    assert code == 0
+    step = json.loads(out)["time"]
+    assert step["device"] == "NVIDIA H100 80GB HBM3" and step["seconds"] > 0
+    assert 0 < step["mfu"] <= step["hfu"] <= 1 and step["tokens_per_s"] == pytest.approx(32 * step["samples_per_s"])
+    code, out, err = ckrun("estimate", BERT_TINY, *FOR_GPU, "--gpu", "h100")
+    assert code == 0 and "step time" in out and "MFU" in out and "not a promise" in out
