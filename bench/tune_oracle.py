@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from autotune.cap import Cap
+from bench.doc_sections import write_section
 from autotune.model_child import model_facts
 from autotune.predicted import CONTEXT_BYTES
 from autotune.report import ranked_feasible
@@ -65,7 +66,6 @@ QUICK = {"tiny_bert": ("recipes/bert_tiny.yaml", [  # 4 blocks, batch 16: 30 pla
 DEVICES = ("h100", "a100-40gb", "l4")
 CAPS = {"tight": 0.15, "middle": 0.5, "loose": 0.85}
 MARGIN, SHARE, NOISE, FINALISTS = 0.05, 4, 0.03, 1
-MARKERS = ("<!-- tune_oracle: start -->", "<!-- tune_oracle: end -->")
 
 log = logging.getLogger("tune_oracle")
 
@@ -233,7 +233,7 @@ def bench_problem(name: str, problem: tuple, out: Path, devices: tuple[str, ...]
 def markdown(results: list[dict], run: dict) -> str:
     met = [r for r in results if min(r["quiet"]["ratio"], r["noisy"]["ratio"]) >= 0.98
            and max(r["quiet"]["probes"], r["noisy"]["probes"]) * SHARE <= r["grid"]]
-    lines = [MARKERS[0], "## The search against an oracle (no noise; the measure of search quality)", "",
+    lines = ["## The search against an oracle (no noise; the measure of search quality)", "",
              f"`python bench/tune_oracle.py{run['flags']}` on {run['started']} ({run['minutes']:.0f} min), "
              f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}. The oracle is "
              "ckrun's own predictor (peak with the CUDA context, roofline step time on each device's datasheet "
@@ -251,19 +251,7 @@ def markdown(results: list[dict], run: dict) -> str:
         lines.append(f"| {r['problem']} | {r['device']} | {r['cap_name']} {format_bytes(r['cap'])} | {r['grid']} "
                      f"| {max(q['probes'], n['probes'])} | {q['ratio']:.3f} | {n['ratio']:.3f} | {solver} "
                      f"| {q['best']} | {'the same' if q['winner'] == q['best'] else q['winner']} |")
-    lines += ["", MARKERS[1]]
     return "\n".join(lines)
-
-
-def write_section(text: str, path: Path) -> None:
-    """Replace the section between the markers in `path` (at the top when it has none yet)."""
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    if MARKERS[0] in old and MARKERS[1] in old:
-        head, rest = old.split(MARKERS[0], 1)
-        new = head + text + rest.split(MARKERS[1], 1)[1]
-    else:
-        new = text + "\n\n" + old
-    write_atomic(path, new)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -288,7 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     run = {"started": started, "minutes": (time.monotonic() - clock) / 60, "guided": args.guided, "flags": flags}
     text = markdown(results, run)
     if not args.quick:
-        write_section(text, ROOT / "docs/benchmarks_tune.md")
+        write_section(ROOT / "docs/benchmarks_tune.md", "tune_oracle", text)
     print(text)
     return results
 

@@ -222,6 +222,85 @@ def _copy_gbs(nbytes: int = 64 * MiB) -> float:
     return 2 * nbytes / _best_of(lambda: target.copy_(source)) / 1e9  # bytes read and written
 
 
+def measure_gpu(device: int = 0) -> DeviceFacts:
+    """This GPU's achievable figures (about 20 s): large products per dtype, a device copy, pinned host
+    copies, the least an op costs. Efficiencies are 1: the figures are what was reached. The table's
+    entry for the card, where there is one, gives the peer link and the datasheet name."""
+    torch.cuda.set_device(device)
+    known = this_gpu()
+    matmul = {dtype: _cuda_matmul_tflops(torch_dtype) for dtype, torch_dtype in
+              (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    with _tf32():
+        matmul["tf32"] = _cuda_matmul_tflops(torch.float32)
+    properties = torch.cuda.get_device_properties(device)
+    return DeviceFacts(name=torch.cuda.get_device_name(device), matmul_tflops=matmul, memory_gbs=_cuda_copy_gbs(),
+                       memory_bytes=properties.total_memory, host_gbs=_cuda_host_gbs(),
+                       peer_gbs=known.peer_gbs if known else 0.0, capability=(properties.major, properties.minor),
+                       matmul_efficiency=1.0, memory_efficiency=1.0, launch_us=_cuda_launch_us(),
+                       source=f"measured on this GPU with torch {torch.__version__} on {time.strftime('%Y-%m-%d')}")
+
+
+def _cuda_seconds(work, repeats: int = 10) -> float:
+    for _ in range(3):
+        work()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        work()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / repeats
+
+
+def _cuda_matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
+    a, b = (torch.randn(size, size, dtype=dtype, device="cuda") for _ in range(2))
+    return 2 * size**3 / _cuda_seconds(lambda: a @ b) / 1e12
+
+
+def _cuda_copy_gbs(nbytes: int = 1 << 30) -> float:
+    source, target = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    return 2 * nbytes / _cuda_seconds(lambda: target.copy_(source)) / 1e9  # read and written
+
+
+def _cuda_host_gbs(nbytes: int = 256 << 20) -> float:
+    device, host = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                      pin_memory=True)
+    return nbytes / _cuda_seconds(lambda: host.copy_(device, non_blocking=True)) / 1e9
+
+
+def _cuda_launch_us(ops: int = 1000) -> float:
+    x = torch.ones(8, device="cuda", requires_grad=True)
+
+    def work():
+        for _ in range(ops):
+            torch.add(x, x)
+    return _cuda_seconds(work, repeats=3) / ops * 1e6
+
+
+class _tf32:
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m runner.predict.hardware OUT.json`: this GPU's measured facts, for `--gpu OUT.json`."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not torch.cuda.is_available():
+        print("usage: python -m runner.predict.hardware OUT.json   (on a machine with a GPU)", file=sys.stderr)
+        return 2
+    facts = measure_gpu()
+    Path(args[0]).write_text(facts.model_dump_json(indent=1), encoding="utf-8")
+    print(f"{args[0]}: {facts.name}: bf16 {facts.matmul_tflops['bf16']:.0f} TFLOP/s, {facts.memory_gbs:.0f} GB/s, "
+          f"host {facts.host_gbs:.0f} GB/s, {facts.launch_us:.1f} us an op")
+    return 0
+
+
 class _PassThrough(TorchDispatchMode):
     """The cheapest Python dispatch mode: what any such mode costs an op, at least."""
 
@@ -230,9 +309,13 @@ class _PassThrough(TorchDispatchMode):
 
 
 def _op_overhead_us(ops: int = 400) -> float:
-    x = torch.ones(8)
+    x = torch.ones(8, requires_grad=True)  # a training step's ops record autograd: that is part of their cost
 
     def work():
         for _ in range(ops):
             torch.add(x, x)
     return _best_of(work) / ops * 1e6
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

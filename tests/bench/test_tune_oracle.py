@@ -43,9 +43,13 @@ def test_caps_lie_between_the_smallest_and_largest_peak_and_never_past_the_card(
     assert all(c.bytes <= 400 for c in small.values())
 
 
-def test_a_section_between_markers_is_replaced_in_place(tmp_path, oracle_bench):
+def test_a_section_between_markers_is_replaced_in_place(tmp_path):
+    from bench.doc_sections import markers, write_section
+
     path = tmp_path / "doc.md"
-    start, end = oracle_bench.MARKERS
+    start, end = markers("x")
     path.write_text(f"# head\n{start}\nold\n{end}\n## tail\n")
-    oracle_bench.write_section(f"{start}\nnew\n{end}", path)
+    write_section(path, "x", "new")
     assert path.read_text() == f"# head\n{start}\nnew\n{end}\n## tail\n"
+    write_section(path, "y", "other")
+    assert path.read_text().startswith(f"{markers('y')[0]}\nother\n{markers('y')[1]}\n\n# head")

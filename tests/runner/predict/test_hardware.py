@@ -66,3 +66,27 @@ def test_this_cpu_is_measured():
     facts = resolve_device("cpu")
     assert facts.kind == "cpu" and facts.matmul_flops("fp32") > 0 and facts.bandwidth() > 0
     assert isinstance(facts, DeviceFacts) and facts.source.startswith("measured")
+
+
+@pytest.mark.cuda
+def test_this_gpu_measured_reads_back_as_facts(tmp_path):
+    from runner.predict.hardware import main
+
+    path = tmp_path / "gpu.json"
+    assert main([str(path)]) == 0
+    facts = resolve_device(str(path))
+    assert facts.matmul_tflops["bf16"] > facts.matmul_tflops["fp32"] > 0
+    assert facts.memory_gbs > 100 and facts.host_gbs > 1 and facts.memory_bytes > 2**30
+    assert facts.matmul_efficiency == facts.memory_efficiency == 1.0
+    known = GPUS.get(next((k for k, v in GPUS.items() if v.name == facts.name), ""), None)
+    if known is not None:  # what was reached stays under the datasheet
+        assert facts.matmul_tflops["bf16"] <= known.matmul_tflops["bf16"] * 1.05
+
+
+def test_calibrating_without_a_gpu_says_how_in_one_line(capsys):
+    from runner.predict.hardware import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["out.json"]) == 2
+    assert "on a machine with a GPU" in capsys.readouterr().err
