@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+import children
 from conftest import BERT_TINY
 
 GOOD = Path(BERT_TINY).read_text()
@@ -97,7 +98,6 @@ def test_missing_recipe_file_lists_library(ckrun):
 
 def test_bad_input_through_the_installed_console_script(tmp_path):
     import shutil
-    import subprocess
     import sysconfig
 
     # the script pip installed for this interpreter: in its environment's scripts directory, which
@@ -106,7 +106,7 @@ def test_bad_input_through_the_installed_console_script(tmp_path):
     assert script, "no ckrun console script: install the project (pip install -e .) into this environment"
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(GOOD.replace("  steps: 30", "  stepz: 30"))
-    done = subprocess.run([script, str(recipe)], capture_output=True, text=True, timeout=120)
+    done = children.run([script, str(recipe)])
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().endswith("train.stepz: unknown key (did you mean steps?)")
 
