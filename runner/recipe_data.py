@@ -97,7 +97,7 @@ class RecordsData(Strict):
 class DatasetData(Strict):
     source: Literal["dataset"]
     """Local data read through Hugging Face `datasets` (`pip install 'ckrun[datasets]'`): Parquet, JSONL or
-    CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached beside the data."""
+    CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached in $XDG_CACHE_HOME/ckrun/datasets."""
     paths: list[str] = Field(min_length=1)
     """Files or glob patterns (`.parquet`, `.jsonl`/`.json`, `.csv`/`.tsv`), or folders saved by `save_to_disk`."""
     split: str | None = None
