@@ -19,6 +19,9 @@ from .problems import suggest
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
     Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, Task, TextFilesData,
 )
+from .recipe_train import (  # noqa: F401 - the optimizers and schedules too
+    AdamW, ConstantSchedule, CosineSchedule, Optimizer, Schedule, SGD, TorchOptimizer,
+)
 
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -102,52 +105,6 @@ def check_config_keys(config_class, given: dict) -> None:
 # --- training -------------------------------------------------------------------------------
 
 
-_Beta = Annotated[float, Field(ge=0, lt=1)]  # as torch.optim.AdamW demands
-
-
-class AdamW(Strict):
-    name: Literal["adamw"]
-    lr: float = Field(default=1e-4, gt=0)
-    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
-    """Adam's decay rates for the first and second moments, written `[0.9, 0.95]` in YAML."""
-
-    @field_validator("betas", mode="before")
-    @classmethod
-    def _list_as_pair(cls, betas):
-        return tuple(betas) if isinstance(betas, list) else betas  # YAML has lists, not tuples
-    weight_decay: float = Field(default=0.01, ge=0)
-    eps: float = Field(default=1e-8, gt=0)
-
-
-class SGD(Strict):
-    name: Literal["sgd"]
-    lr: float = Field(default=0.1, gt=0)
-    momentum: float = Field(default=0.9, ge=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    nesterov: bool = False
-
-    @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> SGD:
-        if self.nesterov and self.momentum <= 0:  # torch.optim.SGD refuses it when built
-            raise KeyedValueError(("train", "optimizer", "nesterov"), "nesterov needs a momentum above 0; "
-                                  "set train.optimizer.momentum or nesterov: false")
-        return self
-
-
-class ConstantSchedule(Strict):
-    name: Literal["constant"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0 before the constant rate."""
-
-
-class CosineSchedule(Strict):
-    name: Literal["cosine"]
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0, then cosine decay over the remaining steps."""
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-    """The final learning rate as a fraction of the peak."""
-
-
 class TrainSpec(Strict):
     batch_size: int = Field(gt=0)
     """The global batch per optimizer step; memory.micro_batch never changes it."""
@@ -157,12 +114,12 @@ class TrainSpec(Strict):
     """Passes over finite data (text, records, image_folder) instead of train.steps: the run takes
     ceil(epochs * rows / batch_size) steps, computed and logged once the data is built; may be
     fractional (0.5: half the data). Synthetic data never runs out, so it has no epochs."""
-    optimizer: Annotated[AdamW | SGD, Field(discriminator="name")] = Field(default_factory=lambda: AdamW(name="adamw"))
-    """`adamw` (fused on CUDA) or `sgd`."""
-    scheduler: Annotated[ConstantSchedule | CosineSchedule, Field(discriminator="name")] = Field(
-        default_factory=ConstantSchedule
-    )
-    """Learning-rate schedule: `constant` or `cosine`, each with optional warm-up."""
+    optimizer: Optimizer = Field(default_factory=lambda: AdamW(name="adamw"))
+    """`adamw` (fused on CUDA), `sgd`, any torch.optim class by name with its arguments (`{name: RAdam,
+    lr: 3e-4}`), or bitsandbytes' `adamw_8bit` / `paged_adamw_8bit` / `paged_adamw` when installed."""
+    scheduler: Schedule = Field(default_factory=ConstantSchedule)
+    """Learning-rate schedule: `constant` or `cosine` (each with optional warm-up), or transformers'
+    `linear`, `polynomial`, `cosine_with_restarts` or `warmup_stable_decay`."""
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
     seed: int = Field(default=0, ge=0, lt=1 << 32)
