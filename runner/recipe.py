@@ -161,16 +161,65 @@ class OutputSpec(Strict):
         return wanted
 
 
+class EarlyStopping(Strict):
+    """Stop when `metric` has not improved by more than `min_delta` for `patience` evaluations in a
+    row; the run then ends as a finished one does (saved and exported, exit 0)."""
+
+    metric: str = "loss"
+    """`loss`, `perplexity`, `accuracy` or a name eval.metrics returns."""
+    patience: int = Field(default=3, gt=0)
+    """Evaluations without improvement before the run stops."""
+    min_delta: float = Field(default=0.0, ge=0)
+    """The least change that counts as an improvement."""
+    mode: Literal["min", "max"] | None = None
+    """Whether smaller or larger is better; unset: max for accuracy, min for everything else."""
+
+
 class EvalSpec(Strict):
     """Held-out evaluation: loss, and perplexity (language models) or accuracy (classification)."""
 
     every: int = Field(default=0, ge=0)
-    """Steps between evaluations; the run's last step is always evaluated (0: only the last)."""
-    batches: int = Field(default=4, gt=0)
-    """Batches of train.batch_size per evaluation, the same ones each time so evaluations compare."""
+    """Steps between evaluations; the run's last step is always evaluated, and so is the step a
+    Ctrl-C (SIGINT/SIGTERM) stops after (0: only those)."""
+    batches: int | None = Field(default=None, gt=0)
+    """Batches of train.batch_size per evaluation, the same ones each time so evaluations compare.
+    Unset: the whole held-out set, every sample once (synthetic data, which never ends: 4 batches)."""
     data: Data | None = None
     """Held-out data, written like the `data:` section. Unset: synthetic training data is evaluated
     on batches of its seed's stream that no training step draws; file data needs held-out files here."""
+    metrics: list[str] = Field(default_factory=list)
+    """Your own metrics, `package.module:function` each: called once per evaluation with two 1-D
+    tensors, the top class of every sample (or labelled token) and the right answers; returns a
+    number (recorded under the function's name) or a dict of named numbers."""
+    early_stopping: EarlyStopping | None = None
+    """End the run when an evaluation metric stops improving; needs eval.every."""
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_resolve(cls, paths: list[str]) -> list[str]:
+        for index, path in enumerate(paths):
+            try:
+                function = resolve_import_path(path)
+            except ValueError as err:
+                raise KeyedValueError(("eval", "metrics", index), str(err)) from None
+            name = path.partition(":")[2]
+            if not callable(function) or name in ("loss", "perplexity", "accuracy", "samples", "time_s"):
+                why = "is not a function" if not callable(function) else "has the name of one of the evaluation's own"
+                raise KeyedValueError(("eval", "metrics", index), f"{path} {why}; name a function "
+                                      "metric(predictions, labels) -> number or dict")
+        return paths
+
+    @model_validator(mode="after")
+    def _early_stopping_needs_evaluations(self) -> EvalSpec:
+        if self.early_stopping is None:
+            return self
+        if not self.every:
+            raise KeyedValueError(("eval", "every"), "eval.early_stopping needs evaluations during the run; set "
+                                  "eval.every to the steps between them")
+        if self.early_stopping.metric not in ("loss", "perplexity", "accuracy") and not self.metrics:
+            raise KeyedValueError(("eval", "early_stopping", "metric"), f"the evaluation reports loss and perplexity "
+                                  f"or accuracy, not {self.early_stopping.metric!r}; name one, or add eval.metrics")
+        return self
 
 
 class SingleProcess(Strict):

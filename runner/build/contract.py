@@ -103,7 +103,7 @@ def user_forward(model: nn.Module, inputs: dict):
             raise
         shapes = ", ".join(f"{key} {list(value.shape)}" for key, value in inputs.items() if hasattr(value, "shape"))
         raise BuildError("model.name", f"{name}'s forward raised {type(err).__name__}: {' '.join(str(err).split())}"
-                                       f"{_where(err)} on inputs {shapes}; make the model take the recipe's data "
+                                       f"{where_raised(err)} on inputs {shapes}; make the model take the recipe's data "
                                        "(data.image_size, data.seq_len, ...)") from None
 
 
@@ -121,7 +121,7 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
-def _where(err: Exception) -> str:
+def where_raised(err: Exception) -> str:
     """" (at models.py:12)": the deepest frame outside torch, the standard library and ckrun."""
     frames = [f for f in traceback.extract_tb(err.__traceback__)
               if not any(f.filename.startswith(root) for root in _LIBRARIES)]

@@ -29,7 +29,7 @@ from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import restore_rng_state, rng_state, save_checkpoint
-from .evaluate import make_evaluator
+from .evaluations import Evaluations
 from .export import finish_run
 from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
@@ -91,6 +91,8 @@ class RunResult:
     skipped_steps: int = 0
     stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that ended the run before its last step
     total_steps: int = 0  # the steps the run was to take: train.steps, or what train.epochs came to
+    stopped_early: str | None = None  # why eval.early_stopping ended the run before its last step
+    resumed_at: int = 0  # the checkpoint's step this run continued from (losses cover only the steps after it)
 
 
 class Trainer:
@@ -320,32 +322,33 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
 
 
 def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
-    recipe, result, watch = trainer.recipe, RunResult(trainer.step, total_steps=trainer.total_steps), LossWatch()
+    recipe, watch = trainer.recipe, LossWatch()
+    result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step)
     total, every = trainer.total_steps, recipe.output.checkpoint_every
     bar = _progress(total, trainer.step) if trainer.ranks.is_main else None
-    evaluator = make_evaluator(trainer)
+    evaluations = Evaluations(trainer, out_dir)
     try:
         with (metrics_sink(trainer, out_dir) as metrics,
               tensorboard_log(recipe.output.tensorboard and trainer.ranks.is_main, out_dir, trainer.step) as board):
-            while trainer.step < total and not stop_agreed(stop, trainer.ranks):
+            sinks = (metrics, board)
+            result.stopped_early = evaluations.stopped_already()
+            while trainer.step < total and not result.stopped_early and not stop_agreed(stop, trainer.ranks):
                 record = trainer.train_step()
                 metrics.append(record)  # first, so the line of a non-finite step shows where it happened
                 board.append(record)
                 watch.check(record)
                 _note(result, record)
                 _report(record, bar, recipe.output.log_every, total)
-                if evaluator is not None and evaluator.due(trainer.step):
-                    evaluation = evaluator.run()
-                    metrics.append(evaluation)
-                    board.append(evaluation)
+                result.stopped_early = evaluations.after_step(sinks)
                 if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
+            if trainer.step < total and not result.stopped_early:
+                evaluations.at_stop(sinks)  # Ctrl-C: the weights it leaves get their evaluation too
     finally:
         if bar is not None:
             bar.close()
-        if evaluator is not None:
-            close_source(evaluator.source)
-    if trainer.step < total:
+        evaluations.close()
+    if trainer.step < total and not result.stopped_early:
         result.stopped_by = stop.signum
     if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
         try:
