@@ -141,7 +141,11 @@ class OutputSpec(Strict):
     dir: str = "runs/default"
     """Where metrics.jsonl, the resolved recipe, checkpoints and the trained model (`model/`) go."""
     log_every: int = Field(default=10, gt=0)
-    """Steps between log lines (every step is still written to metrics.jsonl)."""
+    """Steps between log lines (every step is still written to metrics.jsonl); step 1 and the last
+    step are always logged."""
+    log_seconds: float = Field(default=30.0, ge=0)
+    """Also log a line when this many seconds passed since the last one, so a slow run is never
+    silent for long (0: only every log_every steps)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Steps between training-state checkpoints; the end of a run is always saved (0: only the end)."""
     keep_checkpoints: int = Field(default=2, gt=0)

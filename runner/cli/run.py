@@ -61,8 +61,9 @@ def run(args) -> int:
         print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
     if result.losses:
-        log.info("done: %d steps, loss %.4f -> %.4f, metrics in %s/metrics.jsonl", result.steps_done,
-                 result.losses[0], result.losses[-1], recipe.output.dir)
+        from ..train.progress import done_line
+
+        log.info(done_line(result, Path(recipe.output.dir)))
     return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from .export import finish_run
 from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
 from .output import prepare_output, set_aside_unresumable, write_failure, write_output
+from .progress import Progress
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
@@ -197,6 +197,8 @@ class Trainer:
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
         record = reduce_step_record(record, result.loss, self.ranks, self.recipe.train.batch_size)
+        if "input_ids" in batch.inputs:  # tokens fed per second, padding included (as HF's tokens/s counts them)
+            record["tokens_per_s"] = record["samples_per_s"] * batch.inputs["input_ids"].shape[-1]
         if getattr(self.data, "rows", None):  # finite data: how far through it, as HF Trainer logs it
             record["epoch"] = round(self.step * self.recipe.train.batch_size / self.data.rows, 4)
         if result.skipped:
@@ -282,14 +284,6 @@ def _apply_plan(model, recipe: Recipe, device: torch.device, source: str):
         raise keyed_error(err, source, "memory") from None
 
 
-def _progress(total: int, initial: int):
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-
 def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None) -> RunResult:
     """Train `recipe` into out_dir. A SIGINT/SIGTERM ends the loop after the current step and the run
     ends normally with `stopped_by` set; any other end leaves out_dir resumable or, when no
@@ -325,7 +319,8 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     recipe, watch = trainer.recipe, LossWatch()
     result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step)
     total, every = trainer.total_steps, recipe.output.checkpoint_every
-    bar = _progress(total, trainer.step) if trainer.ranks.is_main else None
+    output = recipe.output
+    progress = Progress(total, trainer.step, output.log_every, output.log_seconds, show=trainer.ranks.is_main)
     evaluations = Evaluations(trainer, out_dir)
     try:
         with (metrics_sink(trainer, out_dir) as metrics,
@@ -338,15 +333,14 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
                 board.append(record)
                 watch.check(record)
                 _note(result, record)
-                _report(record, bar, recipe.output.log_every, total)
+                progress.update(record)
                 result.stopped_early = evaluations.after_step(sinks)
                 if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
             if trainer.step < total and not result.stopped_early:
                 evaluations.at_stop(sinks)  # Ctrl-C: the weights it leaves get their evaluation too
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
         evaluations.close()
     if trainer.step < total and not result.stopped_early:
         result.stopped_by = stop.signum
@@ -374,15 +368,3 @@ def _note(result: RunResult, record: dict) -> None:
     result.samples_per_s.append(record["samples_per_s"])
     result.peak_mem_bytes = max(result.peak_mem_bytes, record["peak_mem_bytes"])
     result.skipped_steps += bool(record.get("skipped"))
-
-
-def _report(record: dict, bar, log_every: int, total: int) -> None:
-    text = (f"step {record['step']}/{total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-            f"{record['samples_per_s']:.1f} samples/s  peak {format_bytes(record['peak_mem_bytes'])}")
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix_str(f"loss {record['loss']:.4f}")
-        if record["step"] % log_every == 0:
-            bar.write(text)
-    elif record["step"] % log_every == 0 or record["step"] == total:
-        log.info(text)
