@@ -34,6 +34,7 @@ from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
 from .output import prepare_output, set_aside_unresumable, write_failure, write_output
 from .progress import Progress
+from .start_line import predicted_step_seconds, start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
@@ -298,6 +299,11 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
             write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
                  trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+        if trainer.ranks.is_main:
+            parameters = sum(p.numel() for p in trainer.model.parameters())
+            for line in start_lines(recipe, trainer.device, predicted_step_seconds(trainer), parameters,
+                                    trainer.total_steps):
+                log.info(line)
         try:
             result = _run(trainer, out_dir, stop)
         except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
