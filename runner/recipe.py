@@ -11,7 +11,8 @@ import inspect
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails
 
 from .build.resolve import infer_task, resolve_import_path, transformers_class
 from .plan import MemoryPlan, Strict, plan_problem
@@ -302,6 +303,23 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _own_model_says_what_it_learns(self) -> Recipe:
+        """A python model implies no task, and data.vocab_size is its setting alone: both checked here,
+        each problem its own line, rather than one per run once the model is built."""
+        problems = []
+        if self.model.source == "python" and self.data.task is None:  # held-out data takes the training data's
+            problems.append(KeyedValueError(("data", "task"), f"{self.model.name} is your own model, so ckrun cannot "
+                                            "tell what it learns; set data.task (masked_lm, causal_lm, seq2seq, "
+                                            "sequence_classification or image_classification)"))
+        held_out = self.eval.data if self.eval is not None else None
+        for path, data in [(("data",), self.data), (("eval", "data"), held_out)]:
+            if self.model.source == "transformers" and getattr(data, "vocab_size", None) and data.source != "synthetic":
+                problems.append(KeyedValueError((*path, "vocab_size"), "a transformers model takes its vocabulary "
+                                                "from model.config.vocab_size; remove this key"))
+        raise_all(problems)
+        return self
+
+    @model_validator(mode="after")
     def _sequence_fits_positions(self) -> Recipe:
         """A sequence past the position table would index out of range at the first step."""
         if self.model.source != "transformers":
@@ -352,6 +370,14 @@ class KeyedValueError(ValueError):
     def __init__(self, path: tuple[str | int, ...], message: str):
         super().__init__(message)
         self.path = path
+
+
+def raise_all(problems: list[KeyedValueError]) -> None:
+    """Raise every problem of one check together (pydantic stops a model's checks at the first that raises)."""
+    if problems:
+        raise ValidationError.from_exception_data("Recipe", [
+            InitErrorDetails(type="value_error", loc=problem.path, input=None, ctx={"error": problem})
+            for problem in problems])
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:

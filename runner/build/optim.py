@@ -102,10 +102,9 @@ def _transformers_schedule(optimizer: torch.optim.Optimizer, schedule, steps: in
     from transformers import get_scheduler
 
     decay = getattr(schedule, "decay_steps", 0)
-    if schedule.warmup_steps + decay > steps:
-        key = "decay_steps" if decay else "warmup_steps"
-        raise BuildError(f"train.scheduler.{key}", f"warm-up ({schedule.warmup_steps}) and decay ({decay}) steps are "
-                         f"more than the run's {steps} steps; shorten them or train longer")
+    if decay and schedule.warmup_steps + decay > steps:  # the stable phase would be negative
+        raise BuildError("train.scheduler.decay_steps", f"warm-up ({schedule.warmup_steps}) and decay ({decay}) steps "
+                         f"are more than the run's {steps} steps; shorten them or train longer")
     kwargs = {theirs: getattr(schedule, ours) for ours, theirs in _SCHEDULE_ARGUMENTS.get(schedule.name, {}).items()}
     try:
         return get_scheduler(schedule.name, optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=steps,
