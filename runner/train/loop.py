@@ -292,6 +292,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     out_dir = Path(out_dir or recipe.output.dir)
     prepare_output(out_dir, resume, source)
     with StopRequest() as stop, process_group_scope():
+        log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
         trainer = Trainer(recipe, source)
         if resume:
             resume_from_checkpoint(trainer, out_dir, source)
