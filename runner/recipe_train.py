@@ -109,17 +109,11 @@ def check_torch_arguments(name: str, arguments: dict[str, Any]) -> None:
 EIGHT_BIT = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit", "paged_adamw": "PagedAdamW"}
 
 
-class EightBitAdamW(Strict):
+class EightBitAdamW(AdamW):
     name: Literal["adamw_8bit", "paged_adamw_8bit", "paged_adamw"]
-    """bitsandbytes' AdamW: `adamw_8bit` keeps both moments in 8 bits (a quarter of adamw's state
-    memory), `paged_adamw_8bit` / `paged_adamw` page the state to host memory under pressure (CUDA).
-    Needs `pip install bitsandbytes`."""
-    lr: float = Field(default=1e-4, gt=0)
-    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
-    weight_decay: float = Field(default=0.01, ge=0)
-    eps: float = Field(default=1e-8, gt=0)
-
-    _list_as_pair = field_validator("betas", mode="before")(_pair)
+    """bitsandbytes' AdamW, with adamw's settings: `adamw_8bit` keeps both moments in 8 bits (a quarter
+    of adamw's state memory), `paged_adamw_8bit` / `paged_adamw` page the state to host memory under
+    pressure (CUDA). Needs `pip install bitsandbytes`."""
 
     @field_validator("name")
     @classmethod
@@ -150,18 +144,20 @@ class CosineSchedule(Strict):
     """The final learning rate as a fraction of the peak."""
 
 
+HFWarmup = Annotated[int, Field(ge=0, description="Steps of linear warm-up from 0, as transformers counts them "
+                                                   "(the first step's rate is 0).")]
+
+
 class LinearSchedule(Strict):
     name: Literal["linear"]
     """transformers' `linear` (the Trainer's default): warm-up, then a straight line to 0 at the last step."""
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0 (as transformers counts them: the first step's rate is 0)."""
+    warmup_steps: HFWarmup = 0
 
 
 class PolynomialSchedule(Strict):
     name: Literal["polynomial"]
     """transformers' `polynomial`: warm-up, then (1 - progress) ** power from the peak down to end_lr."""
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0 (the first step's rate is 0)."""
+    warmup_steps: HFWarmup = 0
     power: float = Field(default=1.0, gt=0)
     """1 is a straight line; 2 falls fast, then levels out."""
     end_lr: float = Field(default=1e-7, ge=0)
@@ -171,8 +167,7 @@ class PolynomialSchedule(Strict):
 class CosineRestartsSchedule(Strict):
     name: Literal["cosine_with_restarts"]
     """transformers' `cosine_with_restarts`: warm-up, then `cycles` cosine decays to 0, each restarting at the peak."""
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0 (the first step's rate is 0)."""
+    warmup_steps: HFWarmup = 0
     cycles: int = Field(default=1, gt=0)
     """How many decays (hard restarts) the steps after warm-up are cut into."""
 
@@ -181,8 +176,7 @@ class WarmupStableDecaySchedule(Strict):
     name: Literal["warmup_stable_decay"]
     """transformers' `warmup_stable_decay` (WSD): warm-up, the peak rate held, then a decay over the
     last `decay_steps` steps."""
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0 (the first step's rate is 0)."""
+    warmup_steps: HFWarmup = 0
     decay_steps: int = Field(gt=0)
     """Steps of the final decay; the stable phase is whatever the run's steps leave between."""
     decay_type: Literal["cosine", "linear", "1-sqrt"] = "cosine"
