@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from runner.units import format_bytes
@@ -28,3 +29,13 @@ class Cap:
 
     def describe(self) -> str:
         return f"{format_bytes(self.limit)} ({format_bytes(self.bytes)} cap minus {self.margin:.0%} margin)"
+
+    def meaning(self, device_kind: str) -> str | None:
+        """On a CPU the cap is not a GPU's memory: say what it holds to, before the first probe runs."""
+        if device_kind != "cpu":
+            return None
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        machine = f" (this machine has {format_bytes(ram)})" if ram else ""
+        return (f"tune: on the CPU, --max-mem {format_bytes(self.bytes)} caps RAM: the live tensor bytes of a step "
+                f"(parameters, gradients, optimizer state, activations) that ckrun's tracker counts{machine}; every "
+                "probe runs real CPU steps, which take long for a large model. On a GPU machine it caps the card's memory")

@@ -108,6 +108,8 @@ def run(args) -> int:
         runner = ProbeRunner(directory, settings)
         device = predicted_device(facts, args.nproc) if args.predict else _device(runner, recipe)
         _check_cap_fits(cap, device, args.max_mem)
+        if cap.meaning(device.kind):
+            log.info(cap.meaning(device.kind))
         check_devices(device, args.nproc)
         # the user's model runs only in this child: the tuner never builds it or runs its forward
         model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen,

@@ -75,7 +75,9 @@ def one_line(text: str) -> str:
 
 def suggest(word: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
-    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    same_but_case = [c for c in choices if str(c).lower() == str(word).lower()]  # radam: RAdam, not adamw
+    close = same_but_case or difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
 

@@ -11,13 +11,17 @@ import inspect
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails
 
 from .build.resolve import infer_task, resolve_import_path, transformers_class
 from .plan import MemoryPlan, Strict, plan_problem
 from .problems import suggest
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
     Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, Task, TextFilesData,
+)
+from .recipe_train import (  # noqa: F401 - the optimizers and schedules too
+    AdamW, ConstantSchedule, CosineSchedule, Optimizer, Schedule, SGD, TorchOptimizer,
 )
 
 
@@ -102,52 +106,6 @@ def check_config_keys(config_class, given: dict) -> None:
 # --- training -------------------------------------------------------------------------------
 
 
-_Beta = Annotated[float, Field(ge=0, lt=1)]  # as torch.optim.AdamW demands
-
-
-class AdamW(Strict):
-    name: Literal["adamw"]
-    lr: float = Field(default=1e-4, gt=0)
-    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
-    """Adam's decay rates for the first and second moments, written `[0.9, 0.95]` in YAML."""
-
-    @field_validator("betas", mode="before")
-    @classmethod
-    def _list_as_pair(cls, betas):
-        return tuple(betas) if isinstance(betas, list) else betas  # YAML has lists, not tuples
-    weight_decay: float = Field(default=0.01, ge=0)
-    eps: float = Field(default=1e-8, gt=0)
-
-
-class SGD(Strict):
-    name: Literal["sgd"]
-    lr: float = Field(default=0.1, gt=0)
-    momentum: float = Field(default=0.9, ge=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    nesterov: bool = False
-
-    @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> SGD:
-        if self.nesterov and self.momentum <= 0:  # torch.optim.SGD refuses it when built
-            raise KeyedValueError(("train", "optimizer", "nesterov"), "nesterov needs a momentum above 0; "
-                                  "set train.optimizer.momentum or nesterov: false")
-        return self
-
-
-class ConstantSchedule(Strict):
-    name: Literal["constant"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0 before the constant rate."""
-
-
-class CosineSchedule(Strict):
-    name: Literal["cosine"]
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0, then cosine decay over the remaining steps."""
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-    """The final learning rate as a fraction of the peak."""
-
-
 class TrainSpec(Strict):
     batch_size: int = Field(gt=0)
     """The global batch per optimizer step; memory.micro_batch never changes it."""
@@ -157,12 +115,12 @@ class TrainSpec(Strict):
     """Passes over finite data (text, records, image_folder) instead of train.steps: the run takes
     ceil(epochs * rows / batch_size) steps, computed and logged once the data is built; may be
     fractional (0.5: half the data). Synthetic data never runs out, so it has no epochs."""
-    optimizer: Annotated[AdamW | SGD, Field(discriminator="name")] = Field(default_factory=lambda: AdamW(name="adamw"))
-    """`adamw` (fused on CUDA) or `sgd`."""
-    scheduler: Annotated[ConstantSchedule | CosineSchedule, Field(discriminator="name")] = Field(
-        default_factory=ConstantSchedule
-    )
-    """Learning-rate schedule: `constant` or `cosine`, each with optional warm-up."""
+    optimizer: Optimizer = Field(default_factory=lambda: AdamW(name="adamw"))
+    """`adamw` (fused on CUDA), `sgd`, any torch.optim class by name with its arguments (`{name: RAdam,
+    lr: 3e-4}`), or bitsandbytes' `adamw_8bit` / `paged_adamw_8bit` / `paged_adamw` when installed."""
+    scheduler: Schedule = Field(default_factory=ConstantSchedule)
+    """Learning-rate schedule: `constant` or `cosine` (each with optional warm-up), or transformers'
+    `linear`, `polynomial`, `cosine_with_restarts` or `warmup_stable_decay`."""
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
     seed: int = Field(default=0, ge=0, lt=1 << 32)
@@ -184,7 +142,11 @@ class OutputSpec(Strict):
     dir: str = "runs/default"
     """Where metrics.jsonl, the resolved recipe, checkpoints and the trained model (`model/`) go."""
     log_every: int = Field(default=10, gt=0)
-    """Steps between log lines (every step is still written to metrics.jsonl)."""
+    """Steps between log lines (every step is still written to metrics.jsonl); step 1 and the last
+    step are always logged."""
+    log_seconds: float = Field(default=30.0, ge=0)
+    """Also log a line when this many seconds passed since the last one, so a slow run is never
+    silent for long (0: only every log_every steps)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Steps between training-state checkpoints; the end of a run is always saved (0: only the end)."""
     keep_checkpoints: int = Field(default=2, gt=0)
@@ -204,16 +166,65 @@ class OutputSpec(Strict):
         return wanted
 
 
+class EarlyStopping(Strict):
+    """Stop when `metric` has not improved by more than `min_delta` for `patience` evaluations in a
+    row; the run then ends as a finished one does (saved and exported, exit 0)."""
+
+    metric: str = "loss"
+    """`loss`, `perplexity`, `accuracy` or a name eval.metrics returns."""
+    patience: int = Field(default=3, gt=0)
+    """Evaluations without improvement before the run stops."""
+    min_delta: float = Field(default=0.0, ge=0)
+    """The least change that counts as an improvement."""
+    mode: Literal["min", "max"] | None = None
+    """Whether smaller or larger is better; unset: max for accuracy, min for everything else."""
+
+
 class EvalSpec(Strict):
     """Held-out evaluation: loss, and perplexity (language models) or accuracy (classification)."""
 
     every: int = Field(default=0, ge=0)
-    """Steps between evaluations; the run's last step is always evaluated (0: only the last)."""
-    batches: int = Field(default=4, gt=0)
-    """Batches of train.batch_size per evaluation, the same ones each time so evaluations compare."""
+    """Steps between evaluations; the run's last step is always evaluated, and so is the step a
+    Ctrl-C (SIGINT/SIGTERM) stops after (0: only those)."""
+    batches: int | None = Field(default=None, gt=0)
+    """Batches of train.batch_size per evaluation, the same ones each time so evaluations compare.
+    Unset: the whole held-out set, every sample once (synthetic data, which never ends: 4 batches)."""
     data: Data | None = None
     """Held-out data, written like the `data:` section. Unset: synthetic training data is evaluated
     on batches of its seed's stream that no training step draws; file data needs held-out files here."""
+    metrics: list[str] = Field(default_factory=list)
+    """Your own metrics, `package.module:function` each: called once per evaluation with two 1-D
+    tensors, the top class of every sample (or labelled token) and the right answers; returns a
+    number (recorded under the function's name) or a dict of named numbers."""
+    early_stopping: EarlyStopping | None = None
+    """End the run when an evaluation metric stops improving; needs eval.every."""
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_resolve(cls, paths: list[str]) -> list[str]:
+        for index, path in enumerate(paths):
+            try:
+                function = resolve_import_path(path)
+            except ValueError as err:
+                raise KeyedValueError(("eval", "metrics", index), str(err)) from None
+            name = path.partition(":")[2]
+            if not callable(function) or name in ("loss", "perplexity", "accuracy", "samples", "time_s"):
+                why = "is not a function" if not callable(function) else "has the name of one of the evaluation's own"
+                raise KeyedValueError(("eval", "metrics", index), f"{path} {why}; name a function "
+                                      "metric(predictions, labels) -> number or dict")
+        return paths
+
+    @model_validator(mode="after")
+    def _early_stopping_needs_evaluations(self) -> EvalSpec:
+        if self.early_stopping is None:
+            return self
+        if not self.every:
+            raise KeyedValueError(("eval", "every"), "eval.early_stopping needs evaluations during the run; set "
+                                  "eval.every to the steps between them")
+        if self.early_stopping.metric not in ("loss", "perplexity", "accuracy") and not self.metrics:
+            raise KeyedValueError(("eval", "early_stopping", "metric"), f"the evaluation reports loss and perplexity "
+                                  f"or accuracy, not {self.early_stopping.metric!r}; name one, or add eval.metrics")
+        return self
 
 
 class SingleProcess(Strict):
@@ -292,6 +303,23 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _own_model_says_what_it_learns(self) -> Recipe:
+        """A python model implies no task, and data.vocab_size is its setting alone: both checked here,
+        each problem its own line, rather than one per run once the model is built."""
+        problems = []
+        if self.model.source == "python" and self.data.task is None:  # held-out data takes the training data's
+            problems.append(KeyedValueError(("data", "task"), f"{self.model.name} is your own model, so ckrun cannot "
+                                            "tell what it learns; set data.task (masked_lm, causal_lm, seq2seq, "
+                                            "sequence_classification or image_classification)"))
+        held_out = self.eval.data if self.eval is not None else None
+        for path, data in [(("data",), self.data), (("eval", "data"), held_out)]:
+            if self.model.source == "transformers" and getattr(data, "vocab_size", None) and data.source != "synthetic":
+                problems.append(KeyedValueError((*path, "vocab_size"), "a transformers model takes its vocabulary "
+                                                "from model.config.vocab_size; remove this key"))
+        raise_all(problems)
+        return self
+
+    @model_validator(mode="after")
     def _sequence_fits_positions(self) -> Recipe:
         """A sequence past the position table would index out of range at the first step."""
         if self.model.source != "transformers":
@@ -342,6 +370,14 @@ class KeyedValueError(ValueError):
     def __init__(self, path: tuple[str | int, ...], message: str):
         super().__init__(message)
         self.path = path
+
+
+def raise_all(problems: list[KeyedValueError]) -> None:
+    """Raise every problem of one check together (pydantic stops a model's checks at the first that raises)."""
+    if problems:
+        raise ValidationError.from_exception_data("Recipe", [
+            InitErrorDetails(type="value_error", loc=problem.path, input=None, ctx={"error": problem})
+            for problem in problems])
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:

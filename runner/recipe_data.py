@@ -14,6 +14,13 @@ from .plan import Strict
 
 Task = Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification", "image_classification"]
 
+BYTE_VOCAB = 258  # UTF-8 bytes as ids 2..257: 0 and 1 stay free for padding and [MASK]
+
+FileVocab = Annotated[int | None, Field(gt=1, description=(
+    "Token ids your own model (model.source python) takes; UTF-8 bytes are folded below it. Unset: the "
+    "model's config or its `vocab_size` attribute, else the tokenizer's size, else 258 (bytes, plus padding "
+    "and mask). transformers models take theirs from model.config.vocab_size."))]
+
 
 # --- data -----------------------------------------------------------------------------------
 
@@ -55,6 +62,7 @@ class TextFilesData(Strict):
     a plan per length."""
     tokenizer: str | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
+    vocab_size: FileVocab = None
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
     """Fraction of tokens masked for masked_lm."""
 
@@ -87,6 +95,7 @@ class RecordsData(Strict):
     """seq2seq target tokens per sample, cut or padded like the input; seq_len when unset."""
     tokenizer: str | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
+    vocab_size: FileVocab = None
 
     @field_validator("tokenizer")
     @classmethod
@@ -97,7 +106,7 @@ class RecordsData(Strict):
 class DatasetData(Strict):
     source: Literal["dataset"]
     """Local data read through Hugging Face `datasets` (`pip install 'ckrun[datasets]'`): Parquet, JSONL or
-    CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached beside the data."""
+    CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached in $XDG_CACHE_HOME/ckrun/datasets."""
     paths: list[str] = Field(min_length=1)
     """Files or glob patterns (`.parquet`, `.jsonl`/`.json`, `.csv`/`.tsv`), or folders saved by `save_to_disk`."""
     split: str | None = None
@@ -117,6 +126,7 @@ class DatasetData(Strict):
     """seq2seq target tokens per sample; seq_len when unset."""
     tokenizer: str | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
+    vocab_size: FileVocab = None
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
     """Fraction of tokens masked for masked_lm."""
 

@@ -103,8 +103,17 @@ def user_forward(model: nn.Module, inputs: dict):
             raise
         shapes = ", ".join(f"{key} {list(value.shape)}" for key, value in inputs.items() if hasattr(value, "shape"))
         raise BuildError("model.name", f"{name}'s forward raised {type(err).__name__}: {' '.join(str(err).split())}"
-                                       f"{_where(err)} on inputs {shapes}; make the model take the recipe's data "
-                                       "(data.image_size, data.seq_len, ...)") from None
+                                       f"{where_raised(err)} on inputs {shapes}; {_fit_advice(err, inputs)}") from None
+
+
+def _fit_advice(err: Exception, inputs: dict) -> str:
+    ids = inputs.get("input_ids")
+    if isinstance(err, IndexError) and isinstance(ids, torch.Tensor) and ids.numel():  # an embedding too small
+        top = int(ids.max())
+        return (f"this batch's token ids reach {top}, past its embedding: give the embedding the data's vocabulary "
+                "(258 ids for UTF-8 bytes, else the tokenizer's size), or set data.vocab_size to the rows it has "
+                "(byte ids are folded below it)")
+    return "make the model take the recipe's data (data.image_size, data.seq_len, ...)"
 
 
 def _fault(model: nn.Module, what: str) -> BuildError:
@@ -121,7 +130,7 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
-def _where(err: Exception) -> str:
+def where_raised(err: Exception) -> str:
     """" (at models.py:12)": the deepest frame outside torch, the standard library and ckrun."""
     frames = [f for f in traceback.extract_tb(err.__traceback__)
               if not any(f.filename.startswith(root) for root in _LIBRARIES)]

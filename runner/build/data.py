@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..recipe import ImageFolderData, Recipe, SyntheticData, Task, TextFilesData
+from ..recipe_data import BYTE_VOCAB
 from .resolve import BuildError, infer_task
 
 IGNORE = -100  # label of positions that do not count towards the loss
@@ -58,18 +59,27 @@ class Shape:
 def describe_inputs(recipe: Recipe, model: torch.nn.Module) -> Shape:
     data, spec = recipe.data, recipe.model
     task = data.task or infer_task(spec)
-    if task is None:
+    if task is None:  # validation refuses a python model without data.task; other models imply one
         raise BuildError("data.task", f"cannot tell what {spec.name} learns; set data.task (masked_lm, causal_lm, "
                          "seq2seq, sequence_classification or image_classification)")
     config = getattr(model, "config", None)
-    vocab = getattr(data, "vocab_size", None) or getattr(config, "vocab_size", None) or getattr(model, "vocab_size", 0)
+    vocab = getattr(data, "vocab_size", None) or getattr(config, "vocab_size", None) or getattr(model, "vocab_size", 0) \
+        or _file_vocab(data)
     classes = getattr(data, "num_classes", None) or getattr(config, "num_labels", None) or spec.config.get("num_classes", 1000)
     image = getattr(data, "image_size", None) or getattr(config, "image_size", 224)
     channels = getattr(data, "channels", None) or getattr(config, "num_channels", 3)
     if task != "image_classification" and not vocab:
-        raise BuildError("data.vocab_size", f"{spec.name} has no vocab_size; set data.vocab_size")
+        raise BuildError("data.vocab_size", f"{spec.name} has no vocab_size (no config or attribute of that name); "
+                                            "set data.vocab_size to the token ids its embedding takes")
     start = getattr(config, "decoder_start_token_id", None) or 0
     return Shape(task, spec.source == "transformers", int(vocab), int(classes), int(image), int(channels), int(start))
+
+
+def _file_vocab(data) -> int:
+    """Ids file data produces: its tokenizer's size, or the UTF-8 byte ids; synthetic data has none of its own."""
+    if data.source == "synthetic" or not hasattr(data, "tokenizer"):
+        return 0
+    return len(load_tokenizer(data.tokenizer)) if data.tokenizer else BYTE_VOCAB
 
 
 def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:

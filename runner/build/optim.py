@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from fractions import Fraction
@@ -9,25 +10,50 @@ from fractions import Fraction
 import torch
 from torch import nn
 
-from ..recipe import CosineSchedule, Recipe, TrainSpec
+from ..recipe import CosineSchedule, Recipe, TorchOptimizer, TrainSpec
+from ..recipe_train import EIGHT_BIT
 from .resolve import BuildError
 
 log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, train: TrainSpec, device: torch.device) -> torch.optim.Optimizer:
-    # Decay matrices only: decaying biases and norm gains hurts and is what nanoGPT/HF avoid too.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": train.optimizer.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
     spec = train.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
     if spec.name == "sgd":
-        return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov)
-    fused = device.type == "cuda"
-    log.debug("AdamW %s: %s", "fused" if fused else "foreach", "fused kernels need CUDA" if not fused else "on CUDA")
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, fused=fused or None)
+        return torch.optim.SGD(_decay_groups(params, spec.weight_decay), lr=spec.lr, momentum=spec.momentum,
+                               nesterov=spec.nesterov)
+    if spec.name == "adamw":
+        fused = device.type == "cuda"
+        log.debug("AdamW %s: %s", "fused" if fused else "foreach", "fused kernels need CUDA" if not fused else "on CUDA")
+        return torch.optim.AdamW(_decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                 fused=fused or None)
+    if spec.name in EIGHT_BIT:
+        import bitsandbytes
+
+        optimizer_class = getattr(bitsandbytes.optim, EIGHT_BIT[spec.name])
+        return optimizer_class(_decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps)
+    return _torch_optimizer(spec, params)
+
+
+def _decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    # Decay matrices only: decaying biases and norm gains hurts and is what nanoGPT/HF avoid too.
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _torch_optimizer(spec: TorchOptimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """torch.optim.NAME with the recipe's arguments; its weight decay (given, or the class's default)
+    on matrices only. A refusal only real parameters show (Muon takes matrices only) is one line."""
+    optimizer_class = getattr(torch.optim, spec.name)
+    arguments = spec.arguments()
+    decay = inspect.signature(optimizer_class.__init__).parameters.get("weight_decay")
+    groups = params if decay is None else _decay_groups(params, arguments.pop("weight_decay", decay.default))
+    try:
+        return optimizer_class(groups, **arguments)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise BuildError("train.optimizer.name", f"torch.optim.{spec.name} cannot train this model: "
+                         f"{' '.join(str(err).split())[:200]}") from None
 
 
 def total_steps(recipe: Recipe, data) -> int:
@@ -47,8 +73,10 @@ def total_steps(recipe: Recipe, data) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """`steps`: the run's length (total_steps), which a cosine schedule decays over."""
+    """`steps`: the run's length (total_steps), which a decaying schedule decays over."""
     schedule = train.scheduler
+    if schedule.name not in ("constant", "cosine"):
+        return _transformers_schedule(optimizer, schedule, steps)
     warmup = schedule.warmup_steps
 
     def factor(step: int) -> float:
@@ -61,3 +89,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, steps: i
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# the recipe's names for transformers' scheduler arguments
+_SCHEDULE_ARGUMENTS = {"polynomial": {"power": "power", "end_lr": "lr_end"}, "cosine_with_restarts": {"cycles": "num_cycles"},
+                       "warmup_stable_decay": {"decay_steps": "num_decay_steps", "decay_type": "decay_type",
+                                               "min_lr_ratio": "min_lr_ratio"}}
+
+
+def _transformers_schedule(optimizer: torch.optim.Optimizer, schedule, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' get_scheduler: the Trainer's own schedules, not a copy of their formulas."""
+    from transformers import get_scheduler
+
+    decay = getattr(schedule, "decay_steps", 0)
+    if decay and schedule.warmup_steps + decay > steps:  # the stable phase would be negative
+        raise BuildError("train.scheduler.decay_steps", f"warm-up ({schedule.warmup_steps}) and decay ({decay}) steps "
+                         f"are more than the run's {steps} steps; shorten them or train longer")
+    kwargs = {theirs: getattr(schedule, ours) for ours, theirs in _SCHEDULE_ARGUMENTS.get(schedule.name, {}).items()}
+    try:
+        return get_scheduler(schedule.name, optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=steps,
+                             scheduler_specific_kwargs=kwargs)
+    except ValueError as err:  # polynomial: end_lr above the optimizer's rate
+        raise BuildError("train.scheduler", f"{schedule.name}: {' '.join(str(err).split())[:200]}") from None

@@ -2,10 +2,10 @@
 
 The key is a hash of the data files' names, sizes and modification times, the tokenizer's
 files, and the settings that change the tokens (fields, lengths, task, labels). Any change
-gives a new key, so a stale cache is never read. The cache lives beside the data, in a
-`.ckrun-cache` folder; where that cannot be written (a read-only data folder) it goes to the
-user's cache folder instead, and the log says which. A cache that cannot be read is rebuilt,
-and one that cannot be written is skipped with a warning: the cache never stops a run.
+gives a new key, so a stale cache is never read. The cache lives in the user's cache folder
+($XDG_CACHE_HOME/ckrun/datasets), as Hugging Face's does, never in the data folder: data folders
+are often shared or read-only. A cache that cannot be read is rebuilt, and one that cannot be
+written is skipped with a warning: the cache never stops a run.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-
-FOLDER = ".ckrun-cache"
-
 
 def user_cache_folder() -> Path:
     """$XDG_CACHE_HOME/ckrun/datasets, else ~/.cache/ckrun/datasets."""
@@ -56,38 +53,27 @@ class TokenCache:
 
     def __init__(self, data_paths: list[Path], parts: dict):
         key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
-        first = data_paths[0].resolve()
-        self.name = f"{first.name}-{key}.pt"
-        self.beside = first.parent / FOLDER
+        self.file = user_cache_folder() / f"{data_paths[0].resolve().name}-{key}.pt"
 
     def load(self) -> dict | None:
-        for folder in (self.beside, user_cache_folder()):
-            file = folder / self.name
-            if file.is_file():
-                try:
-                    tensors = torch.load(file, map_location="cpu", weights_only=True)
-                except Exception as err:  # noqa: BLE001 - a cut-short or foreign file: rebuild it, say why
-                    log.warning("data: the token cache %s cannot be read (%s); tokenising again", file, _reason(err))
-                    continue
-                log.info("data: tokens from the cache %s (the data, tokenizer and settings are unchanged)", file)
-                return tensors
-        return None
+        if not self.file.is_file():
+            return None
+        try:
+            tensors = torch.load(self.file, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - a cut-short or foreign file: rebuild it, say why
+            log.warning("data: the token cache %s cannot be read (%s); tokenising again", self.file, _reason(err))
+            return None
+        log.info("data: tokens from the cache %s (the data, tokenizer and settings are unchanged)", self.file)
+        return tensors
 
     def save(self, tensors: dict) -> None:
         try:
-            self._write(self.beside, tensors)
-            log.info("data: tokens cached at %s", self.beside / self.name)
+            self._write(self.file.parent, tensors)
+        except OSError as err:
+            log.warning("data: cannot write the token cache at %s (%s); the next run tokenises again "
+                        "(XDG_CACHE_HOME picks another folder)", self.file.parent, _reason(err))
             return
-        except OSError as err:
-            beside_reason = _reason(err)
-        fallback = user_cache_folder()
-        try:
-            self._write(fallback, tensors)
-            log.info("data: cannot write the cache beside the data (%s: %s); cached at %s instead",
-                     self.beside, beside_reason, fallback / self.name)
-        except OSError as err:
-            log.warning("data: cannot write the token cache beside the data (%s) nor at %s (%s); "
-                        "the next run tokenises again", beside_reason, fallback, _reason(err))
+        log.info("data: tokens cached at %s", self.file)
 
     def _write(self, folder: Path, tensors: dict) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -95,7 +81,7 @@ class TokenCache:
         try:
             with os.fdopen(handle, "wb") as out:
                 torch.save(tensors, out)
-            os.replace(temporary, folder / self.name)  # readers see the whole file or none
+            os.replace(temporary, self.file)  # readers see the whole file or none
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise

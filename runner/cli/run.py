@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 def add_arguments(parser):
     add_recipe_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (the same as "
+                        "train.device=...; auto takes the GPU when there is one)")
     parser.add_argument("--nproc", type=int, metavar="N", help="start N ranks on this machine through torchrun "
                         "(distributed.strategy ddp or fsdp); under a torchrun you started, leave it out")
 
@@ -35,6 +37,8 @@ def run(args) -> int:
     from ..train.output import OutputError
 
     path = resolve_recipe(args.recipe)
+    if args.device is not None:  # a flag for what people look for first; the override does the work
+        args.overrides = [*args.overrides, f"train.device={args.device}"]
     recipe, doc = load_recipe_document(path, args.overrides)
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
         from ..dist.launch import check_launch, launch
@@ -61,8 +65,9 @@ def run(args) -> int:
         print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
     if result.losses:
-        log.info("done: %d steps, loss %.4f -> %.4f, metrics in %s/metrics.jsonl", result.steps_done,
-                 result.losses[0], result.losses[-1], recipe.output.dir)
+        from ..train.progress import done_line
+
+        log.info(done_line(result, Path(recipe.output.dir)))
     return 0
 
 

@@ -20,6 +20,7 @@ import torch
 from ..build.data import build_data
 from ..build.resolve import BuildError, infer_task
 from .checkpoint import restore_rng_state, rng_state
+from .eval_metrics import Metrics
 from .step import call_model, label_count, loss_sum, predict_only_at
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 # synthetic batches from this step on are evaluation's: no training run gets to 2**40 steps, so
 # they are batches of the same distribution that training never sees
 HELD_OUT_STEP = 1 << 40
+SYNTHETIC_BATCHES = 4  # synthetic data never ends: eval.batches unset evaluates this many
 LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")
 
 
@@ -60,8 +62,6 @@ class Evaluator:
         if data is None:  # synthetic training data: later steps of its own stream
             self.source, self.first_step = build_data(recipe, trainer.model), HELD_OUT_STEP
             self.task = recipe.data.task or infer_task(recipe.model)
-            log.info("eval: %d held-out batches of the synthetic data (its stream from step 2**40, which no "
-                     "training step draws)", self.spec.batches)
         else:
             if "task" in type(data).model_fields and data.task is None:
                 data = data.model_copy(update={"task": recipe.data.task})  # python models name it once
@@ -69,6 +69,21 @@ class Evaluator:
             self.source = build_data(held_out, trainer.model, getattr(trainer.data, "label_ids", None))
             self.first_step = 0
             self.task = data.task or infer_task(recipe.model)
+        self.samples = self._sample_count(getattr(self.source, "rows", None))
+        self.metrics = Metrics(self.spec.metrics)
+        self.last_step: int | None = None  # the step evaluated last
+
+    def _sample_count(self, rows: int | None) -> int:
+        """Samples per evaluation: eval.batches of the batch, or (unset) every held-out row once."""
+        batch = self.trainer.recipe.train.batch_size
+        if self.spec.batches is None and rows and self.first_step == 0:
+            log.info("eval: the whole held-out set, %d samples (%d batches of %d)", rows, -(-rows // batch), batch)
+            return rows
+        batches = self.spec.batches or SYNTHETIC_BATCHES
+        where = "of the synthetic data (its stream from step 2**40, which no training step draws)" \
+            if self.first_step else "of the held-out data"
+        log.info("eval: %d batches of %d %s", batches, batch, where)
+        return batches * batch
 
     def due(self, step: int) -> bool:
         return bool(self.spec.every and step % self.spec.every == 0) or step == self.trainer.total_steps
@@ -82,15 +97,23 @@ class Evaluator:
         with preserved_rng(trainer.device), torch.no_grad():
             model.eval()
             try:
-                for index in range(self.spec.batches):
-                    batch = self.source.global_batch(self.first_step + index).to(trainer.device)
+                for batch in self._batches():
                     for start in range(0, len(batch.labels), trainer.recipe.micro_batch):
                         self._add(sums, batch.slice(start, start + trainer.recipe.micro_batch))
             finally:
                 model.train(was_training)
         record = self._summary(sums, time.perf_counter() - started)
+        self.last_step = trainer.step
         log.info("eval at step %d: %s", trainer.step, "  ".join(f"{k} {v:.4g}" for k, v in record.items()))
         return {"step": trainer.step, "eval": record}
+
+    def _batches(self):
+        """The evaluation's batches, the last one cut so that no sample counts twice."""
+        size = self.trainer.recipe.train.batch_size
+        for index in range(-(-self.samples // size)):
+            batch = self.source.global_batch(self.first_step + index)
+            keep = min(size, self.samples - index * size)
+            yield (batch if keep == size else batch.slice(0, keep)).to(self.trainer.device)
 
     def _add(self, sums: dict, micro) -> None:
         forward = self.trainer.forward_model
@@ -100,6 +123,8 @@ class Evaluator:
         sums["labels"] += label_count(micro.labels)
         if self.task not in LANGUAGE_TASKS:  # one label per sample: the top class is right or wrong
             sums["correct"] += (logits.argmax(-1) == micro.labels).sum()
+        sparse = micro.positions is not None and logits.shape[1] == micro.positions.shape[1]
+        self.metrics.add(logits, micro.labels.gather(1, micro.positions) if sparse else micro.labels)
 
     def _summary(self, sums: dict, seconds: float) -> dict:
         labels = sums["labels"].item()
@@ -109,5 +134,6 @@ class Evaluator:
                 record["perplexity"] = math.exp(record["loss"])
         else:
             record["accuracy"] = sums["correct"].item() / labels
-        record.update(samples=self.spec.batches * self.trainer.recipe.train.batch_size, time_s=seconds)
+        record.update(self.metrics.compute())
+        record.update(samples=self.samples, time_s=seconds)
         return record

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +28,13 @@ from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import restore_rng_state, rng_state, save_checkpoint
-from .evaluate import make_evaluator
+from .evaluations import Evaluations
 from .export import finish_run
 from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
 from .output import prepare_output, set_aside_unresumable, write_failure, write_output
+from .progress import Progress
+from .start_line import predicted_step_seconds, start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
@@ -91,6 +92,8 @@ class RunResult:
     skipped_steps: int = 0
     stopped_by: int | None = None  # the signal (SIGINT/SIGTERM) that ended the run before its last step
     total_steps: int = 0  # the steps the run was to take: train.steps, or what train.epochs came to
+    stopped_early: str | None = None  # why eval.early_stopping ended the run before its last step
+    resumed_at: int = 0  # the checkpoint's step this run continued from (losses cover only the steps after it)
 
 
 class Trainer:
@@ -195,6 +198,8 @@ class Trainer:
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
         record = reduce_step_record(record, result.loss, self.ranks, self.recipe.train.batch_size)
+        if "input_ids" in batch.inputs:  # tokens fed per second, padding included (as HF's tokens/s counts them)
+            record["tokens_per_s"] = record["samples_per_s"] * batch.inputs["input_ids"].shape[-1]
         if getattr(self.data, "rows", None):  # finite data: how far through it, as HF Trainer logs it
             record["epoch"] = round(self.step * self.recipe.train.batch_size / self.data.rows, 4)
         if result.skipped:
@@ -280,14 +285,6 @@ def _apply_plan(model, recipe: Recipe, device: torch.device, source: str):
         raise keyed_error(err, source, "memory") from None
 
 
-def _progress(total: int, initial: int):
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-
 def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None) -> RunResult:
     """Train `recipe` into out_dir. A SIGINT/SIGTERM ends the loop after the current step and the run
     ends normally with `stopped_by` set; any other end leaves out_dir resumable or, when no
@@ -295,6 +292,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     out_dir = Path(out_dir or recipe.output.dir)
     prepare_output(out_dir, resume, source)
     with StopRequest() as stop, process_group_scope():
+        log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
         trainer = Trainer(recipe, source)
         if resume:
             resume_from_checkpoint(trainer, out_dir, source)
@@ -302,6 +300,11 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
             write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
                  trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+        if trainer.ranks.is_main:
+            parameters = sum(p.numel() for p in trainer.model.parameters())
+            for line in start_lines(recipe, trainer.device, predicted_step_seconds(trainer), parameters,
+                                    trainer.total_steps):
+                log.info(line)
         try:
             result = _run(trainer, out_dir, stop)
         except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
@@ -320,32 +323,33 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
 
 
 def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
-    recipe, result, watch = trainer.recipe, RunResult(trainer.step, total_steps=trainer.total_steps), LossWatch()
+    recipe, watch = trainer.recipe, LossWatch()
+    result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step)
     total, every = trainer.total_steps, recipe.output.checkpoint_every
-    bar = _progress(total, trainer.step) if trainer.ranks.is_main else None
-    evaluator = make_evaluator(trainer)
+    output = recipe.output
+    progress = Progress(total, trainer.step, output.log_every, output.log_seconds, show=trainer.ranks.is_main)
+    evaluations = Evaluations(trainer, out_dir)
     try:
         with (metrics_sink(trainer, out_dir) as metrics,
               tensorboard_log(recipe.output.tensorboard and trainer.ranks.is_main, out_dir, trainer.step) as board):
-            while trainer.step < total and not stop_agreed(stop, trainer.ranks):
+            sinks = (metrics, board)
+            result.stopped_early = evaluations.stopped_already()
+            while trainer.step < total and not result.stopped_early and not stop_agreed(stop, trainer.ranks):
                 record = trainer.train_step()
                 metrics.append(record)  # first, so the line of a non-finite step shows where it happened
                 board.append(record)
                 watch.check(record)
                 _note(result, record)
-                _report(record, bar, recipe.output.log_every, total)
-                if evaluator is not None and evaluator.due(trainer.step):
-                    evaluation = evaluator.run()
-                    metrics.append(evaluation)
-                    board.append(evaluation)
+                progress.update(record)
+                result.stopped_early = evaluations.after_step(sinks)
                 if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
+            if trainer.step < total and not result.stopped_early:
+                evaluations.at_stop(sinks)  # Ctrl-C: the weights it leaves get their evaluation too
     finally:
-        if bar is not None:
-            bar.close()
-        if evaluator is not None:
-            close_source(evaluator.source)
-    if trainer.step < total:
+        progress.close()
+        evaluations.close()
+    if trainer.step < total and not result.stopped_early:
         result.stopped_by = stop.signum
     if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
         try:
@@ -371,15 +375,3 @@ def _note(result: RunResult, record: dict) -> None:
     result.samples_per_s.append(record["samples_per_s"])
     result.peak_mem_bytes = max(result.peak_mem_bytes, record["peak_mem_bytes"])
     result.skipped_steps += bool(record.get("skipped"))
-
-
-def _report(record: dict, bar, log_every: int, total: int) -> None:
-    text = (f"step {record['step']}/{total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-            f"{record['samples_per_s']:.1f} samples/s  peak {format_bytes(record['peak_mem_bytes'])}")
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix_str(f"loss {record['loss']:.4f}")
-        if record["step"] % log_every == 0:
-            bar.write(text)
-    elif record["step"] % log_every == 0 or record["step"] == total:
-        log.info(text)

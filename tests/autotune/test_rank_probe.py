@@ -6,12 +6,12 @@ And (slow) `ckrun tune --nproc 2` ends with a tuned.yaml that trains as 2 ranks.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from autotune.probe import ProbeRunner, ProbeSettings
+import children
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
 from runner.load import load_recipe
 from tune_helpers import launches, survivors
@@ -21,9 +21,12 @@ def _recipe(strategy: str):
     return load_recipe(BERT_TINY, [*TINY_BERT, f"distributed.strategy={strategy}", "memory.max_mem=1GB"])
 
 
+def _settings(timeout_s: float, warmup_steps: int = 1) -> ProbeSettings:
+    return ProbeSettings(timeout_s=timeout_s, warmup_steps=warmup_steps, timed_steps=1, nproc=2)
+
+
 def test_a_probe_group_measures_with_every_rank_and_reports_once(tmp_path):
-    result = ProbeRunner(tmp_path, ProbeSettings(timeout_s=180, warmup_steps=2, timed_steps=1, nproc=2)).probe(
-        _recipe("fsdp"), 0)
+    result = ProbeRunner(tmp_path, _settings(children.STALL_S * 5, warmup_steps=2)).probe(_recipe("fsdp"), 0)
     assert result["status"] == "ok", result
     assert result["world_size"] == 2 and result["measured_peak_bytes"] > 0 and result["samples_per_s"] > 0
     assert sorted(p.name for p in (tmp_path / "probes").glob("trial-0.result*.json")) == [
@@ -33,10 +36,10 @@ def test_a_probe_group_measures_with_every_rank_and_reports_once(tmp_path):
 
 def test_a_rank_that_crashes_or_hangs_costs_its_probe_and_leaves_no_process(tmp_path, monkeypatch):
     monkeypatch.setenv("CKRUN_PROBE_FAULT", "crash:0@1,hang:1@1")  # only rank 1 of each group
-    runner = ProbeRunner(tmp_path, ProbeSettings(timeout_s=25, warmup_steps=1, timed_steps=1, nproc=2))
-    crashed = runner.probe(_recipe("ddp"), 0)
+    # the crash must come before its probe's timeout however busy the machine; the hang waits for it
+    crashed = ProbeRunner(tmp_path, _settings(children.STALL_S * 5)).probe(_recipe("ddp"), 0)
     assert crashed["status"] == "died" and crashed["reason"].startswith("rank 1 of 2 was killed by SIGSEGV"), crashed
-    hung = runner.probe(_recipe("ddp"), 1)
+    hung = ProbeRunner(tmp_path, _settings(25)).probe(_recipe("ddp"), 1)
     assert hung["status"] == "timeout", hung
     started = launches(tmp_path)
     assert any(launch["what"] == "rank" and launch["trial"] == 1 for launch in started)
@@ -49,7 +52,7 @@ def test_tune_with_two_ranks_writes_a_tuned_yaml_that_trains_as_two_ranks(tmp_pa
     command = [sys.executable, "-m", "runner.cli", "tune", BERT_TINY, *TINY_BERT, "train.steps=3",
                f"output.dir={tmp_path / 'run'}", "--output", str(tmp_path / "tune"), "--max-mem", "1500kB",
                "--trials", "3", "--finalists", "0", "--nproc", "2"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = children.run(command, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     tuned = (tmp_path / "tune" / "tuned.yaml").read_text()
     assert "train it:   ckrun" in tuned and "--nproc 2" in tuned and "strategy:" in tuned

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import children
 from conftest import BERT_TINY, ROOT, TINY_BERT
 from tune_helpers import launches, report, survivors, use_fake_child, wait_for
 
@@ -34,7 +35,7 @@ def test_killed_study_resumes_to_the_same_winner(ckrun, monkeypatch, tmp_path):
     tuner = subprocess.Popen([sys.executable, "-m", "runner", *_args(cut)], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        wait_for(lambda: len(_probed(cut)) >= 3, timeout=120)
+        children.wait_until(lambda: len(_probed(cut)) >= 3, tuner, "its third probe")
         code, _, err = ckrun(*_args(cut, "--resume"))
         assert code == 2 and f"another `ckrun tune` (pid {tuner.pid}) is running this study" in err
     finally:

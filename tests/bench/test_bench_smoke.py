@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import children
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, out: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out), *args],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=1200)
+    done = children.run([sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out), *args],
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 

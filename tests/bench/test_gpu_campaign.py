@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import children
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # bench/ is no installed package; a bare `pytest` does not put the root on the path
     sys.path.insert(0, str(ROOT))
@@ -25,9 +27,8 @@ def _command(script: str, *args) -> list[str]:
     return [sys.executable, str(ROOT / "bench" / "gpu" / script), *map(str, args)]
 
 
-def _run(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run(_command(*args), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=timeout)
+def _run(*args) -> subprocess.CompletedProcess:
+    done = children.run(_command(*args), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 

@@ -12,7 +12,6 @@ import contextlib
 import copy
 import math
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import children
 from conftest import BERT_TINY, ROOT
 from runner.cli import main
 
@@ -224,8 +224,7 @@ def test_hostile_input_through_a_real_process(tmp_path, content, overrides, expe
     recipe = tmp_path / "hostile.yaml"
     recipe.write_bytes(content)
     overrides = [o.replace("\x00", "\x01") for o in overrides]  # a real argv cannot hold NUL
-    done = subprocess.run([sys.executable, "-m", "runner", "validate", str(recipe), *overrides],
-                          capture_output=True, text=True, timeout=120)
+    done = children.run([sys.executable, "-m", "runner", "validate", str(recipe), *overrides])
     assert_contract(done.returncode, done.stdout, done.stderr, str(recipe), 0)
     assert done.returncode == 2 and expected in done.stderr
     assert len(done.stderr.splitlines()) == max(1, len(overrides))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+
+import children
 
 from runner import library
 from runner.cli.ls import format_count
@@ -168,8 +169,8 @@ def test_the_wheel_carries_every_recipe(tmp_path):
     # offline and fast with this environment's setuptools when it can; otherwise the way `pip install`
     # builds it, in an isolated environment with the build requirements pyproject names (needs the index)
     isolation = ["--no-build-isolation"] if _can_build_wheels_here() else []
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", str(ROOT),
-                    "-w", str(tmp_path)], check=True, timeout=300)
+    children.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", str(ROOT),
+                  "-w", str(tmp_path)], check=True, capture_output=False)
     (wheel,) = tmp_path.glob("ckrun-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"recipes/{path.relative_to(ROOT / 'recipes').as_posix()}" for path in library_recipes().values()} <= names

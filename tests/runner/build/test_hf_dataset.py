@@ -1,5 +1,5 @@
 """`data.source: dataset`: save_to_disk folders and Parquet files train through the CLI, their tokens
-are cached beside the data and re-made when the data changes, resume stays exact, and any odd or
+are cached in the user's cache folder and re-made when the data changes, resume stays exact, and any odd or
 broken data is one line and exit 2."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_a_saved_dataset_and_a_parquet_file_train_a_classifier(tmp_path, ckrun, 
     assert config["id2label"] == {"0": "neg", "1": "pos"}  # the export says what each id means
 
 
-def test_tokens_are_cached_beside_the_data_and_remade_when_it_changes(tmp_path, ckrun, caplog, monkeypatch):
+def test_tokens_are_cached_in_the_user_cache_and_remade_when_the_data_changes(tmp_path, ckrun, caplog, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     caplog.set_level(logging.INFO, logger="runner")
     parquet = tmp_path / "data" / "text.parquet"
@@ -91,7 +91,7 @@ def test_tokens_are_cached_beside_the_data_and_remade_when_it_changes(tmp_path, 
         return [m for m in caplog.messages if m.startswith("data: tok")]
 
     [first] = train("first")
-    assert first.startswith(f"data: tokens cached at {parquet.parent / '.ckrun-cache'}/text.parquet-")
+    assert first.startswith(f"data: tokens cached at {tmp_path / 'user-cache' / 'ckrun' / 'datasets'}/text.parquet-")
     assert train("second") == [first.replace("tokens cached at", "tokens from the cache") +
                                " (the data, tokenizer and settings are unchanged)"]
     assert losses(tmp_path / "second") == losses(tmp_path / "first")  # the cached tokens are the same tokens
@@ -99,21 +99,21 @@ def test_tokens_are_cached_beside_the_data_and_remade_when_it_changes(tmp_path, 
     [third] = train("third")
     assert third.startswith("data: tokens cached at") and third != first  # the change made a new key
     assert losses(tmp_path / "third") != losses(tmp_path / "first")
-    assert not (tmp_path / "user-cache").exists()
+    assert sorted(p.name for p in parquet.parent.iterdir()) == ["text.parquet"]  # the data folder is left alone
 
 
-def test_an_unwritable_data_folder_caches_in_the_user_cache(tmp_path, ckrun, caplog, monkeypatch):
+def test_an_unwritable_cache_folder_costs_only_the_cache(tmp_path, ckrun, caplog, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    (tmp_path / "user-cache").write_text("")  # a file where the folder should be: nothing can be written there
     caplog.set_level(logging.INFO, logger="runner")
     (tmp_path / "data").mkdir()
     reviews().to_json(str(tmp_path / "data" / "train.jsonl"))
-    (tmp_path / "data" / ".ckrun-cache").write_text("")  # as a read-only folder would, refuses the cache
     data = f"data={{source: dataset, paths: ['{tmp_path}/data/*.jsonl'], seq_len: 16}}"
-    for name in ("first", "second"):
-        caplog.clear()
-        assert ckrun(BERT_TINY, *GPT, data, "train.steps=1", f"output.dir={tmp_path / name}")[0] == 0
-    [cached] = list((tmp_path / "user-cache" / "ckrun" / "datasets").glob("train.jsonl-*.pt"))
-    assert f"data: tokens from the cache {cached} (the data, tokenizer and settings are unchanged)" in caplog.messages
+    code, _, err = ckrun(BERT_TINY, *GPT, data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
+    assert code == 0, err
+    assert any(m.startswith("data: cannot write the token cache at ") and "the next run tokenises again" in m
+               for m in caplog.messages)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["train.jsonl"]
 
 
 def test_resume_from_a_cached_dataset_is_exact(tmp_path, ckrun):

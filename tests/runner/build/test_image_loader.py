@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+import children
 from conftest import ROOT, read_metrics
 from runner.build.data import ImageFolderSource, Shape, epoch_rows
 from runner.build.image_loader import StepLoader, StepRows, choose_workers
@@ -155,16 +156,14 @@ def test_a_stopped_run_leaves_no_worker_behind(tmp_path, stop):
                               "train.steps=100000", f"output.dir={out}"], stderr=subprocess.PIPE, text=True, env=env,
                              start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 1:
-            assert child.poll() is None and time.monotonic() < deadline, "the run ended or never started"
-            time.sleep(0.2)
+        metrics = out / "metrics.jsonl"
+        children.wait_until(lambda: metrics.is_file() and metrics.read_text().strip(), child, "step 1")
         assert len(session_processes(child.pid)) >= 3  # the run and its two workers
         if stop == "ctrl-c":
             os.killpg(child.pid, signal.SIGINT)
         else:
             child.kill()
-        _, err = child.communicate(timeout=60)
+        _, err = children.wait(child)
     finally:
         child.kill()
     if stop == "ctrl-c":

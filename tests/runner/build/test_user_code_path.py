@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import children
 from conftest import ROOT
 
 RECIPE = """model: {source: python, name: 'beside_models:tied_lm', config: {vocab_size: 64, width: 16}}
@@ -22,8 +23,7 @@ train: {batch_size: 4, steps: 2, device: cpu}
 def ckrun_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """The CLI in a fresh interpreter that, like the `ckrun` script, searches neither cwd nor a script's folder (-P)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # ckrun itself only: not the user's folders
-    return subprocess.run([sys.executable, "-P", "-m", "runner.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return children.run([sys.executable, "-P", "-m", "runner.cli", *args], cwd=cwd, env=env)
 
 
 @pytest.mark.parametrize("module_in", ["the recipe's folder", "the working directory"])

@@ -29,9 +29,9 @@ def unknown_keys(schema: dict, node: dict, value, path: str = "") -> list[str]:
     """The dotted keys in `value` that the schema's objects do not allow (keys only, not values)."""
     node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]] if "$ref" in node else node
     alternatives = node.get("anyOf") or node.get("oneOf")
-    if alternatives:  # a union: the keys are fine if one member takes them all
-        found = [unknown_keys(schema, alt, value, path) for alt in alternatives]
-        return min(found, key=len)
+    if alternatives:  # a union: the keys are fine if one member its tag picks takes them all
+        found = [unknown_keys(schema, alt, value, path) for alt in alternatives if tag_fits(schema, alt, value)]
+        return min(found, key=len) if found else []
     if isinstance(value, dict) and "properties" in node:
         bad = []
         for key, item in value.items():
@@ -41,6 +41,16 @@ def unknown_keys(schema: dict, node: dict, value, path: str = "") -> list[str]:
                 bad.append(f"{path}{key}")
         return bad
     return []
+
+
+def tag_fits(schema: dict, node: dict, value) -> bool:
+    """Whether `value`'s tag (name, policy, source, strategy) is one this union member's schema allows."""
+    node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]] if "$ref" in node else node
+    for tag, spec in node.get("properties", {}).items():
+        allowed = [spec["const"]] if "const" in spec else spec.get("enum")
+        if isinstance(value, dict) and tag in value and allowed is not None and value[tag] not in allowed:
+            return False
+    return True
 
 
 def test_the_schema_describes_the_recipe(schema):

@@ -14,6 +14,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
+import children
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +29,7 @@ HEAVY = ("optuna", "transformers")
 
 def python(*args: str, path: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *path, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    return children.run([sys.executable, *args], cwd=ROOT, env=env)
 
 
 def imported_modules(*args: str, path: tuple[str, ...] = ()) -> set[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import children
 from conftest import ROOT, read_metrics
 from runner.cli import main
 from runner.train.checkpoint import complete_checkpoints
@@ -47,7 +48,7 @@ def ckrun_process(*args, kill: str | None = None) -> subprocess.Popen:
 
 
 def finish(process: subprocess.Popen) -> tuple[int, str]:
-    _, err = process.communicate(timeout=400)
+    _, err = children.wait(process)
     return process.returncode, err
 
 
@@ -137,10 +138,8 @@ def test_sigterm_to_ckrun_stops_every_rank_after_the_same_whole_step(tmp_path):
     out = tmp_path / "run"
     process = ckrun_process(STACK, *TINY, "distributed.strategy=ddp", "train.steps=100000", "output.checkpoint_every=0",
                             f"output.dir={out}", "--nproc", 2)
-    deadline = time.monotonic() + 300
-    while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
-        time.sleep(0.2)
+    metrics = out / "metrics.jsonl"
+    children.wait_until(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, process, "step 3")
     process.send_signal(signal.SIGTERM)
     code, err = finish(process)
     assert code == 143, err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from hypothesis import given, strategies as st
 from pydantic import ValidationError
 
+import children
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from runner.memory.allocator import ALLOC_ENV, apply_allocator
@@ -74,7 +74,7 @@ def test_on_cuda_the_allocator_runs_with_it(tmp_path):
             f"'output.dir={tmp_path}']))\nt.train_step()\n"
             "print(all(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")
     env = {k: v for k, v in os.environ.items() if k != ALLOC_ENV}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = children.run([sys.executable, "-c", code], env=env)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
 
 

@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import children
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
 from runner import checkpoint_files
 from runner.cli import main
@@ -29,12 +29,10 @@ def test_sigterm_from_outside_ends_the_run_after_a_whole_step(tmp_path):
     child = subprocess.Popen([sys.executable, "-m", "runner", *RUN[:-2], "train.steps=100000", "output.checkpoint_every=1",
                               f"output.dir={out}"], stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 240
-        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
-            assert child.poll() is None and time.monotonic() < deadline, "the run ended or never started"
-            time.sleep(0.2)
+        metrics = out / "metrics.jsonl"
+        children.wait_until(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, child, "step 2")
         child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=120)
+        _, err = children.wait(child)
     finally:
         child.kill()
     assert child.returncode == 143, err
@@ -88,7 +86,7 @@ def traced_child(moment: int | None, args: list[str], count_file: Path) -> subpr
     paths = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]
     code = (f"import sys; sys.path[:0] = {paths!r}; import torch; torch.set_num_threads(1); import test_kill; "
             f"sys.exit(test_kill.run_traced({moment!r}, {[str(a) for a in args]!r}, {str(count_file)!r}))")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return children.run([sys.executable, "-c", code])
 
 
 @pytest.fixture(scope="module")
