@@ -22,6 +22,28 @@ from . import Command, add_recipe_arguments
 log = logging.getLogger(__name__)
 
 
+PREDICT_FROM = 10_000_000  # parameters: a smaller model's first step comes within seconds, unannounced
+
+
+def predicted_step(recipe, device, parameters: int) -> float | None:
+    """Seconds a step, from the time model on this device's facts (`ckrun estimate`), for the line
+    before step 1; None for a small model, a device the table lacks, or a model fake tensors cannot run."""
+    if parameters < PREDICT_FROM:
+        return None
+    from ..predict.estimate import EstimateUnavailable, Estimator
+    from ..predict.hardware import this_cpu, this_gpu
+
+    facts = this_gpu() if device.type == "cuda" else this_cpu()
+    if facts is None:
+        return None
+    log.info("predicting the step time on %s (ckrun estimate's fake step)", facts.name)
+    try:
+        return Estimator(recipe, device.type, facts).estimate().time.seconds
+    except (EstimateUnavailable, ValueError) as err:
+        log.debug("no predicted step time: %s", err)
+        return None
+
+
 def add_arguments(parser):
     add_recipe_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
@@ -49,7 +71,7 @@ def run(args) -> int:
         return launch([args.recipe, *args.overrides, *(["--resume"] if args.resume else [])], args.nproc, args.verbose)
     try:
         with located_errors(doc):
-            result = train(recipe, str(path), resume=args.resume)
+            result = train(recipe, str(path), resume=args.resume, predict_step=predicted_step)
     except MemoryCapExceeded as err:
         _say(f"ckrun: {err}; {err.advice}", every_rank=isinstance(err, OutOfMemory))
         return EXIT_OVER_CAP

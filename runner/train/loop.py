@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
 from .output import prepare_output, set_aside_unresumable, write_failure, write_output
 from .progress import Progress
-from .start_line import predicted_step_seconds, start_lines
+from .start_line import start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
@@ -285,10 +286,15 @@ def _apply_plan(model, recipe: Recipe, device: torch.device, source: str):
         raise keyed_error(err, source, "memory") from None
 
 
-def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None) -> RunResult:
+StepPredictor = Callable[[Recipe, torch.device, int], "float | None"]  # (recipe, device, parameters) -> s a step
+
+
+def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None,
+          predict_step: StepPredictor | None = None) -> RunResult:
     """Train `recipe` into out_dir. A SIGINT/SIGTERM ends the loop after the current step and the run
     ends normally with `stopped_by` set; any other end leaves out_dir resumable or, when no
-    checkpoint was written, re-usable without --resume."""
+    checkpoint was written, re-usable without --resume. `predict_step` gives the line before step 1
+    its predicted time (the CLI passes runner/predict's, which this layer may not import)."""
     out_dir = Path(out_dir or recipe.output.dir)
     prepare_output(out_dir, resume, source)
     with StopRequest() as stop, process_group_scope():
@@ -302,8 +308,8 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
                  trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
         if trainer.ranks.is_main:
             parameters = sum(p.numel() for p in trainer.model.parameters())
-            for line in start_lines(recipe, trainer.device, predicted_step_seconds(trainer), parameters,
-                                    trainer.total_steps):
+            predicted = predict_step(recipe, trainer.device, parameters) if predict_step else None
+            for line in start_lines(recipe, trainer.device, predicted, parameters, trainer.total_steps):
                 log.info(line)
         try:
             result = _run(trainer, out_dir, stop)

@@ -54,8 +54,3 @@ def gpu_reasons(recipe, parameters: int) -> list[str]:
         reasons.append(f"{parameters / 1e6:.0f}M parameters")
     return reasons
 
-
-def predicted_step_seconds(trainer) -> float | None:
-    """The time model's seconds per step for this run (issue 21 wires runner/predict in here); None
-    until it does, and then nothing is said about time."""
-    return None

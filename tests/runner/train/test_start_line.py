@@ -3,6 +3,8 @@ finds only a CPU says so in one line and runs on; `--device` picks the device.""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from conftest import BERT_TINY, TINY_BERT
@@ -51,3 +53,17 @@ def test_device_picks_where_to_train(tmp_path, ckrun, caplog):
     if not torch.cuda.is_available():
         code, _, err = ckrun(*recipe, "--device", "cuda", f"output.dir={tmp_path / 'gpu'}")
         assert code == 2 and "train.device: cuda asked for but no CUDA GPU is visible" in err, err
+
+
+def test_a_large_model_announces_its_predicted_step_time_before_step_one(ckrun, tmp_path, caplog):
+    """10M parameters and up: `ckrun run` prices the recipe's fake step on this device (the time
+    model) and says what a step and the run should take; a small model's run says nothing of time."""
+    large = ["model.config.hidden_size=256", "model.config.vocab_size=40000", "model.config.num_hidden_layers=4",
+             "model.config.intermediate_size=512", "data.seq_len=16", "train.batch_size=2", "train.device=cpu"]
+    with caplog.at_level(logging.INFO):
+        code, _, _ = ckrun(BERT_TINY, *large, "train.steps=1", f"output.dir={tmp_path / 'large'}")
+    assert code == 0 and "predicted: " in caplog.text and " a step, " in caplog.text and "for 1 steps" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        code, _, _ = ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={tmp_path / 'small'}")
+    assert code == 0 and "device: cpu" in caplog.text and "predicted: " not in caplog.text
