@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.files import write_atomic
-from runner.memory.allocator import ALLOC_ENV
+from runner.memory.allocator import allocator_env
 from runner.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def child_env(recipe: Recipe) -> dict[str, str]:
     even imports torch (the trainer sets them again, logged, before CUDA starts)."""
     env = dict(os.environ)
     if recipe.memory.allocator is not None:
-        env[ALLOC_ENV] = recipe.memory.allocator
+        env.update(allocator_env(recipe.memory.allocator))
     return env
 
 
