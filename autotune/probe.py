@@ -50,6 +50,7 @@ class ProbeRunner:
         started = time.monotonic()
         result = self._run("probe", recipe, stem, extra, self.settings.timeout_s, trial)
         result["probe_s"] = round(time.monotonic() - started, 2)
+        _warn_if_shared(result, trial)
         return result
 
     def device(self, recipe: Recipe, timeout_s: float = 300.0) -> dict:
@@ -71,6 +72,17 @@ class ProbeRunner:
         if trial is not None and (code is None or code < 0):
             kill_ranks(self.directory, trial)  # torchrun put each rank in a session of its own
         return _result(result_path, log_path, code, timeout_s)
+
+
+def _warn_if_shared(result: dict, trial: int) -> None:
+    """A probe must have the GPU to itself: the tuner keeps its own processes off it (its model child
+    predicts with the GPUs hidden; this process never starts CUDA), and says so when it was not alone."""
+    others = result.get("other_gpu_processes")
+    if others:
+        log.warning("probe %d was timed while %d other process(es) used its GPU: its time may be off", trial, others)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        log.warning("probe %d: the tuner's own process holds a CUDA context beside the probe", trial)
 
 
 def child_env(recipe: Recipe) -> dict[str, str]:

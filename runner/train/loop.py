@@ -23,7 +23,7 @@ from ..dist.ranks import join as join_ranks
 from ..dist.ranks import reduce_step_record
 from ..dist.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
-from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
+from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes, note_card_before_cuda
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
@@ -97,6 +97,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, source: str = "<recipe>"):
         self.recipe, self.source = recipe, source
         apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))  # before pick_device starts CUDA
+        note_card_before_cuda()  # what other processes hold on the card, read before our context joins them
         self.ranks = join_ranks(recipe, source)  # before the device: under nccl it picks this rank's GPU
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
