@@ -130,6 +130,27 @@ def test_tables_without_results_say_every_figure_waits():
     assert "every figure waits for a lent GPU" in markdown
 
 
+def test_mfu_counts_the_models_flops_and_hfu_the_plans():
+    """Full checkpointing runs 4/3 of the model's FLOPs: its HFU is 4/3 of its MFU, not its MFU."""
+    from bench.gpu import plan_results
+
+    plan = lambda name, seconds, flops=None: {"name": name, "key": f"{name} @ 16", "micro_batch": 16,  # noqa: E731
+                                               "status": "ok", "step_time_s": seconds, "flops": flops}
+    results = {"peak_flops_per_s": 1000.0, "plans": [plan("none", 1.0, 300), plan("full", 1.2, 400),
+                                                      plan("compile", 0.6), plan("full", 1.5)]}
+    results["plans"][-1]["micro_batch"] = 64  # not counted again: the same global batch
+    plan_results.attach_rates(results)
+    none, full, compiled, full_64 = results["plans"]
+    assert (none["mfu"], none["hfu"]) == (pytest.approx(0.3), pytest.approx(0.3))
+    assert (full["mfu"], full["hfu"]) == (pytest.approx(0.25), pytest.approx(1 / 3))
+    assert (compiled["mfu"], compiled["hfu"]) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert (full_64["mfu"], full_64["hfu"]) == (pytest.approx(0.2), pytest.approx(400 / 1.5 / 1000))
+    results["summary"] = {}
+    assert plan_results.figures(results)["P6"] == {"eager_mfu": pytest.approx(0.3), "eager_plan": "none @ 16",
+                                                   "compiled_mfu": pytest.approx(0.5), "compiled_plan": "compile @ 16",
+                                                   "goals": (0.35, 0.45)}
+
+
 def _probed(candidate: dict, *samples_per_s: float) -> dict:
     runs = [{"status": "ok", "samples_per_s": s, "card_peak_bytes": 95_000_000} for s in samples_per_s]
     return {**candidate, "runs": runs}

@@ -4,6 +4,8 @@ a side stream, a lower allocator reserve - on CUDA."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -183,16 +185,16 @@ def test_any_offload_and_checkpointing_mix_keeps_gradients_bit_identical(blocks,
 
 
 class _FailsOnce(nn.Module):
-    """A block that runs out of memory in its forward the first time."""
+    """A block that runs out of memory in its `fail_on`-th forward."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, fail_on: int = 1):
         super().__init__()
-        self.inner, self.failed = inner, False
+        self.inner, self.calls, self.fail_on = inner, 0, fail_on
 
     def forward(self, x):
         out = self.inner(x)
-        if not self.failed:
-            self.failed = True
+        self.calls += 1
+        if self.calls == self.fail_on:
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return out
 
@@ -322,12 +324,15 @@ def test_cuda_a_channels_last_activation_comes_back_channels_last():
 def test_cuda_an_out_of_memory_in_forward_gives_the_stashed_memory_back():
     torch.manual_seed(0)
     model = chain(blocks=6, width=1024).cuda()
-    model[4] = _FailsOnce(model[4])
+    model[4][0] = _FailsOnce(model[4][0], fail_on=2)  # inside block 4, which stays a block of its kind
     applied = apply_plan(model, plan(offload={"policy": "all", "min_bytes": 1 << 20}), torch.device("cuda"))
     x = torch.randn(4096, 1024, device="cuda")
+    model(x).square().mean().backward()  # a whole step first: cuBLAS workspaces and gradients exist before
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with pytest.raises(torch.OutOfMemoryError):
         model(x)
+    gc.collect()  # the traceback's frames, with the activations they hold
     torch.cuda.synchronize()
     assert applied.offload._last is None and torch.cuda.memory_allocated() == before
     applied.remove()
