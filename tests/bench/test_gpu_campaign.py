@@ -193,8 +193,8 @@ def test_tune_dry_run_tunes_twice_then_compares_the_tuned_plan(tmp_path, campaig
     assert "--search-compile" in tune["tune"]["command"] and tune["uncapped_tune"]["cap"] == "100GB"
     assert {"tuned_tuned.yaml", "tuned_report.json", "uncapped_tuned.yaml", "uncapped_report.json",
             "tuned_search.log", "uncapped_search.log"} <= {p.name for p in tmp_path.iterdir()}
-    assert [c["role"] for c in tune["candidates"]] == ["tuned", "uncapped", "full_checkpointing",
-                                                      "hf_full_checkpointing"]
+    assert [c["role"] for c in tune["candidates"]] == ["tuned", "uncapped", "hf_full_checkpointing",
+                                                      "full_checkpointing"]
     assert all(r["status"] == "ok" for c in tune["candidates"] for r in c["runs"]), tune["candidates"]
     assert all(tune["ratios"][k] > 0 for k in ("tuned_vs_fastest_uncapped", "tuned_vs_hf_full_checkpointing"))
     assert tune["tuned_peak"]["within_cap"] is True and tune["cap_bytes"] == 100_000_000

@@ -26,6 +26,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SETTING = "expandable_segments:True"
 
 
+@pytest.fixture(autouse=True)
+def _environment_put_back():
+    """apply_allocator writes both variables into os.environ: the next test must not inherit them."""
+    before = {name: os.environ.get(name) for name in ALLOC_ENVS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def test_a_no_op_on_the_cpu_that_is_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv(ALLOC_ENV, raising=False)
     caplog.set_level(logging.INFO)
