@@ -149,16 +149,17 @@ def measure(recipe, warmup: int, timed: int) -> dict:
 def device_info(recipe) -> dict:
     """The device the recipe trains on and what it can do, asked once in a child so the tuner never inits CUDA."""
     import torch
+    from runner.memory.measure import context_after_kernels, note_card_before_cuda
     from runner.train.loop import pick_device
 
+    note_card_before_cuda()
     device = pick_device(recipe)
     if device.type == "cuda":
-        from runner.memory.measure import context_after_kernels
-
         props = torch.cuda.get_device_properties(device)
         precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
         return {"status": "ok", "kind": "cuda", "name": props.name, "total_bytes": props.total_memory,
                 "precisions": precisions, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "capability": f"{props.major}.{props.minor}",
                 "context_bytes": context_after_kernels(device), "count": torch.cuda.device_count()}
     # fp16 autocast on a CPU is emulated and slower than fp32: only bf16 is worth a probe there
     return {"status": "ok", "kind": "cpu", "name": f"cpu ({platform.processor() or platform.machine()})",

@@ -19,12 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.files import write_atomic
-from runner.memory.allocator import ALLOC_ENV
+from runner.memory.allocator import allocator_env
 from runner.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
 CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of autotune.child (same arguments)
+
+
+COLD_COMPILE_S = 300.0  # a cold torch.compile of BERT-large took 1-2 minutes on an H100 (2026-11-22)
+# compile's caches, on disk in inductor's per-user folder: the first probe of a plan compiles, the
+# next ones (the finalists' re-runs, the same graph at another cap) and the final training load it
+COMPILE_CACHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,13 @@ class ProbeSettings:
     warmup_steps: int = 2  # steps 1-2 measure the peak (step 2 is the first with optimizer state)
     timed_steps: int = 3
     nproc: int = 1  # --nproc: each probe is a torchrun group of this many ranks (autotune/rank_probe.py)
+    compile_timeout_s: float | None = None
+    """A probe with memory.compile compiles in its first step; unset: timeout_s + COLD_COMPILE_S."""
+
+    def timeout_for(self, recipe: Recipe) -> float:
+        if not recipe.memory.compile:
+            return self.timeout_s
+        return self.timeout_s + COLD_COMPILE_S if self.compile_timeout_s is None else self.compile_timeout_s
 
 
 class ProbeRunner:
@@ -48,8 +61,9 @@ class ProbeRunner:
         extra = ["--trial", str(trial), "--warmup", str(self.settings.warmup_steps),
                  "--timed", str(self.settings.timed_steps), "--nproc", str(self.settings.nproc)]
         started = time.monotonic()
-        result = self._run("probe", recipe, stem, extra, self.settings.timeout_s, trial)
+        result = self._run("probe", recipe, stem, extra, self.settings.timeout_for(recipe), trial)
         result["probe_s"] = round(time.monotonic() - started, 2)
+        _warn_if_shared(result, trial)
         return result
 
     def device(self, recipe: Recipe, timeout_s: float = 300.0) -> dict:
@@ -73,12 +87,24 @@ class ProbeRunner:
         return _result(result_path, log_path, code, timeout_s)
 
 
+def _warn_if_shared(result: dict, trial: int) -> None:
+    """A probe must have the GPU to itself: the tuner keeps its own processes off it (its model child
+    predicts with the GPUs hidden; this process never starts CUDA), and says so when it was not alone."""
+    others = result.get("other_gpu_processes")
+    if others:
+        log.warning("probe %d was timed while %d other process(es) used its GPU: its time may be off", trial, others)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        log.warning("probe %d: the tuner's own process holds a CUDA context beside the probe", trial)
+
+
 def child_env(recipe: Recipe) -> dict[str, str]:
     """The probe's environment: ours, with the candidate's allocator settings in place before the child
-    even imports torch (the trainer sets them again, logged, before CUDA starts)."""
-    env = dict(os.environ)
+    even imports torch (the trainer sets them again, logged, before CUDA starts), and compile's disk
+    caches on unless the user turned them off."""
+    env = {**COMPILE_CACHES, **os.environ}
     if recipe.memory.allocator is not None:
-        env[ALLOC_ENV] = recipe.memory.allocator
+        env.update(allocator_env(recipe.memory.allocator))
     return env
 
 

@@ -9,6 +9,11 @@ wall-clock limit (`--probe-timeout`, the same as a probe's). On a timeout, or wh
   probed, and the report says why;
 - while one plan is predicted: that plan is probed unscreened, the report says why, and the next
   prediction starts a fresh child; after MAX_FAULTS such faults screening is off.
+
+On CUDA the child predicts on fake tensors with the GPUs hidden from it: a CUDA context of its own
+(0.5-0.8 GB) would sit on the card beside every probe, in its time and, where NVML cannot tell
+processes apart, in its measured context. Only the solver's timing run needs the card: it gets a
+child of its own that sees the GPU, stopped once the solver has answered, before any probe runs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from pathlib import Path
 
 from runner.files import write_atomic
+from runner.predict.cuda_extras import CAPABILITY_ENV
 from runner.problems import InputError, Place, Problem
 from runner.recipe import Recipe
 
@@ -53,7 +59,8 @@ class ModelChild:
     def running(self) -> bool:
         return self.process is not None
 
-    def start(self) -> None:
+    def start(self, gpu: bool = False) -> None:
+        """Start a child; with `gpu` (the solver's timing run) it sees the GPUs, else they are hidden."""
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in [*self.directory.glob("answer-*.json"), self.directory / "facts.json",
                       self.directory / "ready.json"]:
@@ -69,8 +76,23 @@ class ModelChild:
                    str(self.nproc), *([] if self.screen else ["--facts-only"]), *timing]
         with open(self.log_path, "a", encoding="utf-8") as log_file:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
-                                            start_new_session=True, text=True)
+                                            start_new_session=True, text=True, env=self.environment(gpu))
         note_launch(self.probes, "model", None, self.process.pid)
+
+    def environment(self, gpu: bool) -> dict[str, str]:
+        """Ours; on CUDA without `gpu`, the GPUs hidden and the card's capability (which sizes the
+        predicted cuBLAS workspaces) passed on from the device child's answer."""
+        env = dict(os.environ)
+        if self.device_kind != "cuda" or gpu:
+            return env
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            capability = json.loads((self.probes / "device.result.json").read_text(encoding="utf-8"))["capability"]
+        except (OSError, ValueError, KeyError):
+            capability = None  # no device child ran (a test's fake): the estimate assumes Hopper and says so
+        if capability:
+            env[CAPABILITY_ENV] = capability
+        return env
 
     def facts(self) -> dict:
         return self._await("facts.json", "building the model on the meta device")
@@ -179,20 +201,28 @@ class IsolatedPredictor:
         return Prediction(None, f"unscreened: {answer['reason']}")
 
     def frontier(self, frontier: dict) -> dict:
-        """The solver's answer, or one with `status` and `reason` saying why there is none."""
-        if self.off or not self._started():
+        """The solver's answer, or one with `status` and `reason` saying why there is none. On CUDA
+        it is asked of a child that sees the GPU, stopped afterwards (see the module's docstring)."""
+        gpu = self.child.device_kind == "cuda"
+        if gpu:
+            self._restart()
+        if self.off or not self._started(gpu):
             return {"status": "unavailable", "reason": f"no estimator ({self.off})"}
         answer = self.child.ask_frontier(frontier)
-        if answer["status"] in ("died", "timeout"):
-            self._ready = False  # the next prediction starts another child
+        if answer["status"] in ("died", "timeout") or gpu:
+            self._restart()  # the next prediction starts another child (on CUDA: one without a context)
         return answer
 
-    def _started(self) -> bool:
+    def _restart(self) -> None:
+        self.child.stop()
+        self._ready = False
+
+    def _started(self, gpu: bool = False) -> bool:
         """A child with the estimator built; False (and screening off) when the model cannot get there."""
         if self._ready:
             return True
         if not self.child.running:
-            self.child.start()
+            self.child.start(gpu)
             facts = self.child.facts()
             if facts["status"] != "ok":
                 self._turn_off(facts["reason"])

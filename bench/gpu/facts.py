@@ -1,14 +1,17 @@
-"""Call 1 of the GPU campaign: what this GPU, driver and torch do with memory, measured once.
+"""Call 1 of the GPU campaign (4 minutes): what this GPU, driver and torch do, measured once.
 
-    python bench/gpu/facts.py OUT_DIR [--dry-run]
+    python bench/gpu/facts.py OUT_DIR [--dry-run] [--budget-s 230]
 
-Writes OUT_DIR/facts.json: versions; the CUDA context at init and after lazy module loading;
-the cuBLAS workspace per stream (what the prediction adds per handle); the extra bytes that
-flash and memory-efficient attention allocate in backward beyond their gradients; pinned
-host<->device bandwidth (what offload's copies can reach). Each probe runs in its own
-subprocess, so one process's lazily loaded kernels never count towards another's context.
-`--dry-run` runs the same code at toy size on the CPU (the CUDA parts report null) so the
-campaign cannot rot between GPU sessions.
+Writes OUT_DIR/facts.json: versions and the allocator settings torch reports in effect; the CUDA
+context at init and after lazy module loading; the cuBLAS workspace per stream (what the prediction
+adds per handle); the extra bytes that flash and memory-efficient attention allocate in backward
+beyond their gradients; pinned host<->device bandwidth (what offload's copies can reach); the bf16
+matrix-product rate this card reaches (MFU's peak is the datasheet's; this says how much of it a
+kernel can get); then `pytest -m cuda` with what is left of the budget (its log in
+OUT_DIR/pytest-cuda.log; no CPU suite here: CI runs that). Each probe runs in its own subprocess, so
+one process's lazily loaded kernels never count towards another's context. `--dry-run` runs the
+same code at toy size on the CPU (the CUDA parts report null) so the campaign cannot rot between
+GPU sessions.
 """
 
 from __future__ import annotations
@@ -18,13 +21,21 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/gpu/facts.py` must find it too
+    sys.path.insert(0, str(REPO))
+
+from bench.gpu.budget import Budget  # noqa: E402
+
 MiB = 1 << 20
+PROBE_S = 90  # the most one probe may take (each is seconds on an H100)
 
 
 def versions() -> dict:
@@ -33,6 +44,8 @@ def versions() -> dict:
     found = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
              "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+             "alloc_conf_generic": os.environ.get("PYTORCH_ALLOC_CONF", ""),
+             "alloc_in_effect": _allocator_in_effect(),
              "module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default: LAZY)")}
     for name in ("torchvision", "optuna", "pydantic"):
         try:
@@ -47,6 +60,12 @@ def versions() -> dict:
     else:
         found.update(device=f"cpu ({platform.machine()})", total_bytes=0)
     return found
+
+
+def _allocator_in_effect() -> str | None:
+    from runner.memory.allocator import settings_in_effect
+
+    return settings_in_effect()
 
 
 def _driver() -> str | None:
@@ -69,14 +88,17 @@ def _used_beyond_allocator() -> int:
 def probe_context() -> dict:
     """Context right after init, then after the kernels a BERT step needs have been loaded, both as
     the card's used memory and as ckrun measures it (NVML per process where it can)."""
-    from runner.memory.measure import context_after_kernels, cuda_context_bytes
+    from runner.memory import nvml
+    from runner.memory.measure import context_after_kernels, cuda_context_bytes, note_card_before_cuda
 
+    note_card_before_cuda()  # as the trainer does: what else holds the card, before our context joins it
     device = torch.device("cuda", 0)
     torch.zeros(1, device=device)
     at_init, ckrun_at_init = _used_beyond_allocator(), cuda_context_bytes(device)
     ckrun_after = context_after_kernels(device)
     return {"context_at_init_bytes": at_init, "context_after_bert_kernels_bytes": _used_beyond_allocator(),
-            "ckrun_context_at_init_bytes": ckrun_at_init, "ckrun_context_after_kernels_bytes": ckrun_after}
+            "ckrun_context_at_init_bytes": ckrun_at_init, "ckrun_context_after_kernels_bytes": ckrun_after,
+            "nvml_lists_this_process": nvml.own_bytes(0) is not None, "nvml_other_processes": nvml.others(0)}
 
 
 def probe_cublas_workspace() -> dict:
@@ -146,31 +168,78 @@ def probe_pinned_bandwidth(mib: int = 512) -> dict:
     return rates
 
 
+def probe_matmul(n: int = 8192, warmup: int = 3, timed: int = 10) -> dict:
+    """bf16 [n, n] @ [n, n] on random data (zeros run faster), median of `timed` products timed with
+    events after `warmup`: the matrix rate a step's kernels can reach on this card."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(warmup):
+        a @ b
+    times = []
+    for _ in range(timed):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    seconds = sorted(times)[len(times) // 2]
+    return {"shape": [n, n, n], "bf16_flops_per_s": 2 * n**3 / seconds, "seconds": seconds}
+
+
 PROBES = {"context": probe_context, "cublas": probe_cublas_workspace, "attention": probe_attention_scratch,
-          "bandwidth": probe_pinned_bandwidth}
+          "bandwidth": probe_pinned_bandwidth, "matmul": probe_matmul}
 
 
-def run_probe_isolated(name: str) -> dict:
+def run_probe_isolated(name: str, timeout_s: float) -> dict:
     """One probe in a fresh interpreter; a failure becomes {"error": ...} rather than ending the campaign."""
     code = f"import json, bench.gpu.facts as f; print('RESULT' + json.dumps(f.PROBES[{name!r}]()))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT"):
             return json.loads(line[len("RESULT"):])
     return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:300]}
 
 
+def cuda_tests(out: Path, budget: Budget, dry_run: bool) -> dict:
+    """`pytest -m cuda` in what is left of the budget; the summary line and the failed tests' names."""
+    if dry_run or not torch.cuda.is_available():
+        return {"status": "not run", "reason": "dry run" if dry_run else "no CUDA GPU"}
+    limit = budget.limit(budget.left(), keep=5)
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
+    log_path = out / "pytest-cuda.log"
+    with open(log_path, "w", encoding="utf-8") as log:  # a file: what ran before a timeout is kept
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            status = "passed" if process.wait(timeout=limit) == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the tests' own subprocesses too
+            process.wait()
+            status = "timed out"
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    lines = text.strip().splitlines()
+    return {"status": status, "limit_s": round(limit), "summary": lines[-1] if lines else "",
+            "failed": [line.split(" ", 2)[1] for line in lines if line.startswith("FAILED ")]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="toy size on the CPU: the CUDA probes report null")
+    parser.add_argument("--budget-s", type=float, default=230.0, help="this call's share of the GPU (default 230)")
     args = parser.parse_args(argv)
+    budget = Budget(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
     facts = {"versions": versions(), "dry_run": args.dry_run}
     for name in PROBES:
-        facts[name] = None if args.dry_run or not torch.cuda.is_available() else run_probe_isolated(name)
+        run = not args.dry_run and torch.cuda.is_available() and budget.allows(PROBE_S)
+        facts[name] = run_probe_isolated(name, budget.limit(PROBE_S)) if run else None
         print(f"{name}: {facts[name]}", flush=True)
+    facts["cuda_tests"] = cuda_tests(args.out, budget, args.dry_run)
+    print(f"pytest -m cuda: {facts['cuda_tests']}", flush=True)
+    facts["budget"] = budget.record()
     (args.out / "facts.json").write_text(json.dumps(facts, indent=1), encoding="utf-8")
     return 0
 

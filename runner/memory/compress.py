@@ -2,9 +2,10 @@
 
 While a block runs forward, `saved_tensors_hooks` replace each floating tensor autograd saves for
 backward (not a weight nor a view or cast of one, at least `min_bytes`) by a rounded copy: bf16 for
-fp32 tensors, or float8_e4m3fn with one scale per tensor (amax / 448, so nothing overflows). The
-original is then free to go, and backward gets the copy cast back to the original dtype. This is
-lossy: the gradient changes by the rounding, which `gradient_error` (runner/train/lossy.py) measures.
+fp32 tensors, or float8_e4m3fn with one scale per tensor (amax / 448, so nothing overflows; see
+`to_fp8` for the transient it costs and what a non-finite tensor becomes). The original is then free
+to go, and backward gets the copy cast back to the original dtype. This is lossy: the gradient
+changes by the rounding, which `gradient_error` (runner/train/lossy.py) measures.
 
 Composition. The hooks sit outside a checkpointed block's checkpoint, as offload's do: what gets
 compressed there is what the checkpoint keeps (its input), and the recompute starts from the rounded
@@ -123,10 +124,26 @@ class ActivationCompression:
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.target is torch.bfloat16:
             return tensor.to(torch.bfloat16), None
-        # one scale per tensor, kept in fp32: amax maps to fp8's largest value; an all-zero tensor keeps scale 1
-        amax = tensor.abs().amax().float()
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        return (tensor.float() / scale).to(self.target), scale
+        return to_fp8(tensor)
+
+
+def to_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn copy, scale in the tensor's dtype) with copy * scale ~ tensor.
+
+    The scaling runs in the tensor's own dtype: its one transient is the quotient, the tensor's own
+    size (fp32 copies of a bf16 activation made about 4x its bytes, at the moment memory is
+    tightest). amax comes from `aminmax`, which makes no |tensor| copy. The scale is held at or above
+    the dtype's smallest normal number: in fp16, amax / 448 of a tensor of small values underflowed
+    to 0, and the unpacked tensor with it. A non-finite amax (an activation that overflowed, as fp16
+    ones can) gives a NaN scale, so the unpacked tensor and the gradients through it are NaN and
+    fp16's GradScaler skips the step, as it would have without compression, never a zeroed tensor."""
+    low, high = torch.aminmax(tensor)
+    amax = torch.maximum(high, -low).float()
+    scale = (amax / FP8_MAX).clamp_min(torch.finfo(tensor.dtype).tiny)
+    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan"))).to(tensor.dtype)
+    scaled = tensor / scale
+    scaled.clamp_(-FP8_MAX, FP8_MAX)  # a scale rounded to the dtype can put amax just past 448, which fp8 makes NaN
+    return scaled.to(FP8), scale
 
 
 def apply_compression(blocks: BlockList, policy: Compression) -> tuple[Undo, ActivationCompression | None]:

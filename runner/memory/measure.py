@@ -8,11 +8,14 @@ context, which a card-level cap must include. CPU: the live-tensor-bytes tracker
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from . import nvml
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,29 +32,48 @@ class Peak:
 def cuda_context_bytes(device: torch.device) -> int:
     """What this process holds on the card beyond the caching allocator's reserve: the CUDA context
     and the kernels loaded into it (lazy loading grows it after init: ~650 MB at init, ~800 MB once
-    a BERT step's kernels are in, H100 with torch 2.11). Read per process from NVML when NVML lists
-    this process; otherwise the card's used memory, which also counts any other process on it."""
+    a BERT step's kernels are in, H100 with torch 2.11). This process only: from NVML's per-process
+    list where it names us; else the card's used memory less what other processes held before this
+    one started CUDA (`note_card_before_cuda`), which is exact while no other process starts or
+    grows on the card meanwhile (the tuner keeps its own off the GPU while a probe runs); else, with
+    no NVML at all, the card's used memory, which counts every other process too (logged once)."""
     reserved = torch.cuda.memory_reserved(device)
-    own = _nvml_process_bytes(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    own = nvml.own_bytes(index)
     if own is not None:
         return max(0, own - reserved)
+    before, used = _OTHERS_BEFORE.get(index), None
+    if before is not None:
+        used = nvml.card_used_bytes(index)  # the same reading as the one before: NVML's "used" counts the driver's too
+    if used is not None:
+        return max(0, used - before - reserved)
+    _warn_counting_others(index)
     free, total = torch.cuda.mem_get_info(device)
     return max(0, total - free - reserved)
 
 
-def _nvml_process_bytes(device: torch.device) -> int | None:
-    """This process's bytes on the card as NVML counts them, or None (no NVML, or it does not list us:
-    some drivers and containers hide per-process use)."""
-    try:
-        import pynvml
+_OTHERS_BEFORE: dict[int, int] = {}  # CUDA index -> the card's used bytes before this process's context
+_WARNED: set[int] = set()
 
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
-    except Exception:  # NVML missing or refusing is normal outside bare metal; the fallback still measures
-        return None
-    return sum(used) if used and all(isinstance(u, int) for u in used) else None
+
+def note_card_before_cuda() -> None:
+    """Read every visible card's used memory before this process creates a CUDA context: what other
+    processes hold there, which `cuda_context_bytes` must not count as ours. Once CUDA is up, our
+    own context is in the card's numbers, so a late call notes nothing."""
+    if torch.cuda.is_initialized() or not torch.cuda.is_available():  # is_available creates no context
+        return
+    for index in range(torch.cuda.device_count()):
+        used = nvml.card_used_bytes(index)
+        if used is not None:
+            _OTHERS_BEFORE.setdefault(index, used)
+
+
+def _warn_counting_others(index: int) -> None:
+    if index not in _WARNED:
+        _WARNED.add(index)
+        log.warning("CUDA context of cuda:%d: NVML neither lists this process nor gave the card's use before "
+                    "CUDA started, so the context is read as the card's used memory beyond this process's "
+                    "reserve, which counts any other process on the card too", index)
 
 
 def context_after_kernels(device: torch.device) -> int:

@@ -13,6 +13,13 @@ The schedule is torchtune's OffloadActivations, per block:
   prefetches the block before it on the side stream, into memory allocated on the compute stream;
   compute waits only for the copy of the tensor it needs. Blocks whose copies were still stashed
   when backward began (the last ones) use their device tensors: no round trip.
+- A forward that never reaches backward (an out-of-memory mid-step, inside an offloaded block or
+  after them) leaves no state behind: its stashed device tensors are let go once their copies are
+  done, and the next forward starts a chain of its own.
+
+Host buffers come from a pool of size classes (`HostPool`), so new shapes (text of varying length,
+adaptive plans) reuse buffers of nearby sizes, and free buffers beyond what was ever in use at once
+go back to torch. A host copy keeps the saved tensor's strides (channels_last stays channels_last).
 
 The memory estimate runs this same class with `CopyTransport(meta)`: the same pack rule and the same
 stash and prefetch timing, with fake host copies. On a checkpointed block the hooks sit outside the
@@ -102,25 +109,83 @@ def apply_offload(blocks: BlockList, policy: Offload, device: torch.device) -> t
 # --- moving bytes ------------------------------------------------------------------------------
 
 
-class HostPool:
-    """Pinned host buffers by byte size, reused every step: pinning costs far more than copying.
-    Every copy into or out of a buffer runs on the one side stream, so their order is the stream's."""
+def size_class(nbytes: int) -> int:
+    """`nbytes` rounded up to a quarter of its power of two (at least 512 B): at most 25% unused."""
+    step = max(512, (1 << (max(nbytes, 1).bit_length() - 1)) // 4)
+    return -(-nbytes // step) * step
 
-    def __init__(self):
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class HostPool:
+    """Pinned host buffers by size class, reused every step: pinning costs far more than copying.
+    Every copy into or out of a buffer runs on the one side stream, so their order is the stream's.
+
+    Free buffers are kept up to the most bytes ever in use at once (what a step takes back); past
+    that the least recently used go back to torch, whose caching host allocator holds a buffer until
+    the copies recorded on it are done and reuses it for any pinned request of its size. So the pool
+    holds at most twice a step's need, however many shapes come by (it was keyed by exact size and
+    never gave anything back: host memory grew with every new batch length)."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] = _pinned):
+        self.allocate = allocate
         self.free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self.allocated_bytes = 0
+        self.allocated_bytes = 0  # held now: in use and free
+        self.in_use_bytes = self.most_in_use_bytes = self.free_bytes = 0
+        self._used_at: dict[int, int] = {}  # size class -> when it was last taken or given (a counter)
+        self._clock = 0
         self.lock = threading.Lock()  # buffers come back from autograd's backward thread
 
     def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least `nbytes` (its size class)."""
+        size = size_class(nbytes)
         with self.lock:
-            if self.free[nbytes]:
-                return self.free[nbytes].pop()
-            self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._touch(size)
+            self.in_use_bytes += size
+            self.most_in_use_bytes = max(self.most_in_use_bytes, self.in_use_bytes)
+            if self.free[size]:
+                self.free_bytes -= size
+                return self.free[size].pop()
+            self.allocated_bytes += size
+        return self.allocate(size)
 
     def give(self, buffer: torch.Tensor) -> None:
+        size = buffer.numel()
         with self.lock:
-            self.free[buffer.numel()].append(buffer)
+            self._touch(size)
+            self.in_use_bytes -= size
+            self.free[size].append(buffer)
+            self.free_bytes += size
+            self._trim()
+
+    def _touch(self, size: int) -> None:
+        self._clock += 1
+        self._used_at[size] = self._clock
+
+    def _trim(self) -> None:
+        for size in sorted(self.free, key=self._used_at.__getitem__):
+            while self.free_bytes > self.most_in_use_bytes and self.free[size]:
+                self.free[size].pop()
+                self.free_bytes -= size
+                self.allocated_bytes -= size
+            if self.free_bytes <= self.most_in_use_bytes:
+                return
+
+
+def host_view(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`buffer`'s first bytes as a tensor of `tensor`'s shape, dtype and strides (for a dense tensor:
+    its own, so channels_last stays channels_last and the copy is one memcpy; otherwise dense
+    strides in the same order, as `empty_like` picks them)."""
+    strides = torch.empty_like(tensor, device="meta").stride()
+    flat = buffer[: tensor.numel() * tensor.element_size()].view(tensor.dtype)
+    return flat.as_strided(tensor.shape, strides)
+
+
+def device_like(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An empty device tensor with the host copy's shape, dtype and strides."""
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
 class CudaTransport:
@@ -137,12 +202,12 @@ class CudaTransport:
 
     def to_host(self, tensor: torch.Tensor, owner: object) -> tuple[torch.Tensor, torch.cuda.Event]:
         buffer = self.pool.take(tensor.numel() * tensor.element_size())
-        host = buffer.view(tensor.dtype).view(tensor.shape)
+        host = host_view(buffer, tensor)
         weakref.finalize(owner, self.pool.give, buffer)  # back to the pool when autograd drops the entry
         return host, self._on_side_stream(lambda: host.copy_(tensor, non_blocking=True))
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # on the compute stream
+        tensor = device_like(host, self.device)  # on the compute stream
         return tensor, self._on_side_stream(lambda: tensor.copy_(host, non_blocking=True))
 
     def _on_side_stream(self, copy: Callable) -> torch.cuda.Event:
@@ -219,12 +284,27 @@ class ActivationOffload:
         def run(*args, **kwargs):
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            with self.hooks(module):
-                return forward(*args, **kwargs)
+            try:
+                with self.hooks(module):
+                    return forward(*args, **kwargs)
+            except BaseException:
+                self.reset()  # an out-of-memory mid-forward: this forward will see no backward
+                raise
         return run
+
+    def reset(self) -> None:
+        """Forget the forward in progress: its stashed device tensors go once their copies are done
+        (compute waits for them first, so the memory is reused only after), and the next forward
+        starts a chain of its own. The host copies go with the entries autograd drops."""
+        group, self._last = self._last, None
+        while group is not None:
+            self._release(group)
+            group.previous, group = None, group.previous
 
     def hooks(self, module: nn.Module) -> saved_tensors_hooks:
         """The hooks for one forward of `module`; a tensor saved twice in it is copied once."""
+        if self._last is not None and self._abandoned():
+            self.reset()  # the last forward failed after the offloaded blocks (in the head, the loss)
         if self._last is not None and self._last.previous is not None:
             self._release(self._last.previous)  # block k starts: block k-2's copies must be done
         group = self._last = _Group(self._last)
@@ -240,11 +320,22 @@ class ActivationOffload:
         entry = _Offloaded(group)
         entry.host, copied = self.transport.to_host(tensor, entry)
         group.entries.append(weakref.ref(entry))
-        group.stash.append((tensor, weakref.ref(entry), copied))
+        # detached: the stash keeps the memory until its copy is done, not the graph (a forward that
+        # never reaches backward must let its entries go, which is how `_abandoned` knows it)
+        group.stash.append((tensor.detach(), weakref.ref(entry), copied))
         seen[id(tensor)] = (weakref.ref(tensor), entry)
         self.offloaded_bytes += tensor.numel() * tensor.element_size()
         self.offloaded_count += 1
         return entry
+
+    def _abandoned(self) -> bool:
+        """Autograd dropped every entry of the forward in progress: it ended without a backward. (In a
+        forward that goes on, the graph holds the entries of the blocks that ran.)"""
+        refs, group = [], self._last
+        while group is not None:
+            refs += group.entries
+            group = group.previous
+        return bool(refs) and all(ref() is None for ref in refs)
 
     def _unpack(self, entry):
         if not isinstance(entry, _Offloaded):

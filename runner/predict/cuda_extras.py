@@ -31,8 +31,16 @@ HOPPER = (9, 0)
 BLAS_HANDLES_PER_STEP = 2  # the forward's thread and autograd's backward thread
 
 
+CAPABILITY_ENV = "CKRUN_CUDA_CAPABILITY"  # "9.0": the card's, when the GPUs are hidden from this process
+
+
 def target_capability() -> tuple[tuple[int, int], bool]:
-    """(compute capability, whether it was read off a GPU): this machine's GPU, else Hopper."""
+    """(compute capability, whether it was read off a GPU): this machine's GPU, else Hopper. The
+    tuner's model child predicts with the GPUs hidden (its context would sit beside every probe), so
+    the tuner passes it the card's capability, as the device child read it, in CKRUN_CUDA_CAPABILITY."""
+    given = re.fullmatch(r"(\d+)\.(\d+)", os.environ.get(CAPABILITY_ENV, "").strip())
+    if given:
+        return (int(given[1]), int(given[2])), True
     if torch.cuda.is_available():
         return torch.cuda.get_device_capability(), True
     return HOPPER, False

@@ -23,7 +23,7 @@ from ..dist.ranks import join as join_ranks
 from ..dist.ranks import reduce_step_record
 from ..dist.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
-from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
+from ..memory.measure import PeakMeter, card_peak, context_after_kernels, cuda_context_bytes, note_card_before_cuda
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
@@ -50,9 +50,10 @@ log = logging.getLogger(__name__)
 class MemoryCapExceeded(RuntimeError):
     """A step's measured peak went over memory.max_mem (or the device ran out under the cap)."""
 
-    def __init__(self, cap: int, peak: int, step: int):
+    def __init__(self, cap: int, peak: int, step: int, detail: str = ""):
         self.cap, self.peak, self.step = cap, peak, step
-        super().__init__(f"memory cap {format_bytes(cap)} exceeded: step {step} peaked at {format_bytes(peak)}")
+        super().__init__(f"memory cap {format_bytes(cap)} exceeded: step {step} peaked at {format_bytes(peak)}"
+                         + (f" ({detail})" if detail else ""))
 
     advice = "lower memory.micro_batch or checkpoint more blocks"
 
@@ -101,6 +102,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, source: str = "<recipe>"):
         self.recipe, self.source = recipe, source
         apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))  # before pick_device starts CUDA
+        note_card_before_cuda()  # what other processes hold on the card, read before our context joins them
         self.ranks = join_ranks(recipe, source)  # before the device: under nccl it picks this rank's GPU
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
@@ -241,14 +243,22 @@ class Trainer:
         return MemoryCapExceeded(cap, peak, self.step + 1)
 
     def _check_cap(self, record: dict) -> None:
+        """The step's card peak (allocator reserve + CUDA context: `card_peak`, what the tuner and the
+        screened estimate compare too) against the cap. Under the limit the allocator releases its
+        cached free blocks and retries before it fails, as a card of the cap's size would, so the
+        reserve counts no cache a real card would have given back; what can still pass the cap is
+        context the kernels of this step added after the limit was set."""
         cap = self.recipe.memory.max_mem
         if cap is None:
             return
         if card_peak(record) > cap:
-            raise MemoryCapExceeded(int(cap), card_peak(record), self.step)
+            detail = "" if self.device.type != "cuda" else (
+                f"allocator reserve {format_bytes(record['peak_mem_bytes'])} + CUDA context "
+                f"{format_bytes(record.get('cuda_context_bytes') or 0)}")
+            raise MemoryCapExceeded(int(cap), card_peak(record), self.step, detail)
         grown = record.get("cuda_context_bytes", 0) - (self.limited_at_context or 0)
         if self.limited_at_context is not None and grown > CONTEXT_SLACK:
-            # lazy module loading grew the context in the first steps: the allocator gets less
+            # kernels beyond those context_after_kernels loads (the model's own) grew the context
             log.info("memory cap: the CUDA context grew by %s after step %d loaded its kernels; lowering the "
                      "allocator limit", format_bytes(grown), self.step)
             self.limited_at_context = limit_cuda_memory(self.device, int(cap))
@@ -259,16 +269,19 @@ CONTEXT_SLACK = 16 << 20  # context growth below this is left to the in-run chec
 
 def limit_cuda_memory(device: torch.device, cap: int) -> int | None:
     """Make the allocator fail where reserve + context reach `cap`, as a card of that size would;
-    returns the context the limit was set for (None: the cap is not below the card)."""
+    returns the context the limit was set for (None: the cap is not below the card). The context is
+    measured once a step's usual kernels are loaded (`context_after_kernels`, as the tuner's device
+    child measures it): lazy loading grows it by ~150 MB in the first step, which a limit set from the
+    context at init would leave to the in-run check to catch as an over-cap step."""
     total = torch.cuda.get_device_properties(device).total_memory
     if cap >= total:
         log.info("memory cap %s is not below the card's %s: nothing to limit", format_bytes(cap), format_bytes(total))
         return None
-    context = cuda_context_bytes(device)
+    context = context_after_kernels(device)
     fraction = max(0.0, (cap - context) / total)  # the CUDA context counts against a card-level cap too
     torch.cuda.set_per_process_memory_fraction(fraction, device)
-    log.info("memory cap %s: allocator limited to %.1f%% of %s (CUDA context %s)", format_bytes(cap),
-             100 * fraction, format_bytes(total), format_bytes(context))
+    log.info("memory cap %s: allocator limited to %.1f%% of %s (CUDA context %s, with a step's kernels loaded)",
+             format_bytes(cap), 100 * fraction, format_bytes(total), format_bytes(context))
     return context
 
 

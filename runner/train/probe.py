@@ -11,6 +11,7 @@ import statistics
 
 import torch
 
+from ..memory import nvml
 from ..memory.measure import card_peak, cuda_context_bytes
 from ..recipe import Recipe
 from .loop import MemoryCapExceeded, Trainer
@@ -78,7 +79,8 @@ def _device(trainer: Trainer) -> dict:
     device = trainer.device
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
+        # another process on the card shares its time and, where NVML cannot tell us apart, its memory
         return {"device": props.name, "device_total_bytes": props.total_memory, "torch": torch.__version__,
-                "cuda": torch.version.cuda}
+                "cuda": torch.version.cuda, "other_gpu_processes": nvml.others(device.index)}
     return {"device": f"cpu ({platform.processor() or platform.machine()})", "device_total_bytes": 0,
             "torch": torch.__version__, "cuda": None}

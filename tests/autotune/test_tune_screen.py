@@ -54,3 +54,69 @@ def test_any_fault_costs_a_plan_its_screening_never_the_tuner(tmp_path_factory, 
         assert all(a is not None for a in answers)
     started_children = [launch["pid"] for launch in launches(directory)]
     assert started_children and not survivors(started_children)
+
+
+# --- on CUDA the model child stays off the GPU --------------------------------------------------
+
+
+def test_on_cuda_the_child_predicts_with_the_gpus_hidden_and_the_cards_capability(tmp_path, monkeypatch):
+    from runner.predict.cuda_extras import CAPABILITY_ENV, target_capability
+
+    (tmp_path / "device.result.json").write_text('{"status": "ok", "capability": "8.0"}')
+    child = ModelChild(RECIPE, tmp_path, "cuda", TIMEOUT_S, screen=True)
+    hidden = child.environment(gpu=False)
+    assert hidden["CUDA_VISIBLE_DEVICES"] == "" and hidden[CAPABILITY_ENV] == "8.0"
+    assert child.environment(gpu=True).get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert ModelChild(RECIPE, tmp_path, "cpu", TIMEOUT_S, screen=True).environment(gpu=False) == dict(os.environ)
+    monkeypatch.setenv(CAPABILITY_ENV, "8.0")
+    assert target_capability() == ((8, 0), True)  # an A100's 8 MiB cuBLAS workspace, not Hopper's 32
+
+
+class _Child:
+    """ModelChild's calls as IsolatedPredictor makes them, recorded; every answer ok."""
+
+    def __init__(self, device_kind: str):
+        self.device_kind, self.process, self.calls = device_kind, None, []
+
+    running = property(lambda self: self.process is not None)
+
+    def start(self, gpu: bool = False):
+        self.process = "gpu" if gpu else "hidden"
+        self.calls.append(f"start {self.process}")
+
+    def stop(self):
+        if self.process:
+            self.calls.append(f"stop {self.process}")
+        self.process = None
+
+    def facts(self):
+        return {"status": "ok"}
+
+    def ready(self):
+        return {"status": "ok"}
+
+    def ask(self, candidate):
+        self.calls.append(f"predict on {self.process}")
+        return {"status": "ok", "peak_bytes": 1}
+
+    def ask_frontier(self, frontier):
+        self.calls.append(f"solve on {self.process}")
+        return {"status": "ok", "proposals": [], "lines": []}
+
+
+def test_on_cuda_the_solvers_timing_child_is_gone_before_any_probe():
+    child = _Child("cuda")
+    predictor = IsolatedPredictor(child)
+    predictor(CANDIDATES[0])  # read_facts may have started one already: the solver must not use it
+    predictor.frontier({"pairs": []})
+    predictor(CANDIDATES[1])
+    assert child.calls == ["start hidden", "predict on hidden", "stop hidden", "start gpu", "solve on gpu",
+                           "stop gpu", "start hidden", "predict on hidden"]
+
+
+def test_on_the_cpu_one_child_serves_the_solver_and_the_predictions():
+    child = _Child("cpu")
+    predictor = IsolatedPredictor(child)
+    predictor.frontier({"pairs": []})
+    predictor(CANDIDATES[0])
+    assert child.calls == ["start hidden", "solve on hidden", "predict on hidden"]

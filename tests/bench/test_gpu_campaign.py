@@ -50,80 +50,158 @@ def _json(path: Path) -> dict:
 def test_facts_dry_run_reports_versions_and_no_cuda_facts(campaign):
     facts = _json(campaign / "facts.json")
     assert facts["dry_run"] is True
-    assert {"date", "python", "torch", "transformers", "optuna", "pydantic", "device"} <= set(facts["versions"])
-    assert all(facts[probe] is None for probe in ("context", "cublas", "attention", "bandwidth"))
+    assert {"date", "python", "torch", "transformers", "optuna", "pydantic", "device", "alloc_conf",
+            "alloc_conf_generic", "alloc_in_effect"} <= set(facts["versions"])
+    assert all(facts[probe] is None for probe in ("context", "cublas", "attention", "bandwidth", "matmul"))
+    assert facts["cuda_tests"] == {"status": "not run", "reason": "dry run"}
+    assert facts["budget"]["spent_s"] < facts["budget"]["budget_s"]
+
+
+PLAN_NAMES = ("none", "none (repeat)", "full", "every 2", "selective", "offload all", "offload all + full", "solver",
+              "compile")
 
 
 def test_plans_dry_run_measures_counts_and_predicts_every_cpu_plan(campaign):
     plans = _json(campaign / "plans.json")
     entries = {(p["name"], p["micro_batch"]): p for p in plans["plans"]}
-    assert len(entries) == 14  # 6 plans and the repeat of none, at micro-batches 4 and 8
+    assert set(entries) == {(name, micro) for name in PLAN_NAMES for micro in (4, 8)}
+    assert [p["name"] for p in plans["plans"]][-1] == "compile"  # last at each micro-batch: the budget's first victim
     for (name, _micro), plan in entries.items():
         if "offload" in name:
             assert plan["status"] == "skipped" and "needs CUDA" in plan["reason"]
             continue
         assert plan["status"] == "ok", plan
         assert len(plan["losses"]) == 2 and plan["step_time_s"] > 0 and plan["samples_per_s"] > 0
-        assert plan["mfu"] is None and plan["flops"] > 0
-        # the committed (predict-only) run and the re-prediction agree, and CPU predictions are exact
-        assert plan["predicted_bytes"] == plan["predicted_here_bytes"]
-        assert abs(plan["error"]) < 0.01
+        assert plan["mfu"] is None and plan["hfu"] is None and plan["hardware_flops"] > 0  # no peak rate on a CPU
+        assert plan["predicted_bytes"] == plan["predicted_here_bytes"]  # committed and re-predicted agree
+        assert "predicted_step_s" not in plan  # no time model has filled the committed predictions yet
         assert plan.get("loss_within_noise", name == "none") is True  # none is the reference itself
-    # counted, not assumed: full checkpointing recomputes every block's forward
-    assert entries[("full", 4)]["flops"] > entries[("every 2", 4)]["flops"] > entries[("none", 4)]["flops"]
+    for name in ("none", "full", "every 2", "selective", "solver"):  # the CPU estimate is exact for eager plans
+        assert all(abs(entries[(name, micro)]["error"]) < 0.01 for micro in (4, 8))
+    # counted, not assumed: full checkpointing recomputes every block's forward; MFU's FLOPs are none's
+    flops = {name: entries[(name, 4)]["hardware_flops"] for name in ("none", "every 2", "full", "compile")}
+    assert flops["full"] > flops["every 2"] > flops["none"] == flops["compile"] == plans["model_flops"]
+    assert entries[("full", 8)]["hardware_flops"] == flops["full"]  # counted once: the same global batch
     assert plans["noise_floor"] == {"4": 0.0, "8": 0.0}  # CPU steps are deterministic
     assert plans["predictions_from"].startswith("predicted.json")
-    assert plans["summary"]["plans"] == 8 and plans["snapshot"]["status"] == "skipped"
-    assert set(_json(campaign / "committed" / "predicted.json")["predictions"]) == {
-        f"{name} @ {micro}" for name in ("none", "full", "every 2", "selective") for micro in (4, 8)}
+    assert plans["summary"]["plans"] == 12 and plans["snapshot"]["status"] == "skipped"
+    committed = _json(campaign / "committed" / "predicted.json")
+    assert set(committed["predictions"]) == {f"{name} @ {micro}" for name in PLAN_NAMES[2:]
+                                            for micro in (4, 8) if "offload" not in name} | {"none @ 4", "none @ 8"}
+    # the solver's plan recomputes some blocks, not all and not none (its limit lies between the two)
+    assert all(solved["memory"]["checkpointing"]["policy"] == "layers" for solved in committed["solver"].values())
+    assert plans["solver"] == committed["solver"]
 
 
-def test_tables_turn_the_results_into_markdown(campaign):
-    markdown = _run("tables.py", campaign).stdout
-    for heading in ("# ckrun on a GPU", "## Memory facts", "## Plans on recipes/bert_tiny.yaml"):
+def test_plans_keeps_to_its_budget(tmp_path, campaign):
+    """A budget shorter than a plan: every plan is left out with the reason, or, where even the setup
+    outlasts it, the watchdog writes plans.json and leaves with 124 (as `timeout` does); nothing runs."""
+    done = children.run(_command("plans.py", tmp_path, "--dry-run", "--only", "none,compile", "--budget-s", "2",
+                                 "--predicted", campaign / "committed" / "predicted.json"),
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode in (0, 124), done.stderr[-3000:]
+    plans = _json(tmp_path / "plans.json")
+    assert not [p for p in plans["plans"] if p["status"] == "ok"]
+    if done.returncode == 124:
+        assert plans["budget"]["stopped"] == "at the deadline, in the middle of a plan"
+    else:
+        assert plans["plans"] and all("of the call's budget left" in p["reason"] for p in plans["plans"])
+
+
+def test_tables_turn_the_results_into_markdown_with_every_figure(campaign, tmp_path):
+    target = tmp_path / "benchmarks_gpu.md"
+    _run("tables.py", campaign, "--out", target)
+    markdown = target.read_text(encoding="utf-8")
+    for heading in ("# ckrun on a GPU", "## Figures", "## Memory facts", "## Plans on recipes/bert_tiny.yaml"):
         assert heading in markdown
+    for figure in ("P1", "P2", "P4", "P5", "P6", "cap"):
+        assert f"| {figure} |" in markdown
     assert "Dry run" in markdown and "| full | 4 |" in markdown and "skipped: needs CUDA" in markdown
-    assert "Allocator replay: dry run" in markdown and "## Tuning" not in markdown
+    assert "| P4 | predicted vs measured peak (reserved), absolute error: median; worst | 0.0% (goal <= 3.0%: met)" \
+        in markdown
+    assert "not predicted" in markdown and "Allocator replay: dry run" in markdown and "## Tuning" not in markdown
+
+
+def test_tables_without_results_say_every_figure_waits():
+    markdown = _run("tables.py").stdout
+    rows = [line for line in markdown.splitlines() if line.startswith("| P") or line.startswith("| cap")]
+    assert len(rows) == 6 and all(row.endswith("| not measured |") or "eager not measured; compiled not measured"
+                                  in row for row in rows)
+    assert "every figure waits for a lent GPU" in markdown
+
+
+def test_mfu_counts_the_models_flops_and_hfu_the_plans():
+    """Full checkpointing runs 4/3 of the model's FLOPs: its HFU is 4/3 of its MFU, not its MFU."""
+    from bench.gpu import plan_results
+
+    plan = lambda name, seconds, flops=None: {"name": name, "key": f"{name} @ 16", "micro_batch": 16,  # noqa: E731
+                                               "status": "ok", "step_time_s": seconds, "flops": flops}
+    results = {"peak_flops_per_s": 1000.0, "plans": [plan("none", 1.0, 300), plan("full", 1.2, 400),
+                                                      plan("compile", 0.6), plan("full", 1.5)]}
+    results["plans"][-1]["micro_batch"] = 64  # not counted again: the same global batch
+    plan_results.attach_rates(results)
+    none, full, compiled, full_64 = results["plans"]
+    assert (none["mfu"], none["hfu"]) == (pytest.approx(0.3), pytest.approx(0.3))
+    assert (full["mfu"], full["hfu"]) == (pytest.approx(0.25), pytest.approx(1 / 3))
+    assert (compiled["mfu"], compiled["hfu"]) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert (full_64["mfu"], full_64["hfu"]) == (pytest.approx(0.2), pytest.approx(400 / 1.5 / 1000))
+    results["summary"] = {}
+    assert plan_results.figures(results)["P6"] == {"eager_mfu": pytest.approx(0.3), "eager_plan": "none @ 16",
+                                                   "compiled_mfu": pytest.approx(0.5), "compiled_plan": "compile @ 16",
+                                                   "goals": (0.35, 0.45)}
 
 
 def _probed(candidate: dict, *samples_per_s: float) -> dict:
-    runs = [{"status": "ok", "samples_per_s": s, "card_peak_bytes": 50_000_000} for s in samples_per_s]
+    runs = [{"status": "ok", "samples_per_s": s, "card_peak_bytes": 95_000_000} for s in samples_per_s]
     return {**candidate, "runs": runs}
 
 
 def test_tune_verdict_compares_medians_with_the_goals():
-    """tune.py's ratios and table from given probe results (the dry run itself: below)."""
-    from bench.gpu import tables, tune
+    """tune_verdict's ratios and tables' lines from given probe results (the dry run itself: below)."""
+    from bench.gpu import tables, tune, tune_verdict
 
-    full, none_whole, none_half, every_2 = tune.other_candidates(tune.DRY_RUN)
-    tuned = {**none_half, "name": "tuned", "role": "tuned", "source": "tuned.yaml"}
-    candidates = [_probed(tuned, 90, 100), _probed(full, 70, 80), _probed(none_whole, 95, 105),
-                  _probed(none_half, 100, 98), _probed(every_2, 60, 60)]
-    results = {"recipe": "r.yaml", "cap_text": "100MB", "cap_bytes": 100_000_000, "time_budget": "20s",
-               "tune": {"exit_code": 0, "seconds": 20.0, "trials": 4}}
-    tune.conclude(results, candidates)
-    assert results["ratios"]["tuned_vs_fastest_unconstrained"] == pytest.approx(95 / 100)  # none @ 8: median 100
-    assert results["ratios"]["tuned_vs_full_checkpointing"] == pytest.approx(95 / 75)
-    assert results["tuned_peak"] == {"card_peak_bytes": 50_000_000, "cap_bytes": 100_000_000, "within_cap": True}
-    table = tables.tune_table(results)
-    assert "0.95 (goal >= 0.97: MISSED)" in table and "1.27 (goal >= 1.25: met)" in table
-    assert "| tuned | micro-batch 4, checkpointing none | 90.0, 100.0 | 95.0 | 0.05 |" in table
+    setup = tune.DRY_RUN
+    recipe = tune.full_checkpointing(setup)["recipe"]
+    tuned = {"name": "tuned", "role": "tuned", "source": "tuned.yaml", "recipe": recipe, "search_samples_per_s": 99}
+    uncapped = {**tuned, "name": "fastest uncapped", "role": "uncapped", "search_samples_per_s": 100}
+    candidates = [_probed(tuned, 90, 100), _probed(uncapped, 100, 98), _probed(tune.full_checkpointing(setup), 70, 80),
+                  _probed(tune.hf_candidate(setup), 60, 80)]
+    results = {"recipe": "r.yaml", "cap_text": "100MB", "cap_bytes": 100_000_000,
+               "tune": {"exit_code": 0, "timed_out": False, "seconds": 200.0, "command": ["-m", "runner", "tune"]}}
+    tune_verdict.conclude(results, candidates)
+    ratios = results["ratios"]
+    assert ratios["tuned_vs_fastest_uncapped"] == pytest.approx(95 / 99)
+    assert ratios["tuned_vs_fastest_uncapped_in_the_searches"] == pytest.approx(0.99)
+    assert ratios["tuned_vs_hf_full_checkpointing"] == pytest.approx(95 / 70)
+    assert ratios["tuned_vs_full_checkpointing"] == pytest.approx(95 / 75)
+    assert results["tuned_peak"]["within_cap"] and results["tuned_peak"]["cap_used"] == pytest.approx(0.95)
+    table, figures = tables.tune_table(results), tables.figures_table({"tune": results})
+    assert "tuned / fastest uncapped: 0.96 (goal >= 0.97: MISSED)" in table
+    assert "tuned / HF gradient checkpointing: 1.36 (goal >= 1.25: met)" in table
+    assert "| tuned | micro-batch 8, checkpointing full, fp32 | 90.0, 100.0 | 95.0 | 99.0 | 0.10 |" in table
+    assert "| P5 | `ckrun tune` under 40 GB, wall time | 3.3 min (goal <= 10 min: met) |" in figures
+    assert "95.0% used (goal >= 90%: met)" in figures
 
 
-# about 75 s on 2 cores (`ckrun tune` and five probes, each a fresh process importing torch): in the default
-# run all the same, so that CI keeps the whole campaign's dry run alive
-def test_tune_dry_run_tunes_then_compares_the_tuned_plan(tmp_path, campaign):
+# about 100 s on 2 busy cores (two `ckrun tune` searches, four measurements, each a fresh process importing
+# torch): in the default run all the same, so that CI keeps the whole campaign's dry run alive
+def test_tune_dry_run_tunes_twice_then_compares_the_tuned_plan(tmp_path, campaign):
     _run("tune.py", tmp_path, "--dry-run")
     tune = _json(tmp_path / "tune.json")
-    assert tune["tune"]["exit_code"] == 0 and not tune["tune"]["timed_out"]
-    assert (tmp_path / "tuned.yaml").exists() and (tmp_path / "tune_report.json").exists()
-    names = [c["name"] for c in tune["candidates"]]
-    assert names == ["tuned", "full checkpointing, one pass", "none @ 8", "none @ 4", "every 2 @ 8"]
-    assert all(r["status"] == "ok" for c in tune["candidates"] for r in c["runs"])
-    assert tune["ratios"]["tuned_vs_fastest_unconstrained"] > 0 and tune["ratios"]["tuned_vs_full_checkpointing"] > 0
+    for search in ("tune", "uncapped_tune"):
+        assert tune[search]["exit_code"] == 0 and not tune[search]["timed_out"], tune[search]
+    assert "--search-compile" in tune["tune"]["command"] and tune["uncapped_tune"]["cap"] == "100GB"
+    assert {"tuned_tuned.yaml", "tuned_report.json", "uncapped_tuned.yaml", "uncapped_report.json",
+            "tuned_search.log", "uncapped_search.log"} <= {p.name for p in tmp_path.iterdir()}
+    assert [c["role"] for c in tune["candidates"]] == ["tuned", "uncapped", "hf_full_checkpointing",
+                                                      "full_checkpointing"]
+    assert all(r["status"] == "ok" for c in tune["candidates"] for r in c["runs"]), tune["candidates"]
+    assert all(tune["ratios"][k] > 0 for k in ("tuned_vs_fastest_uncapped", "tuned_vs_hf_full_checkpointing"))
     assert tune["tuned_peak"]["within_cap"] is True and tune["cap_bytes"] == 100_000_000
+    assert tune["budget"]["spent_s"] < tune["budget"]["budget_s"]
     markdown = _run("tables.py", campaign, tmp_path).stdout
     assert "## Plans on" in markdown and "## Tuning recipes/bert_tiny.yaml under 100MB" in markdown
+    assert "| P1 | tuned under 40 GB / fastest uncapped plan of the same search | not measured |" not in markdown
 
 
 # --- the allocator replay, on a step whose real reserved bytes are known ----------------------------

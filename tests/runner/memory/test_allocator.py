@@ -1,5 +1,6 @@
-"""Settings applied before CUDA starts: the allocator's PYTORCH_CUDA_ALLOC_CONF (memory.allocator) and
-compile's activation memory budget. On the CPU the allocator setting is a logged no-op."""
+"""Settings applied before CUDA starts: the allocator's settings (memory.allocator, in both variables
+torch reads them from, read back where torch can say what it parsed) and compile's activation memory
+budget. On the CPU the allocator setting is a logged no-op."""
 
 from __future__ import annotations
 
@@ -15,13 +16,26 @@ from pydantic import ValidationError
 import children
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
-from runner.memory.allocator import ALLOC_ENV, apply_allocator
+from runner.memory import allocator
+from runner.memory.allocator import ALLOC_ENV, ALLOC_ENVS, apply_allocator
 from runner.memory.torch_features import functorch_config, missing_budget
 from runner.plan import MemoryPlan
 from runner.train.loop import Trainer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SETTING = "expandable_segments:True"
+
+
+@pytest.fixture(autouse=True)
+def _environment_put_back():
+    """apply_allocator writes both variables into os.environ: the next test must not inherit them."""
+    before = {name: os.environ.get(name) for name in ALLOC_ENVS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def test_a_no_op_on_the_cpu_that_is_logged(tmp_path, monkeypatch, caplog):
@@ -37,11 +51,58 @@ def test_set_before_cuda_starts_and_warned_after(monkeypatch, caplog):
     caplog.set_level(logging.INFO)
     monkeypatch.setenv(ALLOC_ENV, "max_split_size_mb:64")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(allocator, "settings_in_effect", lambda: SETTING)
     assert apply_allocator(SETTING, "cuda") and os.environ[ALLOC_ENV] == SETTING
-    assert "replacing the environment's 'max_split_size_mb:64'" in caplog.records[-1].getMessage()
+    assert "replacing the environment's PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:64'" in caplog.records[-1].getMessage()
+    assert "torch reports it in effect" in caplog.records[-1].getMessage()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert not apply_allocator(SETTING, "cuda")
     assert caplog.records[-1].levelno == logging.WARNING and "already initialised" in caplog.records[-1].getMessage()
+
+
+def test_both_variables_carry_it_whichever_this_torch_reads(monkeypatch):
+    """torch's readers disagree on which of the two wins when both are set: the plan's goes into both."""
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(allocator, "settings_in_effect", lambda: SETTING)
+    assert apply_allocator(SETTING, "cuda")
+    assert [os.environ[name] for name in ALLOC_ENVS] == [SETTING, SETTING]
+
+
+def test_a_setting_torch_did_not_take_is_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(allocator, "settings_in_effect", lambda: "max_split_size_mb:64")
+    for name in ALLOC_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    caplog.set_level(logging.INFO)
+    assert not apply_allocator(SETTING, "cuda")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["memory.allocator: torch reports allocator settings 'max_split_size_mb:64' in effect, not "
+                        "'expandable_segments:True' (something in this process made torch read its settings "
+                        "before ckrun set them)"]
+
+
+def _in_fresh_process(code: str, **env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ALLOC_ENVS}
+    done = children.run([sys.executable, "-c", code], env={**clean, **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+@pytest.mark.skipif(allocator._READ_BACK is None,
+                    reason="this torch cannot report its allocator settings")
+def test_this_torch_reports_the_plans_setting_over_both_environment_variables():
+    """The real read-back, in a fresh process (torch parses its settings once per process): the
+    environment names other settings in both variables, the plan's win; and a process that made torch
+    parse them before ckrun set its own is caught."""
+    code = ("import logging; from runner.memory import allocator as a\n"
+            "logging.basicConfig(level=logging.WARNING, format='%(levelname)s')\n"
+            f"early = a.settings_in_effect() if {{early}} else None\n"
+            f"print(a.apply_allocator({SETTING!r}, 'cuda'), a.settings_in_effect())")
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6"}
+    assert _in_fresh_process(code.format(early=False), **env) == ["True", SETTING]
+    assert _in_fresh_process(code.format(early=True), **env) == ["False", "max_split_size_mb:64"]
 
 
 @given(st.lists(st.tuples(st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
@@ -61,7 +122,7 @@ def test_the_probe_child_gets_it_in_its_environment(tmp_path):
     from autotune.probe import child_env
 
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"memory.allocator={SETTING}"])
-    assert child_env(recipe)[ALLOC_ENV] == SETTING
+    assert [child_env(recipe)[name] for name in ALLOC_ENVS] == [SETTING, SETTING]
     assert child_env(load_recipe(BERT_TINY, TINY_BERT)).get(ALLOC_ENV) == os.environ.get(ALLOC_ENV)
 
 
@@ -73,7 +134,7 @@ def test_on_cuda_the_allocator_runs_with_it(tmp_path):
             f"t = Trainer(load_recipe({BERT_TINY!r}, ['memory.allocator={SETTING}', 'train.device=cuda', "
             f"'output.dir={tmp_path}']))\nt.train_step()\n"
             "print(all(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")
-    env = {k: v for k, v in os.environ.items() if k != ALLOC_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in ALLOC_ENVS}
     out = children.run([sys.executable, "-c", code], env=env)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
 

@@ -18,8 +18,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import BERT_TINY, TINY_BERT
 from runner.memory.apply import apply_plan
 from runner.memory.blocks import find_blocks, wrap_forward
-from runner.memory.compress import FP8, ActivationCompression, apply_compression
-from runner.memory.offload import ActivationOffload, CopyTransport
+from runner.memory.compress import FP8, ActivationCompression, apply_compression, to_fp8
+from runner.memory.tracker import LiveBytesTracker
+from runner.memory.offload import ActivationOffload, CopyTransport, _Storages
 from runner.plan import MemoryPlan
 
 POLICIES = ["bf16"] + (["fp8"] if FP8 is not None else [])
@@ -93,6 +94,51 @@ def test_small_tensors_weights_and_integers_keep_their_dtype():
     with compression.hooks(model):
         model(ids).sum().backward()
     assert compression.count == 0  # the ids are integers, the weights are the model's own, activations too small
+
+
+# --- fp8's scale ------------------------------------------------------------------------------
+
+needs_fp8 = pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
+HALVES = [torch.float16, torch.bfloat16]
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", [*HALVES, torch.float32])
+def test_fp8_packing_holds_one_transient_of_the_tensors_own_size(dtype):
+    """Scaled in the tensor's dtype: the quotient and the fp8 copy, not fp32 copies (4x a bf16 tensor)."""
+    tensor = torch.randn(1 << 20).to(dtype)
+    tracker = LiveBytesTracker("cpu")
+    tracker.count_existing([tensor])
+    with tracker:
+        rounded, scale = to_fp8(tensor)
+    extra = tracker.peak_bytes - tensor.nbytes
+    tracker.close()
+    assert rounded.dtype == FP8 and scale.dtype == dtype
+    assert extra <= tensor.nbytes + rounded.nbytes + 1024, extra / tensor.nbytes
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("magnitude", [1e-5, 1.0, 1e4])
+def test_fp8_round_trip_keeps_small_and_large_values(dtype, magnitude):
+    """In fp16 the scale of a tensor of small values (amax / 448 < fp16's smallest number) used to
+    underflow to zero on unpacking, and the tensor with it."""
+    tensor = (torch.randn(4096) * magnitude).to(dtype)
+    rounded, scale = to_fp8(tensor)
+    back = rounded.to(dtype) * scale
+    assert relative_error(back.float(), tensor.float()) < 0.1
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_an_overflowed_tensor_unpacks_as_nan_never_as_zeros(dtype, bad):
+    """fp16's GradScaler must see the overflow in the gradients and skip the step."""
+    tensor = torch.randn(64).to(dtype)
+    tensor[7] = bad
+    compression = ActivationCompression("fp8", 0)
+    entry = compression._pack(_Storages(nn.Linear(1, 1)), None, tensor)
+    assert torch.isnan(compression._unpack(None, entry)).all()
 
 
 # --- gradients -------------------------------------------------------------------------------

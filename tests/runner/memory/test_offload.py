@@ -4,6 +4,8 @@ a side stream, a lower allocator reserve - on CUDA."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -11,7 +13,8 @@ from torch import nn
 
 from runner.memory.apply import apply_plan
 from runner.memory.blocks import find_blocks, wrap_forward
-from runner.memory.offload import ActivationOffload, CopyTransport, derived_from_parameter
+from runner.memory.offload import (ActivationOffload, CopyTransport, HostPool, derived_from_parameter, device_like,
+                                   host_view, size_class)
 from runner.plan import MemoryPlan
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -178,6 +181,91 @@ def test_any_offload_and_checkpointing_mix_keeps_gradients_bit_identical(blocks,
     applied.remove()
 
 
+# --- a forward that never reaches backward ----------------------------------------------------
+
+
+class _FailsOnce(nn.Module):
+    """A block that runs out of memory in its `fail_on`-th forward."""
+
+    def __init__(self, inner: nn.Module, fail_on: int = 1):
+        super().__init__()
+        self.inner, self.calls, self.fail_on = inner, 0, fail_on
+
+    def forward(self, x):
+        out = self.inner(x)
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return out
+
+
+def _in_flight_per_block(model: nn.Module, offload: ActivationOffload, x: torch.Tensor) -> list[int]:
+    in_flight = []
+    hooks = [block.register_forward_hook(lambda *_: in_flight.append(_stashed_groups(offload))) for block in model]
+    model(x).sum().backward()
+    for hook in hooks:
+        hook.remove()
+    return in_flight
+
+
+def test_an_out_of_memory_inside_an_offloaded_block_leaves_no_state():
+    model = chain(blocks=4)
+    model[2] = _FailsOnce(model[2])
+    offload = cpu_offload()
+    for block in model:
+        wrap_forward(block, offload.wrapper, block)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(torch.randn(8, 64, requires_grad=True))
+    assert offload._last is None  # the stashes of blocks 0-1 are let go, not kept for a backward
+    # the next step starts its own chain: after block k the copies of at most two blocks are in flight
+    assert _in_flight_per_block(model, offload, torch.randn(8, 64, requires_grad=True)) == [1, 2, 2, 2]
+
+
+def test_a_forward_that_failed_after_the_blocks_is_forgotten_by_the_next():
+    model = chain(blocks=4)
+    offload = cpu_offload()
+    offload_all(model, offload)
+    out = model(torch.randn(8, 64, requires_grad=True))
+    del out  # the loss ran out of memory: the step's graph is dropped without a backward
+    assert _in_flight_per_block(model, offload, torch.randn(8, 64, requires_grad=True)) == [1, 2, 2, 2]
+    assert offload._last is None
+
+
+# --- pinned buffers: size classes, a bound, strides kept --------------------------------------
+
+
+def test_pool_reuses_buffers_across_shapes_and_keeps_at_most_twice_a_steps_need():
+    """Text of varying length: every step offloads tensors of a new length. Keyed by exact size the
+    pool kept every step's buffers; by size class with a bound it holds at most twice one step's."""
+    pool, lengths = HostPool(allocate=lambda n: torch.empty(n, dtype=torch.uint8)), torch.Generator().manual_seed(0)
+    for _ in range(200):
+        length = int(torch.randint(16, 512, (1,), generator=lengths))
+        buffers = [pool.take(length * 4096) for _ in range(6)]  # six saved activations of [length, 1024] fp32
+        assert all(b.numel() >= length * 4096 for b in buffers)
+        for buffer in buffers:
+            pool.give(buffer)
+        assert pool.allocated_bytes <= 2 * pool.most_in_use_bytes and pool.in_use_bytes == 0
+    assert pool.allocated_bytes == sum(b.numel() for free in pool.free.values() for b in free)
+    reused = pool.take(300 * 4096)
+    pool.give(reused)
+    assert pool.take(300 * 4096 + 100) is reused  # the same size class
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "strided view", "contiguous"])
+def test_host_copies_keep_the_saved_tensors_strides(layout):
+    tensor = torch.randn(2, 8, 5, 6)
+    tensor = {"channels_last": tensor.to(memory_format=torch.channels_last), "strided view": tensor[:, ::2],
+              "contiguous": tensor}[layout]
+    host = host_view(torch.empty(size_class(tensor.nbytes), dtype=torch.uint8), tensor)
+    host.copy_(tensor)
+    back = device_like(host, torch.device("cpu")).copy_(host)
+    assert torch.equal(back, tensor)
+    if layout != "strided view":  # dense: its own strides; a view with gaps comes back dense, in its order
+        assert host.stride() == back.stride() == tensor.stride()
+    else:
+        assert back.is_contiguous()
+
+
 # --- CUDA ------------------------------------------------------------------------------------
 
 
@@ -214,6 +302,40 @@ def test_cuda_offloaded_tensors_wait_in_pinned_host_memory():
     buffers = [buffer for free in pool.free.values() for buffer in free]
     assert buffers and all(buffer.device.type == "cpu" and buffer.is_pinned() for buffer in buffers)
     assert pool.allocated_bytes == sum(buffer.numel() for buffer in buffers)  # all back in the pool after backward
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_a_channels_last_activation_comes_back_channels_last():
+    from runner.memory.offload import CudaTransport
+
+    transport = CudaTransport(torch.device("cuda", 0))
+    tensor = torch.randn(8, 32, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+    owner = type("Owner", (), {})()
+    host, copied = transport.to_host(tensor, owner)
+    transport.wait(copied)
+    back, fetched = transport.to_device(host)
+    transport.wait(fetched)
+    assert back.stride() == tensor.stride() and torch.equal(back, tensor)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_an_out_of_memory_in_forward_gives_the_stashed_memory_back():
+    torch.manual_seed(0)
+    model = chain(blocks=6, width=1024).cuda()
+    model[4][0] = _FailsOnce(model[4][0], fail_on=2)  # inside block 4, which stays a block of its kind
+    applied = apply_plan(model, plan(offload={"policy": "all", "min_bytes": 1 << 20}), torch.device("cuda"))
+    x = torch.randn(4096, 1024, device="cuda")
+    model(x).square().mean().backward()  # a whole step first: cuBLAS workspaces and gradients exist before
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError):
+        model(x)
+    gc.collect()  # the traceback's frames, with the activations they hold
+    torch.cuda.synchronize()
+    assert applied.offload._last is None and torch.cuda.memory_allocated() == before
+    applied.remove()
 
 
 @pytest.mark.cuda

@@ -1,0 +1,91 @@
+"""What the plans call is judged by, made on a CPU: each plan's predicted peak, and the solver's plan.
+
+`python bench/gpu/plans.py OUT --predict-only` writes OUT/predicted.json; committed as
+bench/gpu/predicted_bert_large.json (with the versions it was made with), it is made before any GPU
+time is spent. Without a committed file the GPU call predicts on its own CPU, and the tables say so.
+
+- `predictions`: {"PLAN @ MICRO": {"peak_bytes", "live_peak_bytes", "breakdown", "recipe_hash"}},
+  and `predicted_step_s` where a time model has filled it in (issue 21's; read, never computed here).
+- `solver`: {"MICRO": {"memory": {checkpointing, offload}, "limit_bytes", "reason"}} or, where keeping
+  every block is predicted to fit or nothing does, {"limit_bytes", "reason"} only. The limit is the
+  tune call's (its cap less the margin less a CUDA context), as `ckrun tune` would ask the solver;
+  untimed (`timed_steps=0`: on BERT-large every block costs the same, so the fewest recomputes win).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from runner.load import load_recipe
+from runner.predict.estimate import Estimator
+
+CONTEXT_GUESS = 800 * 10**6  # the CUDA context with a BERT step's kernels, H100 + torch 2.11 (2026-11-22)
+
+
+def recipe_hash(campaign, overrides: list[str]) -> str:
+    """What a committed prediction must have been made for: the resolved recipe, not the override text."""
+    return hashlib.sha256(load_recipe(campaign.recipe_path, overrides).model_dump_json().encode()).hexdigest()[:16]
+
+
+def estimator_for(campaign) -> Estimator:
+    return Estimator(load_recipe(campaign.recipe_path, list(campaign.base)), "cuda" if campaign.cuda else "cpu")
+
+
+def predict(campaign, entries: list[dict], estimator: Estimator | None = None) -> dict:
+    """{plan key: prediction} for the given plans, one Estimator for all (the micro-batch is in the plan)."""
+    estimator = estimator or estimator_for(campaign)
+    found = {}
+    for entry in entries:
+        key = entry["key"]
+        if key in found:
+            continue
+        try:
+            estimate = estimator.estimate(load_recipe(campaign.recipe_path, entry["overrides"]).memory)
+            found[key] = {"peak_bytes": estimate.peak_bytes, "live_peak_bytes": estimate.live_peak_bytes,
+                          "breakdown": estimate.breakdown}
+        except Exception as err:  # an unpredictable plan is a finding, not the end of the campaign
+            found[key] = {"error": one_line(err)}
+        found[key]["recipe_hash"] = entry["recipe_hash"]
+        print(f"predicted {key}: {found[key].get('peak_bytes', found[key].get('error'))}", flush=True)
+    return found
+
+
+def solve(campaign, none_overrides: dict[int, list[str]], estimator: Estimator | None = None) -> dict:
+    """The solver's plan per micro-batch (see the module docstring), from `none`'s recipe at each."""
+    from autotune.solver import frontier
+
+    estimator = estimator or estimator_for(campaign)
+    recipe = load_recipe(campaign.recipe_path, list(campaign.base))
+    found = {}
+    for micro, overrides in none_overrides.items():
+        base = load_recipe(campaign.recipe_path, overrides).memory
+        limit = campaign.solver_limit or _midway(estimator, base, recipe.precision)
+        proposals, lines = frontier(estimator, [(micro, recipe.precision)], limit, base, offload=False, timed_steps=0)
+        found[str(micro)] = {"limit_bytes": limit, "reason": "; ".join(lines)}
+        if proposals:
+            plan = proposals[0].plan.model_dump(mode="json")
+            found[str(micro)]["memory"] = {k: plan[k] for k in ("checkpointing", "offload")}
+        print(f"solver @ {micro}: {found[str(micro)]['reason']}", flush=True)
+    return found
+
+
+def _midway(estimator: Estimator, base, precision: str) -> int:
+    """A dry run's limit: halfway between keeping every block and recomputing every block, so the
+    solver has a choice to make on a toy model too."""
+    full = base.model_copy(update={"checkpointing": type(base).model_validate(
+        {"checkpointing": {"policy": "full"}}).checkpointing})
+    return (estimator.estimate(base, precision).peak_bytes + estimator.estimate(full, precision).peak_bytes) // 2
+
+
+def solver_overrides(solved: dict) -> list[str] | None:
+    """The solver's plan as recipe overrides, or None where it proposed none."""
+    memory = solved.get("memory")
+    if memory is None:
+        return None
+    return [f"memory.{key}={json.dumps(value)}" for key, value in memory.items()]
+
+
+def one_line(err: BaseException) -> str:
+    text = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {text}"
