@@ -30,8 +30,8 @@ from .screen import IsolatedPredictor, ModelChild, read_facts
 from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
 from .cap import Cap
 from .rank_tune import RanksEnded, check_devices, check_ranks, rank_training, ranks_comment
-from .predicted import (CachedPredictor, predict_settings, predicted_device, predicted_note, predicted_probe,
-                        ranked_lines, time_facts)
+from .predicted import (CachedPredictor, local_facts, named_facts, predict_settings, predicted_device,
+                        predicted_note, predicted_probe, ranked_lines)
 from .search import SearchSettings, search
 from .study import Budget, open_study
 from .train import nothing_fits, train_with_fallback
@@ -95,7 +95,7 @@ def run(args) -> int:
     path, overrides = _recipe_source(args.recipe, args.overrides)
     recipe, doc = load_recipe_document(path, overrides)
     cap, budget = _cap(args), _budget(args)
-    facts = time_facts(args, recipe)
+    gpu = named_facts(args, recipe)  # the device predictions are priced on (--gpu), when named
     check_ranks(recipe, str(path), args.nproc)
     directory = _directory(args.output, recipe)
     log.info("tune: %s, batch %d, on %s; cap %s, limit %s", recipe.model.name, recipe.train.batch_size,
@@ -106,14 +106,17 @@ def run(args) -> int:
             _check_training_output(recipe, args.resume, str(path))  # before the search, not an hour later
         settings = ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps, args.nproc)
         runner = ProbeRunner(directory, settings)
-        device = predicted_device(facts, args.nproc) if args.predict else _device(runner, recipe)
+        if args.predict and gpu is None:  # predict for this machine's GPU, named by its device child
+            gpu = local_facts(args, _device(runner, recipe))
+        device = predicted_device(gpu, args.nproc) if args.predict else _device(runner, recipe)
+        gpu = gpu or local_facts(args, device)
         _check_cap_fits(cap, device, args.max_mem)
         if cap.meaning(device.kind):
             log.info(cap.meaning(device.kind))
         check_devices(device, args.nproc)
         # the user's model runs only in this child: the tuner never builds it or runs its forward
         model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen,
-                           nproc=args.nproc, time_facts=facts)
+                           nproc=args.nproc, time_facts=gpu)
         try:
             facts = ModelFacts.from_json(read_facts(model, str(path)))
             space = build_space(recipe, facts, device, args.search_precision, args.search_compile,

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from runner.predict.hardware import DeviceFacts, UnknownDevice, resolve_device, this_gpu
+from runner.predict.hardware import DeviceFacts, UnknownDevice, resolve_device
 from runner.problems import InputError, Place, Problem
 from runner.units import format_bytes
 
@@ -35,21 +35,34 @@ CONTEXT_BYTES = 804_000_000
 RANKED_SHOWN = 10
 
 
-def time_facts(args, recipe) -> DeviceFacts | None:
-    """The device predictions are priced on: --gpu, else (real tuning on a GPU) this GPU, else none."""
-    if args.gpu is not None:
-        try:
-            facts = resolve_device(args.gpu)
-        except UnknownDevice as err:
-            raise _bad("--gpu", str(err)) from None
-    elif args.predict:
-        facts = this_gpu()
-        if facts is None:
-            raise _bad("--predict", "predicting needs the device: name it with --gpu h100 (or a100, l4, a facts "
-                                    ".json, ...)")
-    else:
-        facts = this_gpu() if recipe.train.device != "cpu" else None
+def named_facts(args, recipe) -> DeviceFacts | None:
+    """The device --gpu names, checked against the rest of the command line; None without --gpu."""
+    if args.gpu is None:
+        if args.predict and args.no_screen:
+            raise _bad("--no-screen", "--predict answers every probe with a prediction; drop --no-screen")
+        return None
+    try:
+        facts = resolve_device(args.gpu)
+    except UnknownDevice as err:
+        raise _bad("--gpu", str(err)) from None
     _check_target(args, recipe, facts)
+    return facts
+
+
+def local_facts(args, device: Device) -> DeviceFacts | None:
+    """This machine's GPU by the name its device child reported (the tuner itself stays off the GPU);
+    --predict without --gpu needs one it knows."""
+    facts = None
+    if device.kind == "cuda":
+        try:
+            facts = resolve_device(device.name)
+        except UnknownDevice:
+            facts = None
+    if args.predict and facts is None:
+        raise _bad("--predict", "predicting needs the device: name it with --gpu h100 (or a100, l4, a facts "
+                                f".json, ...){'' if device.kind != 'cuda' else f'; {device.name} is not in the table'}")
+    if facts is None and device.kind == "cuda":
+        log.info("tune: %s is not in the device table: predictions screen by peak only (no step times)", device.name)
     return facts
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.doc_sections import write_section
+from bench.stats import spearman
 from runner.load import load_recipe
 from runner.plan import MemoryPlan
 from runner.predict.estimate import Estimator
@@ -72,13 +73,6 @@ def measured(cases: dict, rounds: int, steps: int) -> dict:
         for key, recipe in cases.items():
             runs[key].append(probe(recipe, warmup_steps=2, timed_steps=steps)["step_time_s"])
     return {key: statistics.median(values) for key, values in runs.items()}, runs
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    rank = lambda values: {i: r for r, i in enumerate(sorted(range(len(values)), key=values.__getitem__))}  # noqa: E731
-    rx, ry = rank(xs), rank(ys)
-    n = len(xs)
-    return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
 
 
 def markdown(pred: dict, meas: dict, runs: dict, facts, run: dict) -> str:

@@ -21,17 +21,26 @@ PEAK_ERROR_GOALS = (0.03, 0.08)  # median, worst |predicted - measured| / measur
 
 
 def attach_predictions(results: dict, committed: dict | None, here: dict | None) -> None:
+    card = results.get("versions", {}).get("device")
     for entry in results["plans"]:
         key, wanted = entry["key"], entry["recipe_hash"]
         made = (committed or {}).get(key)
         if made and made.get("recipe_hash") == wanted and "peak_bytes" in made:
             entry["predicted_bytes"] = made["peak_bytes"]
-            if made.get("predicted_step_s") is not None:  # the time model's (issue 21), where it has one
-                entry["predicted_step_s"] = made["predicted_step_s"]
+            step = step_on(made.get("predicted_step_s"), card)  # the time model's, on this call's card
+            if step is not None:
+                entry["predicted_step_s"] = step
         elif made:
             entry["predicted_note"] = "the committed prediction is for another recipe or failed: not used"
         if here and key in here and "peak_bytes" in here[key]:
             entry["predicted_here_bytes"] = here[key]["peak_bytes"]
+
+
+def step_on(predicted, card: str | None) -> float | None:
+    """The predicted step time for `card` from {card name: seconds} (a bare number: made for any card)."""
+    if isinstance(predicted, dict):
+        return predicted.get(card)
+    return predicted
 
 
 def conclude(results: dict) -> None:

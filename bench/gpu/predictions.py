@@ -4,8 +4,9 @@
 bench/gpu/predicted_bert_large.json (with the versions it was made with), it is made before any GPU
 time is spent. Without a committed file the GPU call predicts on its own CPU, and the tables say so.
 
-- `predictions`: {"PLAN @ MICRO": {"peak_bytes", "live_peak_bytes", "breakdown", "recipe_hash"}},
-  and `predicted_step_s` where a time model has filled it in (issue 21's; read, never computed here).
+- `predictions`: {"PLAN @ MICRO": {"peak_bytes", "live_peak_bytes", "breakdown", "recipe_hash",
+  "predicted_step_s"}}: the step time the time model (runner/predict) gives on each GPU the
+  campaign may be lent, keyed by the name torch reports ({"NVIDIA H100 80GB HBM3": s, ...}).
 - `solver`: {"MICRO": {"memory": {checkpointing, offload}, "limit_bytes", "reason"}} or, where keeping
   every block is predicted to fit or nothing does, {"limit_bytes", "reason"} only. The limit is the
   tune call's (its cap less the margin less a CUDA context), as `ckrun tune` would ask the solver;
@@ -19,6 +20,9 @@ import json
 
 from runner.load import load_recipe
 from runner.predict.estimate import Estimator
+from runner.predict.hardware import GPUS
+
+TIMED_ON = ("h100", "h200")  # the kinds this workplace lends; the plans call picks its own card's
 
 CONTEXT_GUESS = 800 * 10**6  # the CUDA context with a BERT step's kernels, H100 + torch 2.11 (2026-11-22)
 
@@ -29,7 +33,8 @@ def recipe_hash(campaign, overrides: list[str]) -> str:
 
 
 def estimator_for(campaign) -> Estimator:
-    return Estimator(load_recipe(campaign.recipe_path, list(campaign.base)), "cuda" if campaign.cuda else "cpu")
+    return Estimator(load_recipe(campaign.recipe_path, list(campaign.base)), "cuda" if campaign.cuda else "cpu",
+                     GPUS[TIMED_ON[0]])
 
 
 def predict(campaign, entries: list[dict], estimator: Estimator | None = None) -> dict:
@@ -43,7 +48,8 @@ def predict(campaign, entries: list[dict], estimator: Estimator | None = None) -
         try:
             estimate = estimator.estimate(load_recipe(campaign.recipe_path, entry["overrides"]).memory)
             found[key] = {"peak_bytes": estimate.peak_bytes, "live_peak_bytes": estimate.live_peak_bytes,
-                          "breakdown": estimate.breakdown}
+                          "breakdown": estimate.breakdown,
+                          "predicted_step_s": {GPUS[g].name: estimate.time_on(GPUS[g]).seconds for g in TIMED_ON}}
         except Exception as err:  # an unpredictable plan is a finding, not the end of the campaign
             found[key] = {"error": one_line(err)}
         found[key]["recipe_hash"] = entry["recipe_hash"]

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/gpu/tables.py` must find it too
     sys.path.insert(0, str(REPO))
 
+from bench.stats import spearman  # noqa: E402
 from runner.memory.blocks import short_list  # noqa: E402
 
 VERSION_KEYS = ("python", "torch", "cuda", "transformers", "torchvision", "optuna", "pydantic")
@@ -240,6 +241,7 @@ def plans_table(plans: dict) -> str:
         lines += ["", f"Prediction error over {summary['plans']} measured plans: median "
                       f"{percent(summary['median_abs_error'])}, worst {percent(summary['worst_abs_error'])} "
                       f"({summary.get('worst_plan')})."]
+    lines += _step_time_lines(plans["plans"])
     if plans.get("summary_here", {}).get("plans") and plans.get("predictions_from", "").endswith(")"):
         here = plans["summary_here"]
         lines.append(f"Re-predicted with this machine's torch: median {percent(here['median_abs_error'])}, "
@@ -248,6 +250,18 @@ def plans_table(plans: dict) -> str:
                   "(FlashAttention's backward is not deterministic); a plan is within the noise when its "
                   f"difference is at most {plans.get('noise_multiple', 3)}x that."]
     return "\n".join(lines) + "\n\n" + snapshot_line(plans.get("snapshot") or {})
+
+
+def _step_time_lines(plans: list[dict]) -> list[str]:
+    """The time model against the measured steps: rank correlation and error, the calibration a GPU gives."""
+    timed = [p for p in plans if p["status"] == "ok" and p.get("predicted_step_s") and p.get("step_time_s")]
+    if len(timed) < 2:
+        return ["", "Predicted step time: not compared (fewer than two measured plans carry a prediction)."]
+    measured, predicted = [p["step_time_s"] for p in timed], [p["predicted_step_s"] for p in timed]
+    errors = sorted(abs(b / a - 1) for a, b in zip(measured, predicted, strict=True))
+    return ["", f"Predicted step time against measured over {len(timed)} plans: Spearman rank correlation "
+                f"{spearman(measured, predicted):.2f}, median error {percent(errors[len(errors) // 2])}, worst "
+                f"{percent(errors[-1])} (a roofline on datasheet figures; README: calibrating it)."]
 
 
 def _solver_lines(solver: dict) -> list[str]:

@@ -257,3 +257,16 @@ def test_reduce_keeps_the_steps_events_and_block_addresses():
     replayed = snapshot.replay(compact)
     assert replayed["model_reserved_peak_bytes"] == replayed["real_reserved_peak_bytes"] == 20 * MiB
     assert replayed["other_actions"] == ["snapshot"]
+
+
+def test_predicted_step_times_are_compared_with_the_measured_ones():
+    """The plans table puts the time model beside the measured steps: per card, ranked and as an error."""
+    from bench.gpu.plan_results import step_on
+    from bench.gpu.tables import _step_time_lines
+
+    assert step_on({"NVIDIA H100 80GB HBM3": 0.2, "NVIDIA H200": 0.18}, "NVIDIA H200") == 0.18
+    assert step_on({"NVIDIA H100 80GB HBM3": 0.2}, "NVIDIA L4") is None and step_on(0.3, "any") == 0.3
+    plans = [{"status": "ok", "step_time_s": m, "predicted_step_s": p} for m, p in ((1.0, 0.9), (2.0, 2.4), (3.0, 2.7))]
+    line = _step_time_lines(plans + [{"status": "oom"}])[-1]
+    assert "over 3 plans" in line and "rank correlation 1.00" in line and "median error 10.0%" in line
+    assert "not compared" in _step_time_lines(plans[:1])[-1]
