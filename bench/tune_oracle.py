@@ -78,6 +78,8 @@ class Oracle:
         self.recipe, self.path, self.devices = recipe, path, devices
         self.answers = json.loads(path.read_text()) if path.exists() else {}
         self.estimator, self.unsaved = None, 0
+        self.frontiers: dict[str, dict] = {}  # (device, request) -> the solver's answer: the same for every run
+        self.solver_estimators: dict[str, Estimator] = {}  # block times predicted for each device
 
     def answer(self, candidate: Candidate) -> dict:
         if candidate.key not in self.answers or set(self.devices) - set(self.answers[candidate.key].get("times", {})):
@@ -108,7 +110,7 @@ class OraclePredictor:
     step times to order its starting points by."""
 
     def __init__(self, oracle: Oracle, device: str, guided: bool):
-        self.oracle, self.device, self.guided, self.solver_estimator = oracle, device, guided, None
+        self.oracle, self.device, self.guided = oracle, device, guided
 
     def __call__(self, candidate: Candidate) -> Prediction:
         answer = self.oracle.answer(candidate)
@@ -119,11 +121,16 @@ class OraclePredictor:
     def frontier(self, request: dict) -> dict:
         from autotune.solver import frontier
 
-        if self.solver_estimator is None:  # block times predicted for this device
-            self.solver_estimator = Estimator(self.oracle.recipe, "cuda", GPUS[self.device])
-        proposals, lines = frontier(self.solver_estimator, [tuple(p) for p in request["pairs"]], int(request["limit"]),
-                                    MemoryPlan.model_validate(request["base"]), bool(request["offload"]), 0)
-        return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
+        key = json.dumps([self.device, request], sort_keys=True)
+        if key not in self.oracle.frontiers:
+            estimators = self.oracle.solver_estimators
+            if self.device not in estimators:  # block times predicted for this device
+                estimators[self.device] = Estimator(self.oracle.recipe, "cuda", GPUS[self.device])
+            proposals, lines = frontier(estimators[self.device], [tuple(p) for p in request["pairs"]],
+                                        int(request["limit"]), MemoryPlan.model_validate(request["base"]),
+                                        bool(request["offload"]), 0)
+            self.oracle.frontiers[key] = {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
+        return self.oracle.frontiers[key]
 
     def summary(self) -> dict:
         return {"state": "on", "reason": "", "faults": [], "warnings": []}
@@ -207,7 +214,8 @@ def score(oracle: Oracle, rows: list[dict], device: str, cap: Cap, found: dict) 
             "probes": found["probes"]}
 
 
-def bench_problem(name: str, problem: tuple, out: Path, devices: tuple[str, ...], guided: bool) -> list[dict]:
+def bench_problem(name: str, problem: tuple, out: Path, devices: tuple[str, ...], guided: bool,
+                  oracle_only: bool = False) -> list[dict]:
     recipe_path, overrides, pins = problem
     recipe = load_recipe(ROOT / recipe_path, overrides)
     oracle = Oracle(recipe, out / f"oracle-{name}.json", devices)
@@ -215,6 +223,8 @@ def bench_problem(name: str, problem: tuple, out: Path, devices: tuple[str, ...]
     started = time.monotonic()
     rows = grid_answers(oracle, space)
     log.info("oracle: %s: %d plans in %.0f s", name, len(rows), time.monotonic() - started)
+    if oracle_only:
+        return []
     results = []
     for device in devices:
         for cap_name, cap in caps(rows, GPUS[device].memory_bytes).items():
@@ -261,6 +271,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench_oracle")
     parser.add_argument("--guided", action="store_true", help="give the search the oracle's step times as predictions")
     parser.add_argument("--quick", action="store_true", help="a tiny BERT on one device: seconds; nothing goes to docs/")
+    parser.add_argument("--oracle-only", action="store_true", help="fill the oracle caches, search nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for name in ("autotune", "runner", "optuna"):
@@ -270,7 +281,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     devices = tuple(args.devices[:1] if args.quick else args.devices)
     started, clock = time.strftime("%Y-%m-%d %H:%M %Z"), time.monotonic()
     results = [row for name, problem in problems.items()
-               for row in bench_problem(name, problem, args.out, devices, args.guided)]
+               for row in bench_problem(name, problem, args.out, devices, args.guided, args.oracle_only)]
+    if args.oracle_only:
+        return []
     write_atomic(args.out / "results.json", json.dumps(results, indent=1))
     flags = "".join(f" {flag}" for flag in ((argv or []) if argv is not None else []))
     run = {"started": started, "minutes": (time.monotonic() - clock) / 60, "guided": args.guided, "flags": flags}
