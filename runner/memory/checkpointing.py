@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts, noop_context_fn,
+                                    set_checkpoint_early_stop)
 
 from ..plan import Checkpointing
 from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
@@ -89,6 +90,21 @@ def chosen_blocks(policy: Checkpointing, blocks: BlockList) -> list[int]:
     return []
 
 
+def cuda_refusal(blocks: BlockList, chosen: list[int]) -> str | None:
+    """Why checkpointing `chosen` on CUDA would give wrong gradients, or None. cuDNN's RNNs draw the
+    dropout between their layers from a state of their own, which the recompute cannot replay as it
+    does torch's RNG (pytorch issue 74177): the recompute's masks differ from the forward's."""
+    for index in chosen:
+        for name, module in blocks[index].module.named_modules():
+            if isinstance(module, nn.RNNBase) and module.dropout > 0 and module.num_layers > 1:
+                where = f"{blocks[index].name}.{name}".rstrip(".")
+                return (f"memory.checkpointing: block {index} ({where}) is an {type(module).__name__} with dropout "
+                        f"{module.dropout} between its layers, which cuDNN draws from a state a recompute cannot "
+                        "replay (wrong gradients); set its dropout to 0 (or put nn.Dropout between single-layer "
+                        "RNNs), or leave this block out with policy layers")
+    return None
+
+
 def _reason(policy: Checkpointing, chosen: list[int]) -> str:
     if policy.policy == "every":
         return f"every {_ordinal(policy.every)}: {short_list(chosen)}"
@@ -127,8 +143,18 @@ def _checkpointed(forward: Callable, contexts: _Contexts) -> Callable:
         context_fn = contexts.compiled if compiling else contexts.eager
         if context_fn is not noop_context_fn:  # dynamo traces checkpoint only without a no-op context_fn
             kwargs = {"context_fn": context_fn, **checkpoint_options(), **kwargs}
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        if compiling:
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        with set_checkpoint_early_stop(EARLY_STOP):
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     return run
+
+
+EARLY_STOP = False
+"""Whether a recompute may stop once it has rebuilt the last tensor the backward needs. It may not: an
+op that writes into a tensor it also saves (RReLU's noise, `rrelu_with_noise`) saves it before its
+kernel runs, so a recompute stopped there leaves it unwritten (silently wrong gradients, pytorch issue
+193671). Running the block to its end costs only the ops after its last saved tensor."""
 
 
 # --- what a recompute may and may not do --------------------------------------------------
@@ -350,7 +376,7 @@ class _SegmentRunner:
         if position == 0:
             self.abandon()  # a region left open by a forward that raised between blocks
             recording = _Recording(forward)
-            region = segment_generator()(recording.replay, True, context_fn, "default", False, True, *args,
+            region = segment_generator()(recording.replay, True, context_fn, "default", False, EARLY_STOP, *args,
                                          **checkpoint_options(), **kwargs)
             next(region)
             self.open = [segment, region, recording, 1]

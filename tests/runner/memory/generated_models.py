@@ -4,7 +4,8 @@ Each model is a stack of `Block`s of one class (so the block finder sees them as
 every block a drawn list of layers over `[batch, time, width]` tensors. The layers are the kinds
 that have broken checkpointing before: RNNs (GRU's cell writes its matmul outputs in place through
 unsafe aliases), in-place activations after a matmul or convolution, BatchNorm, weights tied
-between blocks, buffers that the forward changes and reads, dropout.
+between blocks, buffers that the forward changes and reads, dropout, RReLU (an op that writes into
+a tensor it saved: a recompute stopped early never writes it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 WIDTH = 8
 LAYERS = ("gru", "lstm", "rnn", "linear_relu_", "conv_silu_", "batchnorm", "ema_buffer", "dropout",
-          "residual_add_", "tied", "mm_view_add_")
+          "residual_add_", "tied", "mm_view_add_", "rrelu")
 
 
 class Block(nn.Module):
@@ -40,6 +41,7 @@ def _make(name: str, shared: nn.Linear) -> nn.Module:
         "conv_silu_": lambda: nn.Sequential(nn.Conv1d(WIDTH, WIDTH, 3, padding=1), nn.SiLU(inplace=True)),
         "batchnorm": lambda: nn.BatchNorm1d(WIDTH),
         "dropout": lambda: nn.Dropout(0.2),
+        "rrelu": lambda: nn.RReLU(),  # random slopes written into a noise tensor its backward reads
         "tied": lambda: shared,
     }
     return makers.get(name, lambda: nn.Linear(WIDTH, WIDTH))()

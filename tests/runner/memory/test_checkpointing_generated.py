@@ -64,3 +64,14 @@ def test_every_policy_is_exact_on_each_layer_kind(layer, policy):
     # each kind alone in every block, so a failure names the kind; the generated test mixes them
     blocks = [[layer], ["linear_relu_", layer], [layer]]
     assert _differences(_train(blocks, None), _train(blocks, policy)) == []
+
+
+def test_cuda_refuses_checkpointing_an_rnn_with_dropout_between_layers():
+    # cuDNN draws that dropout from its own state, which a recompute cannot replay: refused, with the way out
+    model = torch.nn.Sequential(torch.nn.GRU(8, 8, num_layers=2, dropout=0.1), torch.nn.GRU(8, 8, num_layers=2))
+    plan = MemoryPlan.model_validate({"checkpointing": {"policy": "full"}})
+    with pytest.raises(ValueError, match=r"^memory.checkpointing: block 0 \(0\) is an GRU with dropout 0.1 .* policy layers"):
+        apply_plan(model, plan, "cuda")
+    apply_plan(model, plan, "cpu").remove()  # on the CPU that dropout is torch's RNG, which the recompute replays
+    layers = MemoryPlan.model_validate({"checkpointing": {"policy": "layers", "layers": [1]}})
+    apply_plan(model, layers, "cuda").remove()
