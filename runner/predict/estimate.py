@@ -224,10 +224,12 @@ def weight_init_skipped():
 def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
     """The model with the right shapes; pretrained weights are not read (they change no shape),
     except a transformers directory's config, which defines the architecture."""
+    from .fallback import build_reading_values  # it imports this module
+
     if not spec.pretrained:
-        return build_model(spec, CPU)
+        return build_reading_values(lambda: build_model(spec, CPU))
     if spec.source != "transformers":
-        return build_model(spec.model_copy(update={"pretrained": None}), CPU)
+        return build_reading_values(lambda: build_model(spec.model_copy(update={"pretrained": None}), CPU))
     model_class = transformers_class(spec.name)
     config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
     return model_class(config)
