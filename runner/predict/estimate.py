@@ -44,6 +44,7 @@ from ..units import format_bytes
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
 from .fake_gaps import FakeGapWatch
+from .real_paths import real_mask_paths
 
 CPU = torch.device("cpu")
 HOST = torch.device("meta")  # where offloaded activations land in an estimate (fake host memory)
@@ -136,7 +137,11 @@ class Estimator:
                  self.recipe.train.grad_clip)
 
     def _device_behaviour(self):
-        return CudaOnCpu() if self.cuda else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(real_mask_paths())  # the attention paths a real step takes
+        if self.cuda:
+            stack.enter_context(CudaOnCpu())
+        return stack
 
     @contextlib.contextmanager
     def _applied(self, plan: MemoryPlan):
