@@ -22,6 +22,7 @@ import numpy
 import torch
 
 from ..checkpoint_files import MARKER, STATE_FILE, CheckpointError, file_sha256, load_checkpoint
+from ..files import save_torch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2)
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     try:
-        torch.save(state, temporary / STATE_FILE)
+        save_torch(state, temporary / STATE_FILE)
         _fsync_path(temporary / STATE_FILE)
         # hashed from the file as written (the page cache), so the digest covers what load will read
         (temporary / MARKER).write_text(f"{step}\nsha256 {file_sha256(temporary / STATE_FILE)} {STATE_FILE}\n")
