@@ -288,7 +288,8 @@ def _progress(total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
-def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None) -> RunResult:
+def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None,
+          accept_changes: bool = False) -> RunResult:
     """Train `recipe` into out_dir. A SIGINT/SIGTERM ends the loop after the current step and the run
     ends normally with `stopped_by` set; any other end leaves out_dir resumable or, when no
     checkpoint was written, re-usable without --resume."""
@@ -297,7 +298,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     with StopRequest() as stop, process_group_scope():
         trainer = Trainer(recipe, source)
         if resume:
-            resume_from_checkpoint(trainer, out_dir, source)
+            resume_from_checkpoint(trainer, out_dir, source, accept_changes)
         if trainer.ranks.is_main:
             write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
