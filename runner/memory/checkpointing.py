@@ -215,7 +215,7 @@ class _BufferReplay:
             start = [(owner, name, owner._buffers[name], owner._buffers[name]._version) for owner, name in self.slots]
             values = [tensor.clone() for _, _, tensor, _ in start]
         yield
-        self.before = [(owner, name, tensor, value) for (owner, name, tensor, version), value in zip(start, values)
+        self.before = [(owner, name, tensor, value) for (owner, name, tensor, version), value in zip(start, values, strict=True)
                        if owner._buffers.get(name) is not tensor or tensor._version != version
                        or isinstance(owner, nn.modules.batchnorm._BatchNorm)]
 
@@ -224,13 +224,13 @@ class _BufferReplay:
         ended = [(owner, name, owner._buffers.get(name)) for owner, name, _, _ in self.before]
         with torch.no_grad():
             kept = [value.clone() if value is tensor else None for (_, _, value), (_, _, tensor, _) in
-                    zip(ended, self.before)]
-        self._set([(owner, name, tensor, value) for owner, name, tensor, value in self.before])
+                    zip(ended, self.before, strict=True)]
+        self._set(self.before)
         try:
             yield
         finally:
             self._set([(owner, name, value, value if saved is None else saved)
-                       for (owner, name, value), saved in zip(ended, kept)])
+                       for (owner, name, value), saved in zip(ended, kept, strict=True)])
 
     @contextlib.contextmanager
     def untouched(self):

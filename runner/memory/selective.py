@@ -22,7 +22,6 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import ContextManager
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -77,7 +76,7 @@ def static_policy(save_ops: frozenset[str]):
 class SelectiveBlock:
     """One block's selective checkpointing: the op calls it caches, learnt per input signature."""
 
-    def __init__(self, save_ops: frozenset[str], name: str, keep_state: Callable[[], ContextManager] | None = None):
+    def __init__(self, save_ops: frozenset[str], name: str, keep_state: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.save_ops, self.name = save_ops, name
         self.keep_state = keep_state  # makes a context that puts the block's buffers back after the learning forward
         self.cached_by_signature: dict[tuple, frozenset[OpCall]] = {}
