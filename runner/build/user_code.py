@@ -54,8 +54,8 @@ def import_limit_s() -> float:
 def check_import(module_name: str) -> str | None:
     """Why importing `module_name` would hang, exit or crash this process, or None (also when it merely
     raises: the real import reports that). Tried once per module, in a fork of this process."""
-    if module_name in sys.modules or not hasattr(os, "fork"):
-        return None
+    if module_name in sys.modules or not sys.platform.startswith("linux"):
+        return None  # elsewhere fork is missing (Windows) or unsafe once system frameworks are loaded (macOS)
     if module_name not in _VERDICTS:
         read, write = os.pipe()
         pid = os.fork()

@@ -14,6 +14,8 @@ which calls of its save-ops are safe to cache: it runs the forward once under a 
 A save-op call is cached only when its output is fresh memory (not a view), it draws no random
 numbers, no later op of the block writes its storage (by any alias) and it is not the block's output
 (which code after the block may change). Everything else is recomputed, as under policy full.
+The look-ahead forward runs the block's Python once more per new signature, as any recompute does:
+state a block keeps in plain attributes (a call counter) sees it.
 """
 
 from __future__ import annotations
