@@ -70,6 +70,7 @@ def _plan_lines_quiet():
         for plan_log, level in zip(logs, levels, strict=True):
             plan_log.setLevel(level)
 def _estimate(estimator, unavailable, recipe, device: str, source: str):
+    from ..build.resolve import BuildError
     from ..predict.estimate import Estimator
     from ..predict.fallback import estimate_or_probe
 
@@ -80,6 +81,8 @@ def _estimate(estimator, unavailable, recipe, device: str, source: str):
     except unavailable as err:
         raise InputError([Problem(Place(source), "model", f"prediction is unavailable: {err}; "
                                   "`ckrun tune` will measure this recipe instead")]) from None
+    except BuildError as err:  # the model or data (it knows its key): not the memory plan
+        raise err.as_input_error(source) from None
     except ValueError as err:
         raise keyed_error(err, source, "memory") from None
 

@@ -62,6 +62,6 @@ def test_a_model_that_reads_tensor_values_is_estimated_approximately(tmp_path, c
         "    def forward(self, x):\n        x = x.flatten(1)\n        return self.a(x) if x.sum() > 0 else self.b(x)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     code, out, err = ckrun("estimate", BERT_TINY, "model.source=python", "model.name=branchy:Net", "model.config={}",
-                           "data.task=image_classification", "data.image_size=8", "--device", "cpu")
+                           "data.task=image_classification", "data.image_size=8", "data.num_classes=10", "--device", "cpu")
     # was refused ("prediction is unavailable"); a model that trains must estimate: on real CPU tensors, said so
     assert code == 0 and "  note: approximate: measured on real CPU tensors" in out, err

@@ -70,3 +70,11 @@ def test_a_forward_that_reads_values_is_probed_for_real_and_says_so(tmp_path, ck
         assert ckrun(recipe, f"output.dir={tmp_path / policy}")[0] == 0
         measured = read_metrics(tmp_path / policy)[0]["peak_mem_bytes"]
         assert estimate["peak_bytes"] == pytest.approx(measured, rel=0.05), policy  # as every estimate is held to
+
+
+def test_a_model_fault_the_probe_meets_names_the_model_not_the_plan(tmp_path, ckrun, monkeypatch):
+    (tmp_path / "gated_model.py").write_text(VALUE_READING_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = _recipe(tmp_path, "python", "gated_model:build")
+    code, _, err = ckrun("estimate", recipe, "data.num_classes=50", "--device", "cpu")  # 3 outputs for 50 classes
+    assert code == 2 and "model.name: gated_model:build's forward returns 3 classes" in err, err  # was `memory:`
