@@ -18,6 +18,7 @@ from .build.resolve import infer_task, resolve_import_path, transformers_class
 from .plan import MemoryPlan, Strict, plan_problem
 from .problems import suggest
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
+    PathText,
     Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, Task, TextFilesData,
 )
 from .recipe_train import (  # noqa: F401 - the optimizers and schedules too
@@ -35,7 +36,7 @@ class ModelSpec(Strict):
     """`BertForMaskedLM` (transformers), `resnet50` (torchvision), or `package.module:factory`."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the transformers config class, the torchvision builder or the factory."""
-    pretrained: str | None = None
+    pretrained: PathText | None = None
     """A local directory with weights to start from: a run's OUTPUT_DIR/model or
     OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict (nothing is downloaded)."""
 
@@ -139,7 +140,7 @@ class TrainSpec(Strict):
 
 
 class OutputSpec(Strict):
-    dir: str = "runs/default"
+    dir: PathText = "runs/default"
     """Where metrics.jsonl, the resolved recipe, checkpoints and the trained model (`model/`) go."""
     log_every: int = Field(default=10, gt=0)
     """Steps between log lines (every step is still written to metrics.jsonl); step 1 and the last

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from .plan import Strict
 
@@ -24,6 +24,17 @@ FileVocab = Annotated[int | None, Field(gt=1, description=(
 
 # --- data -----------------------------------------------------------------------------------
 
+
+
+def _not_blank(path: str) -> str:
+    # '' and '  ' name the working directory: a run's files among the user's own, or data read from there
+    if not path.strip():
+        raise ValueError("is empty (it would mean the working directory); give the path")
+    return path
+
+
+PathText = Annotated[str, AfterValidator(_not_blank)]
+"""A file or directory the recipe names: never empty."""
 
 class SyntheticData(Strict):
     source: Literal["synthetic"] = "synthetic"
@@ -49,7 +60,7 @@ class SyntheticData(Strict):
 class TextFilesData(Strict):
     source: Literal["text"]
     """Local UTF-8 text files, tokenised and cut into fixed-length samples."""
-    paths: list[str] = Field(min_length=1)
+    paths: list[PathText] = Field(min_length=1)
     """Files or glob patterns."""
     task: Task | None = None
     """What the model learns; inferred from the model class when unset."""
@@ -60,7 +71,7 @@ class TextFilesData(Strict):
     `lines`: each non-empty line is a sample (no packing) and a batch is padded to its longest line,
     padding masked out of attention and the loss: batch lengths vary, and memory.adaptive can pick
     a plan per length."""
-    tokenizer: str | None = None
+    tokenizer: PathText | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
     vocab_size: FileVocab = None
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
@@ -78,7 +89,7 @@ class RecordsData(Strict):
     source: Literal["records"]
     """Local JSONL or CSV files of examples, one per line or row, each an input text and its target:
     a label (sequence_classification) or a target text (seq2seq). Nothing is downloaded."""
-    paths: list[str] = Field(min_length=1)
+    paths: list[PathText] = Field(min_length=1)
     """Files or glob patterns: `.jsonl` (one JSON object per line) or `.csv` (a header row, then one row each)."""
     input_field: str = "text"
     """The field (JSONL key or CSV column) holding the input text."""
@@ -93,7 +104,7 @@ class RecordsData(Strict):
     """Input tokens per sample: longer inputs are cut, shorter ones padded (and masked out)."""
     target_len: int | None = Field(default=None, gt=0)
     """seq2seq target tokens per sample, cut or padded like the input; seq_len when unset."""
-    tokenizer: str | None = None
+    tokenizer: PathText | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
     vocab_size: FileVocab = None
 
@@ -107,7 +118,7 @@ class DatasetData(Strict):
     source: Literal["dataset"]
     """Local data read through Hugging Face `datasets` (`pip install 'ckrun[datasets]'`): Parquet, JSONL or
     CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached in $XDG_CACHE_HOME/ckrun/datasets."""
-    paths: list[str] = Field(min_length=1)
+    paths: list[PathText] = Field(min_length=1)
     """Files or glob patterns (`.parquet`, `.jsonl`/`.json`, `.csv`/`.tsv`), or folders saved by `save_to_disk`."""
     split: str | None = None
     """The split of a saved DatasetDict (`train`, `validation`, ...); unset: `train`, or its only split."""
@@ -124,7 +135,7 @@ class DatasetData(Strict):
     """Tokens per sample: inputs are cut or padded (classification, seq2seq), or text is packed (language modelling)."""
     target_len: int | None = Field(default=None, gt=0)
     """seq2seq target tokens per sample; seq_len when unset."""
-    tokenizer: str | None = None
+    tokenizer: PathText | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
     vocab_size: FileVocab = None
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
@@ -166,7 +177,7 @@ class DatasetData(Strict):
 class ImageFolderData(Strict):
     source: Literal["image_folder"]
     """A torchvision ImageFolder: ROOT/CLASS_NAME/IMAGE files."""
-    root: str
+    root: PathText
     """The folder holding one sub-folder per class."""
     image_size: int = Field(default=224, gt=0)
     """Images are resized and centre-cropped to this size."""

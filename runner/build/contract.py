@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .resolve import BuildError
+from .user_code import UserExit
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +96,17 @@ def user_forward(model: nn.Module, inputs: dict):
     name = _USER_MODELS.get(_unwrapped(model))
     try:
         yield
-    except Exception as err:
+    except (Exception, SystemExit, UserExit) as err:  # an exit in the forward too: a silent end otherwise
         from .oom import is_out_of_memory
 
         faked = any(isinstance(value, _FakeTensor) for value in inputs.values())  # the estimator reads those
         if name is None or faked or isinstance(err, BuildError) or is_out_of_memory(err):
             raise
         shapes = ", ".join(f"{key} {list(value.shape)}" for key, value in inputs.items() if hasattr(value, "shape"))
+        if isinstance(err, (SystemExit, UserExit)):
+            call = f"os._exit({err.code})" if isinstance(err, UserExit) else f"sys.exit({err.code!r})"
+            raise BuildError("model.name", f"{name}'s forward called {call}{where_raised(err)} on inputs {shapes}; "
+                                           "a model must return its outputs (raise an error to stop)") from None
         raise BuildError("model.name", f"{name}'s forward raised {type(err).__name__}: {' '.join(str(err).split())}"
                                        f"{where_raised(err)} on inputs {shapes}; {_fit_advice(err, inputs)}") from None
 

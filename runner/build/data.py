@@ -315,7 +315,7 @@ class ImageFolderSource:
 def _image_folder(root: str, transform):
     """torchvision's ImageFolder, with its errors (no class folder, a class folder without images)
     turned into one line on data.root."""
-    from torchvision import datasets
+    from .image_folder import ContainedImageFolder
 
     directory = Path(root).expanduser()
     if not directory.is_dir():
@@ -324,7 +324,7 @@ def _image_folder(root: str, transform):
     if not classes:
         raise BuildError("data.root", f"{root} has no class folders; put each class's images in a sub-folder of it")
     try:
-        dataset = datasets.ImageFolder(str(directory), transform=transform)
+        dataset = ContainedImageFolder(str(directory), transform=transform)  # no symlink loops, no other class's images
     except (FileNotFoundError, OSError) as err:
         raise BuildError("data.root", f"{root}: {describe_image_error(err)}") from None
     if len(dataset) == 0:

@@ -18,6 +18,7 @@ from .contract import adopt_user_model
 from .oom import describe_out_of_memory, is_out_of_memory
 from .pretrained import from_pretrained, is_checkpoint, load_state
 from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
+from .user_code import UserExit, waiting_line
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,23 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     check_factory(factory, spec.name)
     check_kwargs(factory, spec.config)
     try:
-        model = factory(**spec.config)
-    except (Exception, SystemExit) as err:  # the user's code: one line naming it and where it raised
+        with waiting_line(f"{spec.name} to build the model"):
+            model = factory(**spec.config)
+    except (Exception, SystemExit, UserExit) as err:  # the user's code: one line naming it and where it raised
         if is_out_of_memory(err):
             raise _too_large(spec.name, err) from None
         key = next((f"model.config.{k}" for k in spec.config if re.search(rf"\b{re.escape(k)}\b", str(err))), "model.name")
-        raise BuildError(key, f"{spec.name} raised {type(err).__name__}: {err}{_where_in(err, factory)}; "
+        raise BuildError(key, f"{spec.name} {_raised(err)}{_where_in(err, factory)}; "
                               "fix the factory or its arguments in model.config") from None
     if spec.pretrained and isinstance(model, nn.Module):
         _load_local_state(model, Path(spec.pretrained).expanduser())
     return model
+
+
+def _raised(err: BaseException) -> str:
+    if isinstance(err, UserExit):
+        return f"called os._exit({err.code})"
+    return f"called sys.exit({err.code!r})" if isinstance(err, SystemExit) else f"raised {type(err).__name__}: {err}"
 
 
 def _where_in(err: Exception, factory) -> str:

@@ -3,8 +3,9 @@ the config, and that the model can be built from it.
 
 transformers checks types when the config is made (a string for an int), but most shape rules
 (`num_attention_heads` must divide `hidden_size`) only when a layer is made. So validation also
-builds the model on the meta device and, for token models, runs one forward there: no memory, a
-fraction of a second for the bundled recipes, once per config. Layer counts are bounded first, since building a million layers would hang.
+builds the model on the meta device and, for token models, runs one forward on fake tensors: no
+memory, a fraction of a second for the bundled recipes, once per config. A forward that needs
+tensor values (which fake tensors lack) is not held against the config. Layer counts are bounded first, since building a million layers would hang.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def _trial_build(model_class, given_json: str) -> str | None:
     except Exception as err:  # whatever a model's __init__ trips over is still the config's to fix
         return _one_line(err)
     try:
-        with _quiet_transformers(), warnings.catch_warnings(), torch.device("meta"):
+        with _quiet_transformers(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _trial_forward(model)
+    except _values_unknown():
+        return None  # the forward reads tensor values, which the check does not have: training will tell
     except Exception as err:
         return f"a forward pass of 8 tokens fails: {_one_line(err)}"
     return None
@@ -90,14 +93,29 @@ def _one_line(err: Exception) -> str:
 
 
 def _trial_forward(model) -> None:
-    """One forward of 8 tokens on the meta device: shape rules that only a forward meets (grouped
-    query attention whose key/value heads do not divide the heads) fail here rather than at step 1.
-    Only for token-input models, whose inputs need nothing from the recipe."""
+    """One forward of 8 tokens on fake tensors: shape rules that only a forward meets (grouped query
+    attention whose key/value heads do not divide the heads) fail here rather than at step 1. Only
+    for token-input models, whose inputs need nothing from the recipe.
+
+    Fake tensors rather than the meta device: transformers skips its value checks (`pad_token_id in
+    input_ids`, an all-ones padding mask) for fake tensors, which it knows as traced ones, but calls
+    `.item()` on meta tensors, which have no values (DeBERTa-v2, BART)."""
     if getattr(model, "main_input_name", None) != "input_ids":
         return
-    tokens = torch.zeros(1, 8, dtype=torch.long)
-    decoder = {"decoder_input_ids": tokens} if getattr(model.config, "is_encoder_decoder", False) else {}
-    model(input_ids=tokens, **decoder)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        model = model.to_empty(device="cpu")  # the meta-built weights as fake CPU tensors: nothing allocated
+        tokens = fake_mode.from_tensor(torch.zeros(1, 8, dtype=torch.long))
+        decoder = {"decoder_input_ids": tokens} if getattr(model.config, "is_encoder_decoder", False) else {}
+        model(input_ids=tokens, **decoder)
+
+
+def _values_unknown() -> tuple[type[BaseException], ...]:
+    """What a forward on fake tensors raises where it needs a value: not the config's fault."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return (DataDependentOutputException, DynamicOutputShapeException)
 
 
 def _key_named_in(message: str, given: dict) -> tuple[str, ...]:

@@ -122,8 +122,21 @@ def to_example(where: str, record: dict, data: RecordsData, key: str) -> Example
             raise BuildError(f"{key}.paths", f"{where}: field {name!r} holds {json.dumps(value)[:40]}, not {kind}")
         if isinstance(value, str) and not value.strip():
             raise BuildError(f"{key}.paths", f"{where}: field {name!r} is empty; give every example an input and a target")
+        if isinstance(value, str):
+            _check_text(where, name, value, key)
         values.append(str(value))
     return Example(where, *values)
+
+
+def _check_text(where: str, name: str, value: str, key: str) -> None:
+    """JSON's \\u escapes can spell half of a UTF-16 pair (\\ud800) alone: not a character, and no encoder
+    (the byte tokenizer, a tokenizer, the exported config) can write it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BuildError(f"{key}.paths", f"{where}: field {name!r} holds a lone surrogate "
+                                         f"({value[err.start]!r} at character {err.start}), which is not text; "
+                                         "fix the escape (a \\ud83d needs its \\ude00 pair)") from None
 
 
 def pick_label_ids(examples: list[Example], data: RecordsData, classes: int, key: str = "data",

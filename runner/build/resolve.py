@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ..problems import InputError, Place, Problem, suggest
+from .user_code import check_import
 
 
 def transformers_class(name: str):
@@ -57,6 +58,9 @@ def resolve_import_path(path: str):
     if not sep or not module_name or not attribute:
         raise ValueError(f"{path!r} is not an import path; write it as package.module:factory")
     add_import_root(os.getcwd())  # the `ckrun` script, unlike `python -m`, does not search it by itself
+    problem = check_import(module_name)  # a hang, an os._exit or a crash at import, tried in a fork first
+    if problem:
+        raise ValueError(f"{problem}; ckrun did not import it here")
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as err:  # any import-time failure of user code is a bad-input problem

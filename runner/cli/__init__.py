@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from ..build.user_code import UserExit, describe_exit, exits_raised, stray_threads
 from ..problems import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, InputError
 
 
@@ -146,6 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     return _run(command, args)
 
 
+def entry() -> None:
+    """The `ckrun` program: main(), then leave without waiting for threads the user's code left running
+    (Python would wait for them forever after "done")."""
+    code = main()
+    threads = stray_threads()
+    if threads:
+        print(f"ckrun: leaving {len(threads)} thread(s) the model's code started still running "
+              f"({', '.join(threads[:3])}); ckrun does not wait for them", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     # argparse stops filling KEY=VALUE positionals at the first flag; gather the ones after it
@@ -159,7 +174,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 def _run(command: Command, args: argparse.Namespace) -> int:
     try:
-        return command.run(args) or 0
+        with exits_raised():  # os._exit in user code: a line below, not a silent end
+            return command.run(args) or 0
+    except (SystemExit, UserExit) as err:  # user code ended the run; never a silent status 0
+        print(describe_exit(err), file=sys.stderr)
+        return err.code if isinstance(err.code, int) and 0 < err.code < 256 else EXIT_BAD_INPUT
     except InputError as err:
         for problem in err.problems:
             print(problem, file=sys.stderr)

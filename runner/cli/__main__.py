@@ -1,7 +1,5 @@
 """`python -m runner.cli ...`, the same as `ckrun ...` (handy with `python -X importtime`)."""
 
-import sys
+from . import entry
 
-from . import main
-
-sys.exit(main())
+entry()

@@ -122,11 +122,19 @@ def _plan_lines_quiet():
         for plan_log, level in zip(logs, levels, strict=True):
             plan_log.setLevel(level)
 def _estimate(estimator, unavailable, recipe, device: str, facts, source: str):
+    from ..build.resolve import BuildError
+    from ..predict.estimate import Estimator
+    from ..predict.fallback import estimate_or_probe
+
     try:
-        return estimator(recipe, device, facts).estimate()
+        if estimator is not Estimator:  # one rank of N: no real probe stands in for a fake process group
+            return estimator(recipe, device, facts).estimate()
+        return estimate_or_probe(lambda estimator_class: estimator_class(recipe, device, facts))
     except unavailable as err:
         raise InputError([Problem(Place(source), "model", f"prediction is unavailable: {err}; "
                                   "`ckrun tune` will measure this recipe instead")]) from None
+    except BuildError as err:  # the model or data (it knows its key): not the memory plan
+        raise err.as_input_error(source) from None
     except ValueError as err:
         raise keyed_error(err, source, "memory") from None
 

@@ -47,6 +47,8 @@ def predicted_step(recipe, device, parameters: int) -> float | None:
 def add_arguments(parser):
     add_recipe_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--resume-changed", action="store_true", help="--resume, accepting changed settings (batch "
+                        "size, data, seed, precision, ...) that --resume refuses; the changes go to metrics.jsonl")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (the same as "
                         "train.device=...; auto takes the GPU when there is one)")
     parser.add_argument("--nproc", type=int, metavar="N", help="start N ranks on this machine through torchrun "
@@ -62,16 +64,19 @@ def run(args) -> int:
     if args.device is not None:  # a flag for what people look for first; the override does the work
         args.overrides = [*args.overrides, f"train.device={args.device}"]
     recipe, doc = load_recipe_document(path, args.overrides)
+    args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
         from ..dist.launch import check_launch, launch
         from ..train.output import prepare_output
 
         check_launch(recipe, str(path), args.nproc)
         prepare_output(Path(recipe.output.dir), args.resume, str(path))
-        return launch([args.recipe, *args.overrides, *(["--resume"] if args.resume else [])], args.nproc, args.verbose)
+        flags = ["--resume-changed"] if args.resume_changed else ["--resume"] if args.resume else []
+        return launch([args.recipe, *args.overrides, *flags], args.nproc, args.verbose)
     try:
         with located_errors(doc):
-            result = train(recipe, str(path), resume=args.resume, predict_step=predicted_step)
+            result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
+                           predict_step=predicted_step)
     except MemoryCapExceeded as err:
         _say(f"ckrun: {err}; {err.advice}", every_rank=isinstance(err, OutOfMemory))
         return EXIT_OVER_CAP

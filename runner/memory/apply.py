@@ -17,7 +17,7 @@ from torch import nn
 from ..plan import MemoryPlan, plan_problem
 from .blocks import BlockList, Undo, find_blocks
 from .adaptive import PlanSwitch, apply_adaptive
-from .checkpointing import apply_checkpointing, chosen_blocks
+from .checkpointing import apply_checkpointing, chosen_blocks, cuda_refusal
 from .compress import ActivationCompression, apply_compression, chaining_missing, missing_for
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
 from .torch_features import missing_budget, missing_for_sqrt
@@ -58,6 +58,10 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
         return AppliedPlan(plan, None)
     blocks = find_blocks(model, plan.blocks)
     applied = AppliedPlan(plan, blocks, chosen_blocks(plan.checkpointing, blocks), offloaded_blocks(plan.offload, blocks))
+    every_checkpointed = sorted({i for part in [plan, *plan.adaptive] for i in chosen_blocks(part.checkpointing, blocks)})
+    refusal = cuda_refusal(blocks, every_checkpointed) if device.type == "cuda" else None
+    if refusal:
+        raise ValueError(refusal)
     if needs_blocks:
         log.info("memory plan on %d blocks of %s", len(blocks), blocks.container_name or type(model).__name__)
     if plan.adaptive:

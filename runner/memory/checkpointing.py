@@ -5,8 +5,10 @@ in non-reentrant `torch.utils.checkpoint` with the RNG state preserved: dropout 
 same in the recompute, so gradients are bit-identical to a run without the plan. Kwargs (HF
 attention masks, position embeddings) pass straight through; inputs need not require grad.
 
-BatchNorm would update its running statistics a second time while recomputing; the recompute
-context snapshots them on entry and puts them back on exit, so they move once per forward.
+A recompute reads the buffers the forward started from and leaves the ones it ended with
+(`_BufferReplay`), so BatchNorm's statistics move once per forward and a buffer the forward updates
+and reads gives the same activations again. `selective` caches only outputs the block never changes
+(selective.py).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts, noop_context_fn,
+                                    set_checkpoint_early_stop)
 
 from ..plan import Checkpointing
 from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
+from .selective import SelectiveBlock, static_policy
 from .torch_features import checkpoint_options, segment_generator
 
 log = logging.getLogger(__name__)
@@ -42,7 +47,8 @@ def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:
     save_ops = frozenset(policy.save_ops) if policy.policy == "selective" else None
     log.info("checkpointing %d of %d blocks (%s)", len(chosen), len(blocks), _reason(policy, chosen))
     for i in chosen:
-        undos.append(wrap_forward(blocks[i].module, _checkpointed, *_context_fns([blocks[i].module], save_ops)))
+        block = blocks[i]
+        undos.append(wrap_forward(block.module, _checkpointed, _context_fns([block.module], save_ops, block.name)))
     return undo_all(undos)
 
 
@@ -54,14 +60,14 @@ def apply_switched(blocks: BlockList, policies: list[Checkpointing], active: Cal
     undos = [_kv_cache_off(blocks.root)] if any(chosen) else []
     for index in sorted(set().union(*chosen)):
         module = blocks[index].module
-        contexts = {k: _context_fns([module], frozenset(p.save_ops) if p.policy == "selective" else None)
-                    for k, p in enumerate(policies) if index in chosen[k]}
+        contexts = {k: _context_fns([module], frozenset(p.save_ops) if p.policy == "selective" else None,
+                                    blocks[index].name) for k, p in enumerate(policies) if index in chosen[k]}
         undos.append(wrap_forward(module, _switched, contexts, active))
     return undo_all(undos)
 
 
-def _switched(forward: Callable, contexts: dict[int, tuple[Callable, Callable]], active: Callable[[], int]) -> Callable:
-    runs = {k: _checkpointed(forward, *context_fns) for k, context_fns in contexts.items()}
+def _switched(forward: Callable, contexts: dict[int, _Contexts], active: Callable[[], int]) -> Callable:
+    runs = {k: _checkpointed(forward, context_fns) for k, context_fns in contexts.items()}
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
@@ -82,6 +88,21 @@ def chosen_blocks(policy: Checkpointing, blocks: BlockList) -> list[int]:
         blocks.check_indices("memory.checkpointing.layers", policy.layers)
         return list(policy.layers)
     return []
+
+
+def cuda_refusal(blocks: BlockList, chosen: list[int]) -> str | None:
+    """Why checkpointing `chosen` on CUDA would give wrong gradients, or None. cuDNN's RNNs draw the
+    dropout between their layers from a state of their own, which the recompute cannot replay as it
+    does torch's RNG (pytorch issue 74177): the recompute's masks differ from the forward's."""
+    for index in chosen:
+        for name, module in blocks[index].module.named_modules():
+            if isinstance(module, nn.RNNBase) and module.dropout > 0 and module.num_layers > 1:
+                where = f"{blocks[index].name}.{name}".rstrip(".")
+                return (f"memory.checkpointing: block {index} ({where}) is an {type(module).__name__} with dropout "
+                        f"{module.dropout} between its layers, which cuDNN draws from a state a recompute cannot "
+                        "replay (wrong gradients); set its dropout to 0 (or put nn.Dropout between single-layer "
+                        "RNNs), or leave this block out with policy layers")
+    return None
 
 
 def _reason(policy: Checkpointing, chosen: list[int]) -> str:
@@ -113,35 +134,54 @@ def _kv_cache_off(root: nn.Module | None) -> Undo:
     return undo
 
 
-def _checkpointed(forward: Callable, eager_context_fn: Callable, compiled_context_fn: Callable) -> Callable:
+def _checkpointed(forward: Callable, contexts: _Contexts) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        context_fn = compiled_context_fn if torch.compiler.is_compiling() else eager_context_fn
+        compiling = torch.compiler.is_compiling()
+        if contexts.selective is not None and not compiling and torch.is_grad_enabled():
+            contexts.selective.prepare(forward, args, kwargs)  # what this input signature may cache
+        context_fn = contexts.compiled if compiling else contexts.eager
         if context_fn is not noop_context_fn:  # dynamo traces checkpoint only without a no-op context_fn
             kwargs = {"context_fn": context_fn, **checkpoint_options(), **kwargs}
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        if compiling:
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        with set_checkpoint_early_stop(EARLY_STOP):
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     return run
+
+
+EARLY_STOP = False
+"""Whether a recompute may stop once it has rebuilt the last tensor the backward needs. It may not: an
+op that writes into a tensor it also saves (RReLU's noise, `rrelu_with_noise`) saves it before its
+kernel runs, so a recompute stopped there leaves it unwritten (silently wrong gradients, pytorch issue
+193671). Running the block to its end costs only the ops after its last saved tensor."""
 
 
 # --- what a recompute may and may not do --------------------------------------------------
 
 
-def _context_fns(modules: list[nn.Module], save_ops: frozenset[str] | None) -> tuple[Callable, Callable]:
-    """checkpoint's `context_fn` eager and under torch.compile: selective caching when asked, and
-    (eager only) BatchNorm statistics kept. Under compile the partitioner recomputes on a
-    functional graph that applies buffer updates once, and context_fn may only give dispatch modes."""
-    norms = [m for module in modules for m in module.modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    selective = noop_context_fn if save_ops is None else functools.partial(
-        create_selective_checkpoint_contexts, _selective_policy(save_ops))
-    if not norms:
-        return selective, selective
+class _Contexts(NamedTuple):
+    """checkpoint's `context_fn` eager and under torch.compile, and the selective learner (or None)."""
+    eager: Callable
+    compiled: Callable
+    selective: SelectiveBlock | None = None
 
-    def with_norms():
-        forward_context, recompute_context = selective()
-        # outside the selective cache: its clone/copy_ would otherwise count as ops of the block
-        return forward_context, _nested(_running_stats_kept(norms), recompute_context)
-    return with_norms, selective
+
+def _context_fns(modules: list[nn.Module], save_ops: frozenset[str] | None, name: str = "") -> _Contexts:
+    """Eager: the buffers replayed (below) and, when asked, selective caching of what the block leaves
+    alone (selective.py). Under compile the partitioner recomputes on a functional graph that applies
+    buffer updates once, and context_fn may only give dispatch modes: the static policy alone."""
+    slots = _buffer_slots(modules)
+    selective = None if save_ops is None else SelectiveBlock(save_ops, name, lambda: _BufferReplay(slots).untouched())
+    compiled = noop_context_fn if save_ops is None else functools.partial(
+        create_selective_checkpoint_contexts, static_policy(save_ops))
+
+    def eager():
+        replay = _BufferReplay(slots)
+        forward_context, recompute_context = selective.context_fn() if selective else (contextlib.nullcontext(),) * 2
+        # outside the selective cache: its clones and copies would otherwise count as ops of the block
+        return _nested(replay.forward(), forward_context), _nested(replay.recompute(), recompute_context)
+    return _Contexts(eager, compiled, selective)
 
 
 @contextlib.contextmanager
@@ -150,41 +190,64 @@ def _nested(outer, inner):
         yield
 
 
-@contextlib.contextmanager
-def _running_stats_kept(norms: list[nn.Module]):
-    with torch.no_grad():
-        saved = [(buffer, buffer.clone()) for norm in norms for buffer in norm.buffers(recurse=False)]
-    try:
-        yield
-    finally:
+def _buffer_slots(modules: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+    owners = {id(m): m for module in modules for m in module.modules()}.values()
+    return [(owner, name) for owner in owners for name, buffer in owner._buffers.items() if buffer is not None]
+
+
+class _BufferReplay:
+    """A checkpointed forward's buffers as it found them, for its recompute.
+
+    A block may write its buffers in its forward: BatchNorm's running statistics (a kernel that does
+    not even bump their version counters), an average it updates and then reads, a buffer it rebinds.
+    Its recompute must read what the forward read and leave what the forward wrote, or it computes
+    other activations (wrong gradients) and moves the statistics twice. So the recompute runs on the
+    values the forward started from, and the forward's values are put back after it. Buffers keep
+    their identity (DDP holds them), except one the model itself rebound."""
+
+    def __init__(self, slots: list[tuple[nn.Module, str]]):
+        self.slots = slots
+        self.before: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []  # owner, name, object, start value
+
+    @contextlib.contextmanager
+    def forward(self):
         with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+            start = [(owner, name, owner._buffers[name], owner._buffers[name]._version) for owner, name in self.slots]
+            values = [tensor.clone() for _, _, tensor, _ in start]
+        yield
+        self.before = [(owner, name, tensor, value) for (owner, name, tensor, version), value in zip(start, values, strict=True)
+                       if owner._buffers.get(name) is not tensor or tensor._version != version
+                       or isinstance(owner, nn.modules.batchnorm._BatchNorm)]
 
+    @contextlib.contextmanager
+    def recompute(self):
+        ended = [(owner, name, owner._buffers.get(name)) for owner, name, _, _ in self.before]
+        with torch.no_grad():
+            kept = [value.clone() if value is tensor else None for (_, _, value), (_, _, tensor, _) in
+                    zip(ended, self.before, strict=True)]
+        self._set(self.before)
+        try:
+            yield
+        finally:
+            self._set([(owner, name, value, value if saved is None else saved)
+                       for (owner, name, value), saved in zip(ended, kept, strict=True)])
 
-def _selective_policy(save_ops: frozenset[str]) -> Callable:
-    def policy(ctx, func, *args, **kwargs):
-        name = getattr(getattr(func, "_overloadpacket", func), "__name__", "")  # aten.mm.default -> "mm"
-        if name in save_ops and not _draws_random(func, args, kwargs):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
+    @contextlib.contextmanager
+    def untouched(self):
+        """The buffers as they were before, after a forward run only to look at it."""
+        with self.forward():
+            yield
+        self._set(self.before)
 
-
-def _draws_random(func, args, kwargs) -> bool:
-    """True for a call that consumes the RNG (attention with dropout_p > 0).
-
-    Such a call must be recomputed, not cached: the recompute replays the RNG from the block's
-    start, and skipping one draw would shift the dropout masks of every later op in the block.
-    """
-    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
-        return False
-    names = [argument.name for argument in func._schema.arguments]
-    if "dropout_p" not in names:
-        return True
-    position = names.index("dropout_p")
-    dropout_p = args[position] if position < len(args) else kwargs.get("dropout_p", 0.0)
-    return dropout_p != 0
+    @staticmethod
+    def _set(entries) -> None:
+        """Put each slot's object back, holding the given value, in place where it is the same object."""
+        with torch.no_grad():
+            for owner, name, tensor, value in entries:
+                if owner._buffers.get(name) is not tensor:
+                    owner._buffers[name] = tensor
+                if value is not tensor:
+                    tensor.data.copy_(value)  # .data: no version bump under tensors autograd saved
 
 
 # --- sqrt: segments of consecutive blocks, each checkpointed as one unit -------------------
@@ -229,7 +292,7 @@ def _apply_segments(blocks: BlockList, segments: list[list[int]]) -> Undo:
     runner = _SegmentRunner()
     undos = []
     for segment in checkpointed:
-        context_fn, _ = _context_fns([blocks[i].module for i in segment], None)
+        context_fn = _context_fns([blocks[i].module for i in segment], None).eager
         for position, index in enumerate(segment):
             undos.append(wrap_forward(blocks[index].module, runner.wrapper, segment, position, context_fn, blocks[index].name))
     if blocks.root is not None and checkpointed:
@@ -313,7 +376,7 @@ class _SegmentRunner:
         if position == 0:
             self.abandon()  # a region left open by a forward that raised between blocks
             recording = _Recording(forward)
-            region = segment_generator()(recording.replay, True, context_fn, "default", False, True, *args,
+            region = segment_generator()(recording.replay, True, context_fn, "default", False, EARLY_STOP, *args,
                                          **checkpoint_options(), **kwargs)
             next(region)
             self.open = [segment, region, recording, 1]

@@ -53,8 +53,9 @@ from ..train.step import Precision, label_count, run_step
 from ..units import format_bytes
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
-from .fake_gaps import FakeGapWatch
+from .fake_gaps import FakeGapWatch, WorkspaceFill
 from .hardware import DeviceFacts
+from .real_paths import real_mask_paths
 from .roofline import OpClock, StepWork
 from .step_time import StepShape, StepTime, step_time
 
@@ -179,7 +180,12 @@ class Estimator:
                          ddp_gradient_bytes=self.ddp_gradient_bytes)
 
     def _device_behaviour(self):
-        return CudaOnCpu() if self.cuda else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(real_mask_paths())  # the attention paths a real step takes
+        stack.enter_context(WorkspaceFill())  # the bytes oneDNN's LSTM keeps, which its fake kernel leaves out
+        if self.cuda:
+            stack.enter_context(CudaOnCpu())
+        return stack
 
     @contextlib.contextmanager
     def _applied(self, plan: MemoryPlan, clock: OpClock | None = None):
@@ -291,10 +297,12 @@ def weight_init_skipped():
 def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
     """The model with the right shapes; pretrained weights are not read (they change no shape),
     except a transformers directory's config, which defines the architecture."""
+    from .fallback import build_reading_values  # it imports this module
+
     if not spec.pretrained:
-        return build_model(spec, CPU)
+        return build_reading_values(lambda: build_model(spec, CPU))
     if spec.source != "transformers":
-        return build_model(spec.model_copy(update={"pretrained": None}), CPU)
+        return build_reading_values(lambda: build_model(spec.model_copy(update={"pretrained": None}), CPU))
     model_class = transformers_class(spec.name)
     config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
     return model_class(config)

@@ -11,6 +11,10 @@ runs a tiny LSTM to see the first entry fire.
 
 from __future__ import annotations
 
+import functools
+import math
+
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op (the overload packet's qualified name) -> what its fake kernel leaves out
@@ -23,8 +27,13 @@ FAKE_GAPS = {
 }
 
 
+# op -> the output its fake kernel leaves empty; WorkspaceFill gives it its real size where it can
+GAP_OUTPUT = {"aten::mkldnn_rnn_layer": 3}
+MOST_MEASURED_FLOPS = 2e10  # a real layer run to size its workspace: at most seconds on a CPU
+
+
 class FakeGapWatch(TorchDispatchMode):
-    """Notes which ops of FAKE_GAPS a region runs; everything else passes through untouched."""
+    """Notes which ops of FAKE_GAPS a region runs and leave their bytes out; everything else passes through."""
 
     def __init__(self):
         super().__init__()
@@ -32,10 +41,60 @@ class FakeGapWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name  # "aten::mkldnn_rnn_layer" for every overload
-        if name in FAKE_GAPS:
+        out = func(*args, **(kwargs or {}))
+        if name in FAKE_GAPS and not _filled(name, out):
             self.seen[name] = None
-        return func(*args, **(kwargs or {}))
+        return out
+
 
     def warnings(self) -> list[str]:
         return [f"{name.replace('::', '.')}: {FAKE_GAPS[name]}; this estimate leaves that out and is low"
                 for name in self.seen]
+
+
+class WorkspaceFill(TorchDispatchMode):
+    """On fake tensors, oneDNN's LSTM workspace gets the size the real kernel gives it: measured by running
+    that one layer for real on zeros of the same shapes (once per shape; its size follows oneDNN's
+    internal blocking, which no formula reproduces). A layer too large to run in seconds stays empty,
+    and FakeGapWatch warns about it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.aten.mkldnn_rnn_layer.default or not _is_fake(out[3]) or out[3].nbytes:
+            return out
+        size = _real_workspace_bytes(*_shapes(args))
+        if size is None:
+            return out
+        workspace = torch.empty(size // out[3].element_size(), dtype=out[3].dtype, device=out[3].device)
+        return (*out[:3], workspace, *out[4:])
+
+
+def _filled(name: str, out) -> bool:
+    index = GAP_OUTPUT.get(name)
+    return index is not None and isinstance(out, tuple) and out[index].nbytes > 0
+
+
+def _is_fake(tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _shapes(args) -> tuple:
+    """The op's arguments with every tensor as (shape, dtype): what its workspace size depends on."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
+                 tuple(a) if isinstance(a, list) else a for a in args)
+
+
+@functools.lru_cache(maxsize=256)
+def _real_workspace_bytes(*shapes) -> int | None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    input_shape, (gates, inputs), hidden_size = shapes[0][0], shapes[1][0], shapes[10]
+    flops = 2 * gates * (inputs + hidden_size) * math.prod(input_shape[:-1])  # every step of every row
+    if flops > MOST_MEASURED_FLOPS:
+        return None
+    with unset_fake_temporarily(), torch.enable_grad():  # real zeros; a workspace is kept only for a backward
+        real = [torch.zeros(a[0], dtype=a[1]) if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], torch.dtype)
+                else list(a) if isinstance(a, tuple) else a for a in shapes]
+        return int(torch.ops.aten.mkldnn_rnn_layer.default(*real)[3].nbytes)

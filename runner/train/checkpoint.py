@@ -22,6 +22,7 @@ import numpy
 import torch
 
 from ..checkpoint_files import MARKER, STATE_FILE, CheckpointError, file_sha256, load_checkpoint
+from ..files import save_torch
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,15 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2)
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     try:
-        torch.save(state, temporary / STATE_FILE)
+        save_torch(state, temporary / STATE_FILE)
         _fsync_path(temporary / STATE_FILE)
         # hashed from the file as written (the page cache), so the digest covers what load will read
         (temporary / MARKER).write_text(f"{step}\nsha256 {file_sha256(temporary / STATE_FILE)} {STATE_FILE}\n")
         _fsync_path(temporary / MARKER)
         _fsync_path(temporary)
-        if final.exists():
+        if final.is_symlink():  # not this run's: the link goes, never what it points at
+            final.unlink()
+        elif final.exists():
             shutil.rmtree(final)
         temporary.rename(final)
         _fsync_path(root)
@@ -69,7 +72,8 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first; temporary and unmarked ones are ignored."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _FINAL.match(p.name) and (p / MARKER).is_file()]
+    # a step directory that is a link is not one this run wrote: never followed out of the run
+    found = [p for p in root.iterdir() if _FINAL.match(p.name) and not p.is_symlink() and (p / MARKER).is_file()]
     return sorted(found, key=lambda p: int(_FINAL.match(p.name).group(1)))
 
 
@@ -78,6 +82,10 @@ def load_latest(root: Path, device: torch.device) -> dict[str, Any] | None:
     deleted) and reported in one line naming the checkpoint taken instead. None when there is
     none; CheckpointError when every one of them is damaged."""
     failures = []
+    linked = [p.name for p in root.glob("step-*") if p.is_symlink()] if root.is_dir() else []
+    if linked:
+        log.warning("--resume: %s %s a symbolic link, not a checkpoint this run wrote; not followed",
+                    ", ".join(sorted(linked)), "is" if len(linked) == 1 else "are")
     for checkpoint in reversed(complete_checkpoints(root)):
         try:
             state = load_checkpoint(checkpoint, device)

@@ -21,6 +21,7 @@ from pathlib import Path
 from torch import nn
 
 from ..build.pretrained import EXPORT_RECIPE, WEIGHTS
+from ..files import os_errors_kept
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import checkpoint_dir, complete_checkpoints, save_checkpoint
@@ -71,6 +72,11 @@ def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, w
 
 
 def _write_weights(model: nn.Module, recipe: Recipe, directory: Path, weights: dict | None) -> None:
+    with os_errors_kept():  # safetensors says "os error 27" in its own exception
+        _write_weight_files(model, recipe, directory, weights)
+
+
+def _write_weight_files(model: nn.Module, recipe: Recipe, directory: Path, weights: dict | None) -> None:
     if recipe.model.source == "transformers":
         from transformers.utils import logging as transformers_logging
 

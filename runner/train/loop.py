@@ -303,18 +303,19 @@ StepPredictor = Callable[[Recipe, torch.device, int], "float | None"]  # (recipe
 
 
 def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_dir: Path | None = None,
-          predict_step: StepPredictor | None = None) -> RunResult:
+          accept_changes: bool = False, predict_step: StepPredictor | None = None) -> RunResult:
     """Train `recipe` into out_dir. A SIGINT/SIGTERM ends the loop after the current step and the run
     ends normally with `stopped_by` set; any other end leaves out_dir resumable or, when no
-    checkpoint was written, re-usable without --resume. `predict_step` gives the line before step 1
-    its predicted time (the CLI passes runner/predict's, which this layer may not import)."""
+    checkpoint was written, re-usable without --resume. `accept_changes` resumes despite changed
+    settings (--resume-changed); `predict_step` gives the line before step 1 its predicted time (the
+    CLI passes runner/predict's, which this layer may not import)."""
     out_dir = Path(out_dir or recipe.output.dir)
     prepare_output(out_dir, resume, source)
     with StopRequest() as stop, process_group_scope():
         log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
         trainer = Trainer(recipe, source)
         if resume:
-            resume_from_checkpoint(trainer, out_dir, source)
+            resume_from_checkpoint(trainer, out_dir, source, accept_changes)
         if trainer.ranks.is_main:
             write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,

@@ -36,8 +36,10 @@ def write_failure(err: OSError, path: Path, source: str) -> Exception:
     """The exception to raise for `err` while writing `path`: OutputError or an output.dir InputError."""
     reason = err.strerror or str(err)
     if err.errno in _MACHINE_ERRORS:
-        return OutputError(err.errno, f"cannot write {path}: {reason}; everything before it is kept: free space "
-                           "(or fix the disk), then continue with --resume")
+        fix = ("raise the file-size limit (ulimit -f)" if err.errno == errno.EFBIG
+               else "free space (or fix the disk)")
+        return OutputError(err.errno, f"cannot write {path}: {reason}; everything before it is kept: {fix}, "
+                           "then continue with --resume")
     return InputError([Problem(Place(source), "output.dir", f"cannot write {path}: {reason}; choose another "
                                "directory with output.dir=...")])
 

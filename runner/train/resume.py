@@ -5,6 +5,11 @@ with a different model or optimizer would either fail deep inside torch or, wors
 SGD run silently continuing from AdamW state. So the two are compared first and every
 difference named in one line. The memory plan may change (it never changes what is computed),
 and so may train.steps, which is how a finished run is extended.
+
+What else decides the steps to come (the batch size, the data and its seq_len, the seed, the
+precision, clipping, the schedule) is recorded too: changed, the run would not be the one it
+continues, so --resume refuses, naming each change, unless --resume-changed accepts them; then
+the changes are logged and written to metrics.jsonl as `{"step": N, "resumed_with_changes": ...}`.
 """
 
 from __future__ import annotations
@@ -26,14 +31,26 @@ def fingerprint(recipe: Recipe) -> dict[str, str]:
     """What a checkpoint must agree with to be resumed, as JSON strings (torch.load(weights_only) reads those)."""
     model = recipe.model.model_dump(mode="json", exclude={"pretrained"})  # initial weights only: moot once trained
     return {"model": json.dumps(model, sort_keys=True),
-            "train.optimizer": json.dumps(recipe.train.optimizer.model_dump(mode="json"), sort_keys=True)}
+            "train.optimizer": json.dumps(recipe.train.optimizer.model_dump(mode="json"), sort_keys=True),
+            RUN: json.dumps(_run_settings(recipe), sort_keys=True)}
 
 
-def resume(trainer, out_dir: Path, source: str) -> None:
-    """Restore `trainer` from the newest loadable checkpoint in out_dir, or start at step 0 when none."""
+RUN = "run"  # the fingerprint's section of settings --resume-changed may accept
+
+
+def _run_settings(recipe: Recipe) -> dict:
+    """The settings besides model and optimizer that decide what the coming steps compute."""
+    train = recipe.train.model_dump(mode="json", include={"batch_size", "seed", "grad_clip", "scheduler"})
+    data = recipe.data.model_dump(mode="json", exclude={"workers", "prefetch"})  # decoding speed only
+    return {**{f"train.{key}": value for key, value in train.items()}, "precision": recipe.precision, "data": data}
+
+
+def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) -> None:
+    """Restore `trainer` from the newest loadable checkpoint in out_dir, or start at step 0 when none;
+    `accept_changes`: --resume-changed (changed run settings are logged and recorded, not refused)."""
     root = out_dir / "checkpoints"
     try:
-        if _resumed_sharded(trainer, root, out_dir, source):
+        if _resumed_sharded(trainer, root, out_dir, source, accept_changes):
             return
         _refuse_full_into_shards(trainer, root, source)
         state = load_latest(root, trainer.device)
@@ -46,6 +63,7 @@ def resume(trainer, out_dir: Path, source: str) -> None:
         return
     name = f"step-{int(state['step']):08d}"
     _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), name, source)
+    changes = run_changes(state.get("recipe"), trainer.recipe, name, source, accept_changes)
     try:
         trainer.restore(state)
     except (RuntimeError, ValueError, KeyError) as err:
@@ -54,15 +72,17 @@ def resume(trainer, out_dir: Path, source: str) -> None:
                                   "with, or choose a new output.dir")]) from None
     if trainer.ranks.is_main:
         truncate_metrics(out_dir / METRICS, trainer.step, source)
+        record_changes(out_dir / METRICS, trainer.step, changes, source)
 
 
-def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str) -> bool:
+def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_changes: bool) -> bool:
     """Resume from the newest sharded (DCP) checkpoint, on any world size; False when the newest is not one."""
     picked = pick_sharded(root, trainer.ranks)
     if picked is None:
         return False
     checkpoint, state = picked
     _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), checkpoint.name, source)
+    changes = run_changes(state.get("recipe"), trainer.recipe, checkpoint.name, source, accept_changes)
     try:
         load_sharded(trainer, checkpoint, state)
     except (RuntimeError, ValueError, KeyError) as err:
@@ -72,6 +92,7 @@ def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str) -> bool:
     log.info("resuming from %s (sharded, saved by %s rank(s))", checkpoint, state.get("world_size", "?"))
     if trainer.ranks.is_main:
         truncate_metrics(out_dir / METRICS, trainer.step, source)
+        record_changes(out_dir / METRICS, trainer.step, changes, source)
     return True
 
 
@@ -88,7 +109,7 @@ def _check_same_recipe(saved: dict | None, now: dict[str, str], name: str, sourc
         return  # saved before checkpoints recorded it: restore's own shape checks still apply
     problems = []
     for section, text in now.items():
-        if section not in saved or saved[section] == text:
+        if section not in saved or saved[section] == text or section == RUN:
             continue
         changes = _differences(json.loads(saved[section]), json.loads(text), section)
         key = changes[0][0] if changes else section  # placed at the first key that changed
@@ -127,3 +148,38 @@ def _first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     # load_state_dict's first line only says "Error(s) in loading state_dict for X:"; the next says which
     return (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:240]
+
+
+def run_changes(saved: dict | None, recipe: Recipe, name: str, source: str, accept: bool) -> dict[str, list]:
+    """Changed run settings, {key: [in the checkpoint, now]}; an InputError naming each unless `accept`."""
+    if not isinstance(saved, dict) or RUN not in saved:
+        return {}  # saved before checkpoints recorded them
+    before, now = json.loads(saved[RUN]), _run_settings(recipe)
+    changes = {key: [old, new] for key in now for key, old, new in _leaves(key, before.get(key), now[key]) if old != new}
+    if changes and not accept:
+        said = "; ".join(f"{key} {json.dumps(old)} in the checkpoint, {json.dumps(new)} now"
+                         for key, (old, new) in list(changes.items())[:4])
+        raise InputError([Problem(Place(source), next(iter(changes)), f"--resume: {name} was trained with other "
+                                  f"settings: {said}; the resumed steps would not continue that run: pass "
+                                  "--resume-changed to continue anyway (recorded in metrics.jsonl), put the "
+                                  "settings back, or choose a new output.dir")])
+    if changes:
+        log.warning("--resume-changed: continuing %s with %s", name,
+                    "; ".join(f"{key} {json.dumps(old)} -> {json.dumps(new)}" for key, (old, new) in changes.items()))
+    return changes
+
+
+def _leaves(key: str, before, after):
+    """(dotted key, before, after) for each setting under `key` (a whole section when it changed kind)."""
+    if isinstance(before, dict) and isinstance(after, dict) and before.get("source") == after.get("source"):
+        for sub in dict.fromkeys([*before, *after]):
+            yield from _leaves(f"{key}.{sub}", before.get(sub), after.get(sub))
+    else:
+        yield key, before, after
+
+
+def record_changes(path: Path, step: int, changes: dict[str, list], source: str) -> None:
+    if changes:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        record = {"step": step, "resumed_with_changes": changes}
+        write_output(path, text + json.dumps(record, allow_nan=False) + "\n", source)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint_files import MARKER, CheckpointError
+from ..files import save_torch
 from ..dist.ranks import Ranks, barrier
 from .checkpoint import _fsync_path, checkpoint_dir, complete_checkpoints, restore_rng_state, rng_state
 
@@ -55,7 +56,7 @@ def save_sharded(trainer, root: Path, keep: int) -> Path:
         temporary.mkdir()
     barrier(ranks)
     dcp.save(_tensors(trainer), checkpoint_id=str(temporary))
-    torch.save(rng_state(trainer.device), temporary / _rng_file(ranks.rank))
+    save_torch(rng_state(trainer.device), temporary / _rng_file(ranks.rank))
     _fsync_path(temporary / _rng_file(ranks.rank))
     if ranks.is_main:
         _write_synced(temporary / TRAINER_FILE, json.dumps(_trainer_state(trainer)))

@@ -75,7 +75,7 @@ def test_a_factory_that_raises_is_one_line_naming_where(ckrun, user_models):
 
 def test_a_factory_that_exits_does_not_end_ckrun_silently(ckrun, user_models):
     code, _, err = ckrun(BERT_TINY, *user_models, "model.name=faulty_models:quits", "model.config={}")
-    assert code == 2 and "model.name: faulty_models:quits raised SystemExit: 3 (at faulty_models.py:9)" in err, err
+    assert code == 2 and "model.name: faulty_models:quits called sys.exit(3) (at faulty_models.py:9)" in err, err
 
 
 def test_a_name_that_is_not_callable_is_refused_at_validate(ckrun, user_models):

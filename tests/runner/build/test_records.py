@@ -188,3 +188,12 @@ def test_label_ids_and_batches_depend_on_content_seed_and_step_only(tmp_path_fac
     again = RecordsSource(data, Shape("sequence_classification", True, vocab_size=64, num_classes=8), 3, 5)
     first, second = built[1].global_batch(step), again.global_batch(step)
     assert all(a.equal(b) for a, b in zip(first.tensors(), second.tensors(), strict=True))
+
+
+def test_a_lone_surrogate_in_jsonl_is_bad_input(tmp_path, ckrun):
+    # "\ud800" is valid JSON but not text: no encoder can write it (it was an internal error, status 1)
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "good", "label": "pos"}\n{"text": "a \\ud800 b", "label": "neg"}\n')
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "model.name=BertForSequenceClassification", "train.steps=1",
+                         f"data={{source: records, paths: [{path}], seq_len: 32}}", "train.batch_size=2", f"output.dir={tmp_path / 'o'}")
+    assert code == 2 and f"{path}:2: field 'text' holds a lone surrogate ('\\ud800' at character 2)" in err, err

@@ -322,9 +322,9 @@ def test_selective_recomputes_attention_that_draws_dropout():
     # recompute skip that draw and shift every later dropout mask of the block
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from runner.memory.checkpointing import _selective_policy
+    from runner.memory.selective import static_policy
 
-    policy = _selective_policy(frozenset({"mm", "_scaled_dot_product_efficient_attention"}))
+    policy = static_policy(frozenset({"mm", "_scaled_dot_product_efficient_attention"}))
     attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
     q = torch.empty(1, 1, 4, 8)
     assert policy(None, torch.ops.aten.mm.default, q[0, 0], q[0, 0].T) is CheckpointPolicy.MUST_SAVE

@@ -22,7 +22,9 @@ def test_every_known_gap_is_an_aten_op_of_this_torch():
         assert hasattr(getattr(torch.ops, namespace), op), name  # a renamed op would silently never warn
 
 
-def test_an_lstm_estimate_that_misses_bytes_says_which_op(tmp_path, ckrun, monkeypatch):
+def test_an_lstm_estimate_fills_in_onednns_workspace(tmp_path, ckrun, monkeypatch):
+    # the fake kernel's workspace is empty; its real size, measured once per shape, made the estimate exact
+    # (it was 13-27% low, with a warning)
     monkeypatch.syspath_prepend(str(HERE))
     code, out, err = ckrun("estimate", "bert_tiny", *LSTM, "--device", "cpu", "--json")
     assert code == 0, err
@@ -32,9 +34,16 @@ def test_an_lstm_estimate_that_misses_bytes_says_which_op(tmp_path, ckrun, monke
     if estimate["peak_bytes"] != measured:  # never a silent miss
         assert any(w.split(":")[0].replace(".", "::") in FAKE_GAPS for w in estimate["warnings"]), estimate
     if lstm_step_reaches("aten::mkldnn_rnn_layer"):
-        assert any(w.startswith("aten.mkldnn_rnn_layer: ") and "low" in w for w in estimate["warnings"])
-        code, out, _ = ckrun("estimate", "bert_tiny", *LSTM, "--device", "cpu")
-        assert "  warning: aten.mkldnn_rnn_layer: " in out
+        assert estimate["peak_bytes"] == measured and estimate["warnings"] == []
+
+
+def test_a_layer_too_large_to_measure_keeps_the_warning(ckrun, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setattr("runner.predict.fake_gaps.MOST_MEASURED_FLOPS", 0)
+    code, out, err = ckrun("estimate", "bert_tiny", *LSTM, "train.batch_size=4", "--device", "cpu", "--json")
+    assert code == 0, err
+    if lstm_step_reaches("aten::mkldnn_rnn_layer"):
+        assert any(w.startswith("aten.mkldnn_rnn_layer: ") and "low" in w for w in json.loads(out)["warnings"])
 
 
 def test_a_model_without_such_ops_gets_no_warning(ckrun):

@@ -112,7 +112,8 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_one_before(tmp_path, ckrun, m
 
     def save_fills_the_disk(obj, path, *args, **kwargs):
         if obj["step"] == 4:
-            Path(path).write_bytes(b"PK\x03\x04 half a checkpoint")
+            half = b"PK\x03\x04 half a checkpoint"
+            path.write(half) if hasattr(path, "write") else Path(path).write_bytes(half)  # a file object or a path
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(obj, path, *args, **kwargs)
 

@@ -1,0 +1,162 @@
+"""The user's own code (`model.source: python`) may end ckrun's process in ways no `except` sees.
+
+Each of these used to end ckrun silently, or never end it; each is now one line and a status:
+
+- An import that hangs, calls `os._exit` or crashes the interpreter (a segfault in an extension)
+  is first tried in a forked copy of this process, with a time limit (`CKRUN_IMPORT_TIMEOUT`,
+  120 s) and a line after 10 s saying what ckrun waits for. Only an import that survives is
+  repeated here. Forking costs milliseconds: torch and the rest are already loaded.
+- `os._exit` called from the main thread later (the factory, the forward) raises `UserExit`
+  instead while a command runs (`exits_raised`), so the CLI can say where it was called.
+- A factory that runs long gets the same waiting line (`waiting_line`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import importlib
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NOTICE_AFTER_S = 10.0
+_REAL_EXIT = os._exit
+_VERDICTS: dict[str, str | None] = {}  # module -> why it cannot be imported here, or None
+_LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {*sys.path[1:], os.path.dirname(os.__file__)}
+                       if "site-packages" in p or "dist-packages" in p or p.startswith(sys.prefix))
+
+
+class UserExit(BaseException):
+    """`os._exit(code)` called by user code in ckrun's main thread (a BaseException: no `except
+    Exception` in user code swallows it)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def import_limit_s() -> float:
+    try:
+        return max(0.1, float(os.environ.get("CKRUN_IMPORT_TIMEOUT", "120")))
+    except ValueError:
+        return 120.0
+
+
+def check_import(module_name: str) -> str | None:
+    """Why importing `module_name` would hang, exit or crash this process, or None (also when it merely
+    raises: the real import reports that). Tried once per module, in a fork of this process."""
+    if module_name in sys.modules or not sys.platform.startswith("linux"):
+        return None  # elsewhere fork is missing (Windows) or unsafe once system frameworks are loaded (macOS)
+    if module_name not in _VERDICTS:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the copy: import, say "ok", leave without running this process's exit handlers
+            _import_in_fork(module_name, read, write)
+        os.close(write)
+        try:
+            _VERDICTS[module_name] = _verdict(module_name, pid, read)
+        finally:
+            os.close(read)
+    return _VERDICTS[module_name]
+
+
+def _import_in_fork(module_name: str, read: int, write: int) -> None:
+    try:
+        os.close(read)
+        quiet = os.open(os.devnull, os.O_WRONLY)  # the real import prints what the module prints, once
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        faulthandler.disable()  # a crash here is the parent's to report, in one line (pytest's handler writes elsewhere)
+        if "torch" in sys.modules:  # no OpenMP pool was forked: one thread keeps torch from waiting on it
+            sys.modules["torch"].set_num_threads(1)
+        with contextlib.suppress(BaseException):
+            importlib.import_module(module_name)
+        os.write(write, b"ok")
+    finally:
+        _REAL_EXIT(0)
+
+
+def _verdict(module_name: str, pid: int, read: int) -> str | None:
+    limit, started, said = import_limit_s(), time.monotonic(), False
+    while True:
+        waited = time.monotonic() - started
+        if select.select([read], [], [], 0.2)[0] or waited >= limit:
+            break
+        if not said and waited >= NOTICE_AFTER_S:
+            said = True
+            log.warning("waiting for %s to import (%.0f s so far; ckrun gives up at %.0f s, CKRUN_IMPORT_TIMEOUT)",
+                        module_name, waited, limit)
+    answer = os.read(read, 2) if select.select([read], [], [], 0)[0] else b""
+    if not answer and time.monotonic() - started >= limit:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return f"importing {module_name!r} did not finish in {limit:.0f} s (an endless loop or a wait at import?)"
+    _, status = os.waitpid(pid, 0)
+    if answer == b"ok":
+        return None
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        return f"importing {module_name!r} crashed the process ({name}: a fault in native code it runs or loads)"
+    return f"importing {module_name!r} ended the process (exit status {os.WEXITSTATUS(status)}: os._exit at import?)"
+
+
+@contextlib.contextmanager
+def exits_raised():
+    """While open, `os._exit` from this process's main thread raises UserExit; forked children and other
+    threads keep the real one (a DataLoader worker ends itself with it)."""
+    main_pid, main_thread = os.getpid(), threading.main_thread()
+
+    def intercepted(code: int):
+        if os.getpid() != main_pid or threading.current_thread() is not main_thread:
+            _REAL_EXIT(code)
+        raise UserExit(code)
+    os._exit = intercepted
+    try:
+        yield
+    finally:
+        os._exit = _REAL_EXIT
+
+
+def where(err: BaseException) -> str:
+    """" at models.py:12": the deepest frame of the traceback outside the libraries and ckrun."""
+    own = str(Path(__file__).resolve().parents[2])
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith((own, *_LIBRARY_ROOTS)) and not f.filename.startswith("<")]
+    return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+
+
+def describe_exit(err: BaseException) -> str:
+    """One line for a SystemExit or UserExit that reached the CLI: user code ended the run."""
+    call = f"os._exit({err.code})" if isinstance(err, UserExit) else f"sys.exit({err.code!r})"
+    return f"ckrun: {call} was called{where(err)} while ckrun was running; it stopped there (nothing after that point ran)"
+
+
+@contextlib.contextmanager
+def waiting_line(what: str):
+    """A line after NOTICE_AFTER_S saying what ckrun waits for (a factory that loops forever looked like a hang)."""
+    done = threading.Event()
+
+    def notice():
+        if not done.wait(NOTICE_AFTER_S):
+            log.warning("still waiting for %s (%.0f s so far; Ctrl-C stops it)", what, NOTICE_AFTER_S)
+    watcher = threading.Thread(target=notice, name="ckrun-waiting-line", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def stray_threads() -> list[str]:
+    """Names of non-daemon threads still running besides the main thread: Python would wait for them at exit."""
+    return [t.name for t in threading.enumerate()
+            if t.is_alive() and not t.daemon and t is not threading.main_thread()]
