@@ -50,6 +50,7 @@ from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload
 from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData
 from ..train.step import Precision, label_count, run_step
+from ..problems import CkrunError
 from ..units import format_bytes
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
@@ -64,7 +65,7 @@ HOST = torch.device("meta")  # where offloaded activations land in an estimate (
 MICRO_BATCHES_RUN = 2  # the first micro-batch, then one that every later one repeats (module docstring)
 
 
-class EstimateUnavailable(RuntimeError):
+class EstimateUnavailable(CkrunError, RuntimeError):
     """The step cannot run on fake tensors (the model reads tensor values, or an op has no fake kernel)."""
 
 

@@ -132,6 +132,7 @@ TINY_LLAMA = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 
 def test_a_shape_rule_only_a_forward_meets_is_found_at_validate(kv_heads, fits):
     """Grouped-query attention builds with any key/value head count; only a forward trips on one
     that does not divide the heads, so validation runs one on the meta device."""
+    from runner.build.checks import check_recipe
     from runner.load import recipe_from_text
     from runner.problems import InputError
 
@@ -139,16 +140,17 @@ def test_a_shape_rule_only_a_forward_meets_is_found_at_validate(kv_heads, fits):
     text = f"model: {{source: transformers, name: LlamaForCausalLM, config: {config}}}\n" \
            "data: {source: synthetic, seq_len: 16}\ntrain: {batch_size: 2, steps: 1}\n"
     if fits:
-        recipe_from_text(text)
+        check_recipe(recipe_from_text(text))
         return
     with pytest.raises(InputError) as caught:
-        recipe_from_text(text)
+        check_recipe(recipe_from_text(text))
     assert "does not run with this config: a forward pass of 8 tokens fails" in str(caught.value)
 
 
 @settings(max_examples=25, deadline=None)
 @given(positions=st.integers(8, 64), seq_len=st.integers(1, 96), in_eval=st.booleans())
 def test_a_sequence_longer_than_the_position_table_is_refused_at_validate(positions, seq_len, in_eval):
+    from runner.build.checks import check_recipe
     from runner.load import recipe_from_text
     from runner.problems import InputError
 
@@ -157,9 +159,9 @@ def test_a_sequence_longer_than_the_position_table_is_refused_at_validate(positi
     text = "model: {source: transformers, name: GPT2LMHeadModel, config: {n_layer: 1, n_embd: 16, n_head: 2, " \
            f"n_positions: {positions}, vocab_size: 64}}}}\n{data}\ntrain: {{batch_size: 2, steps: 1}}\n"
     if seq_len <= positions:
-        recipe_from_text(text)
+        check_recipe(recipe_from_text(text))
         return
     with pytest.raises(InputError) as caught:
-        recipe_from_text(text)
+        check_recipe(recipe_from_text(text))
     key = "eval.data.seq_len" if in_eval else "data.seq_len"
     assert f"{key}: {seq_len} tokens exceed GPT2LMHeadModel's {positions} positions" in str(caught.value)
