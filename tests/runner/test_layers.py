@@ -24,6 +24,7 @@ list from going stale.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -130,3 +131,15 @@ def test_the_recipe_schema_imports_nothing_from_build():
     found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.build")}
              for name in schema}
     assert not any(found.values()), found
+
+
+def test_the_readme_lists_the_same_layers():
+    """README's Layout section names each layer's modules in this order, so the two cannot drift apart."""
+    layout = (ROOT / "README.md").read_text(encoding="utf-8").split("## Layout", 1)[1].split("\n## ", 1)[0]
+    items = re.findall(r"^\d\. (.*?)(?=^\d\. |^\s*$)", layout, re.M | re.S)
+    assert len(items) == len(LAYERS), items
+    for item, (name, members) in zip(items, LAYERS, strict=True):
+        for module in members - {"runner"}:
+            short = module.removeprefix("runner.")
+            shown = f"`{short}`" if ROOT.joinpath("runner", f"{short}.py").is_file() else f"`{short}/`"
+            assert shown in item, f"README's layer {name} does not name {shown}: {item!r}"
