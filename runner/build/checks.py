@@ -47,18 +47,15 @@ def load_checked(path: str | Path, overrides: list[str] = (), user_code: bool = 
 
 def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool = True) -> list[Problem]:
     """Every problem the checks after the schema find, at its line in `doc` (the key alone without one)."""
-    found = [*model_problems(recipe.model), *data_problems(recipe.data, "data")]
-    if recipe.eval is not None and recipe.eval.data is not None:
-        found += data_problems(recipe.eval.data, "eval.data")
-    if user_code:
-        found += user_code_problems(recipe)
+    found = [*_section_checks("model", recipe.model, user_code), *_section_checks("data", recipe.data, user_code)]
+    if recipe.eval is not None:
+        found += _section_checks("eval", recipe.eval, user_code)
     return _placed(found or position_problems(recipe), doc)  # positions: only once the model is known to build
 
 
 def user_code_problems(recipe: Recipe) -> list[KeyedError]:
     """What only importing the user's code tells: a python model's factory and arguments, eval.metrics."""
-    found = _caught("model.name", _factory_fits, recipe.model) if recipe.model.source == "python" else []
-    return found + (metrics_problems(recipe.eval.metrics) if recipe.eval is not None else [])
+    return [*_factory_problems(recipe.model), *(metrics_problems(recipe.eval.metrics) if recipe.eval else [])]
 
 
 def model_problems(spec: ModelSpec) -> list[KeyedError]:
@@ -120,14 +117,6 @@ def position_problems(recipe: Recipe) -> list[KeyedError]:
     return []
 
 
-def check_recipe(recipe: Recipe, user_code: bool = True) -> Recipe:
-    """`recipe` once the checks after the schema pass; an InputError naming keys (not lines) otherwise."""
-    problems = deep_problems(recipe, None, user_code)
-    if problems:
-        raise InputError(problems)
-    return recipe
-
-
 # --- one check each --------------------------------------------------------------------------
 
 
@@ -164,6 +153,10 @@ def _torchvision_fits(spec: ModelSpec) -> None:
     known = torchvision.models.list_models()
     if spec.name not in known:
         raise ValueError(f"no torchvision model named {spec.name!r}{suggest(spec.name, known)}")
+
+
+def _factory_problems(spec: ModelSpec) -> list[KeyedError]:
+    return _caught("model.name", _factory_fits, spec) if spec.source == "python" else []
 
 
 def _factory_fits(spec: ModelSpec) -> None:
@@ -207,9 +200,9 @@ def _section_problems(doc: Document, known: list[Problem], user_code: bool) -> l
 
 
 def _section_checks(key: str, spec, user_code: bool) -> list[KeyedError]:
+    """The checks after the schema of one section: model, data or eval."""
     if key == "model":
-        python = spec.source == "python" and user_code
-        return [*model_problems(spec), *(_caught("model.name", _factory_fits, spec) if python else [])]
+        return [*model_problems(spec), *(_factory_problems(spec) if user_code else [])]
     if key == "data":
         return data_problems(spec, "data")
     held_out = data_problems(spec.data, "eval.data") if spec.data is not None else []
