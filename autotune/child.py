@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 
 from runner.files import write_atomic
+from runner.problems import first_line
 
 FAULT_ENV = "CKRUN_PROBE_FAULT"
 
@@ -110,9 +111,9 @@ def _guarded(work) -> dict:
         return {"status": "bad_input", "reason": "; ".join(str(p) for p in err.problems)}
     except Exception as err:  # a candidate that breaks must not stop the search: record it and move on
         if _is_out_of_memory(err):
-            return {"status": "oom", "reason": f"out of memory: {_first_line(err)}"}
+            return {"status": "oom", "reason": f"out of memory: {first_line(err)}"}
         traceback.print_exc()
-        return {"status": "crash", "reason": f"{type(err).__name__}: {_first_line(err)}"}
+        return {"status": "crash", "reason": f"{type(err).__name__}: {first_line(err)}"}
 
 
 def _is_out_of_memory(err: Exception) -> bool:
@@ -122,11 +123,6 @@ def _is_out_of_memory(err: Exception) -> bool:
     from runner.build.oom import is_out_of_memory
 
     return is_out_of_memory(err)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> dict:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import sys
 from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from runner.build.checks import load_checked
 from runner.cli import Command
 from runner.library import DEFAULT_RECIPE, resolve_recipe
-from runner.load import load_recipe_document
-from runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, InputError, Place, Problem
+from runner.located import located_errors
+from runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
 from runner.recipe import Recipe
 from runner.units import format_bytes
 from runner.yamlio import dump_yaml
@@ -29,7 +29,7 @@ from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
 from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
 from .cap import Cap
-from .rank_tune import RanksEnded, check_devices, check_ranks, rank_training, ranks_comment
+from .rank_tune import check_devices, check_ranks, rank_training, ranks_comment
 from .predicted import (CachedPredictor, local_facts, named_facts, predict_settings, predicted_device,
                         predicted_note, predicted_probe, ranked_lines)
 from .search import SearchSettings, search
@@ -38,6 +38,15 @@ from .train import nothing_fits, train_with_fallback
 from .tuned import write_tuned
 
 log = logging.getLogger(__name__)
+
+
+class NothingFits(CkrunError):
+    """No plan fits under --max-mem, or every one that did went over it in training (said already)."""
+
+    exit_status = EXIT_NOTHING_FITS
+
+    def lines(self) -> list[str]:
+        return [f"ckrun tune: {self}"] if str(self) else []
 
 
 def add_arguments(parser) -> None:
@@ -93,7 +102,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     path, overrides = _recipe_source(args.recipe, args.overrides)
-    recipe, doc = load_recipe_document(path, overrides)
+    recipe, doc = load_checked(path, overrides, user_code=False)  # the user's code is checked in the model child
     cap, budget = _cap(args), _budget(args)
     gpu = named_facts(args, recipe)  # the device predictions are priced on (--gpu), when named
     check_ranks(recipe, str(path), args.nproc)
@@ -118,7 +127,8 @@ def run(args) -> int:
         model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen,
                            nproc=args.nproc, time_facts=gpu)
         try:
-            facts = ModelFacts.from_json(read_facts(model, str(path)))
+            with located_errors(doc):
+                facts = ModelFacts.from_json(read_facts(model, str(path)))
             space = build_space(recipe, facts, device, args.search_precision, args.search_compile,
                                 args.search_micro_batch, args.allow_lossy, args.nproc)
             records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
@@ -135,8 +145,7 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
     """tuned.yaml for the winner, then training (falling back down the ranking), or why nothing fits."""
     ranked = ranked_feasible(records)
     if not ranked:
-        print(f"ckrun tune: {nothing_fits(records, cap, space, device, directory)}", file=sys.stderr)
-        return EXIT_NOTHING_FITS
+        raise NothingFits(nothing_fits(records, cap, space, device, directory))
 
     def tuned_for(record: dict):
         notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"]),
@@ -152,12 +161,9 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
                if args.predict else f"--no-train: train it with `ckrun {tuned_path}{nproc}`")
         log.info("tune: wrote %s; %s", tuned_path, why)
         return 0
-    try:
-        result = train_with_fallback(ranked, tuned_for, args.resume, **rank_training(args.nproc))
-    except RanksEnded as err:
-        return err.exit_code
+    result = train_with_fallback(ranked, tuned_for, args.resume, **rank_training(args.nproc))  # RanksEnded: their status
     if result is None:
-        return EXIT_NOTHING_FITS
+        raise NothingFits()  # train_with_fallback said why
     return 128 + result.stopped_by if result.stopped_by else 0  # 130/143, as `ckrun run` stops
 
 

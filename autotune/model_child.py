@@ -36,7 +36,9 @@ from pathlib import Path
 
 from runner.files import write_atomic
 
-from .child import _die_with_parent, _first_line, _recipe, finish
+from runner.problems import first_line
+
+from .child import _die_with_parent, _recipe, finish
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +115,13 @@ def model_facts(recipe) -> dict:
 
 
 def facts_answer(recipe) -> dict:
+    """The model's facts, once the user's code passes the checks the tuner leaves to this child."""
+    from runner.build.checks import user_code_problems
+
+    problems = user_code_problems(recipe)
+    if problems:
+        return {"status": "bad_input", "key": problems[0].key, "reason": problems[0].message,
+                "problems": [[problem.key, problem.message] for problem in problems]}
     return _answer(lambda: {"status": "ok", **model_facts(recipe)}, expected=())
 
 
@@ -172,10 +181,10 @@ def _answer(work, expected: tuple[type, ...]) -> dict:
     except InputError as err:
         return {"status": "bad_input", "key": "", "reason": "; ".join(str(p) for p in err.problems)}
     except expected as err:
-        return {"status": "unavailable", "reason": _first_line(err)}
+        return {"status": "unavailable", "reason": first_line(err)}
     except Exception as err:  # user code may raise anything: the tuner decides what it costs
         traceback.print_exc()
-        return {"status": "crash", "reason": f"{type(err).__name__}: {_first_line(err)}"}
+        return {"status": "crash", "reason": f"{type(err).__name__}: {first_line(err)}"}
 
 
 if __name__ == "__main__":

@@ -12,20 +12,23 @@ import os
 import signal
 from pathlib import Path
 
-from runner.problems import EXIT_OVER_CAP, InputError, Place, Problem
+from runner.problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Problem
 from runner.recipe import Recipe
 from runner.train.loop import MemoryCapExceeded, RunResult
 
 from .space import Device
 
 
-class RanksEnded(Exception):
+class RanksEnded(CkrunError):
     """The ranks' training ended with a status of its own (bad input, a non-finite loss, a bug); each
-    rank has already said why in one line, so `tune` ends with that status."""
+    rank has already said why in one line, so `tune` ends with that status and says nothing more."""
 
     def __init__(self, exit_code: int):
-        self.exit_code = exit_code
+        self.exit_status = exit_code
         super().__init__(f"the ranks' training ended with exit status {exit_code}")
+
+    def lines(self) -> list[str]:
+        return []
 
 
 class RanksOverCap(MemoryCapExceeded):

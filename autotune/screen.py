@@ -155,9 +155,11 @@ class ModelChild:
 
 def read_facts(child: ModelChild, source: str) -> dict:
     """The model's facts; any failure ends `tune` with one line naming the key (model.name for a fault
-    in the user's code). A library model (transformers, torchvision) without screening is built here
-    on the meta device, as only library code runs then; otherwise the child builds it."""
-    if child.screen or child.recipe.model.source == "python":
+    in the user's code), and the user's code checked first (its factory's arguments, eval.metrics) with
+    a line per problem. A library model (transformers, torchvision) without screening is built here on
+    the meta device, as only library code runs then; otherwise the child builds it."""
+    recipe = child.recipe
+    if child.screen or recipe.model.source == "python" or (recipe.eval is not None and recipe.eval.metrics):
         child.start()
         facts = child.facts()
     else:
@@ -167,6 +169,8 @@ def read_facts(child: ModelChild, source: str) -> dict:
     if facts["status"] == "ok":
         return facts
     child.stop()
+    if facts.get("problems"):
+        raise InputError([Problem(Place(source), key, message) for key, message in facts["problems"]])
     key = facts.get("key") or "model.name"
     what = "" if facts["status"] == "bad_input" else "the model's code failed: "
     raise InputError([Problem(Place(source), key, f"{what}{facts['reason']}")])

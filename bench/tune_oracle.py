@@ -48,6 +48,7 @@ from runner.load import load_recipe
 from runner.plan import MemoryPlan
 from runner.predict.estimate import EstimateUnavailable, Estimator
 from runner.predict.hardware import GPUS
+from runner.problems import first_line
 from runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ class Oracle:
         try:
             estimate = self.estimator.estimate(candidate.plan, candidate.precision)
         except (ValueError, EstimateUnavailable) as err:
-            return {"invalid": str(err).splitlines()[0], "label": candidate.describe()}
+            return {"invalid": first_line(err), "label": candidate.describe()}
         times = {name: estimate.time_on(GPUS[name]) for name in self.devices}
         return {"peak": estimate.peak_bytes + CONTEXT_BYTES, "label": candidate.describe(),
                 "times": {name: {"seconds": t.seconds, "samples_per_s": t.samples_per_s} for name, t in times.items()}}

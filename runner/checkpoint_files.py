@@ -19,12 +19,15 @@ from typing import Any
 
 import torch
 
+from .problems import CkrunError, first_line
+
 MARKER = "COMPLETE"
 STATE_FILE = "state.pt"
 
 
-class CheckpointError(ValueError):
-    """A complete-marked checkpoint that cannot be trusted: damaged, truncated or not tensors only."""
+class CheckpointError(CkrunError, ValueError):
+    """A complete-marked checkpoint that cannot be trusted: damaged, truncated or not tensors only.
+    --resume reports it at output.dir (runner/train/resume.py)."""
 
 
 def file_sha256(path: Path) -> str:
@@ -100,4 +103,4 @@ def _why_unloadable(err: Exception) -> str:
         return "holds pickled Python objects, not only tensors; ckrun never loads those (they could run code)"
     if isinstance(err, EOFError) or "central directory" in str(err) or "ZIP" in str(err):
         return "is truncated or not a torch file"
-    return f"cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else 'no detail'})"
+    return f"cannot be loaded ({type(err).__name__}: {first_line(err, 120)})"

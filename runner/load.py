@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -12,9 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .build.resolve import add_import_root
-from .problems import InputError, Problem, dotted, suggest
-from .recipe import KeyedValueError, Recipe
+from .problems import InputError, KeyedError, Problem, dotted, suggest
+from .recipe import Recipe
 from .yamlio import Document, apply_overrides, load_document, parse_document
 
 
@@ -23,16 +24,48 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
 
 
 def load_recipe_document(path: str | Path, overrides: list[str] = ()) -> tuple[Recipe, Document]:
-    """Read, override and validate; raises InputError listing every problem at once."""
+    """Read, override and validate against the schema; raises InputError listing every problem at once.
+    The verbs that use a recipe load it with runner/build/checks.py's `load_checked`, which checks more."""
+    doc = read_document(path, overrides)
+    return validate_document(doc), doc
+
+
+def read_document(path: str | Path, overrides: list[str] = ()) -> Document:
     add_import_root(Path(path).parent)  # a python model's module may sit beside its recipe
     doc = load_document(Path(path))
-    if overrides:
-        doc = apply_overrides(doc, list(overrides))
-    return validate_document(doc), doc
+    return apply_overrides(doc, list(overrides)) if overrides else doc
+
+
+_IMPORT_ROOTS: list[str] = []  # folders added for user code, in the order they are searched
+
+
+def add_import_root(folder: str | Path) -> None:
+    """Let `package.module:factory` be found in `folder` (the recipe's, the working directory), as
+    `python recipe_dir/script.py` would: appended to sys.path after installed packages (so a user's
+    file never shadows a library), and to PYTHONPATH for the tuner's child processes."""
+    folder = str(Path(folder).resolve())
+    if folder in _IMPORT_ROOTS:
+        return
+    _IMPORT_ROOTS.append(folder)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    inherited = os.environ.get("PYTHONPATH", "")
+    if folder not in inherited.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [inherited, folder]))
+
+
+def import_roots() -> list[str]:
+    """The folders `add_import_root` added, in the order they are searched."""
+    return list(_IMPORT_ROOTS)
 
 
 def recipe_from_text(text: str, source: str = "<recipe>") -> Recipe:
     return validate_document(parse_document(text, source))
+
+
+class AcrossSections(InputError):
+    """Problems only the recipe as a whole has (its sections are each valid): Recipe's own validators,
+    which pydantic runs only once every section validated."""
 
 
 def validate_document(doc: Document) -> Recipe:
@@ -41,8 +74,10 @@ def validate_document(doc: Document) -> Recipe:
         recipe = Recipe.model_validate(doc.data)
     except ValidationError as err:
         flagged = {problem.key for problem in unusable}  # pydantic's complaint about the same value adds nothing
-        raise InputError(sorted(unusable + [p for p in _problems(err, doc) if p.key not in flagged],
-                                key=lambda p: (p.place.line, p.key))) from None
+        problems = sorted(unusable + [p for p in _problems(err, doc) if p.key not in flagged],
+                          key=lambda p: (p.place.line, p.key))
+        whole = not unusable and all(error["loc"] == () for error in err.errors(include_url=False))
+        raise (AcrossSections if whole else InputError)(problems) from None
     if unusable:
         raise InputError(unusable)
     return recipe
@@ -88,7 +123,7 @@ def _problems(err: ValidationError, doc: Document) -> list[Problem]:
     for error in err.errors(include_url=False):
         path = _data_path(error["loc"], doc.data)
         cause = (error.get("ctx") or {}).get("error")
-        if isinstance(cause, KeyedValueError):
+        if isinstance(cause, KeyedError):
             path, message = cause.path, str(cause)
         else:
             message = _message(error, path, doc.data)

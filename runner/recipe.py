@@ -1,22 +1,21 @@
 """The recipe schema: model, data, training, precision, memory plan and output.
 
 A recipe is plain data; `runner.load` turns a YAML file into one and reports every problem
-with its file, line and key. References to things outside the file (classes, builders, import
-paths, directories) are checked here too, so `ckrun validate` catches them before training.
+with its file, line and key. The schema needs nothing but the recipe: what only the named classes,
+files and code can tell (a transformers config, a factory's arguments, a dataset's columns) is
+checked right after it by runner/build/checks.py, so `ckrun validate` still catches it before
+training, and validating imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
-import inspect
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
-from .build.resolve import infer_task, resolve_import_path, transformers_class
 from .plan import MemoryPlan, Strict, plan_problem
-from .problems import suggest
+from .problems import KeyedError
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
     PathText,
     Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, Task, TextFilesData,
@@ -40,68 +39,19 @@ class ModelSpec(Strict):
     """A local directory with weights to start from: a run's OUTPUT_DIR/model or
     OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict (nothing is downloaded)."""
 
-    @field_validator("name")
-    @classmethod
-    def _name_exists(cls, name: str, info: ValidationInfo) -> str:
-        source = info.data.get("source")
-        if source == "transformers":
-            transformers_class(name)
-        elif source == "torchvision":
-            import torchvision
 
-            known = torchvision.models.list_models()
-            if name not in known:
-                raise ValueError(f"no torchvision model named {name!r}{suggest(name, known)}")
-        elif source == "python":
-            _check_factory(name, resolve_import_path(name), {})
-        return name
-
-    @field_validator("config")
-    @classmethod
-    def _config_keys_exist(cls, config: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if info.data.get("source") == "transformers" and "name" in info.data:
-            from .build.model_config import check_transformers_config
-
-            model_class = transformers_class(info.data["name"])
-            check_config_keys(model_class.config_class, config)
-            check_transformers_config(model_class, config)
-        elif info.data.get("source") == "python" and "name" in info.data:
-            _check_factory(info.data["name"], resolve_import_path(info.data["name"]), config)
-        return config
-
-    @field_validator("pretrained")
-    @classmethod
-    def _directory_fits(cls, pretrained: str | None, info: ValidationInfo) -> str | None:
-        if pretrained is not None:
-            from .build.pretrained import check_pretrained_dir
-
-            check_pretrained_dir(Path(pretrained).expanduser(), info.data.get("source"), info.data.get("name"))
-        return pretrained
-
-
-def _check_factory(name: str, factory, config: dict) -> None:
-    """That a python factory can be called with model.config, from its signature (nothing is run)."""
-    from .build.resolve import BuildError, check_factory, check_kwargs
-
-    try:
-        check_factory(factory, name)
-        check_kwargs(factory, config)
-    except BuildError as err:
-        raise KeyedValueError(tuple(err.key.split(".")), str(err)) from None
-
-
-def check_config_keys(config_class, given: dict) -> None:
-    # transformers configs keep unknown kwargs as attributes, so a typo would be silently ignored
-    known = set(config_class().to_dict())
-    for base in config_class.__mro__:  # base-class settings such as num_labels reach __init__ via **kwargs
-        if "__init__" in vars(base):
-            known |= set(inspect.signature(base.__init__).parameters)
-    known |= set(getattr(config_class, "attribute_map", {}))
-    known |= {name for name, attr in inspect.getmembers(config_class) if isinstance(attr, property) and attr.fset}
-    unknown = [key for key in given if key not in known]
-    if unknown:
-        raise KeyedValueError(("model", "config", unknown[0]),
-                              f"{config_class.__name__} has no setting {unknown[0]!r}{suggest(unknown[0], known)}")
+def infer_task(spec: ModelSpec) -> str | None:
+    """The training task a model class implies, or None when the recipe must say (data.task)."""
+    if spec.source == "torchvision":
+        return "image_classification"
+    if spec.source != "transformers":
+        return None
+    suffixes = {
+        "ForMaskedLM": "masked_lm", "ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm",
+        "ForConditionalGeneration": "seq2seq", "ForSequenceClassification": "sequence_classification",
+        "ForImageClassification": "image_classification",
+    }
+    return next((task for suffix, task in suffixes.items() if spec.name.endswith(suffix)), None)
 
 
 # --- training -------------------------------------------------------------------------------
@@ -132,10 +82,10 @@ class TrainSpec(Strict):
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainSpec:
         if self.steps is not None and self.epochs is not None:
-            raise KeyedValueError(("train", "epochs"), "give train.steps or train.epochs, not both (on the command "
+            raise KeyedError(("train", "epochs"), "give train.steps or train.epochs, not both (on the command "
                                   "line, train.steps=null train.epochs=N swaps one for the other)")
         if self.steps is None and self.epochs is None:
-            raise KeyedValueError(("train",), "give train.steps (optimizer steps) or train.epochs (passes over the data)")
+            raise KeyedError(("train",), "give train.steps (optimizer steps) or train.epochs (passes over the data)")
         return self
 
 
@@ -200,30 +150,15 @@ class EvalSpec(Strict):
     early_stopping: EarlyStopping | None = None
     """End the run when an evaluation metric stops improving; needs eval.every."""
 
-    @field_validator("metrics")
-    @classmethod
-    def _metrics_resolve(cls, paths: list[str]) -> list[str]:
-        for index, path in enumerate(paths):
-            try:
-                function = resolve_import_path(path)
-            except ValueError as err:
-                raise KeyedValueError(("eval", "metrics", index), str(err)) from None
-            name = path.partition(":")[2]
-            if not callable(function) or name in ("loss", "perplexity", "accuracy", "samples", "time_s"):
-                why = "is not a function" if not callable(function) else "has the name of one of the evaluation's own"
-                raise KeyedValueError(("eval", "metrics", index), f"{path} {why}; name a function "
-                                      "metric(predictions, labels) -> number or dict")
-        return paths
-
     @model_validator(mode="after")
     def _early_stopping_needs_evaluations(self) -> EvalSpec:
         if self.early_stopping is None:
             return self
         if not self.every:
-            raise KeyedValueError(("eval", "every"), "eval.early_stopping needs evaluations during the run; set "
+            raise KeyedError(("eval", "every"), "eval.early_stopping needs evaluations during the run; set "
                                   "eval.every to the steps between them")
         if self.early_stopping.metric not in ("loss", "perplexity", "accuracy") and not self.metrics:
-            raise KeyedValueError(("eval", "early_stopping", "metric"), f"the evaluation reports loss and perplexity "
+            raise KeyedError(("eval", "early_stopping", "metric"), f"the evaluation reports loss and perplexity "
                                   f"or accuracy, not {self.early_stopping.metric!r}; name one, or add eval.metrics")
         return self
 
@@ -270,23 +205,23 @@ class Recipe(Strict):
     def _sharding_needs_fsdp(self) -> Recipe:
         strategy = self.distributed.strategy
         if self.memory.sharding is not None and strategy != "fsdp":
-            raise KeyedValueError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy is "
+            raise KeyedError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy is "
                                   f"{strategy}; set distributed.strategy: fsdp or remove memory.sharding")
         if strategy == "fsdp" and self.memory.checkpointing.policy == "sqrt":
             # a segment's recompute replays its blocks' forwards, past the hooks FSDP2 gathers parameters in
-            raise KeyedValueError(("memory", "checkpointing"), "sqrt segments do not work with distributed.strategy "
+            raise KeyedError(("memory", "checkpointing"), "sqrt segments do not work with distributed.strategy "
                                   "fsdp (their recompute bypasses FSDP's parameter gathering); use every, layers or "
                                   "full, or strategy ddp")
         if strategy == "fsdp" and self.precision == "fp16":
             # the loss scaler would find inf/nan in each rank's shard alone: ranks could disagree on skipping
-            raise KeyedValueError(("precision",), "fp16 with distributed.strategy fsdp is not supported (its loss "
+            raise KeyedError(("precision",), "fp16 with distributed.strategy fsdp is not supported (its loss "
                                   "scaler sees one shard per rank); use precision: bf16, or strategy: ddp")
         return self
 
     @model_validator(mode="after")
     def _eval_has_held_out_data(self) -> Recipe:
         if self.eval is not None and self.eval.data is None and self.data.source != "synthetic":
-            raise KeyedValueError(("eval", "data"), f"data.source {self.data.source} has no held-out stream; name "
+            raise KeyedError(("eval", "data"), f"data.source {self.data.source} has no held-out stream; name "
                                   "held-out files in eval.data (written like the data: section)")
         return self
 
@@ -296,10 +231,10 @@ class Recipe(Strict):
         for path, data in [(("data",), self.data), (("eval", "data"), self.eval.data if self.eval else None)]:
             task = data and (data.task or self.data.task or infer_task(self.model))
             if data is not None and data.source == "text" and task in ("seq2seq", "sequence_classification"):
-                raise KeyedValueError((*path, "source"), f"text files hold no {'target texts' if task == 'seq2seq' else 'labels'} "
+                raise KeyedError((*path, "source"), f"text files hold no {'target texts' if task == 'seq2seq' else 'labels'} "
                                       f"for {task}; use source: records with a JSONL or CSV file of input and target fields")
             if data is not None and data.source == "records" and task not in (None, "seq2seq", "sequence_classification"):
-                raise KeyedValueError((*path, "source"), f"records train seq2seq or sequence_classification, but "
+                raise KeyedError((*path, "source"), f"records train seq2seq or sequence_classification, but "
                                       f"{self.model.name} learns {task}; use source: text, or set data.task")
         return self
 
@@ -309,36 +244,21 @@ class Recipe(Strict):
         each problem its own line, rather than one per run once the model is built."""
         problems = []
         if self.model.source == "python" and self.data.task is None:  # held-out data takes the training data's
-            problems.append(KeyedValueError(("data", "task"), f"{self.model.name} is your own model, so ckrun cannot "
+            problems.append(KeyedError(("data", "task"), f"{self.model.name} is your own model, so ckrun cannot "
                                             "tell what it learns; set data.task (masked_lm, causal_lm, seq2seq, "
                                             "sequence_classification or image_classification)"))
         held_out = self.eval.data if self.eval is not None else None
         for path, data in [(("data",), self.data), (("eval", "data"), held_out)]:
             if self.model.source == "transformers" and getattr(data, "vocab_size", None) and data.source != "synthetic":
-                problems.append(KeyedValueError((*path, "vocab_size"), "a transformers model takes its vocabulary "
+                problems.append(KeyedError((*path, "vocab_size"), "a transformers model takes its vocabulary "
                                                 "from model.config.vocab_size; remove this key"))
         raise_all(problems)
         return self
 
     @model_validator(mode="after")
-    def _sequence_fits_positions(self) -> Recipe:
-        """A sequence past the position table would index out of range at the first step."""
-        if self.model.source != "transformers":
-            return self
-        from .build.model_config import max_positions
-
-        limit = max_positions(transformers_class(self.model.name), self.model.config)
-        for path, data in [(("data",), self.data), (("eval", "data"), self.eval.data if self.eval else None)]:
-            seq_len = getattr(data, "seq_len", None)
-            if limit is not None and seq_len is not None and seq_len > limit:
-                raise KeyedValueError((*path, "seq_len"), f"{seq_len} tokens exceed {self.model.name}'s {limit} "
-                                      f"positions (max_position_embeddings); give seq_len <= {limit}")
-        return self
-
-    @model_validator(mode="after")
     def _epochs_need_finite_data(self) -> Recipe:
         if self.train.epochs is not None and self.data.source == "synthetic":
-            raise KeyedValueError(("train", "epochs"), "synthetic data never runs out, so it has no epochs; "
+            raise KeyedError(("train", "epochs"), "synthetic data never runs out, so it has no epochs; "
                                   "give train.steps, or train on files (data.source text, records, dataset or image_folder)")
         return self
 
@@ -346,7 +266,7 @@ class Recipe(Strict):
     def _micro_batch_divides(self) -> Recipe:
         micro = self.memory.micro_batch
         if micro is not None and self.train.batch_size % micro:
-            raise KeyedValueError(
+            raise KeyedError(
                 ("memory", "micro_batch"),
                 f"memory.micro_batch {micro} does not divide train.batch_size {self.train.batch_size}; "
                 f"use a divisor such as {largest_divisor_at_most(self.train.batch_size, micro)}"
@@ -357,7 +277,7 @@ class Recipe(Strict):
     def _plan_consistent(self) -> Recipe:
         problem = plan_problem(self.memory)
         if problem is not None:
-            raise KeyedValueError(("memory", *problem[0]), problem[1])
+            raise KeyedError(("memory", *problem[0]), problem[1])
         return self
 
     @property
@@ -365,19 +285,12 @@ class Recipe(Strict):
         return self.memory.micro_batch or self.train.batch_size
 
 
-class KeyedValueError(ValueError):
-    """A cross-field problem that belongs to one key, so the loader can point at its line."""
-
-    def __init__(self, path: tuple[str | int, ...], message: str):
-        super().__init__(message)
-        self.path = path
-
-
-def raise_all(problems: list[KeyedValueError]) -> None:
-    """Raise every problem of one check together (pydantic stops a model's checks at the first that raises)."""
+def raise_all(problems: list[KeyedError]) -> None:
+    """Raise every problem of one check of the whole recipe together (pydantic stops a model's checks at the
+    first that raises); at the recipe's own location, as a single one is, each KeyedError knowing its key."""
     if problems:
         raise ValidationError.from_exception_data("Recipe", [
-            InitErrorDetails(type="value_error", loc=problem.path, input=None, ctx={"error": problem})
+            InitErrorDetails(type="value_error", loc=(), input=None, ctx={"error": problem})
             for problem in problems])
 
 

@@ -1,6 +1,7 @@
 """The recipe's `data:` section: where samples come from (synthetic, text files, records, HF
-datasets, image folders). Each source is plain data checked where cheap (paths, tokenizer folders,
-a dataset's columns); building batches from it is runner/build's work.
+datasets, image folders). Each source is plain data checked where cheap (paths, tokenizer folders);
+a dataset's files, split and columns are checked after the schema (runner/build/checks.py), and
+building batches from it is runner/build's work.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from .plan import Strict
 
@@ -124,9 +125,9 @@ class DatasetData(Strict):
     """The split of a saved DatasetDict (`train`, `validation`, ...); unset: `train`, or its only split."""
     task: Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification"] | None = None
     """What the model learns; inferred from the model class when unset."""
-    input_field: str = Field(default="text", validate_default=True)
+    input_field: str = "text"
     """The column holding the input text; language modelling reads only this one, packed into seq_len samples."""
-    target_field: str = Field(default="label", validate_default=True)
+    target_field: str = "label"
     """The column holding the target: a label (name, integer id or ClassLabel), or for seq2seq the target text."""
     labels: list[str] | None = Field(default=None, min_length=2)
     """Label names in id order, as for `records`. Unset: a ClassLabel column's names, else integer labels are
@@ -140,33 +141,6 @@ class DatasetData(Strict):
     vocab_size: FileVocab = None
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
     """Fraction of tokens masked for masked_lm."""
-
-    @field_validator("paths")
-    @classmethod
-    def _paths_readable(cls, paths: list[str]) -> list[str]:
-        from .build.dataset_files import check_paths
-
-        check_paths(paths)
-        return paths
-
-    @field_validator("split")
-    @classmethod
-    def _split_present(cls, split: str | None, info: ValidationInfo) -> str | None:
-        if "paths" in info.data:
-            from .build.dataset_files import check_split
-
-            check_split(info.data["paths"], split)
-        return split
-
-    @field_validator("input_field", "target_field")
-    @classmethod
-    def _column_present(cls, name: str, info: ValidationInfo) -> str:
-        needed = info.field_name == "input_field" or info.data.get("task") in ("seq2seq", "sequence_classification")
-        if needed and "paths" in info.data:
-            from .build.dataset_files import check_column
-
-            check_column(info.data["paths"], info.data.get("split"), name)
-        return name
 
     @field_validator("tokenizer")
     @classmethod

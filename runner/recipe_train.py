@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .plan import Strict
-from .problems import suggest
+from .problems import KeyedError, suggest
 
 _Beta = Annotated[float, Field(ge=0, lt=1)]  # as torch.optim.AdamW demands
 
@@ -47,9 +47,7 @@ class SGD(Strict):
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> SGD:
         if self.nesterov and self.momentum <= 0:  # torch.optim.SGD refuses it when built
-            from .recipe import KeyedValueError
-
-            raise KeyedValueError(("train", "optimizer", "nesterov"), "nesterov needs a momentum above 0; "
+            raise KeyedError(("train", "optimizer", "nesterov"), "nesterov needs a momentum above 0; "
                                   "set train.optimizer.momentum or nesterov: false")
         return self
 
@@ -88,21 +86,19 @@ def check_torch_arguments(name: str, arguments: dict[str, Any]) -> None:
     on a one-element parameter, which costs nothing)."""
     import torch
 
-    from .recipe import KeyedValueError
-
     optimizer_class = getattr(torch.optim, name, None)
     if optimizer_class is None:
-        raise KeyedValueError(("train", "optimizer", "name"), f"torch {torch.__version__} has no torch.optim.{name}; "
+        raise KeyedError(("train", "optimizer", "name"), f"torch {torch.__version__} has no torch.optim.{name}; "
                               "upgrade torch or choose another optimizer")
     known = [p for p in inspect.signature(optimizer_class.__init__).parameters if p not in ("self", "params")]
     for key in arguments:
         if key not in known:
-            raise KeyedValueError(("train", "optimizer", key), f"torch.optim.{name} takes no argument {key!r}"
+            raise KeyedError(("train", "optimizer", key), f"torch.optim.{name} takes no argument {key!r}"
                                   f"{suggest(key, known)}; it takes {', '.join(known)}")
     try:
         optimizer_class([torch.zeros(2, 2, requires_grad=True)], **arguments)
     except (ValueError, TypeError, RuntimeError) as err:
-        raise KeyedValueError(("train", "optimizer"), f"torch.optim.{name} refuses these arguments: "
+        raise KeyedError(("train", "optimizer"), f"torch.optim.{name} refuses these arguments: "
                               f"{' '.join(str(err).split())[:200]}") from None
 
 

@@ -30,6 +30,7 @@ if str(REPO) not in sys.path:
 
 from runner.load import load_recipe  # noqa: E402
 from runner.memory.measure import cuda_context_bytes, note_card_before_cuda  # noqa: E402
+from runner.problems import first_line  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         found = run(recipe, args.warmup, args.timed)
     except torch.OutOfMemoryError as err:
-        found = {"status": "oom", "reason": str(err).splitlines()[0][:300]}
+        found = {"status": "oom", "reason": first_line(err)}
     args.result.write_text(json.dumps(found, indent=1), encoding="utf-8")
     print(json.dumps({k: v for k, v in found.items() if k != "losses"}), flush=True)
     return 0

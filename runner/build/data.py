@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..recipe import ImageFolderData, Recipe, SyntheticData, Task, TextFilesData
+from ..recipe import ImageFolderData, Recipe, SyntheticData, Task, TextFilesData, infer_task
+from ..problems import first_line
 from ..recipe_data import BYTE_VOCAB
-from .resolve import BuildError, infer_task
+from .resolve import BuildError
 
 IGNORE = -100  # label of positions that do not count towards the loss
 MASK_ID = 1  # token that replaces masked positions in masked_lm
@@ -264,8 +265,7 @@ def load_tokenizer(directory: str, key: str = "data"):
     try:
         return AutoTokenizer.from_pretrained(str(Path(directory).expanduser()), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise BuildError(f"{key}.tokenizer", f"{directory} holds no tokenizer transformers can load ({first[:160]}); "
+        raise BuildError(f"{key}.tokenizer", f"{directory} holds no tokenizer transformers can load ({first_line(err, 160)}); "
                          "give a directory saved by tokenizer.save_pretrained") from None
 
 
@@ -338,8 +338,7 @@ def describe_image_error(err: Exception) -> str:
         return f"class folder(s) {classes} hold no images (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"
     if "cannot identify image file" in str(err):
         return "not an image PIL can read (corrupt, cut short, or another format)"
-    text = getattr(err, "strerror", None) or str(err) or type(err).__name__
-    return text.splitlines()[0][:200]
+    return first_line(getattr(err, "strerror", None) or err, 200)
 
 
 def build_data(recipe: Recipe, model: torch.nn.Module, label_ids: dict[str, int] | None = None):

@@ -18,20 +18,20 @@ import warnings
 
 import torch
 
-from ..recipe import KeyedValueError
+from ..problems import KeyedError
 
 MAX_LAYERS = 1024  # the deepest published models have a few hundred; building is ~5 ms a layer
 _LAYER_COUNT = re.compile(r"(^|_)(n_layers?|num_layers|layers|n_layer)$|^num_.*layers$|_layers$")
 
 
 def check_transformers_config(model_class, given: dict) -> None:
-    """A KeyedValueError naming the model.config key (or model.name) that transformers rejects."""
+    """A KeyedError naming the model.config key (or model.name) that transformers rejects."""
     config = _make_config(model_class.config_class, given)
     _check_layer_counts(model_class.config_class, config, given)
     problem = _trial_build(model_class, json.dumps(given, sort_keys=True, default=str))
     if problem:
         verb = "does not run with" if problem.startswith("a forward pass") else "cannot be built from"
-        raise KeyedValueError(("model", *_key_named_in(problem, given)), f"{model_class.__name__} {verb} "
+        raise KeyedError(("model", *_key_named_in(problem, given)), f"{model_class.__name__} {verb} "
                               f"this config: {problem}")
 
 
@@ -52,9 +52,9 @@ def _make_config(config_class, given: dict):
         field = re.match(r"Validation error for field '([^']+)': \w+: (.*)", text)
         if field and field.group(1) in given:  # "Field 'hidden_size' expected int, got str (value: '128')"
             detail = re.sub(r"^Field '[^']+' ", "", field.group(2))
-            raise KeyedValueError(("model", "config", field.group(1)), f"{config_class.__name__} {detail}") from None
+            raise KeyedError(("model", "config", field.group(1)), f"{config_class.__name__} {detail}") from None
         text = re.sub(r"^Class validation error for validator '[^']+': \w+: ", "", text)
-        raise KeyedValueError(("model", *_key_named_in(text, given)), f"{config_class.__name__}: {text}") from None
+        raise KeyedError(("model", *_key_named_in(text, given)), f"{config_class.__name__}: {text}") from None
 
 
 def _check_layer_counts(config_class, config, given: dict) -> None:
@@ -63,7 +63,7 @@ def _check_layer_counts(config_class, config, given: dict) -> None:
         if isinstance(value, int) and not isinstance(value, bool) and _LAYER_COUNT.search(name):
             if not 0 <= value <= MAX_LAYERS:
                 key = name if name in given else renamed.get(name, name)
-                raise KeyedValueError(("model", "config", key), f"{value} is not a layer count ckrun builds; "
+                raise KeyedError(("model", "config", key), f"{value} is not a layer count ckrun builds; "
                                       f"give 0 to {MAX_LAYERS}")
 
 

@@ -7,6 +7,7 @@ import re
 
 import torch
 
+from ..problems import first_line
 from ..units import format_bytes
 
 _ALLOCATION = re.compile(r"tried to allocate (\d+) bytes")
@@ -27,5 +28,4 @@ def describe_out_of_memory(err: BaseException) -> str:
     found = _ALLOCATION.search(str(err))
     if found:
         return f"the allocator could not get {format_bytes(int(found.group(1)))}"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return first[:160]
+    return first_line(err, 160)

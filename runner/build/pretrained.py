@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..checkpoint_files import MARKER, STATE_FILE, load_checkpoint
+from ..problems import first_line
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def from_pretrained(model_class, directory: Path, config: dict) -> nn.Module:
         model, info = model_class.from_pretrained(str(directory), local_files_only=True, ignore_mismatched_sizes=True,
                                                   output_loading_info=True, **config)
     except (OSError, ValueError, RuntimeError) as err:  # an unreadable or foreign file
-        raise ValueError(f"{directory}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+        raise ValueError(f"{directory}: {first_line(err)}") from None
     finally:
         transformers_logging.set_verbosity(verbosity)
         if bar:

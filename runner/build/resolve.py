@@ -1,7 +1,8 @@
 """Names in a recipe resolved to Python objects: a transformers class, a `package.module:factory`.
 
-The recipe checks them at validation (so `ckrun validate` catches a typo) and build/ uses them:
-this module imports neither torch nor transformers until a name has to be looked up.
+The checks after the schema (runner/build/checks.py) resolve them, so `ckrun validate` catches a
+typo, and build/ uses them: this module imports neither torch nor transformers until a name has to
+be looked up.
 """
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import sys
-from pathlib import Path
 
-from ..problems import InputError, Place, Problem, suggest
+from ..load import add_import_root, import_roots
+from ..problems import KeyedError, suggest
 from .user_code import check_import
 
 
@@ -34,24 +34,6 @@ def transformers_class(name: str):
     return model_class
 
 
-_IMPORT_ROOTS: list[str] = []  # folders added for user code, in the order they are searched
-
-
-def add_import_root(folder: str | Path) -> None:
-    """Let `package.module:factory` be found in `folder` (the recipe's, the working directory), as
-    `python recipe_dir/script.py` would: appended to sys.path after installed packages (so a user's
-    file never shadows a library), and to PYTHONPATH for the tuner's child processes."""
-    folder = str(Path(folder).resolve())
-    if folder in _IMPORT_ROOTS:
-        return
-    _IMPORT_ROOTS.append(folder)
-    if folder not in sys.path:
-        sys.path.append(folder)
-    inherited = os.environ.get("PYTHONPATH", "")
-    if folder not in inherited.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [inherited, folder]))
-
-
 def resolve_import_path(path: str):
     """`package.module:attribute` -> the attribute; a one-line ValueError when it cannot be found."""
     module_name, sep, attribute = path.partition(":")
@@ -65,7 +47,7 @@ def resolve_import_path(path: str):
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as err:  # any import-time failure of user code is a bad-input problem
         raise ValueError(f"cannot import {module_name!r}: {type(err).__name__}: {err}; ckrun looks in installed "
-                         f"packages, PYTHONPATH, the recipe's folder and the working directory ({', '.join(_IMPORT_ROOTS)}): "
+                         f"packages, PYTHONPATH, the recipe's folder and the working directory ({', '.join(import_roots())}): "
                          "check the name, or put the module's folder on PYTHONPATH") from None
     if not hasattr(module, attribute):
         names = [n for n in dir(module) if not n.startswith("_")]
@@ -73,15 +55,8 @@ def resolve_import_path(path: str):
     return getattr(module, attribute)
 
 
-class BuildError(ValueError):
-    """The model could not be built from the recipe; `key` names the recipe key to change."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
-
-    def as_input_error(self, source: str) -> InputError:
-        return InputError([Problem(Place(source), self.key, str(self))])
+class BuildError(KeyedError):
+    """The model or data could not be built from the recipe; `key` names the recipe key to change."""
 
 
 def check_factory(factory, name: str) -> None:
@@ -102,17 +77,3 @@ def check_kwargs(factory, given: dict) -> None:
     for key in given:
         if key not in params:
             raise BuildError(f"model.config.{key}", f"{getattr(factory, '__name__', factory)} takes no argument {key!r}{suggest(key, params)}")
-
-
-def infer_task(spec) -> str | None:
-    """The training task a model class implies, or None when the recipe must say (data.task)."""
-    if spec.source == "torchvision":
-        return "image_classification"
-    if spec.source != "transformers":
-        return None
-    suffixes = {
-        "ForMaskedLM": "masked_lm", "ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm",
-        "ForConditionalGeneration": "seq2seq", "ForSequenceClassification": "sequence_classification",
-        "ForImageClassification": "image_classification",
-    }
-    return next((task for suffix, task in suffixes.items() if spec.name.endswith(suffix)), None)

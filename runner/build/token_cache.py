@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..problems import first_line
+
 log = logging.getLogger(__name__)
 
 def user_cache_folder() -> Path:
@@ -88,5 +90,4 @@ class TokenCache:
 
 
 def _reason(err: Exception) -> str:
-    text = getattr(err, "strerror", None) or str(err) or type(err).__name__
-    return text.splitlines()[0][:160]
+    return first_line(getattr(err, "strerror", None) or err, 160)

@@ -1,7 +1,8 @@
 """`ckrun`: one module per verb, imported only when that verb runs.
 
 `ckrun RECIPE [k=v ...]` is short for `ckrun run RECIPE [k=v ...]`. Bad input of any kind is
-printed as one line per problem on stderr with exit status 2, never as a traceback.
+printed as one line per problem on stderr with exit status 2, never as a traceback; every way a
+command ends is turned into its exit status and lines in one place, `ending`.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from ..build.user_code import UserExit, describe_exit, exits_raised, stray_threads
-from ..problems import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, InputError
+from ..problems import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, CkrunError,
+                        first_line)
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,11 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
-class UsageError(Exception):
+class UsageError(CkrunError):
     """A command line argparse cannot parse: reported as one line, not a usage dump."""
+
+    def lines(self) -> list[str]:
+        return [str(self)]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = _parser(command, plugins)
         args = _parse(parser, argv)
     except UsageError as err:
-        print(err, file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _said(*ending(err))
     # the time on every log line: when a step, an eval or a checkpoint happened, as in HF and Lightning logs
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S")
@@ -176,24 +180,38 @@ def _run(command: Command, args: argparse.Namespace) -> int:
     try:
         with exits_raised():  # os._exit in user code: a line below, not a silent end
             return command.run(args) or 0
-    except (SystemExit, UserExit) as err:  # user code ended the run; never a silent status 0
-        print(describe_exit(err), file=sys.stderr)
-        return err.code if isinstance(err.code, int) and 0 < err.code < 256 else EXIT_BAD_INPUT
-    except InputError as err:
-        for problem in err.problems:
-            print(problem, file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt as err:
-        print("ckrun: interrupted", file=sys.stderr)
-        return getattr(err, "exit_code", EXIT_INTERRUPTED)  # 143 when a second SIGTERM abandoned a step
     except BrokenPipeError:
         # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except Exception as err:  # noqa: BLE001 - a bug (ours or in user code) is one line; -v shows where
-        if args.verbose:
+    except (Exception, SystemExit, UserExit, KeyboardInterrupt) as err:
+        status, lines = ending(err, args.verbose)
+        if status == EXIT_INTERNAL_ERROR and args.verbose and not isinstance(err, (SystemExit, UserExit)):
             traceback.print_exc()
-        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else "no message"
-        print(f"ckrun: internal error: {type(err).__name__}: {detail}"
-              f"{'' if args.verbose else ' (run with -v for the traceback)'}", file=sys.stderr)
-        return 1
+        return _said(status, lines)
+
+
+def ending(err: BaseException, verbose: bool = False) -> tuple[int, list[str]]:
+    """The one map from how a command ended to (its exit status, the lines that say why on stderr),
+    for every verb: a CkrunError carries both (runner/problems.py has the table of statuses)."""
+    if isinstance(err, CkrunError):
+        return err.exit_status, err.lines() if err.every_rank or _is_rank_zero() else []
+    if isinstance(err, (SystemExit, UserExit)):  # user code ended the run; never a silent status 0
+        code = err.code if isinstance(err.code, int) and 0 < err.code < 256 else EXIT_BAD_INPUT
+        return code, [describe_exit(err)]
+    if isinstance(err, KeyboardInterrupt):  # 143 when a second SIGTERM abandoned a step
+        return getattr(err, "exit_code", EXIT_INTERRUPTED), ["ckrun: interrupted"]
+    # a bug (ours or in user code) is one line; -v shows where
+    detail = first_line(err) if str(err).strip() else "no message"
+    return EXIT_INTERNAL_ERROR, [f"ckrun: internal error: {type(err).__name__}: {detail}"
+                                 f"{'' if verbose else ' (run with -v for the traceback)'}"]
+
+
+def _said(status: int, lines: list[str]) -> int:
+    for line in lines:
+        print(line, file=sys.stderr)
+    return status
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"

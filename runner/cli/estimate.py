@@ -14,8 +14,8 @@ import json
 import logging
 import time
 
+from ..build.checks import load_checked
 from ..library import resolve_recipe
-from ..load import load_recipe_document
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
 from ..units import format_bytes
@@ -39,7 +39,7 @@ def run(args) -> int:
     from ..predict.estimate import EstimateUnavailable, Estimator
 
     path = resolve_recipe(args.recipe)
-    recipe, doc = load_recipe_document(path, args.overrides)
+    recipe, doc = load_checked(path, args.overrides)
     device, facts, why_no_time = target_facts(args.device, args.gpu)
     started = time.perf_counter()
     if args.nproc is not None:  # one rank of N: runner/predict/ranks.py
@@ -122,7 +122,6 @@ def _plan_lines_quiet():
         for plan_log, level in zip(logs, levels, strict=True):
             plan_log.setLevel(level)
 def _estimate(estimator, unavailable, recipe, device: str, facts, source: str):
-    from ..build.resolve import BuildError
     from ..predict.estimate import Estimator
     from ..predict.fallback import estimate_or_probe
 
@@ -133,9 +132,7 @@ def _estimate(estimator, unavailable, recipe, device: str, facts, source: str):
     except unavailable as err:
         raise InputError([Problem(Place(source), "model", f"prediction is unavailable: {err}; "
                                   "`ckrun tune` will measure this recipe instead")]) from None
-    except BuildError as err:  # the model or data (it knows its key): not the memory plan
-        raise err.as_input_error(source) from None
-    except ValueError as err:
+    except ValueError as err:  # a KeyedError keeps its key (the model, the data); the plan's start with theirs
         raise keyed_error(err, source, "memory") from None
 
 

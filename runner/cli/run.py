@@ -3,21 +3,19 @@
 Every way a run can end has one line and its own exit status: 0 done, 2 bad input (located in
 the recipe even when found while building), 3 over memory.max_mem or out of memory, 4 a loss
 that is not a number, 5 output that could not be written (disk full), 130/143 stopped by
-SIGINT/SIGTERM after a whole step.
+SIGINT/SIGTERM after a whole step. The errors carry their statuses; runner/cli's `ending` says them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
+from ..build.checks import load_checked
 from ..library import resolve_recipe
-from ..load import load_recipe_document
 from ..located import located_errors
-from ..problems import EXIT_CANNOT_WRITE, EXIT_NON_FINITE, EXIT_OVER_CAP
-from . import Command, add_recipe_arguments
+from . import Command, _is_rank_zero, add_recipe_arguments
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +54,13 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..train.guard import NonFiniteLoss, stop_line
-    from ..train.loop import MemoryCapExceeded, OutOfMemory, train
-    from ..train.output import OutputError
+    from ..train.guard import stop_line
+    from ..train.loop import train
 
     path = resolve_recipe(args.recipe)
     if args.device is not None:  # a flag for what people look for first; the override does the work
         args.overrides = [*args.overrides, f"train.device={args.device}"]
-    recipe, doc = load_recipe_document(path, args.overrides)
+    recipe, doc = load_checked(path, args.overrides)
     args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
         from ..dist.launch import check_launch, launch
@@ -73,19 +70,9 @@ def run(args) -> int:
         prepare_output(Path(recipe.output.dir), args.resume, str(path))
         flags = ["--resume-changed"] if args.resume_changed else ["--resume"] if args.resume else []
         return launch([args.recipe, *args.overrides, *flags], args.nproc, args.verbose)
-    try:
-        with located_errors(doc):
-            result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
-                           predict_step=predicted_step)
-    except MemoryCapExceeded as err:
-        _say(f"ckrun: {err}; {err.advice}", every_rank=isinstance(err, OutOfMemory))
-        return EXIT_OVER_CAP
-    except NonFiniteLoss as err:
-        _say(f"ckrun: {err}")
-        return EXIT_NON_FINITE
-    except OutputError as err:
-        print(f"ckrun: {err.strerror}", file=sys.stderr)
-        return EXIT_CANNOT_WRITE
+    with located_errors(doc):
+        result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
+                       predict_step=predicted_step)
     if result.stopped_by:
         if not _is_rank_zero():  # rank 0 says it for the group
             return 128 + result.stopped_by
@@ -96,17 +83,6 @@ def run(args) -> int:
 
         log.info(done_line(result, Path(recipe.output.dir)))
     return 0
-
-
-def _is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _say(line: str, every_rank: bool = False) -> None:
-    """One line on stderr; under torchrun only from rank 0 when every rank ends for the same reason
-    (the cap and the loss are reduced over the ranks, so all of them see the same peak and loss)."""
-    if every_rank or _is_rank_zero():
-        print(line, file=sys.stderr)
 
 
 COMMAND = Command(

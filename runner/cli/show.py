@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ..build.checks import load_checked
 from ..library import resolve_recipe
-from ..load import load_recipe_document
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
 from ..yamlio import dump_yaml
@@ -21,7 +21,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     path = resolve_recipe(args.recipe)
-    recipe, doc = load_recipe_document(path, args.overrides)
+    recipe, doc = load_checked(path, args.overrides)
     if args.blocks:
         with located_errors(doc):
             return print_blocks(recipe, str(path))
@@ -34,15 +34,13 @@ def run(args) -> int:
 
 def print_blocks(recipe, source: str = "<recipe>") -> int:
     """`ckrun show RECIPE --blocks`: the blocks a plan's indices refer to, built on the meta device."""
-    from ..build.model import BuildError, build_model, count_parameters
+    from ..build.model import build_model, count_parameters
     from ..memory.blocks import find_blocks
 
     try:
         model = build_model(recipe.model, device="meta")
         blocks = find_blocks(model, recipe.memory.blocks)
-    except BuildError as err:
-        raise err.as_input_error(source) from None
-    except ValueError as err:
+    except ValueError as err:  # a KeyedError keeps its key (the model, the data); the plan's start with theirs
         raise keyed_error(err, source, "memory") from None
     classes = sorted({type(block.module).__name__ for block in blocks})
     print(f"{blocks.container_name or type(model).__name__}: {len(blocks)} blocks ({', '.join(classes)})")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ..build.checks import load_checked
 from ..library import resolve_recipe
-from ..load import load_recipe
 from . import Command, add_recipe_arguments
 
 
@@ -13,7 +13,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     path = resolve_recipe(args.recipe)
-    load_recipe(path, args.overrides)
+    load_checked(path, args.overrides)
     print(f"{path}: OK")
     return 0
 

@@ -52,14 +52,6 @@ def storage_key(tensor: torch.Tensor) -> int:
     return getattr(storage, "_cdata", None) or id(storage)
 
 
-def aten_op(name: str):
-    """`torch.ops.aten.<name>`, or None when this torch has no such operator."""
-    try:
-        return getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
-
-
 def missing_budget() -> str | None:
     """Why memory.activation_memory_budget cannot be set on this torch, or None."""
     if not hasattr(functorch_config(), "activation_memory_budget"):

@@ -34,9 +34,6 @@ from ..recipe import Recipe
 from ..units import format_bytes
 from .estimate import HOST, Estimate, Estimator
 
-CHOICES = ("keep", "recompute", "selective", "offload")
-
-
 @dataclass(frozen=True)
 class BlockCost:
     index: int
@@ -77,10 +74,6 @@ class CostTable:
 
     def record(self) -> dict:
         return {**asdict(self), "blocks": [asdict(b) for b in self.blocks]}
-
-    @classmethod
-    def from_record(cls, data: dict) -> CostTable:
-        return cls(**{**data, "blocks": [BlockCost(**b) for b in data["blocks"]]})
 
 
 def cost_table(estimator: Estimator, micro_batch: int, precision: str, timed_steps: int = 2) -> CostTable:

@@ -50,6 +50,7 @@ from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload
 from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData
 from ..train.step import Precision, label_count, run_step
+from ..problems import CkrunError, KeyedError
 from ..units import format_bytes
 from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay
@@ -64,7 +65,7 @@ HOST = torch.device("meta")  # where offloaded activations land in an estimate (
 MICRO_BATCHES_RUN = 2  # the first micro-batch, then one that every later one repeats (module docstring)
 
 
-class EstimateUnavailable(RuntimeError):
+class EstimateUnavailable(CkrunError, RuntimeError):
     """The step cannot run on fake tensors (the model reads tensor values, or an op has no fake kernel)."""
 
 
@@ -339,7 +340,7 @@ def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch
 def _micro_batch(plan: MemoryPlan, batch_size: int) -> int:
     micro = plan.micro_batch or batch_size
     if batch_size % micro:
-        raise ValueError(f"memory.micro_batch {micro} does not divide train.batch_size {batch_size}")
+        raise KeyedError("memory.micro_batch", f"memory.micro_batch {micro} does not divide train.batch_size {batch_size}")
     return micro
 
 

@@ -32,6 +32,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..problems import CkrunError
+
 Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
 MiB = 1 << 20
 
@@ -116,7 +118,7 @@ _REPORTED = [
 ]
 
 
-class UnknownDevice(ValueError):
+class UnknownDevice(CkrunError, ValueError):
     """A --gpu name this table and torch's do not know, or a facts file that does not read."""
 
 

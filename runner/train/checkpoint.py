@@ -60,7 +60,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    _prune(root, keep)
+    prune(root, keep)
     return final
 
 
@@ -115,12 +115,17 @@ def _set_aside(checkpoint: Path) -> None:
         log.warning("--resume: could not rename the damaged %s: %s", checkpoint.name, err.strerror or err)
 
 
-def _prune(root: Path, keep: int) -> None:
-    for old in complete_checkpoints(root)[:-keep]:
+def prune(root: Path, keep: int) -> None:
+    """After a save, for both writers (this one and sharded.py's): the newest `keep` complete checkpoints
+    stay, and a temporary directory goes once a complete checkpoint of its step or a later one exists (a
+    save killed midway left it); one of a later step may be a save still in progress, and stays."""
+    complete = complete_checkpoints(root)
+    for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step-*"):
-        if not stale.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a run that was killed mid-save
+    newest = complete[-1].name if complete else ""
+    for stale in root.glob(".tmp-step-*"):  # .tmp-step-NNNNNNNN-...: the names sort by step
+        if stale.name.removeprefix(".tmp-")[:13] <= newest:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

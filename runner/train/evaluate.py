@@ -18,7 +18,8 @@ import time
 import torch
 
 from ..build.data import build_data
-from ..build.resolve import BuildError, infer_task
+from ..build.resolve import BuildError
+from ..recipe import infer_task
 from .checkpoint import restore_rng_state, rng_state
 from .eval_metrics import Metrics
 from .step import call_model, label_count, loss_sum, predict_only_at
@@ -51,7 +52,7 @@ def make_evaluator(trainer) -> Evaluator | None:
             return Evaluator(trainer)
     except BuildError as err:
         key = err.key if err.key.startswith("eval.") or trainer.recipe.eval.data is None else f"eval.{err.key}"
-        raise BuildError(key, str(err)).as_input_error(trainer.source) from None
+        raise BuildError(key, str(err)).at(trainer.source) from None
 
 
 class Evaluator:

@@ -10,7 +10,7 @@ import math
 import signal
 import threading
 
-
+from ..problems import EXIT_NON_FINITE, CkrunError
 from .checkpoint import complete_checkpoints
 
 log = logging.getLogger(__name__)
@@ -20,8 +20,11 @@ log = logging.getLogger(__name__)
 FP16_NON_FINITE_LIMIT = 20
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(CkrunError, RuntimeError):
     """The loss of an optimizer step was NaN or infinite; the weights after it are not worth keeping."""
+
+    exit_status = EXIT_NON_FINITE
+    every_rank = False  # the loss is reduced over the ranks: rank 0 says it for the group
 
     def __init__(self, step: int, loss: float, skipped_in_row: int = 0):
         self.step = step

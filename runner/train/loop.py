@@ -25,7 +25,7 @@ from ..dist.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, context_after_kernels, cuda_context_bytes, note_card_before_cuda
 from ..units import format_bytes
-from ..problems import InputError, Place, Problem, keyed_error
+from ..problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Problem, keyed_error, one_line
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import restore_rng_state, rng_state, save_checkpoint
@@ -47,8 +47,11 @@ __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_dev
 log = logging.getLogger(__name__)
 
 
-class MemoryCapExceeded(RuntimeError):
+class MemoryCapExceeded(CkrunError, RuntimeError):
     """A step's measured peak went over memory.max_mem (or the device ran out under the cap)."""
+
+    exit_status = EXIT_OVER_CAP
+    every_rank = False  # the peak is reduced over the ranks: all of them see it, rank 0 says it
 
     def __init__(self, cap: int, peak: int, step: int, detail: str = ""):
         self.cap, self.peak, self.step = cap, peak, step
@@ -57,9 +60,14 @@ class MemoryCapExceeded(RuntimeError):
 
     advice = "lower memory.micro_batch or checkpoint more blocks"
 
+    def lines(self) -> list[str]:
+        return [one_line(f"ckrun: {self}; {self.advice}")]
+
 
 class OutOfMemory(MemoryCapExceeded):
     """The machine itself could not give a step its memory (CPU: the allocator failed)."""
+
+    every_rank = True  # a rank's own allocator: each says what it met
 
     def __init__(self, step: int, reason: str, device: torch.device):
         self.cap, self.peak, self.step = 0, 0, step
@@ -114,7 +122,7 @@ class Trainer:
         try:
             self._build()
         except BuildError as err:
-            raise err.as_input_error(source) from None
+            raise err.at(source) from None
 
     def _build(self) -> None:
         recipe = self.recipe
@@ -330,7 +338,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
         except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
             if trainer.ranks.is_main:
                 set_aside_unresumable(out_dir)
-            raise err.as_input_error(source) from None
+            raise err.at(source) from None
         except BaseException:
             if trainer.ranks.is_main:
                 set_aside_unresumable(out_dir)

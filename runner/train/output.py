@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from ..files import write_atomic
-from ..problems import InputError, Place, Problem
+from ..problems import EXIT_CANNOT_WRITE, CkrunError, InputError, Place, Problem, one_line
 from .checkpoint import complete_checkpoints
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,13 @@ SET_ASIDE = "metrics.previous.jsonl"  # the metrics of an attempt that left noth
 _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 
 
-class OutputError(OSError):
+class OutputError(CkrunError, OSError):
     """A write into output.dir failed for a reason outside the recipe (disk full, I/O error)."""
+
+    exit_status = EXIT_CANNOT_WRITE
+
+    def lines(self) -> list[str]:
+        return [one_line(f"ckrun: {self.strerror}")]
 
 
 def write_failure(err: OSError, path: Path, source: str) -> Exception:

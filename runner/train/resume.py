@@ -18,7 +18,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..problems import InputError, Place, Problem
+from ..problems import InputError, Place, Problem, first_line
 from ..recipe import Recipe
 from .checkpoint import CheckpointError, complete_checkpoints, load_latest
 from .sharded import load_sharded, pick_sharded
@@ -68,7 +68,7 @@ def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) ->
         trainer.restore(state)
     except (RuntimeError, ValueError, KeyError) as err:
         raise InputError([Problem(Place(source), "model", f"--resume: {name} does not fit the model and optimizer "
-                                  f"the recipe builds ({_first_line(err)}); resume with the recipe the run started "
+                                  f"the recipe builds ({first_line(err, 240)}); resume with the recipe the run started "
                                   "with, or choose a new output.dir")]) from None
     if trainer.ranks.is_main:
         truncate_metrics(out_dir / METRICS, trainer.step, source)
@@ -87,7 +87,7 @@ def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_cha
         load_sharded(trainer, checkpoint, state)
     except (RuntimeError, ValueError, KeyError) as err:
         raise InputError([Problem(Place(source), "model", f"--resume: {checkpoint.name} does not fit the model and "
-                                  f"optimizer the recipe builds ({_first_line(err)}); resume with the recipe the run "
+                                  f"optimizer the recipe builds ({first_line(err, 240)}); resume with the recipe the run "
                                   "started with, or choose a new output.dir")]) from None
     log.info("resuming from %s (sharded, saved by %s rank(s))", checkpoint, state.get("world_size", "?"))
     if trainer.ranks.is_main:
@@ -142,12 +142,6 @@ def truncate_metrics(path: Path, step: int, source: str) -> None:
         log.warning("--resume: dropped %d unreadable line(s) of %s (a write that was cut short)", unread, path)
     kept = [strict_record(r) for r in records if r["step"] <= step]
     write_output(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), source)
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-    # load_state_dict's first line only says "Error(s) in loading state_dict for X:"; the next says which
-    return (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:240]
 
 
 def run_changes(saved: dict | None, recipe: Recipe, name: str, source: str, accept: bool) -> dict[str, list]:

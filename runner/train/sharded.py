@@ -27,7 +27,7 @@ import torch
 from ..checkpoint_files import MARKER, CheckpointError
 from ..files import save_torch
 from ..dist.ranks import Ranks, barrier
-from .checkpoint import _fsync_path, checkpoint_dir, complete_checkpoints, restore_rng_state, rng_state
+from .checkpoint import _fsync_path, checkpoint_dir, complete_checkpoints, prune, restore_rng_state, rng_state
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def save_sharded(trainer, root: Path, keep: int) -> Path:
             shutil.rmtree(final)
         temporary.rename(final)
         _fsync_path(root)
-        _prune(root, keep)
+        prune(root, keep)
     barrier(ranks)
     return final
 
@@ -101,15 +101,6 @@ def _mark_complete(directory: Path, step: int) -> None:
     lines = [str(step), "format dcp", *(f"size {p.stat().st_size} {p.name}" for p in files)]
     _write_synced(directory / MARKER, "\n".join(lines) + "\n")
     _fsync_path(directory)
-
-
-def _prune(root: Path, keep: int) -> None:
-    for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    newest = complete_checkpoints(root)[-1].name
-    for stale in root.glob(".tmp-step-*"):  # left by a run killed mid-save; the names sort by step
-        if stale.name.removeprefix(".tmp-")[:13] < newest:
-            shutil.rmtree(stale, ignore_errors=True)
 
 
 def check_sizes(checkpoint: Path) -> None:

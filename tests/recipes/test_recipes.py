@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from runner.build.model import build_model, count_parameters
+from runner.build.checks import load_checked
 from runner.load import load_recipe
 from runner.train.loop import Trainer
 
@@ -84,7 +85,7 @@ def test_the_library_is_there():
 
 
 def test_validates_and_builds_at_full_size_on_meta(recipe_path):
-    recipe = load_recipe(recipe_path)
+    recipe, _ = load_checked(recipe_path)  # the schema and the checks after it, as `ckrun validate`
     assert recipe.description and "\n" not in recipe.description
     assert recipe.family in ("language", "vision", "classic")
     assert count_parameters(build_model(recipe.model, device="meta")) > 0

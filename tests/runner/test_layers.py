@@ -15,13 +15,16 @@ own layer or the ones below it:
 autotune/ stands above all of runner/, and no runner module imports it: the CLI names the tune and
 report verbs as module strings and loads the one asked for with importlib (DESIGN: the CLI is the
 one place that sees both), which is no import statement. Every import counts, top-level or inside a
-function: a lazy import that runs back up is still a crossing. The few the recipe needs are listed
-in ALLOWED with their reason, and a test keeps that list from going stale.
+function: a lazy import that runs back up is still a crossing. None is allowed: the recipe's schema
+imports nothing from build/ (what needs a built or imported thing is checked after the schema, in
+runner/build/checks.py). ALLOWED would list an exception with its reason, and a test keeps that
+list from going stale.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -40,18 +43,7 @@ LAYERS = [
 ]
 
 # (importer, imported) -> why it may run up a layer
-ALLOWED = {
-    ("runner.recipe", "runner.build.resolve"):
-        "validation asks whether a model or factory name resolves (the resolver imports only problems)",
-    ("runner.recipe", "runner.build.model_config"):
-        "validation checks a transformers config against its class before anything is built",
-    ("runner.load", "runner.build.resolve"):
-        "loading a recipe puts its folder on the import path its user code resolves through",
-    ("runner.recipe", "runner.build.pretrained"):
-        "validation checks that model.pretrained can hold weights for the recipe's model",
-    ("runner.recipe_data", "runner.build.dataset_files"):
-        "validation checks a dataset's files, split and columns from their schemas (no torch, no data read)",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:
@@ -127,7 +119,27 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
     """The checker itself: on the real files it must find the imports known to be there."""
     estimate = imports_of(ROOT / "runner" / "predict" / "estimate.py")
     assert {"runner.train.step", "runner.memory.apply", "runner.predict.cuda_model"} <= estimate
-    assert "runner.build.pretrained" in imports_of(ROOT / "runner" / "recipe.py")  # inside a validator
+    assert "runner.build.pretrained" in imports_of(ROOT / "runner" / "build" / "checks.py")  # inside a function
     assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "loop.py")
     assert layer_of("runner.predict.estimate") > layer_of("runner.train.step") > layer_of("runner.memory.apply")
     assert layer_of("runner.memory.apply") > layer_of("runner.build.pretrained") > layer_of("runner.checkpoint_files")
+
+
+def test_the_recipe_schema_imports_nothing_from_build():
+    """Validating a recipe's schema imports neither torch nor transformers nor user code: build/ is above it."""
+    schema = ["recipe", "recipe_data", "recipe_train", "load", "located"]
+    found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.build")}
+             for name in schema}
+    assert not any(found.values()), found
+
+
+def test_the_readme_lists_the_same_layers():
+    """README's Layout section names each layer's modules in this order, so the two cannot drift apart."""
+    layout = (ROOT / "README.md").read_text(encoding="utf-8").split("## Layout", 1)[1].split("\n## ", 1)[0]
+    items = re.findall(r"^\d\. (.*?)(?=^\d\. |^\s*$)", layout, re.M | re.S)
+    assert len(items) == len(LAYERS), items
+    for item, (name, members) in zip(items, LAYERS, strict=True):
+        for module in members - {"runner"}:
+            short = module.removeprefix("runner.")
+            shown = f"`{short}`" if ROOT.joinpath("runner", f"{short}.py").is_file() else f"`{short}/`"
+            assert shown in item, f"README's layer {name} does not name {shown}: {item!r}"

@@ -63,3 +63,19 @@ def test_resume_after_step_10_of_20_gives_identical_losses(tmp_path, ckrun, monk
     straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
     resumed = [m["loss"] for m in read_metrics(broken)]
     assert resumed == straight  # bit-identical: same data, same RNG, same optimizer state
+
+
+@pytest.mark.parametrize("left_by", ["12345", "dcp"])  # a killed single-process save, a killed sharded one
+def test_one_prune_rule_for_both_writers(tmp_path, left_by):
+    """A temporary directory goes once a complete checkpoint of its step or a later one exists; one of a
+    later step may be a save still in progress (another rank's, an async one) and stays."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    stale, later = root / f".tmp-step-00000002-{left_by}", root / f".tmp-step-00000009-{left_by}"
+    stale.mkdir(), later.mkdir()
+    for step in (1, 3, 5):
+        save_checkpoint(root, step, {"step": step}, keep=2)
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000003", "step-00000005"]
+    assert not stale.exists() and later.exists()
+    save_checkpoint(root, 9, {"step": 9}, keep=2)
+    assert not later.exists()

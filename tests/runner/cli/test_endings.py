@@ -1,0 +1,91 @@
+"""Every way a command ends on purpose is a CkrunError, and runner.cli.ending is the one map from it
+to an exit status and the lines on stderr, for every verb. A new error class must be added here
+with its status and lines, or the first test fails."""
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+
+import autotune
+import runner
+from autotune.cli_tune import NothingFits
+from autotune.rank_tune import RanksEnded, RanksOverCap
+from runner.build.resolve import BuildError
+from runner.checkpoint_files import CheckpointError
+from runner.cli import UsageError, ending
+from runner.load import AcrossSections
+from runner.predict.estimate import EstimateUnavailable
+from runner.predict.hardware import UnknownDevice
+from runner.problems import EXIT_STATUSES, CkrunError, InputError, KeyedError, Place, Problem
+from runner.train.guard import NonFiniteLoss
+from runner.train.loop import MemoryCapExceeded, OutOfMemory
+from runner.train.output import OutputError
+
+PROBLEM = Problem(Place("r.yaml", 3, 1), "train.steps", "input should be greater than 0")
+CAP, OOM, NAN = MemoryCapExceeded(1000, 2000, 3), OutOfMemory(2, "no memory", torch.device("cpu")), NonFiniteLoss(5, float("nan"))
+
+# class -> (an instance, its exit status, its lines)
+EXAMPLES = {
+    CkrunError: (CkrunError("stopped"), 2, ["ckrun: stopped"]),
+    InputError: (InputError([PROBLEM]), 2, ["r.yaml:3:1: train.steps: input should be greater than 0"]),
+    AcrossSections: (AcrossSections([PROBLEM]), 2, ["r.yaml:3:1: train.steps: input should be greater than 0"]),
+    KeyedError: (KeyedError("train.steps", "too many"), 2, ["<recipe>: train.steps: too many"]),
+    BuildError: (BuildError("model.name", "no such class"), 2, ["<recipe>: model.name: no such class"]),
+    UsageError: (UsageError("ckrun: unknown verb 'tnue' (did you mean tune?)"), 2,
+                 ["ckrun: unknown verb 'tnue' (did you mean tune?)"]),
+    CheckpointError: (CheckpointError("step-1: state.pt is damaged"), 2, ["ckrun: step-1: state.pt is damaged"]),
+    EstimateUnavailable: (EstimateUnavailable("reads tensor values"), 2, ["ckrun: reads tensor values"]),
+    UnknownDevice: (UnknownDevice("no GPU named 'h1000'"), 2, ["ckrun: no GPU named 'h1000'"]),
+    MemoryCapExceeded: (CAP, 3, [f"ckrun: {CAP}; lower memory.micro_batch or checkpoint more blocks"]),
+    OutOfMemory: (OOM, 3, [f"ckrun: {OOM}; {OOM.advice}"]),
+    RanksOverCap: (RanksOverCap(1000), 3, [f"ckrun: {RanksOverCap(1000)}; {RanksOverCap.advice}"]),
+    NothingFits: (NothingFits("no plan fits under 1 MB"), 3, ["ckrun tune: no plan fits under 1 MB"]),
+    NonFiniteLoss: (NAN, 4, [f"ckrun: {NAN}"]),
+    OutputError: (OutputError(28, "cannot write m.jsonl: No space left on device"), 5,
+                  ["ckrun: cannot write m.jsonl: No space left on device"]),
+    RanksEnded: (RanksEnded(4), 4, []),  # each rank said why already
+}
+
+
+def _every_module() -> None:
+    """Import all of runner/ and autotune/ so every error class is defined (a __main__ would run a command)."""
+    for package in (runner, autotune):
+        for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if not module.name.endswith("__main__"):
+                importlib.import_module(module.name)
+
+
+def _subclasses(cls: type) -> set[type]:
+    return {cls} | {sub for direct in cls.__subclasses__() for sub in _subclasses(direct)}
+
+
+def test_every_error_a_verb_can_end_with_is_in_the_map():
+    _every_module()
+    assert _subclasses(CkrunError) == set(EXAMPLES), "give the new error's status and lines in EXAMPLES"
+
+
+@pytest.mark.parametrize("cls", list(EXAMPLES), ids=lambda cls: cls.__name__)
+def test_each_error_ends_with_its_status_and_its_lines(cls, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    err, status, lines = EXAMPLES[cls]
+    assert ending(err) == (status, lines)
+    assert status in EXIT_STATUSES and all("\n" not in line for line in lines)
+
+
+def test_rank_zero_alone_says_what_every_rank_met():
+    """The cap and the loss are reduced over the ranks: one line from rank 0, not one per rank; a
+    rank's own allocator running out is said by that rank."""
+    assert ending(CAP) == (3, EXAMPLES[MemoryCapExceeded][2])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RANK", "1")
+        assert ending(CAP) == (3, []) and ending(NAN) == (4, [])
+        assert ending(OOM) == EXAMPLES[OutOfMemory][1:] and ending(InputError([PROBLEM]))[1]
+
+
+def test_what_is_not_ours_ends_as_before():
+    assert ending(KeyboardInterrupt()) == (130, ["ckrun: interrupted"])
+    assert ending(SystemExit(3))[0] == 3
+    assert ending(ValueError("boom\nmore")) == (1, ["ckrun: internal error: ValueError: boom "
+                                                    "(run with -v for the traceback)"])
