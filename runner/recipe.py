@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from pydantic_core import InitErrorDetails
 
 from .build.resolve import infer_task, resolve_import_path, transformers_class
-from .plan import MemoryPlan, Strict, plan_problem
+from .plan import MemoryPlan, Strict, plan_problems
 from .problems import suggest
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
     PathText,
@@ -272,11 +272,11 @@ class Recipe(Strict):
         if self.memory.sharding is not None and strategy != "fsdp":
             raise KeyedValueError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy is "
                                   f"{strategy}; set distributed.strategy: fsdp or remove memory.sharding")
-        if strategy == "fsdp" and self.memory.checkpointing.policy == "sqrt":
-            # a segment's recompute replays its blocks' forwards, past the hooks FSDP2 gathers parameters in
-            raise KeyedValueError(("memory", "checkpointing"), "sqrt segments do not work with distributed.strategy "
-                                  "fsdp (their recompute bypasses FSDP's parameter gathering); use every, layers or "
-                                  "full, or strategy ddp")
+        if strategy == "fsdp" and self.memory.checkpointing.spans_blocks:
+            # a region's recompute replays its blocks' forwards, past the hooks FSDP2 gathers parameters in
+            raise KeyedValueError(("memory", "checkpointing"), f"{self.memory.checkpointing.label()} segments do not "
+                                  "work with distributed.strategy fsdp (their recompute bypasses FSDP's parameter "
+                                  "gathering); use every, layers or full, or strategy ddp")
         if strategy == "fsdp" and self.precision == "fp16":
             # the loss scaler would find inf/nan in each rank's shard alone: ranks could disagree on skipping
             raise KeyedValueError(("precision",), "fp16 with distributed.strategy fsdp is not supported (its loss "
@@ -355,9 +355,9 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _plan_consistent(self) -> Recipe:
-        problem = plan_problem(self.memory)
-        if problem is not None:
-            raise KeyedValueError(("memory", *problem[0]), problem[1])
+        # the loader prefixes the key itself; plan_problems' messages carry it for callers without a key
+        raise_all([KeyedValueError(("memory", *path), message.removeprefix(".".join(("memory", *path)) + ": "))
+                   for path, message in plan_problems(self.memory)])
         return self
 
     @property
