@@ -1,26 +1,22 @@
 """How a plan's knobs are written as the space's choices, and read back.
 
-Each knob is one string (or int) per choice, so optuna stores a proposal as plain data:
-`every:3` and `layers:0,2,5` for checkpointing, `layers:1,3` for offload, `same` for no
-short-batch bucket, `bf16` for a compression policy. The solver's per-block plans get labels of
-the same form (`space.add_proposals`).
+Each knob is one string (or int) per choice, so optuna stores a proposal as plain data. The
+policies write and read their own labels (`every:3`, `layers:0,2,5`, `bf16`: runner/policies.py);
+this module adds the knobs that are not policies: `same` for no short-batch bucket, and the
+opt-in a lossy compression carries.
 """
 
 from __future__ import annotations
 
-from runner.plan import MemoryPlan
+from runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, from_label, policy_class
 
 
 def parse_checkpointing(value: str) -> dict:
-    policy, _, every = value.partition(":")
-    if policy == "layers":  # a solver's per-block plan: "layers:0,2,5"
-        return {"policy": policy, "layers": [int(i) for i in every.split(",")]}
-    return {"policy": policy, "every": int(every)} if every else {"policy": policy}
+    return from_label(CHECKPOINTING, value)
 
 
 def parse_offload(value: str) -> dict:
-    policy, _, layers = value.partition(":")
-    return {"policy": policy, "layers": [int(i) for i in layers.split(",")]} if layers else {"policy": policy}
+    return from_label(OFFLOAD, value)
 
 
 def adaptive_buckets(values: dict) -> list[dict]:
@@ -32,17 +28,7 @@ def adaptive_buckets(values: dict) -> list[dict]:
     return [] if short == "same" else [{"max_len": values["short_len"], "checkpointing": parse_checkpointing(short)}]
 
 
-def compression_fields(policy: str) -> dict:
+def compression_fields(label: str) -> dict:
     """A plan's compression keys: a lossy policy carries its opt-in, so tuned.yaml shows it."""
-    return {} if policy == "none" else {"compression": {"policy": policy}, "allow_lossy": True}
-
-
-def checkpointing_label(plan: MemoryPlan) -> str:
-    policy = plan.checkpointing
-    if policy.policy == "layers":
-        return "layers:" + ",".join(map(str, policy.layers))
-    return f"every:{policy.every}" if policy.policy == "every" else policy.policy
-
-
-def offload_label(plan: MemoryPlan) -> str:
-    return "layers:" + ",".join(map(str, plan.offload.layers)) if plan.offload.policy == "layers" else plan.offload.policy
+    return {"compression": from_label(COMPRESSION, label), "allow_lossy": True} \
+        if policy_class(COMPRESSION, label).lossy else {}

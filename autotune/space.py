@@ -23,18 +23,18 @@ from typing import Any
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from runner.memory.blocks import Block, BlockList
-from runner.memory.checkpointing import sqrt_segments
 from pydantic import TypeAdapter
 from runner.plan import MemoryPlan
 from runner.recipe import Distributed, Recipe
 
-from .labels import (adaptive_buckets, checkpointing_label, compression_fields, offload_label, parse_checkpointing,
-                     parse_offload)
+from runner.policies import (CHECKPOINTING, EVERY_K, checkpointing_choices, compression_choices, offload_choices,
+                             policy_class)
+
+from .labels import adaptive_buckets, compression_fields, parse_checkpointing, parse_offload
 from .sharding import add_sharding, describe_sharding, parse_sharding
 
 log = logging.getLogger(__name__)
 
-EVERY_K = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # k for "checkpoint every k-th block": spread, not exhaustive
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATOR_SETTINGS = ("default", "expandable_segments:True")  # "default": PYTORCH_CUDA_ALLOC_CONF left alone
 BUDGET_STEP = 0.1  # compile's activation_memory_budget: finer steps than this measure noise, not the knob
@@ -100,21 +100,21 @@ class Candidate:
         return base.model_copy(update=update)
 
     def describe(self) -> str:
-        parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {checkpointing_label(self.plan)}"]
+        parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {self.plan.checkpointing.label()}"]
         if self.strategy:
             sharding = self.plan.sharding.model_dump() if self.plan.sharding else None
             parts.insert(0, describe_sharding(self.strategy, sharding))
-        if self.plan.offload.policy != "none":
-            parts.append(f"offload {offload_label(self.plan)}")
+        if self.plan.offload.moves:
+            parts.append(f"offload {self.plan.offload.label()}")
         if self.plan.compile:
             budget = self.plan.activation_memory_budget
             parts.append("compile" + (f" (activation budget {budget:g})" if budget is not None else ""))
         if self.plan.allocator is not None:
             parts.append(f"allocator {self.plan.allocator}")
         for bucket in self.plan.adaptive:
-            parts.append(f"up to {bucket.max_len} tokens: {checkpointing_label(bucket)}")
-        if self.plan.compression.policy != "none":
-            parts.append(f"compression {self.plan.compression.policy} (lossy)")
+            parts.append(f"up to {bucket.max_len} tokens: {bucket.checkpointing.label()}")
+        if self.plan.compression.lossy:
+            parts.append(f"compression {self.plan.compression.label()} (lossy)")
         return ", ".join(parts + [self.precision])
 
 
@@ -206,9 +206,9 @@ class Space:
         plan = recipe.memory
         if plan.adaptive or "sharding" in self.choices:
             return None
-        values = {"micro_batch": plan.micro_batch or self.batch_size, "checkpointing": checkpointing_label(plan),
-                  "offload": offload_label(plan), "precision": recipe.precision, "compile": plan.compile,
-                  "allocator": plan.allocator or "default", "compression": plan.compression.policy,
+        values = {"micro_batch": plan.micro_batch or self.batch_size, "checkpointing": plan.checkpointing.label(),
+                  "offload": plan.offload.label(), "precision": recipe.precision, "compile": plan.compile,
+                  "allocator": plan.allocator or "default", "compression": plan.compression.label(),
                   "short_checkpointing": "same"}
         if any(self.fixed.get(k, v) != v for k, v in values.items() if k not in self.choices):
             return None
@@ -242,8 +242,8 @@ def add_proposals(space: Space, proposals: list[dict]) -> list[dict]:
     points = []
     for proposal in proposals:
         plan = MemoryPlan.model_validate(proposal["plan"])
-        params = {"micro_batch": plan.micro_batch, "checkpointing": checkpointing_label(plan),
-                  "offload": offload_label(plan), "precision": proposal["precision"], "compile": plan.compile}
+        params = {"micro_batch": plan.micro_batch, "checkpointing": plan.checkpointing.label(),
+                  "offload": plan.offload.label(), "precision": proposal["precision"], "compile": plan.compile}
         params = {k: v for k, v in params.items() if k in space.choices or space.fixed.get(k) != v}
         if any(k not in space.choices for k in params):
             continue  # it differs from a pinned knob (offload on a CPU, another precision)
@@ -324,10 +324,7 @@ def _layers(names: tuple[str, ...]) -> str:
 
 def _checkpointing(space: Space, blocks: BlockList) -> None:
     count = len(blocks)
-    options = ["none", "full"] + [f"every:{k}" for k in EVERY_K if k < count]
-    if len(sqrt_segments(blocks)) > 1:
-        options.append("sqrt")  # with a single segment sqrt would checkpoint nothing: the same as none
-    options.append("selective")
+    options = checkpointing_choices(blocks)  # each policy's own, for this model's blocks
     space.choices["checkpointing"] = options
     space.reasons.append(f"checkpointing in {options}: {count} blocks ({blocks.container_name}); every k-th block "
                          f"for k < {count} from {list(EVERY_K[:4])}...")
@@ -342,18 +339,20 @@ def _adaptive(space: Space, recipe: Recipe) -> None:
         space.reasons.append("memory.adaptive pinned to the recipe's buckets")
         return
     space.fixed["short_len"] = max(1, recipe.data.seq_len // 2)
-    space.choices["short_checkpointing"] = ["same"] + [c for c in space.choices["checkpointing"] if c != "sqrt"]
+    switchable = [c for c in space.choices["checkpointing"] if not policy_class(CHECKPOINTING, c).spans_blocks]
+    space.choices["short_checkpointing"] = ["same"] + switchable
     space.reasons.append(f"short_checkpointing in {space.choices['short_checkpointing']}: data.split lines pads each "
                          f"batch to its longest line, so batches up to {space.fixed['short_len']} tokens may keep "
                          "more (memory.adaptive); probes run the longest batch of each bucket")
 
 
 def _offload(space: Space, device: Device) -> None:
-    if device.kind == "cuda":
-        space.choices["offload"] = ["none", "all"]
-        space.reasons.append("offload in [none, all]: the run is on CUDA, where host memory can hold activations")
+    options = offload_choices(device.kind)
+    if len(options) > 1:
+        space.choices["offload"] = options
+        space.reasons.append(f"offload in {options}: the run is on CUDA, where host memory can hold activations")
     else:
-        space.fixed["offload"] = "none"
+        space.fixed["offload"] = options[0]
         space.reasons.append(f"offload not searched: the run is on the {device.kind}, where there is no device "
                              "memory to free")
 
@@ -405,26 +404,25 @@ def _allocator(space: Space, pinned: str | None, device: Device) -> None:
 
 
 def _compression(space: Space, memory: MemoryPlan, allow_lossy: bool) -> None:
-    from runner.memory.compress import FP8
-
-    pinned = memory.compression.policy
+    pinned, lossy = memory.compression.label(), memory.compression.lossy
     if not allow_lossy:
-        if pinned != "none":  # "none" is what a plan without the key gets: the space's fixed keys stay as they were
+        if lossy:  # an exact plan is what a plan without the key gets: the space's fixed keys stay as they were
             space.fixed["compression"] = pinned
-        why = "the recipe's lossy choice (memory.allow_lossy)" if pinned != "none" else "it is lossy"
+        why = "the recipe's lossy choice (memory.allow_lossy)" if lossy else "it is lossy"
         space.reasons.append(f"compression pinned to {pinned}: {why}; --allow-lossy searches bf16/fp8 storage of "
                              "saved activations, which changes the gradients")
         return
-    space.choices["compression"] = ["none", "bf16"] + (["fp8"] if FP8 is not None else [])
+    space.choices["compression"] = compression_choices()
     space.reasons.append(f"compression in {space.choices['compression']} (--allow-lossy): saved activations stored "
                          "rounded; lossy, and each such plan's gradient error is measured in its probe")
 
 
 def compression_comment(record: dict) -> str | None:
     """tuned.yaml's line on a lossy winner: what it changes, and by how much on one micro-batch."""
-    policy = (record["plan"].get("compression") or {}).get("policy", "none")
-    if policy == "none":
+    compression = MemoryPlan.model_validate(record["plan"]).compression
+    if not compression.lossy:
         return None
+    policy = compression.label()
     error = record.get("gradient_error")
     measured = f"relative gradient error {error:.2e} against the exact plan (one micro-batch)" if error is not None else \
         "gradient error not measured"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from runner.plan import FullCheckpointing, MemoryPlan
 from runner.recipe import Recipe
 from runner.train.guard import stop_line
 from runner.train.loop import MemoryCapExceeded, RunResult, train
@@ -100,18 +101,18 @@ def nothing_fits(records: list[dict], cap: Cap, space: Space, device: Device, di
 
 
 def _knob(smallest: dict, space: Space, device: Device) -> str:
-    plan = smallest["plan"]
+    plan = MemoryPlan.model_validate(smallest["plan"])
     if "precision" not in space.choices and smallest["precision"] == "fp32" and len(device.precisions) > 1:
         halves = "/".join(p for p in device.precisions if p != "fp32")
         return f"--search-precision would try {halves}, which halves activations"
     untried = []
-    if plan["micro_batch"] > min(space.micro_batches()):
+    if plan.micro_batch > min(space.micro_batches()):
         untried.append("a smaller memory.micro_batch")
     elif "micro_batch" not in space.choices and space.batchnorm:
         untried.append("a smaller memory.micro_batch (--search-micro-batch; it changes BatchNorm's statistics)")
-    if plan["checkpointing"]["policy"] != "full":
+    if not isinstance(plan.checkpointing, FullCheckpointing):  # the policy that keeps least
         untried.append("full checkpointing")
-    if device.kind == "cuda" and plan["offload"]["policy"] == "none":
+    if device.kind == "cuda" and not plan.offload.moves:
         untried.append("offload")
     if untried:
         return f"that plan could still use {' and '.join(untried)}: try more --trials"

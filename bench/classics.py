@@ -73,7 +73,7 @@ class Result:
 def plans_of(case: Case) -> dict[str, str | None]:
     """Label -> checkpointing override (None: the recipe's own plan), no plan first."""
     own = load_recipe(resolve_recipe(case.recipe)).memory.checkpointing
-    described = own.policy + (f" {own.every}" if own.policy == "every" else "")
+    described = own.label().replace(":", " ")  # "every 2"
     return {"none": NO_PLAN, f"{described} (recipe)": None, **case.extra_plans}
 
 

@@ -44,9 +44,7 @@ RULES = [{"policy": "none"}, {"policy": "full"}, {"policy": "every", "every": 2}
 
 
 def label(plan: MemoryPlan) -> str:
-    policy = plan.checkpointing
-    return {"every": f"every:{getattr(policy, 'every', '')}", "layers": f"layers {getattr(policy, 'layers', '')}"}.get(
-        policy.policy, policy.policy)
+    return plan.checkpointing.label()
 
 
 def setting(overrides: list[str], at: float = 0.6) -> tuple:

@@ -35,7 +35,6 @@ from autotune.cap import Cap
 from autotune.child import device_info
 from autotune.probe import ProbeRunner, ProbeSettings
 from autotune.model_child import model_facts
-from autotune.labels import checkpointing_label
 from autotune.space import Candidate, Device, ModelFacts, build_space
 from autotune.study import FINALIST_RUNS
 from runner.cli import main as ckrun
@@ -93,7 +92,7 @@ def run_grid(path: Path, overrides: list[str], flags: list[str], directory: Path
         candidate = space.candidate(params)
         result = runner.probe(candidate.recipe(recipe, 10**12), number)  # no cap: measure everything
         rows.append({"key": candidate.key, "label": candidate.describe(), "micro_batch": candidate.plan.micro_batch,
-                     "checkpointing": checkpointing_label(candidate.plan), "precision": candidate.precision,
+                     "checkpointing": candidate.plan.checkpointing.label(), "precision": candidate.precision,
                      "status": result["status"],
                      "peak": result.get("measured_peak_bytes"), "speed": result.get("samples_per_s"),
                      "reason": result.get("reason")})

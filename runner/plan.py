@@ -1,103 +1,36 @@
 """The memory plan: the recipe's `memory` section, which the tuner searches over.
 
-Every closed choice is a discriminated union on `policy`, so a plan is plain data that can be
-written into a recipe, compared, hashed and proposed by the tuner.
+Every closed choice is a discriminated union on `policy` whose members are the policy types of
+runner/policies.py, so a plan is plain data that can be written into a recipe, compared, hashed
+and proposed by the tuner. `plan_problems` is the one place that says which combinations a plan
+cannot have, in terms of what the policies are (`spans_blocks`, `moves`, `lossy`), not their names.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+from pydantic import ByteSize, Field, field_validator
 
+from .policies import (  # noqa: F401 - the plan's vocabulary, importable from here as before
+    AllBlocksOffload,
+    CastCompression,
+    Checkpointing,
+    Compression,
+    EveryKthCheckpointing,
+    FullCheckpointing,
+    LayerListCheckpointing,
+    LayerListOffload,
+    NoCheckpointing,
+    NoCompression,
+    NoOffload,
+    Offload,
+    SelectiveCheckpointing,
+    SqrtCheckpointing,
+    Strict,
+)
 
-class Strict(BaseModel):
-    """Base of every recipe section: strict types, unknown keys rejected, docstrings as help."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", use_attribute_docstrings=True, frozen=True)
-
-
-# --- activation checkpointing --------------------------------------------------------------
-
-
-class NoCheckpointing(Strict):
-    policy: Literal["none"] = "none"
-    """Keep every activation: fastest, most memory."""
-
-
-class FullCheckpointing(Strict):
-    policy: Literal["full"]
-    """Recompute every block in backward: about one extra forward of the blocks."""
-
-
-class EveryKthCheckpointing(Strict):
-    policy: Literal["every"]
-    every: int = Field(gt=0)
-    """Checkpoint blocks 0, k, 2k, ...: most of the saving at a fraction of the recompute."""
-
-
-class LayerListCheckpointing(Strict):
-    policy: Literal["layers"]
-    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
-    """Indices of the blocks to checkpoint (0-based, as `ckrun show --blocks` lists them)."""
-
-    @field_validator("layers")
-    @classmethod
-    def _unique(cls, layers: list[int]) -> list[int]:
-        if len(set(layers)) != len(layers):
-            raise ValueError("a block index is listed twice")
-        return sorted(layers)
-
-
-class SqrtCheckpointing(Strict):
-    policy: Literal["sqrt"]
-    """Split the blocks into about sqrt(L) segments and keep only segment boundaries."""
-
-
-class SelectiveCheckpointing(Strict):
-    policy: Literal["selective"]
-    save_ops: list[str] = Field(
-        default_factory=lambda: ["mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-                                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                                 "_scaled_dot_product_flash_attention_for_cpu"]
-    )
-    """aten ops whose outputs are kept; every other op in a block is recomputed in backward."""
-
-
-Checkpointing = Annotated[
-    NoCheckpointing
-    | FullCheckpointing
-    | EveryKthCheckpointing
-    | LayerListCheckpointing
-    | SqrtCheckpointing
-    | SelectiveCheckpointing,
-    Field(discriminator="policy"),
-]
-
-# --- activation offload ---------------------------------------------------------------------
-
-
-class NoOffload(Strict):
-    policy: Literal["none"] = "none"
-    """Saved activations stay on the device."""
-
-
-class AllBlocksOffload(Strict):
-    policy: Literal["all"]
-    min_bytes: ByteSize = ByteSize(1 << 20)
-    """Saved tensors smaller than this stay on the device (copying them costs more than it saves)."""
-
-
-class LayerListOffload(Strict):
-    policy: Literal["layers"]
-    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
-    """Indices of the blocks whose saved activations go to pinned host memory."""
-    min_bytes: ByteSize = ByteSize(1 << 20)
-    """Saved tensors smaller than this stay on the device."""
-
-
-Offload = Annotated[NoOffload | AllBlocksOffload | LayerListOffload, Field(discriminator="policy")]
 
 # --- FSDP sharding (distributed.strategy: fsdp) ---------------------------------------------
 
@@ -113,27 +46,6 @@ class Sharding(Strict):
     offload: Literal["none", "cpu"] = "none"
     """`cpu`: keep parameters, gradients and optimizer state in host memory and run the optimizer
     step there (FSDP2's CPUOffloadPolicy); the device holds only the blocks in flight. CUDA only."""
-
-
-# --- activation compression (lossy) ----------------------------------------------------------
-
-
-class NoCompression(Strict):
-    policy: Literal["none"] = "none"
-    """Saved activations keep their dtype: exact."""
-
-
-class CastCompression(Strict):
-    policy: Literal["bf16", "fp8"]
-    """`bf16`: fp32 saved activations of every block are stored as bfloat16 (half the bytes). `fp8`:
-    every floating saved activation of 2 or more bytes is stored as float8_e4m3fn with one scale per
-    tensor (a quarter of fp32's bytes; torch without float8 refuses it). Lossy: backward computes
-    with rounded activations, so it needs memory.allow_lossy: true."""
-    min_bytes: ByteSize = ByteSize(1 << 10)
-    """Saved tensors smaller than this keep their dtype (casting them costs more than it saves)."""
-
-
-Compression = Annotated[NoCompression | CastCompression, Field(discriminator="policy")]
 
 
 class LengthBucket(Strict):
@@ -189,9 +101,10 @@ class MemoryPlan(Strict):
         lengths = [bucket.max_len for bucket in buckets]
         if lengths != sorted(set(lengths)):
             raise ValueError(f"buckets must go from short to long, each max_len once, but got max_len {lengths}")
-        if any(bucket.checkpointing.policy == "sqrt" for bucket in buckets):
-            raise ValueError("a bucket cannot use policy sqrt (its segments span blocks, which cannot switch "
-                             "per batch); use policy every or layers")
+        fixed = next((bucket.checkpointing for bucket in buckets if not bucket.checkpointing.switchable), None)
+        if fixed is not None:
+            raise ValueError(f"a bucket cannot use policy {fixed.label()} (its segments span blocks, which cannot "
+                             "switch per batch); use policy every or layers")
         return buckets
 
     @field_validator("allocator")
@@ -214,13 +127,40 @@ _SETTING = r"[A-Za-z_]+:(\[[^\]\s]*\]|[^,:\s\[\]]+)"  # roundup_power2_divisions
 _ALLOCATOR_SETTINGS = re.compile(rf"{_SETTING}(,{_SETTING})*")
 
 
-def plan_problem(plan: MemoryPlan) -> tuple[tuple[str, ...], str] | None:
-    """(key path, message) for a combination the plan's fields cannot have; None when it is fine."""
+def plan_problems(plan: MemoryPlan) -> list[tuple[tuple[str, ...], str]]:
+    """(key path under memory, message) for every combination the plan cannot have, whatever the
+    device: the one place these rules live (the recipe, the tuner and apply_plan all ask it)."""
+    problems = []
     if plan.activation_memory_budget is not None and not plan.compile:
-        return ("activation_memory_budget",), ("memory.activation_memory_budget: is torch.compile's partitioner "
-                                               "setting, and needs memory.compile: true; set it or leave the budget out")
-    if plan.compression.policy != "none" and not plan.allow_lossy:
-        return ("compression",), (f"memory.compression: {plan.compression.policy} stores saved activations rounded, "
-                                  "which changes the gradients; set memory.allow_lossy: true to accept that (or "
-                                  "`ckrun tune --allow-lossy`), or memory.compression.policy: none")
-    return None
+        problems.append((("activation_memory_budget",), "memory.activation_memory_budget: is torch.compile's "
+                         "partitioner setting, and needs memory.compile: true; set it or leave the budget out"))
+    if plan.compression.lossy and not plan.allow_lossy:
+        problems.append((("compression",), f"memory.compression: {plan.compression.label()} stores saved activations "
+                         "rounded, which changes the gradients; set memory.allow_lossy: true to accept that (or "
+                         "`ckrun tune --allow-lossy`), or memory.compression.policy: none"))
+    spans, name = plan.checkpointing.spans_blocks, plan.checkpointing.label()
+    if plan.adaptive and spans:
+        problems.append((("adaptive",), f"memory.adaptive: cannot be combined with memory.checkpointing.policy: "
+                         f"{name} (its segments span blocks, which cannot switch per batch); use policy every or layers"))
+    if plan.compile and spans:  # a region opened in one block's forward and closed in another's: dynamo cannot trace it
+        problems.append((("checkpointing",), f"memory.checkpointing: policy {name} cannot be combined with "
+                         "memory.compile: true; use policy full, every, layers or selective"))
+    if plan.offload.moves and plan.compile:  # dynamo would trace the offload hooks' streams, events and pool
+        problems.append((("offload",), "memory.offload: cannot be combined with memory.compile: true; "
+                         "set memory.offload.policy: none or memory.compile: false"))
+    if plan.offload.moves and spans:  # per-block offload hooks would interleave with a region spanning blocks
+        problems.append((("offload",), f"memory.offload: cannot be combined with memory.checkpointing.policy: {name}; "
+                         "use policy full, every or layers with offload"))
+    if plan.compression.lossy and plan.compile:
+        problems.append((("compression",), "memory.compression: cannot be combined with memory.compile: true; set "
+                         "memory.compression.policy: none or memory.compile: false"))
+    if plan.compression.lossy and spans:
+        problems.append((("compression",), f"memory.compression: cannot be combined with memory.checkpointing.policy: "
+                         f"{name}; use policy full, every, layers or selective"))
+    return problems
+
+
+def plan_problem(plan: MemoryPlan) -> tuple[tuple[str, ...], str] | None:
+    """The first of `plan_problems`, or None."""
+    problems = plan_problems(plan)
+    return problems[0] if problems else None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
-from .plan import MemoryPlan, Strict, plan_problem
+from .plan import MemoryPlan, Strict, plan_problems
 from .problems import KeyedError
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
     PathText,
@@ -207,11 +207,11 @@ class Recipe(Strict):
         if self.memory.sharding is not None and strategy != "fsdp":
             raise KeyedError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy is "
                                   f"{strategy}; set distributed.strategy: fsdp or remove memory.sharding")
-        if strategy == "fsdp" and self.memory.checkpointing.policy == "sqrt":
-            # a segment's recompute replays its blocks' forwards, past the hooks FSDP2 gathers parameters in
-            raise KeyedError(("memory", "checkpointing"), "sqrt segments do not work with distributed.strategy "
-                                  "fsdp (their recompute bypasses FSDP's parameter gathering); use every, layers or "
-                                  "full, or strategy ddp")
+        if strategy == "fsdp" and self.memory.checkpointing.spans_blocks:
+            # a region's recompute replays its blocks' forwards, past the hooks FSDP2 gathers parameters in
+            raise KeyedError(("memory", "checkpointing"), f"{self.memory.checkpointing.label()} segments do not "
+                             "work with distributed.strategy fsdp (their recompute bypasses FSDP's parameter "
+                             "gathering); use every, layers or full, or strategy ddp")
         if strategy == "fsdp" and self.precision == "fp16":
             # the loss scaler would find inf/nan in each rank's shard alone: ranks could disagree on skipping
             raise KeyedError(("precision",), "fp16 with distributed.strategy fsdp is not supported (its loss "
@@ -275,9 +275,9 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _plan_consistent(self) -> Recipe:
-        problem = plan_problem(self.memory)
-        if problem is not None:
-            raise KeyedError(("memory", *problem[0]), problem[1])
+        # the loader prefixes the key itself; plan_problems' messages carry it for callers without a key
+        raise_all([KeyedError(("memory", *path), message.removeprefix(".".join(("memory", *path)) + ": "))
+                   for path, message in plan_problems(self.memory)])
         return self
 
     @property

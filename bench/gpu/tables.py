@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/g
     sys.path.insert(0, str(REPO))
 
 from bench.stats import spearman  # noqa: E402
-from runner.memory.blocks import short_list  # noqa: E402
+from runner.policies import short_list  # noqa: E402
 
 VERSION_KEYS = ("python", "torch", "cuda", "transformers", "torchvision", "optuna", "pydantic")
 
@@ -59,12 +59,12 @@ def plan_label(memory: dict) -> str:
 
 
 def _policy(part: dict) -> str:
-    policy = part.get("policy", "none")
-    if policy == "every":
-        return f"every {part['every']}"
-    if policy == "layers":
-        return f"layers {short_list(part.get('layers') or [])}"
-    return policy
+    """`every 2`, `layers 19,20,21`: a checkpointing or offload section as its policy writes itself."""
+    label = part.get("policy", "none")
+    for key in ("every", "layers"):
+        if key in part:  # every:2, layers:0,2: the policies' own labels (runner/policies.py)
+            label += ":" + (short_list(part[key]) if key == "layers" else str(part[key]))
+    return label.replace(":", " ", 1)
 
 
 

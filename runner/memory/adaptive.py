@@ -17,7 +17,7 @@ from collections import Counter
 from ..build.data import Batch
 from ..plan import MemoryPlan
 from .blocks import BlockList, Undo, short_list
-from .checkpointing import apply_switched, chosen_blocks
+from .checkpointing import apply_switched
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class PlanSwitch:
     def __init__(self, plan: MemoryPlan, blocks: BlockList):
         self.max_lens = [bucket.max_len for bucket in plan.adaptive]
         self.policies = [bucket.checkpointing for bucket in plan.adaptive] + [plan.checkpointing]
-        self.checkpointed = [chosen_blocks(policy, blocks) for policy in self.policies]
+        self.checkpointed = [policy.chosen(blocks) for policy in self.policies]
         self.active = len(self.policies) - 1  # the longest batches' plan until a batch says otherwise
         self.steps = Counter()  # bucket -> steps run under it, for logs and tests
 
@@ -49,7 +49,7 @@ class PlanSwitch:
         bucket = self.bucket_for(length)
         if bucket not in self.steps:
             log.info("memory.adaptive: batch length %s -> %s: checkpointing %s (blocks %s)", length,
-                     self.describe(bucket), self.policies[bucket].policy,
+                     self.describe(bucket), self.policies[bucket].label(),
                      short_list(self.checkpointed[bucket]) or "none")
         self.active = bucket
         self.steps[bucket] += 1

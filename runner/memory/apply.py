@@ -17,9 +17,9 @@ from torch import nn
 from ..plan import MemoryPlan, plan_problem
 from .blocks import BlockList, Undo, find_blocks
 from .adaptive import PlanSwitch, apply_adaptive
-from .checkpointing import apply_checkpointing, chosen_blocks, cuda_refusal
-from .compress import ActivationCompression, apply_compression, chaining_missing, missing_for
-from .offload import CPU_REFUSAL, ActivationOffload, apply_offload, offloaded_blocks
+from .checkpointing import apply_checkpointing, cuda_refusal
+from .compress import ActivationCompression, apply_compression, chaining_missing
+from .offload import CPU_REFUSAL, ActivationOffload, apply_offload
 from .torch_features import missing_budget, missing_for_sqrt
 
 log = logging.getLogger(__name__)
@@ -51,14 +51,13 @@ class AppliedPlan:
 def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> AppliedPlan:
     """Apply `plan`'s checkpointing and offload to `model`'s blocks (after the model is on `device`)."""
     device = torch.device(device)
-    needs_blocks = bool(plan.adaptive) or any(part.policy != "none" for part in
-                                               (plan.checkpointing, plan.offload, plan.compression))
+    needs_blocks = bool(plan.adaptive) or plan.checkpointing.recomputes or plan.offload.moves or plan.compression.lossy
     check_combination(plan, device)
     if not needs_blocks and plan.blocks is None:
         return AppliedPlan(plan, None)
     blocks = find_blocks(model, plan.blocks)
-    applied = AppliedPlan(plan, blocks, chosen_blocks(plan.checkpointing, blocks), offloaded_blocks(plan.offload, blocks))
-    every_checkpointed = sorted({i for part in [plan, *plan.adaptive] for i in chosen_blocks(part.checkpointing, blocks)})
+    applied = AppliedPlan(plan, blocks, plan.checkpointing.chosen(blocks), plan.offload.chosen(blocks))
+    every_checkpointed = sorted({i for part in [plan, *plan.adaptive] for i in part.checkpointing.chosen(blocks)})
     refusal = cuda_refusal(blocks, every_checkpointed) if device.type == "cuda" else None
     if refusal:
         raise ValueError(refusal)
@@ -82,50 +81,20 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
 
 
 def check_combination(plan: MemoryPlan, device: torch.device) -> None:
-    """Plan problems that need no model: a ValueError whose message starts with the key to change."""
+    """What a plan cannot do here: its fields' combinations (runner.plan.plan_problems), then what needs
+    CUDA or a torch feature this torch lacks. A ValueError whose message starts with the key to change."""
     problem = plan_problem(plan)
     if problem is not None:
         raise ValueError(problem[1])
-    if plan.offload.policy != "none" and device.type != "cuda":
+    if plan.offload.moves and device.type != "cuda":
         raise ValueError(CPU_REFUSAL)
     if plan.activation_memory_budget is not None and missing_budget():
         raise ValueError(missing_budget())
-    _check_compression(plan)
-    if plan.adaptive and plan.checkpointing.policy == "sqrt":
-        raise ValueError("memory.adaptive: cannot be combined with memory.checkpointing.policy: sqrt (its segments "
-                         "span blocks, which cannot switch per batch); use policy every or layers")
-    if plan.checkpointing.policy == "sqrt" and missing_for_sqrt():
+    if plan.checkpointing.spans_blocks and missing_for_sqrt():
         raise ValueError(missing_for_sqrt())
-    if plan.compile and plan.checkpointing.policy == "sqrt":
-        # a segment's checkpoint region opens in one block's forward and closes in another's,
-        # which torch.compile cannot trace
-        raise ValueError("memory.checkpointing: policy sqrt cannot be combined with memory.compile: true; "
-                         "use policy full, every, layers or selective")
-    if plan.offload.policy != "none" and plan.compile:
-        # dynamo would trace the offload hooks' Python (streams, events, a buffer pool) and fail its
-        # guards on them; compiled code also frees and reuses activations in its own way
-        raise ValueError("memory.offload: cannot be combined with memory.compile: true; "
-                         "set memory.offload.policy: none or memory.compile: false")
-    if plan.offload.policy != "none" and plan.checkpointing.policy == "sqrt":
-        # a sqrt segment's checkpoint region spans several blocks, but offload hooks open and close
-        # around each block: the two would interleave on autograd's saved-tensor hook stack
-        raise ValueError("memory.offload: cannot be combined with memory.checkpointing.policy: sqrt; "
-                         "use policy full, every or layers with offload")
-
-
-def _check_compression(plan: MemoryPlan) -> None:
-    if plan.compression.policy == "none":
-        return
-    why = missing_for(plan.compression.policy)
-    if why is None and plan.offload.policy != "none":
-        why = chaining_missing()
-    if why is None and plan.compile:
-        # as with offload: dynamo would trace the hooks' Python; compiled code keeps its own activations
-        why = ("memory.compression: cannot be combined with memory.compile: true; set memory.compression.policy: "
-               "none or memory.compile: false")
-    if why is None and plan.checkpointing.policy == "sqrt":
-        # a sqrt segment's checkpoint hooks span several blocks; per-block hooks would interleave with them
-        why = ("memory.compression: cannot be combined with memory.checkpointing.policy: sqrt; use policy full, "
-               "every, layers or selective")
-    if why is not None:
-        raise ValueError(why)
+    if plan.compression.lossy:
+        why = plan.compression.unsupported()
+        if why is None and plan.offload.moves:
+            why = chaining_missing()
+        if why is not None:
+            raise ValueError(why)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 from torch import nn
 
 from ..build.model import count_parameters
+from ..policies import check_indices, short_list  # noqa: F401 - short_list: importable from here as before
 from ..problems import suggest
 
 log = logging.getLogger(__name__)
@@ -52,10 +53,7 @@ class BlockList:
 
     def check_indices(self, key: str, indices: list[int]) -> None:
         """A ValueError naming the recipe key when an index is past the last block."""
-        for index in indices:
-            if index >= len(self):
-                raise ValueError(f"{key}: block {index} is out of range; the model has {len(self)} blocks "
-                                 f"(0-{len(self) - 1})")
+        check_indices(key, indices, len(self))
 
 
 def find_blocks(model: nn.Module, explicit: str | None = None) -> BlockList:
@@ -135,12 +133,6 @@ def undo_all(undos: list[Undo]) -> Undo:
         for step in reversed(undos):
             step()
     return undo
-
-
-def short_list(indices: list[int], most: int = 6) -> str:
-    """'0,2,4,6,8,10,...,22': enough indices for a log line."""
-    shown = ",".join(str(i) for i in indices[:most])
-    return shown + (f",...,{indices[-1]}" if len(indices) > most else "")
 
 
 def _join(prefix: str, name: str) -> str:

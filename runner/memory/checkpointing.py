@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -28,7 +27,7 @@ from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_cont
                                     set_checkpoint_early_stop)
 
 from ..plan import Checkpointing
-from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
+from .blocks import BlockList, Undo, undo_all, wrap_forward
 from .selective import SelectiveBlock, static_policy
 from .torch_features import checkpoint_options, segment_generator
 
@@ -36,19 +35,20 @@ log = logging.getLogger(__name__)
 
 
 def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:
-    """Wrap the blocks `policy` chooses; the returned function puts the model back as it was."""
-    if policy.policy == "none":
+    """Wrap the blocks `policy` chooses, each of its regions as one checkpoint; the returned
+    function puts the model back as it was."""
+    if not policy.recomputes:
         return undo_all([])
     undos = [_kv_cache_off(blocks.root)]
-    if policy.policy == "sqrt":
-        undos.append(_apply_segments(blocks, sqrt_segments(blocks)))
+    chosen = policy.chosen(blocks)
+    log.info("checkpointing %d of %d blocks (%s)", len(chosen), len(blocks), policy.describe(blocks))
+    if policy.spans_blocks:
+        undos.append(_apply_segments(blocks, policy.regions(blocks)))
         return undo_all(undos)
-    chosen = chosen_blocks(policy, blocks)
-    save_ops = frozenset(policy.save_ops) if policy.policy == "selective" else None
-    log.info("checkpointing %d of %d blocks (%s)", len(chosen), len(blocks), _reason(policy, chosen))
-    for i in chosen:
-        block = blocks[i]
-        undos.append(wrap_forward(block.module, _checkpointed, _context_fns([block.module], save_ops, block.name)))
+    for region in policy.regions(blocks):
+        block = blocks[region[0]]
+        undos.append(wrap_forward(block.module, _checkpointed,
+                                  _context_fns([block.module], policy.kept_ops(), block.name)))
     return undo_all(undos)
 
 
@@ -56,12 +56,12 @@ def apply_switched(blocks: BlockList, policies: list[Checkpointing], active: Cal
     """Checkpointing chosen at each forward: every block runs under `policies[active()]`. Each block
     that any policy checkpoints is wrapped once, with one checkpointed forward per policy that wants
     it, so switching is a lookup and never a rebuild. No policy may be sqrt (its regions span blocks)."""
-    chosen = [set(chosen_blocks(policy, blocks)) for policy in policies]
+    chosen = [set(policy.chosen(blocks)) for policy in policies]
     undos = [_kv_cache_off(blocks.root)] if any(chosen) else []
     for index in sorted(set().union(*chosen)):
         module = blocks[index].module
-        contexts = {k: _context_fns([module], frozenset(p.save_ops) if p.policy == "selective" else None,
-                                    blocks[index].name) for k, p in enumerate(policies) if index in chosen[k]}
+        contexts = {k: _context_fns([module], p.kept_ops(), blocks[index].name)
+                    for k, p in enumerate(policies) if index in chosen[k]}
         undos.append(wrap_forward(module, _switched, contexts, active))
     return undo_all(undos)
 
@@ -73,21 +73,6 @@ def _switched(forward: Callable, contexts: dict[int, _Contexts], active: Callabl
     def run(*args, **kwargs):
         return runs.get(active(), forward)(*args, **kwargs)
     return run
-
-
-def chosen_blocks(policy: Checkpointing, blocks: BlockList) -> list[int]:
-    """The indices `policy` checkpoints; a ValueError naming the key when one is out of range."""
-    count = len(blocks)
-    if policy.policy == "sqrt":
-        return [index for segment in sqrt_segments(blocks)[:-1] for index in segment]
-    if policy.policy in ("full", "selective"):
-        return list(range(count))
-    if policy.policy == "every":
-        return list(range(0, count, policy.every))
-    if policy.policy == "layers":
-        blocks.check_indices("memory.checkpointing.layers", policy.layers)
-        return list(policy.layers)
-    return []
 
 
 def cuda_refusal(blocks: BlockList, chosen: list[int]) -> str | None:
@@ -103,19 +88,6 @@ def cuda_refusal(blocks: BlockList, chosen: list[int]) -> str | None:
                         "replay (wrong gradients); set its dropout to 0 (or put nn.Dropout between single-layer "
                         "RNNs), or leave this block out with policy layers")
     return None
-
-
-def _reason(policy: Checkpointing, chosen: list[int]) -> str:
-    if policy.policy == "every":
-        return f"every {_ordinal(policy.every)}: {short_list(chosen)}"
-    if policy.policy == "selective":
-        return f"selective: keeping outputs of {', '.join(policy.save_ops)}; recomputing the rest"
-    return "all" if policy.policy == "full" else f"layers {short_list(chosen)}"
-
-
-def _ordinal(k: int) -> str:
-    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
-    return "block" if k == 1 else f"{k}{suffix}"
 
 
 def _kv_cache_off(root: nn.Module | None) -> Undo:
@@ -266,29 +238,8 @@ class _BufferReplay:
 # Segments never cross containers (T5's encoder and decoder stacks have code in between).
 
 
-def sqrt_segments(blocks: BlockList) -> list[list[int]]:
-    """About sqrt(L) runs of consecutive block indices, split at container boundaries."""
-    count = len(blocks)
-    size = math.ceil(count / max(1, round(math.sqrt(count)))) if count else 1
-    runs: dict[str, list[int]] = {}  # container -> its block indices
-    for index, container in enumerate(blocks.containers or [""] * count):
-        runs.setdefault(container, []).append(index)
-    segments = []
-    for run in runs.values():
-        # near-equal pieces, longer first: 5 blocks at up to 4 a segment split 3+2, not 4+1
-        base, longer = divmod(len(run), math.ceil(len(run) / size))
-        while run:
-            take = base + (1 if longer > 0 else 0)
-            segments.append(run[:take])
-            run, longer = run[take:], longer - 1
-    return segments
-
-
-def _apply_segments(blocks: BlockList, segments: list[list[int]]) -> Undo:
-    checkpointed = segments[:-1]
-    log.info("checkpointing %d of %d blocks (sqrt: %d segments of up to %d blocks, each recomputed as one unit; "
-             "the last segment %s is kept)", sum(map(len, checkpointed)), len(blocks), len(segments),
-             max(map(len, segments), default=0), _span(segments[-1]) if segments else "-")
+def _apply_segments(blocks: BlockList, checkpointed: list[list[int]]) -> Undo:
+    """Each region, a run of blocks, checkpointed as one unit (the sqrt policy's segments)."""
     runner = _SegmentRunner()
     undos = []
     for segment in checkpointed:
@@ -300,10 +251,6 @@ def _apply_segments(blocks: BlockList, segments: list[list[int]]) -> Undo:
         undos.append(handle.remove)
     undos.append(runner.abandon)
     return undo_all(undos)
-
-
-def _span(segment: list[int]) -> str:
-    return f"{segment[0]}-{segment[-1]}" if len(segment) > 1 else str(segment[0])
 
 
 class _Ref:

@@ -26,27 +26,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..plan import Compression
+from ..policies import CastCompression, float8
 from ..units import format_bytes
 from .blocks import BlockList, Undo, undo_all, wrap_forward
 from .offload import _Storages, derived_from_parameter
 
 log = logging.getLogger(__name__)
 
-FP8 = getattr(torch, "float8_e4m3fn", None)  # torch builds without float8 refuse policy fp8
+FP8 = float8()  # None on a torch without float8
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def target_dtype(policy: str) -> torch.dtype:
-    return torch.bfloat16 if policy == "bf16" else FP8
-
-
-def missing_for(policy: str) -> str | None:
-    """Why `policy` cannot run on this torch, or None."""
-    if policy == "fp8" and FP8 is None:
-        return (f"memory.compression: policy fp8 needs torch.float8_e4m3fn, which torch {torch.__version__} does "
-                "not have; use policy bf16")
-    return None
 
 
 def chaining_missing() -> str | None:
@@ -73,8 +62,8 @@ class _Compressed:
 class ActivationCompression:
     """saved_tensors_hooks that round saved activations of chosen blocks; counts what they stored."""
 
-    def __init__(self, policy: str, min_bytes: int):
-        self.policy, self.target, self.min_bytes = policy, target_dtype(policy), min_bytes
+    def __init__(self, policy: CastCompression):
+        self.policy, self.target, self.min_bytes = policy.label(), policy.stored_dtype(), int(policy.min_bytes)
         self.original_bytes = 0  # totals since creation: what the compressed tensors held, and now hold
         self.stored_bytes = 0
         self.count = 0
@@ -148,9 +137,9 @@ def to_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def apply_compression(blocks: BlockList, policy: Compression) -> tuple[Undo, ActivationCompression | None]:
     """Compress the saved activations of every block; returns (undo, the compressor)."""
-    if policy.policy == "none":
+    if not policy.lossy:
         return undo_all([]), None
-    compression = ActivationCompression(policy.policy, int(policy.min_bytes))
+    compression = ActivationCompression(policy)
     log.info("memory.compression: saved activations of all %d blocks stored as %s (lossy: the gradient changes "
              "by the rounding); weights and tensors under %s keep their dtype", len(blocks), compression.target,
              format_bytes(int(policy.min_bytes)))

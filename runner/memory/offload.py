@@ -83,22 +83,13 @@ def offloadable(tensor: torch.Tensor, device: torch.device, min_bytes: int, own:
             and not derived_from_parameter(tensor) and not own.holds(tensor))
 
 
-def offloaded_blocks(policy: Offload, blocks: BlockList) -> list[int]:
-    if policy.policy == "all":
-        return list(range(len(blocks)))
-    if policy.policy == "layers":
-        blocks.check_indices("memory.offload.layers", policy.layers)
-        return list(policy.layers)
-    return []
-
-
 def apply_offload(blocks: BlockList, policy: Offload, device: torch.device) -> tuple[Undo, ActivationOffload | None]:
     """Offload the saved activations of the blocks `policy` names; returns (undo, the offloader)."""
-    if policy.policy == "none":
+    if not policy.moves:
         return undo_all([]), None
     if torch.device(device).type != "cuda":
         raise ValueError(CPU_REFUSAL)
-    chosen = offloaded_blocks(policy, blocks)
+    chosen = policy.chosen(blocks)
     offload = ActivationOffload(device, int(policy.min_bytes), CudaTransport(device))
     log.info("offloading saved activations of %d of %d blocks (%s) to pinned host memory on a side stream, at "
              "most two blocks in flight; weights and tensors under %s stay", len(chosen), len(blocks),

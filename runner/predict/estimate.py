@@ -44,8 +44,7 @@ from ..build.optim import build_optimizer
 from ..build.resolve import transformers_class
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
-from ..memory.checkpointing import chosen_blocks
-from ..memory.offload import ActivationOffload, CopyTransport, offloaded_blocks
+from ..memory.offload import ActivationOffload, CopyTransport
 from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload
 from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData
@@ -195,27 +194,27 @@ class Estimator:
         with a clock, the markers that tell it where the step is."""
         undos = []
         try:
-            blocks = None if plan.checkpointing.policy == "none" and plan.offload.policy == "none" else \
-                find_blocks(self.model, plan.blocks)
+            blocks = find_blocks(self.model, plan.blocks) if plan.checkpointing.recomputes or plan.offload.moves \
+                else None
             if clock is not None:  # innermost, inside any checkpoint: a recompute is seen as one
                 undos += self._clock_markers(clock, plan)
-            if self.cuda and plan.checkpointing.policy != "none":  # inside the checkpoint: its recompute too
+            if self.cuda and plan.checkpointing.recomputes:  # inside the checkpoint: its recompute too
                 undos += [wrap_forward(block.module, in_cuda_mode) for block in blocks]
             undos.append(apply_plan(self.model, plan.model_copy(update={"offload": NoOffload()}), CPU).remove)
-            if plan.offload.policy != "none":  # outside the checkpoint, as apply_plan stacks them
+            if plan.offload.moves:  # outside the checkpoint, as apply_plan stacks them
                 # training's own offloader and schedule; only the copies are fake (host = meta)
                 offload = ActivationOffload(CPU, int(plan.offload.min_bytes), CopyTransport(CPU, HOST))
                 undos += [wrap_forward(blocks[i].module, offload.wrapper, blocks[i].module)
-                          for i in offloaded_blocks(plan.offload, blocks)]
+                          for i in plan.offload.chosen(blocks)]
             yield
         finally:
             undo_all(undos)()
 
     def _moded_blocks(self, plan: MemoryPlan) -> frozenset[int]:
         """Blocks whose ops selective checkpointing's Python dispatch mode handles (a host cost per op)."""
-        if plan.checkpointing.policy != "selective":
+        if not plan.checkpointing.caches_ops:
             return frozenset()
-        return frozenset(chosen_blocks(plan.checkpointing, find_blocks(self.model, plan.blocks)))
+        return frozenset(plan.checkpointing.chosen(find_blocks(self.model, plan.blocks)))
 
     def _clock_markers(self, clock: OpClock, plan: MemoryPlan) -> list:
         """The model's forward starts a micro-batch; each block's forward names its block (a model
@@ -239,8 +238,8 @@ class Estimator:
             notes.append("memory.compile: estimated as eager; compiled code usually needs less"
                          + (" (activation_memory_budget is not modelled: measure it)"
                             if plan.activation_memory_budget is not None else ""))
-        if plan.compression.policy != "none":
-            notes.append(f"memory.compression {plan.compression.policy}: lossy; training logs its gradient error "
+        if plan.compression.lossy:
+            notes.append(f"memory.compression {plan.compression.label()}: lossy; training logs its gradient error "
                          "against the exact plan at start, and `ckrun tune` records it per probe")
         if precision == "fp16":
             notes.append("fp16: the GradScaler's few scalar tensors are left out")

@@ -159,7 +159,7 @@ class Trainer:
             log.warning("memory.compression: the gradient error was not measured: the exact plan ran out of memory "
                         "on one micro-batch (%s)", describe_out_of_memory(err))
             return None
-        log.info(report_gradient_error(error, self.recipe.memory.compression.policy))
+        log.info(report_gradient_error(error, self.recipe.memory.compression.label()))
         return error
 
     # --- state ------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Adaptive plans in the tuner: for text of varying length the space has a checkpointing for short
-batches; every point is a valid recipe and the starting points use one plan for every length."""
+batches; every point is a valid recipe or one the schema refuses for its reason, and the starting
+points use one plan for every length."""
 
 from autotune.model_child import model_facts
 from autotune.space import Device, ModelFacts, build_space
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
-from runner.recipe import Recipe
+from tune_helpers import valid_points
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
 
@@ -22,8 +23,7 @@ def test_short_batches_get_their_own_checkpointing(tmp_path):
     recipe, space = _space(tmp_path)
     assert space.choices["short_checkpointing"][0] == "same" and "sqrt" not in space.choices["short_checkpointing"]
     buckets = set()
-    for params in space.all_params():
-        plan = Recipe.model_validate_json(space.candidate(params).recipe(recipe, 10**9).model_dump_json()).memory
+    for params, plan in valid_points(space, recipe):
         assert len(plan.adaptive) == (params["short_checkpointing"] != "same")
         buckets.update((b.max_len, b.checkpointing.policy) for b in plan.adaptive)
     assert {max_len for max_len, _ in buckets} == {recipe.data.seq_len // 2}

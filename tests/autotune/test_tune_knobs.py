@@ -9,10 +9,11 @@ from autotune.model_child import model_facts
 from autotune.report import ranked_feasible
 from autotune.space import Device, ModelFacts, build_space
 from autotune.study import Budget, Tuner, open_study, trial_records
+from tune_helpers import valid_points
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from runner.memory.torch_features import missing_budget
-from runner.recipe import Recipe
+
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
 GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x", "12.8")
@@ -27,8 +28,7 @@ def _space(device=CPU, overrides=(), **flags):
 def test_allocator_is_searched_per_probe_on_cuda_only():
     recipe, gpu = _space(GPU)
     assert gpu.choices["allocator"] == ["default", "expandable_segments:True"]
-    allocators = {Recipe.model_validate_json(gpu.candidate(p).recipe(recipe, 10**9).model_dump_json()).memory.allocator
-                  for p in gpu.all_params()}
+    allocators = {memory.allocator for _, memory in valid_points(gpu, recipe)}
     assert allocators == {None, "expandable_segments:True"}
     assert all(p["allocator"] == "default" for p in gpu.starting_points(recipe))
     _, cpu = _space(CPU)

@@ -10,7 +10,6 @@ from autotune.cli_tune import parse_duration
 from autotune.model_child import model_facts
 from autotune.space import Device, ModelFacts, build_space
 from autotune.cap import Cap
-from autotune.labels import checkpointing_label
 from autotune.study import Budget, Prediction, Tuner, open_study, trial_records
 from autotune.report import ranked_feasible
 from conftest import BERT_TINY, TINY_BERT
@@ -231,12 +230,12 @@ def test_predicted_times_order_the_starting_points_after_the_recipes_own_plan(tm
     slowest_first = {"none": 3.0, "full": 1.0, "every:2": 2.0}
 
     def predict(candidate):
-        label = checkpointing_label(candidate.plan)
+        label = candidate.plan.checkpointing.label()
         return Prediction(1000, time={"seconds": slowest_first.get(label, 9.0) + candidate.plan.micro_batch / 100})
 
     study, _ = open_study(tmp_path, {}, False)
     tuner = Tuner(study, space, CAP, Counting(recipe), predict)
     tuner.start(own)
     queued = [space.candidate(t.system_attrs["fixed_params"]) for t in study.get_trials(states=(TrialState.WAITING,))]
-    assert [(c.plan.micro_batch, checkpointing_label(c.plan)) for c in queued[:4]] == [
+    assert [(c.plan.micro_batch, c.plan.checkpointing.label()) for c in queued[:4]] == [
         (4, "none"), (8, "full"), (8, "every:2"), (8, "none")]

@@ -54,3 +54,20 @@ def report(directory: Path) -> dict:
 
 def trials_by_number(directory: Path) -> dict[int, dict]:
     return {t["number"]: t for t in report(directory)["trials"]}
+
+
+def valid_points(space, recipe):
+    """(params, the validated recipe's memory plan) of every point the recipe schema accepts; a point it
+    refuses must be one of the combinations runner.plan.plan_problems names (offload or a bucket beside
+    sqrt segments, ...), which the tuner tells infeasible without a probe."""
+    from pydantic import ValidationError
+
+    from runner.plan import plan_problems
+    from runner.recipe import Recipe
+
+    for params in space.all_params():
+        candidate = space.candidate(params)
+        try:
+            yield params, Recipe.model_validate_json(candidate.recipe(recipe, 10**9).model_dump_json()).memory
+        except ValidationError as err:
+            assert plan_problems(candidate.plan), f"{params} refused for another reason: {err}"

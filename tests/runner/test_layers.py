@@ -1,8 +1,8 @@
 """No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
 own layer or the ones below it:
 
-1. foundations  problems, units, files, yamlio, plan, checkpoint_files (messages, YAML, the plan's
-                data, the checkpoint file format)
+1. foundations  problems, units, files, yamlio, policies, plan, checkpoint_files (messages, YAML, the
+                policies and the plan's data, the checkpoint file format)
 2. recipe       recipe, recipe_data, recipe_train, load, located, library (the validated recipe and
                 where its lines are)
 3. build        build/, models/ (model, data, optimizer from a recipe)
@@ -30,7 +30,7 @@ from pathlib import Path
 from conftest import ROOT
 
 LAYERS = [
-    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.yamlio", "runner.plan",
+    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.yamlio", "runner.policies", "runner.plan",
                      "runner.checkpoint_files"}),
     ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.load", "runner.located",
                 "runner.library"}),

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from runner.memory.apply import apply_plan
 from runner.memory.blocks import find_blocks
-from runner.memory.checkpointing import sqrt_segments
+from runner.policies import sqrt_segments
 from runner.memory.measure import SavedBytes
 from runner.plan import MemoryPlan
 

@@ -18,7 +18,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import BERT_TINY, TINY_BERT
 from runner.memory.apply import apply_plan
 from runner.memory.blocks import find_blocks, wrap_forward
-from runner.memory.compress import FP8, ActivationCompression, apply_compression, to_fp8
+from runner.memory.compress import ActivationCompression, apply_compression, to_fp8
+from runner.memory.compress import FP8
+from runner.policies import CastCompression
 from runner.memory.tracker import LiveBytesTracker
 from runner.memory.offload import ActivationOffload, CopyTransport, _Storages
 from runner.plan import MemoryPlan
@@ -90,7 +92,7 @@ def test_saved_bytes_shrink_as_counted(blocks, width, batch, policy):
 def test_small_tensors_weights_and_integers_keep_their_dtype():
     model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 16))
     ids = torch.randint(0, 50, (4, 8))
-    compression = ActivationCompression("bf16", min_bytes=4 * 8 * 16 * 4 + 1)  # just over one activation
+    compression = ActivationCompression(CastCompression(policy="bf16", min_bytes=4 * 8 * 16 * 4 + 1))  # just over one activation
     with compression.hooks(model):
         model(ids).sum().backward()
     assert compression.count == 0  # the ids are integers, the weights are the model's own, activations too small
@@ -136,7 +138,7 @@ def test_an_overflowed_tensor_unpacks_as_nan_never_as_zeros(dtype, bad):
     """fp16's GradScaler must see the overflow in the gradients and skip the step."""
     tensor = torch.randn(64).to(dtype)
     tensor[7] = bad
-    compression = ActivationCompression("fp8", 0)
+    compression = ActivationCompression(CastCompression(policy="fp8", min_bytes=0))
     entry = compression._pack(_Storages(nn.Linear(1, 1)), None, tensor)
     assert torch.isnan(compression._unpack(None, entry)).all()
 

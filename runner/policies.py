@@ -1,0 +1,406 @@
+"""Memory-plan policies as types: each checkpointing, offload and compression choice is one class.
+
+A class is the whole policy: its recipe fields (pydantic, discriminated by `policy`), the blocks it
+acts on, how the tuner writes it as a choice (`every:3`) and reads it back, which choices it offers
+for a model, the line the log gives it, and what it is in the terms the rest of ckrun asks about
+(`recomputes`, `spans_blocks`, `caches_ops`, `moves`, `lossy`). The rules for combining policies
+(runner/plan.py) read those capabilities, never a policy's name; applying a policy to a model is
+the memory layer's (runner/memory/), which asks these same methods. Adding a policy is one class
+here and its place in the union, its tests, and its line in the README.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, ClassVar, Literal, Protocol, get_args
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+
+EVERY_K = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # k for "checkpoint every k-th block": spread, not exhaustive
+
+
+class Strict(BaseModel):
+    """Base of every recipe section: strict types, unknown keys rejected, docstrings as help."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class BlockLayout(Protocol):
+    """What a policy needs to know of a model's repeated blocks: how many, and the container of each
+    (runner.memory.blocks.BlockList; the tuner's model facts)."""
+
+    containers: list[str]
+
+    def __len__(self) -> int: ...
+
+
+def check_indices(key: str, indices: list[int], count: int) -> None:
+    """A ValueError naming the recipe key when an index is past the last block."""
+    for index in indices:
+        if index >= count:
+            raise ValueError(f"{key}: block {index} is out of range; the model has {count} blocks (0-{count - 1})")
+
+
+def short_list(indices: list[int], most: int = 6) -> str:
+    """'0,2,4,6,8,10,...,22': enough indices for a log line."""
+    shown = ",".join(str(i) for i in indices[:most])
+    return shown + (f",...,{indices[-1]}" if len(indices) > most else "")
+
+
+class Policy(Strict):
+    """What every policy class answers; `policy` is each subclass's one literal."""
+
+    @classmethod
+    def tag(cls) -> str:
+        return get_args(cls.model_fields["policy"].annotation)[0]
+
+    @classmethod
+    def from_argument(cls, argument: str) -> dict:
+        """The fields a tuner label's argument (`3` of `every:3`) stands for."""
+        return {}
+
+    def label(self) -> str:
+        """The policy as one tuner choice: `every:3`, `layers:0,2,5`, `bf16`."""
+        return self.policy
+
+
+# --- activation checkpointing --------------------------------------------------------------------
+
+
+class CheckpointingPolicy(Policy):
+    recomputes: ClassVar[bool] = True
+    """It recomputes activations in backward (no plan does not)."""
+    spans_blocks: ClassVar[bool] = False
+    """One checkpoint region covers several blocks: it cannot switch per batch, and per-block hooks
+    (offload, compression), FSDP's gathering and torch.compile cannot run inside it."""
+    caches_ops: ClassVar[bool] = False
+    """A Python dispatch mode handles every op of its blocks (a host cost per op in eager mode)."""
+
+    @property
+    def switchable(self) -> bool:
+        """It can be one bucket's plan under memory.adaptive (switched between steps)."""
+        return not self.spans_blocks
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        """The blocks it recomputes."""
+        return list(range(len(layout)))
+
+    def regions(self, layout: BlockLayout) -> list[list[int]]:
+        """The checkpoint regions, each a run of blocks recomputed as one."""
+        return [[index] for index in self.chosen(layout)]
+
+    def kept_ops(self) -> frozenset[str] | None:
+        """aten ops whose outputs its recompute keeps instead of recomputing; None: it keeps none."""
+        return None
+
+    @classmethod
+    def tuner_labels(cls, layout: BlockLayout) -> list[str]:
+        """The choices it offers the tuner for a model of these blocks."""
+        return [cls.tag()]
+
+    def describe(self, layout: BlockLayout) -> str:
+        """What the log says it does."""
+        return "all"
+
+
+class NoCheckpointing(CheckpointingPolicy):
+    policy: Literal["none"] = "none"
+    """Keep every activation: fastest, most memory."""
+    recomputes: ClassVar[bool] = False
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        return []
+
+    def describe(self, layout: BlockLayout) -> str:
+        return "none"
+
+
+class FullCheckpointing(CheckpointingPolicy):
+    policy: Literal["full"]
+    """Recompute every block in backward: about one extra forward of the blocks."""
+
+
+class EveryKthCheckpointing(CheckpointingPolicy):
+    policy: Literal["every"]
+    every: int = Field(gt=0)
+    """Checkpoint blocks 0, k, 2k, ...: most of the saving at a fraction of the recompute."""
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        return list(range(0, len(layout), self.every))
+
+    def label(self) -> str:
+        return f"every:{self.every}"
+
+    @classmethod
+    def from_argument(cls, argument: str) -> dict:
+        return {"every": int(argument)}
+
+    @classmethod
+    def tuner_labels(cls, layout: BlockLayout) -> list[str]:
+        return [f"every:{k}" for k in EVERY_K if k < len(layout)]
+
+    def describe(self, layout: BlockLayout) -> str:
+        return f"every {_ordinal(self.every)}: {short_list(self.chosen(layout))}"
+
+
+class LayerListCheckpointing(CheckpointingPolicy):
+    policy: Literal["layers"]
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    """Indices of the blocks to checkpoint (0-based, as `ckrun show --blocks` lists them)."""
+
+    @field_validator("layers")
+    @classmethod
+    def _unique(cls, layers: list[int]) -> list[int]:
+        if len(set(layers)) != len(layers):
+            raise ValueError("a block index is listed twice")
+        return sorted(layers)
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        check_indices("memory.checkpointing.layers", self.layers, len(layout))
+        return list(self.layers)
+
+    def label(self) -> str:
+        return "layers:" + ",".join(map(str, self.layers))
+
+    @classmethod
+    def from_argument(cls, argument: str) -> dict:
+        return {"layers": [int(i) for i in argument.split(",")]}
+
+    @classmethod
+    def tuner_labels(cls, layout: BlockLayout) -> list[str]:
+        return []  # the solver's per-block plans join the space as they are proposed
+
+    def describe(self, layout: BlockLayout) -> str:
+        return f"layers {short_list(self.chosen(layout))}"
+
+
+class SqrtCheckpointing(CheckpointingPolicy):
+    policy: Literal["sqrt"]
+    """Split the blocks into about sqrt(L) segments and keep only segment boundaries."""
+    spans_blocks: ClassVar[bool] = True
+
+    def regions(self, layout: BlockLayout) -> list[list[int]]:
+        return sqrt_segments(layout)[:-1]  # as checkpoint_sequential: backward needs the last segment first
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        return [index for segment in self.regions(layout) for index in segment]
+
+    @classmethod
+    def tuner_labels(cls, layout: BlockLayout) -> list[str]:
+        return ["sqrt"] if len(sqrt_segments(layout)) > 1 else []  # one segment would checkpoint nothing
+
+    def describe(self, layout: BlockLayout) -> str:
+        segments = sqrt_segments(layout)
+        last = segments[-1] if segments else []
+        kept = (f"{last[0]}-{last[-1]}" if len(last) > 1 else str(last[0])) if last else "-"
+        return (f"sqrt: {len(segments)} segments of up to {max(map(len, segments), default=0)} blocks, each "
+                f"recomputed as one unit; the last segment {kept} is kept")
+
+
+class SelectiveCheckpointing(CheckpointingPolicy):
+    policy: Literal["selective"]
+    save_ops: list[str] = Field(
+        default_factory=lambda: ["mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                                 "_scaled_dot_product_flash_attention_for_cpu"]
+    )
+    """aten ops whose outputs are kept; every other op in a block is recomputed in backward."""
+    caches_ops: ClassVar[bool] = True
+
+    def kept_ops(self) -> frozenset[str]:
+        return frozenset(self.save_ops)
+
+    def describe(self, layout: BlockLayout) -> str:
+        return f"selective: keeping outputs of {', '.join(self.save_ops)}; recomputing the rest"
+
+
+Checkpointing = Annotated[
+    NoCheckpointing | FullCheckpointing | EveryKthCheckpointing | LayerListCheckpointing | SqrtCheckpointing
+    | SelectiveCheckpointing,
+    Field(discriminator="policy"),
+]
+
+
+def sqrt_segments(layout: BlockLayout) -> list[list[int]]:
+    """About sqrt(L) runs of consecutive block indices, split at container boundaries (T5's encoder
+    and decoder stacks have code in between, which a segment's replay would skip)."""
+    count = len(layout)
+    size = math.ceil(count / max(1, round(math.sqrt(count)))) if count else 1
+    runs: dict[str, list[int]] = {}  # container -> its block indices
+    for index, container in enumerate(layout.containers or [""] * count):
+        runs.setdefault(container, []).append(index)
+    segments = []
+    for run in runs.values():
+        # near-equal pieces, longer first: 5 blocks at up to 4 a segment split 3+2, not 4+1
+        base, longer = divmod(len(run), math.ceil(len(run) / size))
+        while run:
+            take = base + (1 if longer > 0 else 0)
+            segments.append(run[:take])
+            run, longer = run[take:], longer - 1
+    return segments
+
+
+def _ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return "block" if k == 1 else f"{k}{suffix}"
+
+
+# --- activation offload ----------------------------------------------------------------------------
+
+
+class OffloadPolicy(Policy):
+    moves: ClassVar[bool] = True
+    """It moves saved activations to host memory (CUDA only)."""
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        """The blocks whose saved activations go to the host."""
+        return list(range(len(layout)))
+
+    @classmethod
+    def tuner_labels(cls, device_kind: str) -> list[str]:
+        return [cls.tag()] if device_kind == "cuda" else []
+
+
+class NoOffload(OffloadPolicy):
+    policy: Literal["none"] = "none"
+    """Saved activations stay on the device."""
+    moves: ClassVar[bool] = False
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        return []
+
+    @classmethod
+    def tuner_labels(cls, device_kind: str) -> list[str]:
+        return ["none"]
+
+
+class AllBlocksOffload(OffloadPolicy):
+    policy: Literal["all"]
+    min_bytes: ByteSize = ByteSize(1 << 20)
+    """Saved tensors smaller than this stay on the device (copying them costs more than it saves)."""
+
+
+class LayerListOffload(OffloadPolicy):
+    policy: Literal["layers"]
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    """Indices of the blocks whose saved activations go to pinned host memory."""
+    min_bytes: ByteSize = ByteSize(1 << 20)
+    """Saved tensors smaller than this stay on the device."""
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        check_indices("memory.offload.layers", self.layers, len(layout))
+        return list(self.layers)
+
+    def label(self) -> str:
+        return "layers:" + ",".join(map(str, self.layers))
+
+    @classmethod
+    def from_argument(cls, argument: str) -> dict:
+        return {"layers": [int(i) for i in argument.split(",")]}
+
+    @classmethod
+    def tuner_labels(cls, device_kind: str) -> list[str]:
+        return []  # the solver's per-block plans
+
+
+Offload = Annotated[NoOffload | AllBlocksOffload | LayerListOffload, Field(discriminator="policy")]
+
+
+# --- activation compression (lossy) ----------------------------------------------------------------
+
+def float8():
+    """torch.float8_e4m3fn, or None on a torch without float8. Imported here, not at the top:
+    validating a recipe must not import torch."""
+    import torch
+
+    return getattr(torch, "float8_e4m3fn", None)
+
+
+class CompressionPolicy(Policy):
+    lossy: ClassVar[bool] = True
+    """It stores saved activations rounded: backward computes with them, so the gradients change."""
+
+    def unsupported(self) -> str | None:
+        """Why this torch cannot run it, or None."""
+        return None
+
+    @classmethod
+    def tuner_labels(cls) -> list[str]:
+        return [cls.tag()]
+
+
+class NoCompression(CompressionPolicy):
+    policy: Literal["none"] = "none"
+    """Saved activations keep their dtype: exact."""
+    lossy: ClassVar[bool] = False
+
+
+class CastCompression(CompressionPolicy):
+    policy: Literal["bf16", "fp8"]
+    """`bf16`: fp32 saved activations of every block are stored as bfloat16 (half the bytes). `fp8`:
+    every floating saved activation of 2 or more bytes is stored as float8_e4m3fn with one scale per
+    tensor (a quarter of fp32's bytes; torch without float8 refuses it). Lossy: backward computes
+    with rounded activations, so it needs memory.allow_lossy: true."""
+    min_bytes: ByteSize = ByteSize(1 << 10)
+    """Saved tensors smaller than this keep their dtype (casting them costs more than it saves)."""
+
+    def stored_dtype(self):
+        """The torch dtype saved activations are stored in (None: this torch has no float8)."""
+        import torch
+
+        return torch.bfloat16 if self.policy == "bf16" else float8()
+
+    def unsupported(self) -> str | None:
+        """Why this torch cannot run it, or None."""
+        if self.stored_dtype() is None:
+            from torch import __version__
+
+            return (f"memory.compression: policy {self.policy} needs torch.float8_e4m3fn, which torch "
+                    f"{__version__} does not have; use policy bf16")
+        return None
+
+    @classmethod
+    def tuner_labels(cls) -> list[str]:
+        return ["bf16"] + (["fp8"] if float8() is not None else [])
+
+
+Compression = Annotated[NoCompression | CastCompression, Field(discriminator="policy")]
+
+
+# --- labels <-> policies -----------------------------------------------------------------------------
+
+
+def _members(union) -> tuple[type[Policy], ...]:
+    return get_args(get_args(union)[0])
+
+
+CHECKPOINTING: tuple[type[CheckpointingPolicy], ...] = _members(Checkpointing)
+OFFLOAD: tuple[type[OffloadPolicy], ...] = _members(Offload)
+COMPRESSION: tuple[type[CompressionPolicy], ...] = _members(Compression)
+
+
+def policy_class(kind: tuple[type[Policy], ...], label: str) -> type[Policy]:
+    """The class among `kind` whose policy a tuner choice (`every:3`) names."""
+    tag = label.partition(":")[0]
+    for cls in kind:
+        if tag in get_args(cls.model_fields["policy"].annotation):
+            return cls
+    raise ValueError(f"no policy is written {label!r}")
+
+
+def from_label(kind: tuple[type[Policy], ...], label: str) -> dict:
+    """A tuner choice (`every:3`, `layers:1,3`, `fp8`) as the recipe data of its policy."""
+    tag, _, argument = label.partition(":")
+    return {"policy": tag, **(policy_class(kind, label).from_argument(argument) if argument else {})}
+
+
+def checkpointing_choices(layout: BlockLayout) -> list[str]:
+    return [label for cls in CHECKPOINTING for label in cls.tuner_labels(layout)]
+
+
+def offload_choices(device_kind: str) -> list[str]:
+    return [label for cls in OFFLOAD for label in cls.tuner_labels(device_kind)]
+
+
+def compression_choices() -> list[str]:
+    return [label for cls in COMPRESSION for label in cls.tuner_labels()]

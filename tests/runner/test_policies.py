@@ -1,0 +1,125 @@
+"""Memory policies are types: every choice is one class that answers for itself, and nothing outside
+runner/policies.py decides by a policy's name."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+from runner import policies
+from runner.plan import MemoryPlan, plan_problems
+from runner.policies import (CHECKPOINTING, COMPRESSION, OFFLOAD, CheckpointingPolicy, CompressionPolicy, OffloadPolicy,
+                             checkpointing_choices, compression_choices, from_label, offload_choices, sqrt_segments)
+
+
+@dataclass
+class Layout:
+    count: int
+    containers: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def _compares_policy_name(node: ast.AST) -> bool:
+    """`x.policy == "sqrt"`, `part.policy in (...)`, `policy != "none"`: deciding by a policy's name."""
+    if not isinstance(node, ast.Compare):
+        return False
+    operands = [node.left, *node.comparators]
+    named = any(isinstance(o, ast.Attribute) and o.attr == "policy" or isinstance(o, ast.Name) and o.id == "policy"
+                for o in operands)
+    return named and any(isinstance(o, ast.Constant) and isinstance(o.value, str) or isinstance(o, ast.Tuple)
+                         for o in operands)
+
+
+def test_no_code_outside_the_policy_types_decides_by_a_policy_name():
+    found = []
+    for folder in ("runner", "autotune", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == ROOT / "runner" / "policies.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if _compares_policy_name(node):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"ask the policy type instead: {found}"
+
+
+def test_the_check_finds_what_it_looks_for():
+    tree = ast.parse('a = x.policy == "sqrt"\nb = policy in ("full", "none")\nc = x.every == 2')
+    assert [_compares_policy_name(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)] == [True, True, False]
+
+
+def test_every_policy_class_is_in_its_union():
+    defined = [cls for cls in vars(policies).values() if isinstance(cls, type) and cls.__module__ == policies.__name__]
+    for base, union in ((CheckpointingPolicy, CHECKPOINTING), (OffloadPolicy, OFFLOAD), (CompressionPolicy, COMPRESSION)):
+        assert {c for c in defined if issubclass(c, base) and c is not base} == set(union)
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 40), stacks=st.integers(1, 3))
+def test_each_tuner_choice_reads_back_as_its_policy_and_acts_on_real_blocks(count, stacks):
+    layout = Layout(count, [f"stack{i * stacks // count}" for i in range(count)])
+    for label in checkpointing_choices(layout):
+        policy = MemoryPlan.model_validate({"checkpointing": from_label(CHECKPOINTING, label)}).checkpointing
+        assert policy.label() == label
+        chosen = policy.chosen(layout)
+        assert chosen == sorted(set(chosen)) and all(0 <= i < count for i in chosen)
+        assert sorted(i for region in policy.regions(layout) for i in region) == chosen
+        assert policy.recomputes == bool(chosen) or label == "sqrt"
+    for label in offload_choices("cuda") + compression_choices():
+        kind = OFFLOAD if label in offload_choices("cuda") else COMPRESSION
+        key = "offload" if kind is OFFLOAD else "compression"
+        assert getattr(MemoryPlan.model_validate({key: from_label(kind, label), "allow_lossy": True}), key).label() == label
+
+
+@settings(max_examples=40, deadline=None)
+@given(count=st.integers(1, 30), layers=st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True))
+def test_a_layer_list_names_blocks_that_exist_or_says_which_does_not(count, layers):
+    policy = MemoryPlan.model_validate({"checkpointing": {"policy": "layers", "layers": layers}}).checkpointing
+    if max(layers) < count:
+        assert policy.chosen(Layout(count)) == sorted(layers)
+        assert from_label(CHECKPOINTING, policy.label()) == {"policy": "layers", "layers": sorted(layers)}
+    else:
+        with pytest.raises(ValueError, match=r"memory.checkpointing.layers: block (\d+) is out of range") as refused:
+            policy.chosen(Layout(count))
+        named = int(refused.value.args[0].split("block ")[1].split()[0])
+        assert named in layers and named >= count
+
+
+def test_sqrt_segments_keep_the_last_and_stay_inside_their_container():
+    layout = Layout(10, ["encoder"] * 5 + ["decoder"] * 5)
+    assert sqrt_segments(layout) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]
+    sqrt = MemoryPlan.model_validate({"checkpointing": {"policy": "sqrt"}}).checkpointing
+    assert sqrt.regions(layout) == [[0, 1, 2], [3, 4], [5, 6, 7]] and sqrt.spans_blocks and not sqrt.switchable
+
+
+PLANS = st.fixed_dictionaries({
+    "checkpointing": st.sampled_from([{"policy": "none"}, {"policy": "full"}, {"policy": "sqrt"}, {"policy": "selective"},
+                                      {"policy": "every", "every": 2}]),
+    "offload": st.sampled_from([{"policy": "none"}, {"policy": "all"}]),
+    "compression": st.sampled_from([{"policy": "none"}, {"policy": "bf16"}]),
+    "compile": st.booleans(), "allow_lossy": st.booleans(),
+    "adaptive": st.sampled_from([[], [{"max_len": 8, "checkpointing": {"policy": "full"}}]]),
+    "activation_memory_budget": st.sampled_from([None, 0.5]),
+})
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=PLANS)
+def test_a_plan_is_refused_exactly_where_its_policies_cannot_combine(data):
+    plan = MemoryPlan.model_validate(data)
+    spans, moves, lossy = plan.checkpointing.spans_blocks, plan.offload.moves, plan.compression.lossy
+    expected = {
+        ("activation_memory_budget",): data["activation_memory_budget"] is not None and not plan.compile,
+        ("adaptive",): bool(plan.adaptive) and spans,
+        ("checkpointing",): plan.compile and spans,
+        ("offload",): moves and (plan.compile or spans),
+        ("compression",): lossy and (not plan.allow_lossy or plan.compile or spans),
+    }
+    assert {path for path, _ in plan_problems(plan)} == {path for path, refused in expected.items() if refused}
+    assert all(message.startswith(f"memory.{path[0]}:") for path, message in plan_problems(plan))
