@@ -19,8 +19,8 @@ import torch
 from ..build.data import build_data, close_source
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler, total_steps
+from ..dist.ranks import Ranks, reduce_step_record
 from ..dist.ranks import join as join_ranks
-from ..dist.ranks import reduce_step_record
 from ..dist.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes
@@ -34,6 +34,7 @@ from .export import finish_run
 from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
 from .output import prepare_output, set_aside_unresumable, write_failure, write_output
+from .ownership import own_output
 from .progress import Progress
 from .start_line import start_lines
 from .resume import fingerprint
@@ -97,11 +98,17 @@ class RunResult:
     resumed_at: int = 0  # the checkpoint's step this run continued from (losses cover only the steps after it)
 
 
+def join_group(recipe: Recipe, source: str) -> Ranks:
+    """This process's ranks, joined; the allocator's setting first, since joining under nccl starts CUDA."""
+    apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))
+    return join_ranks(recipe, source)
+
+
 class Trainer:
-    def __init__(self, recipe: Recipe, source: str = "<recipe>"):
+    def __init__(self, recipe: Recipe, source: str = "<recipe>", ranks: Ranks | None = None):
         self.recipe, self.source = recipe, source
-        apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))  # before pick_device starts CUDA
-        self.ranks = join_ranks(recipe, source)  # before the device: under nccl it picks this rank's GPU
+        # before the device: under nccl joining picks this rank's GPU
+        self.ranks = join_group(recipe, source) if ranks is None else ranks
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
@@ -296,35 +303,44 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     checkpoint was written, re-usable without --resume. `predict_step` gives the line before step 1
     its predicted time (the CLI passes runner/predict's, which this layer may not import)."""
     out_dir = Path(out_dir or recipe.output.dir)
-    prepare_output(out_dir, resume, source)
     with StopRequest() as stop, process_group_scope():
-        log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
-        trainer = Trainer(recipe, source)
-        if resume:
-            resume_from_checkpoint(trainer, out_dir, source)
-        if trainer.ranks.is_main:
-            write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
-        log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
-                 trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
-        if trainer.ranks.is_main:
-            parameters = sum(p.numel() for p in trainer.model.parameters())
-            predicted = predict_step(recipe, trainer.device, parameters) if predict_step else None
-            for line in start_lines(recipe, trainer.device, predicted, parameters, trainer.total_steps):
-                log.info(line)
-        try:
-            result = _run(trainer, out_dir, stop)
-        except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
-            if trainer.ranks.is_main:
+        ranks = join_group(recipe, source)
+        with own_output(out_dir, ranks, source):  # nothing is written before this run holds out_dir
+            prepare_output(out_dir, resume, source)
+            result = _trained(recipe, source, resume, out_dir, stop, ranks, predict_step)
+            if result.stopped_by and ranks.is_main:
                 set_aside_unresumable(out_dir)
-            raise err.as_input_error(source) from None
-        except BaseException:
-            if trainer.ranks.is_main:
-                set_aside_unresumable(out_dir)
-            raise
-        finally:
-            trainer.close()
-    if result.stopped_by and trainer.ranks.is_main:
-        set_aside_unresumable(out_dir)
+    return result
+
+
+def _trained(recipe: Recipe, source: str, resume: bool, out_dir: Path, stop: StopRequest, ranks: Ranks,
+             predict_step: StepPredictor | None) -> RunResult:
+    """train()'s run, in a directory it holds: build, resume, train, save and export."""
+    log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
+    trainer = Trainer(recipe, source, ranks)
+    if resume:
+        resume_from_checkpoint(trainer, out_dir, source)
+    if trainer.ranks.is_main:
+        write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
+    log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
+             trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+    if trainer.ranks.is_main:
+        parameters = sum(p.numel() for p in trainer.model.parameters())
+        predicted = predict_step(recipe, trainer.device, parameters) if predict_step else None
+        for line in start_lines(recipe, trainer.device, predicted, parameters, trainer.total_steps):
+            log.info(line)
+    try:
+        result = _run(trainer, out_dir, stop)
+    except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
+        if trainer.ranks.is_main:
+            set_aside_unresumable(out_dir)
+        raise err.as_input_error(source) from None
+    except BaseException:
+        if trainer.ranks.is_main:
+            set_aside_unresumable(out_dir)
+        raise
+    finally:
+        trainer.close()
     return result
 
 
