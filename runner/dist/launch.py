@@ -16,7 +16,7 @@ group themselves (runner/dist/ranks.py), exactly as under a torchrun the user st
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import logging
 import os
 import signal
@@ -80,11 +80,28 @@ def group_status(command: list[str], nproc: int, step: Step | None = None) -> in
         status = _first_failure_status(err)
     except SignalException as err:  # the agent has already passed the signal on and waited for the ranks
         status = 128 + int(err.sigval)
-    # After a signal the agent leaves its rendezvous handler open (so an elastic job could rejoin) and
-    # its keep-alive thread running. The handler is garbage now; were the collector to free it in that
-    # thread, its finalizer would join the thread from itself and print "cannot join current thread".
-    gc.collect()
+        _close_rendezvous(err)
     return status
+
+
+def _close_rendezvous(err: BaseException) -> None:
+    """After a signal torch's agent leaves its rendezvous open (an elastic job could rejoin it) and its
+    keep-alive thread running. When this frame drops the last reference to the handler while that
+    thread is inside its keep-alive call, the handler is freed in the thread, and its finalizer joins
+    the thread from itself: a "cannot join current thread" traceback after ckrun's own last line.
+    So the handler, found in the frames the signal unwound (a WorkerSpec's rdzv_handler), is shut
+    down here, in this thread, while it is still referenced."""
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    trace = err.__traceback__
+    while trace is not None:
+        for value in list(trace.tb_frame.f_locals.values()):
+            handler = getattr(value, "rdzv_handler", None)
+            if isinstance(handler, RendezvousHandler):
+                with contextlib.suppress(Exception):  # nothing left to rejoin: only its thread matters
+                    handler.shutdown()
+                return
+        trace = trace.tb_next
 
 
 def _first_failure_status(err) -> int:
