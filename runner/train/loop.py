@@ -40,6 +40,7 @@ from .start_line import start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
+from .sharded import load_full_into_shards
 from .step import make_precision, run_step
 from .tensorboard import tensorboard_log
 
@@ -169,12 +170,17 @@ class Trainer:
         }
 
     def restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """From a single process's checkpoint (state.pt), on any world size and strategy."""
+        if self.ranks.joined and self.recipe.distributed.strategy == "fsdp":
+            load_full_into_shards(self, state)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        restore_rng_state(state["rng"], self.device)
+        if self.ranks.is_main:  # one process's random streams: the other ranks keep their own (seeded apart)
+            restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
 
     def close(self) -> None:

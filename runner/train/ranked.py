@@ -91,4 +91,17 @@ def full_weights(trainer) -> dict | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return tie_like(trainer.model, weights)
+
+
+def tie_like(model: torch.nn.Module, weights: dict) -> dict:
+    """`weights` with the names of one shared parameter (tied embeddings and head) holding one tensor
+    again: gathering copies each name to the CPU on its own, and the export, which keeps a tensor
+    once per storage as save_pretrained and safetensors' save_model do, stored both."""
+    first: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(parameter), name)
+        if owner != name and owner in weights and name in weights:
+            weights[name] = weights[owner]
+    return weights

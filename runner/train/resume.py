@@ -13,9 +13,11 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe
-from .checkpoint import CheckpointError, complete_checkpoints, load_latest
+from .checkpoint import CheckpointError, load_latest
 from .sharded import load_sharded, pick_sharded
 from .output import METRICS, read_metrics_lines, set_aside_unresumable, strict_record, write_output
 
@@ -35,8 +37,9 @@ def resume(trainer, out_dir: Path, source: str) -> None:
     try:
         if _resumed_sharded(trainer, root, out_dir, source):
             return
-        _refuse_full_into_shards(trainer, root, source)
-        state = load_latest(root, trainer.device)
+        # FSDP keeps a shard of the whole state each rank reads: read it into host memory, not N times onto GPUs
+        sharding = trainer.ranks.joined and trainer.recipe.distributed.strategy == "fsdp"
+        state = load_latest(root, torch.device("cpu") if sharding else trainer.device)
     except CheckpointError as err:
         raise InputError([Problem(Place(source), "output.dir", f"--resume: {err}")]) from None
     if state is None:
@@ -73,14 +76,6 @@ def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str) -> bool:
     if trainer.ranks.is_main:
         truncate_metrics(out_dir / METRICS, trainer.step, source)
     return True
-
-
-def _refuse_full_into_shards(trainer, root: Path, source: str) -> None:
-    """A single-process state.pt keys optimizer state by position, which FSDP's sharded state cannot take."""
-    found = complete_checkpoints(root)
-    if found and trainer.ranks.joined and trainer.recipe.distributed.strategy == "fsdp":
-        raise InputError([Problem(Place(source), "distributed.strategy", f"--resume: {found[-1].name} was saved by "
-                                  "a single process; resume it with strategy ddp or none, or choose a new output.dir")])
 
 
 def _check_same_recipe(saved: dict | None, now: dict[str, str], name: str, source: str) -> None:

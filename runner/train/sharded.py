@@ -9,7 +9,8 @@ rename leaves a temporary directory that resume never looks at; a file cut short
 caught by the sizes in the marker.
 
 Loading goes through `get_state_dict`/`set_state_dict` and `dcp.load`, which reshard: a checkpoint
-written by 2 ranks loads on 1 (no process group: DCP reads every shard) or on 4. DCP's .metadata
+written by 2 ranks loads on 1 (no process group: DCP reads every shard) or on 4, and a single
+process's state.pt loads into FSDP's shards (`load_full_into_shards`). DCP's .metadata
 is a pickle that torch reads with pickle.load: resume only checkpoints you wrote.
 """
 
@@ -156,6 +157,31 @@ def load_sharded(trainer, checkpoint: Path, state: dict) -> None:
     else:
         log.info("resuming on %d rank(s) a checkpoint of %d: weights and optimizer state are resharded; each rank's "
                  "dropout keeps its own random stream", trainer.ranks.world_size, state.get("world_size", 0))
+
+
+def load_full_into_shards(trainer, state: dict) -> None:
+    """A single process's state.pt into FSDP's shards (collective): every rank reads the whole file and
+    keeps its own shards of the weights and of the optimizer state. The file keys the optimizer's
+    state by position; the current optimizer (built as the saving one was, over the same parameters
+    in the same order) says which parameter each position is, so DCP gets it keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=_optimizer_by_name(trainer, state["optimizer"]),
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def _optimizer_by_name(trainer, saved: dict) -> dict:
+    names = {id(parameter): name for name, parameter in trainer.model.named_parameters()}
+    groups = trainer.optimizer.param_groups
+    sizes = [len(group["params"]) for group in groups]
+    if [len(group["params"]) for group in saved["param_groups"]] != sizes:
+        raise ValueError(f"its optimizer has parameter groups of {[len(g['params']) for g in saved['param_groups']]} "
+                         f"parameters, the recipe's {sizes}")
+    name_of = {index: names[id(parameter)] for group, now in zip(saved["param_groups"], groups, strict=True)
+               for index, parameter in zip(group["params"], now["params"], strict=True)}
+    return {"state": {name_of[index]: value for index, value in saved["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]]}
 
 
 def set_aside_damaged(checkpoint: Path) -> None:
