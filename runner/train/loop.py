@@ -40,7 +40,7 @@ from .start_line import start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
-from .sharded import load_full_into_shards
+from .sharded import finish_saving, load_full_into_shards
 from .step import make_precision, run_step
 from .tensorboard import tensorboard_log
 
@@ -139,6 +139,7 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
+        self.saving = None  # a sharded checkpoint still being written behind the steps (train/sharded.py)
         self.gradient_error = self._lossy_error()  # None for an exact plan
 
     def _lossy_error(self) -> float | None:
@@ -372,6 +373,8 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
                 result.stopped_early = evaluations.after_step(sinks)
                 if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
+                elif trainer.saving is not None:
+                    _save(trainer, out_dir, finish_only=True)  # a checkpoint written behind: complete once done
             if trainer.step < total and not result.stopped_early:
                 evaluations.at_stop(sinks)  # Ctrl-C: the weights it leaves get their evaluation too
     finally:
@@ -389,10 +392,13 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     return result
 
 
-def _save(trainer: Trainer, out_dir: Path) -> None:
+def _save(trainer: Trainer, out_dir: Path, finish_only: bool = False) -> None:
     root = out_dir / "checkpoints"
     try:
-        save_state(trainer, root, save_checkpoint)
+        if finish_only:
+            finish_saving(trainer, block=False)
+        else:
+            save_state(trainer, root, save_checkpoint)
     except OSError as err:
         raise write_failure(err, root / f"step-{trainer.step:08d}", trainer.source) from None
 

@@ -59,11 +59,12 @@ def metrics_sink(trainer, out_dir: Path):
         yield metrics
 
 
-def save_state(trainer, root: Path, save_checkpoint) -> Path:
-    """A checkpoint of the trainer: sharded (DCP, collective) when ranks are joined, else state.pt."""
+def save_state(trainer, root: Path, save_checkpoint, wait: bool = False) -> Path:
+    """A checkpoint of the trainer: sharded (DCP, collective; `wait`: complete on return, not written
+    behind the next steps) when ranks are joined, else state.pt."""
     keep = trainer.recipe.output.keep_checkpoints
     if trainer.ranks.joined:
-        return save_sharded(trainer, root, keep)
+        return save_sharded(trainer, root, keep, wait)
     return save_checkpoint(root, trainer.step, trainer.state(), keep)
 
 
