@@ -22,6 +22,7 @@ from ..dist.slurm import srun_step
 from ..lock import DirLock, LockHeld
 from ..problems import InputError, Place, Problem
 from .output import prepare_output
+from .resume import check_before_ranks
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ def launch_owned(recipe, source: str, argv: list[str], nproc: int, resume: bool,
         raise _refused(refusal, source)
     try:
         prepare_output(out_dir, resume, source)
+        if resume:
+            check_before_ranks(out_dir, recipe, source)
         if lock is not None:
             os.environ[LOCK_ENV] = str(lock.path)
         return launch(argv, nproc, verbose, step)

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint_files import STATE_FILE
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe
-from .checkpoint import CheckpointError, load_latest
-from .sharded import load_sharded, pick_sharded
+from .checkpoint import CheckpointError, complete_checkpoints, load_latest
+from .sharded import is_sharded, load_sharded, pick_sharded, read_trainer_state
 from .output import METRICS, read_metrics_lines, set_aside_unresumable, strict_record, write_output
 
 log = logging.getLogger(__name__)
@@ -122,3 +123,24 @@ def _first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     # load_state_dict's first line only says "Error(s) in loading state_dict for X:"; the next says which
     return (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:240]
+
+
+def check_before_ranks(out_dir: Path, recipe: Recipe, source: str) -> None:
+    """`--nproc --resume`: the newest complete checkpoint checked against the recipe once, before any
+    rank starts (each rank would find the same difference, and say it once per rank). One that cannot
+    be read is left to the ranks, which set it aside and take an older one."""
+    found = complete_checkpoints(out_dir / "checkpoints")
+    if not found:
+        return
+    try:
+        saved = read_trainer_state(found[-1]) if is_sharded(found[-1]) else _peek(found[-1])
+    except (CheckpointError, OSError, RuntimeError, ValueError):
+        return
+    _check_same_recipe(saved.get("recipe"), fingerprint(recipe), found[-1].name, source)
+
+
+def _peek(checkpoint: Path) -> dict:
+    """state.pt's small entries; mmap leaves its tensors on disk."""
+    state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    return state if isinstance(state, dict) else {}
+
