@@ -114,6 +114,7 @@ class DirLock:
         os.pwrite(fd, (json.dumps(asdict(Holder.me(self.what))) + "\n").encode(), 0)
         os.fsync(fd)
         self._fd, self._stop = fd, threading.Event()  # a new event: an old heartbeat thread keeps its own
+        _HELD.add(fd)
         threading.Thread(target=self._beat, args=(self._stop,), name=f"heartbeat {self.path.name}", daemon=True).start()
 
     def _held(self, holder: Holder | None, detail: str = "") -> LockHeld:
@@ -162,6 +163,7 @@ class DirLock:
         if self._fd is None:
             return
         self._stop.set()
+        _HELD.discard(self._fd)
         os.ftruncate(self._fd, 0)  # an empty record: ended cleanly, nothing to judge
         os.close(self._fd)  # closing drops the flock; the empty file stays
         self._fd = None
@@ -172,6 +174,22 @@ class DirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+_HELD: set[int] = set()  # the lock files this process holds open
+
+
+def _close_in_child() -> None:
+    """A forked child (a data-loader worker) shares the holder's flock through the copied descriptor,
+    and would hold the lock after a kill -9 of the holder until it noticed and exited: it lets go."""
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 @contextlib.contextmanager

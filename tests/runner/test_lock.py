@@ -111,3 +111,20 @@ def test_the_holder_beats_while_it_holds(tmp_path, monkeypatch):
 def test_records_old_and_foreign():
     assert Holder.parse("") is None and Holder.parse("1234\n") is None  # the tune lock's old record: flock alone
     assert Holder.parse("not json").host == "?"
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
+    """A data-loader worker is forked: were the descriptor it copies still open, it would hold the
+    flock after a kill -9 of the run until it noticed."""
+    held = subprocess.Popen([sys.executable, "-c", HOLD.replace('print("held"', 'import os\nif os.fork() == 0:\n    '
+                                                                 'time.sleep(600)\nprint("held"'),
+                             str(tmp_path / "run.lock")], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, start_new_session=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        held.kill()  # the holder; its forked child sleeps on
+        held.wait()
+        with _lock(tmp_path):
+            pass
+    finally:
+        os.killpg(held.pid, 9)
