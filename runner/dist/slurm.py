@@ -133,3 +133,13 @@ def check_node_launch(step: Step, nproc: int) -> None:
         raise InputError([Problem(Place("--nproc"), "", f"srun started {step.tasks} tasks on {step.nodes} node(s); "
                                   f"with --nproc {nproc} each task starts {nproc} ranks on its node, so start one "
                                   "task per node (srun --ntasks-per-node=1), or one task per GPU without --nproc")])
+
+
+def allocation_hint(nproc: int, environ: Mapping[str, str] = os.environ) -> str | None:
+    """`--nproc N` in a batch script of a job of several nodes: the ranks start on this node only."""
+    nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1"
+    if "SLURM_STEP_NUM_TASKS" in environ or not nodes.isdigit() or int(nodes) < 2:
+        return None
+    return (f"SLURM job of {nodes} nodes, but no srun step: starting {nproc} ranks on this node only; "
+            f"`srun --ntasks-per-node=1 ckrun ... --nproc {nproc}` trains on every node")
+

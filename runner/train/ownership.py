@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..dist.launch import check_launch, launch
 from ..dist.ranks import Ranks, any_rank
-from ..dist.slurm import srun_step
+from ..dist.slurm import allocation_hint, srun_step
 from ..lock import DirLock, LockHeld
 from ..problems import InputError, Place, Problem
 from .output import prepare_output
@@ -82,6 +82,9 @@ def launch_owned(recipe, source: str, argv: list[str], nproc: int, resume: bool,
     srun with one task per node, node 0's launcher holds it for every node."""
     step = srun_step()
     check_launch(recipe, source, nproc, step)
+    hint = allocation_hint(nproc) if step is None else None
+    if hint:
+        log.warning(hint)
     out_dir = Path(recipe.output.dir)
     if step is not None and step.node > 0:
         return launch(argv, nproc, verbose, step)

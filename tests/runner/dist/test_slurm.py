@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import children
 from conftest import ROOT, read_metrics
-from runner.dist.slurm import adopt, check_node_launch, expand_hostlist, job_port, srun_step
+from runner.dist.slurm import adopt, allocation_hint, check_node_launch, expand_hostlist, job_port, srun_step
 from runner.lock import DirLock
 from runner.problems import InputError
 
@@ -70,6 +70,12 @@ def test_an_srun_task_becomes_a_rank_of_one_group_at_the_first_host():
 def test_processes_that_are_not_ranks_of_a_step_are_left_alone(environ):
     before = dict(environ)
     assert adopt(environ) is None and environ == before
+
+
+def test_nproc_in_the_batch_script_of_several_nodes_says_it_trains_on_one():
+    assert "srun --ntasks-per-node=1" in allocation_hint(8, {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "1"})
+    assert allocation_hint(8, {"SLURM_JOB_NUM_NODES": "1"}) is None
+    assert allocation_hint(8, _step_env(SLURM_JOB_NUM_NODES="2")) is None  # a task of a step: it knows its node
 
 
 def test_unreadable_or_misshapen_steps_are_one_line():
