@@ -128,22 +128,25 @@ class DirLock:
             return
         gone = holder.gone_here()
         if gone is None and holder.host != socket.gethostname():
-            gone = not _beating(fd, 3 * HEARTBEAT_S)
-            seen = f"ckrun cannot see {holder.host}'s processes, and its heartbeat in the lock " + (
-                f"did not beat for {3 * HEARTBEAT_S:.0f} s" if gone else "beats")
-            if not gone:
-                raise self._held(holder, f" ({seen})")
-            log.warning("%s: left by %s %s (%s): it has ended; taking it over", self.path, holder.what,
-                        holder.words(), seen)
-            return
-        if gone is None or (gone is False and not flocked):
-            raise self._held(holder, "" if gone is False else f" (this host cannot tell whether pid {holder.pid} "
-                             "is still that process)")
-        if gone is False:  # alive here, yet its flock is free: it let go without clearing its record
-            raise self._held(holder, f" (it runs, though it no longer locks {self.path}: delete that file if "
-                             "it is not using the directory)")
-        log.warning("%s: left by %s %s, which has ended (killed before it could let go); taking it over",
-                    self.path, holder.what, holder.words())
+            self._judge_remote(holder, fd)
+        elif gone is None:
+            raise self._held(holder, f" (this host cannot tell whether pid {holder.pid} is still that process)")
+        elif not gone:  # flocked: alive here, yet it let go of its flock without clearing its record
+            raise self._held(holder, f" (it runs, though it no longer locks {self.path}: delete that file if it "
+                             "is not using the directory)" if flocked else "")
+        else:
+            log.warning("%s: left by %s %s, which has ended (killed before it could let go); taking it over",
+                        self.path, holder.what, holder.words())
+
+    def _judge_remote(self, holder: Holder, fd: int) -> None:
+        """Another host's record: its processes cannot be seen from here, its heartbeat can."""
+        beats = _beating(fd, 3 * HEARTBEAT_S)
+        seen = f"ckrun cannot see {holder.host}'s processes, and its heartbeat in the lock " + (
+            "beats" if beats else f"did not beat for {3 * HEARTBEAT_S:.0f} s")
+        if beats:
+            raise self._held(holder, f" ({seen})")
+        log.warning("%s: left by %s %s (%s): it has ended; taking it over", self.path, holder.what, holder.words(),
+                    seen)
 
     def _beat(self, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):
