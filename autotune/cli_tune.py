@@ -18,12 +18,12 @@ from runner.build.checks import load_checked
 from runner.cli import Command
 from runner.library import DEFAULT_RECIPE, resolve_recipe
 from runner.located import located_errors
+from runner.lock import locked
 from runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
 from runner.recipe import Recipe
 from runner.units import format_bytes
 from runner.yamlio import dump_yaml
 
-from .files import StudyLock
 from .probe import ProbeRunner, ProbeSettings
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
@@ -110,7 +110,8 @@ def run(args) -> int:
     log.info("tune: %s, batch %d, on %s; cap %s, limit %s", recipe.model.name, recipe.train.batch_size,
              recipe.train.device, format_bytes(cap.bytes), cap.describe())
     log.debug("tune: resolved recipe:\n%s", dump_yaml(recipe.model_dump(mode="json")))
-    with StudyLock(directory):
+    with locked(directory / "tune.lock", "`ckrun tune`", "is running this study",
+                "wait for it to finish, or give this one --output ANOTHER_DIR", Place(str(directory))):
         if not args.no_train and not args.predict:
             _check_training_output(recipe, args.resume, str(path))  # before the search, not an hour later
         settings = ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps, args.nproc)

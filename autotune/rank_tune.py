@@ -74,11 +74,9 @@ def rank_training(nproc: int) -> dict:
         return {}
 
     def train_ranks(recipe: Recipe, source: str, resume: bool = False) -> RunResult:
-        from runner.dist.launch import launch
-        from runner.train.output import prepare_output
+        from runner.train.ownership import launch_owned
 
-        prepare_output(Path(recipe.output.dir), resume, source)
-        code = launch([source, *(["--resume"] if resume else [])], nproc)
+        code = launch_owned(recipe, source, [source, *(["--resume"] if resume else [])], nproc, resume)
         if code == EXIT_OVER_CAP:
             raise RanksOverCap(int(recipe.memory.max_mem or 0))
         stopped = {128 + signal.SIGINT: signal.SIGINT, 128 + signal.SIGTERM: signal.SIGTERM}.get(code)

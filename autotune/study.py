@@ -197,7 +197,9 @@ class Tuner:
 
     def _prediction(self, candidate: Candidate) -> int | None:
         if candidate.key not in self.predicted:
-            predicted = self.predict(candidate) if self.predict else None
+            # an invalid plan is never probed: asking would only log that it is (fsdp with sqrt segments)
+            invalid = _invalid_reason(candidate, self.space)
+            predicted = self.predict(candidate) if self.predict and not invalid else None
             if isinstance(predicted, Prediction):
                 if predicted.reason:
                     self.unscreened[candidate.key] = predicted.reason

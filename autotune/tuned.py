@@ -39,6 +39,10 @@ def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
     data["precision"] = winner["precision"]
     if winner.get("strategy"):  # tune --nproc: how the ranks share the work is part of the plan
         data["distributed"] = {**data.get("distributed", {}), "strategy": winner["strategy"]}
+        if winner["strategy"] == "fsdp" and "sharding" not in memory:  # written out, as the other knobs are
+            from runner.plan import Sharding
+
+            memory["sharding"] = Sharding().model_dump(mode="json")
     return data
 
 
@@ -97,7 +101,9 @@ def _edits(doc: Document, path: tuple, old: dict, new: dict, span: tuple[int, in
     if spans is None:
         return None
     indent = " " * (doc.places[(*path, next(iter(old)))].col - 1) if old else ""
-    edits, after = [], max((end for _, end in spans.values()), default=span[1])
+    # a new key goes after the whole mapping, the last key's trailing comments included: they are indented
+    # under it (a commented-out line of that section) and would otherwise end up under the new key
+    edits, after = [], _before_blank_lines(lines, span)
     for key, value in new.items():
         if key not in old:
             edits.append(((*path, key), after, after, _dumped(key, value, indent)))
@@ -108,6 +114,13 @@ def _edits(doc: Document, path: tuple, old: dict, new: dict, span: tuple[int, in
                       else None)
             edits += deeper if deeper is not None else [((*path, key), *spans[key], _dumped(key, value, indent))]
     return edits
+
+
+def _before_blank_lines(lines: list[str], span: tuple[int, int]) -> int:
+    end = span[1]
+    while end > span[0] and lines[end - 1].strip() in ("", "..."):
+        end -= 1
+    return end
 
 
 def _dumped(key: str, value, indent: str) -> str:

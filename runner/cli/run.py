@@ -50,7 +50,8 @@ def add_arguments(parser):
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (the same as "
                         "train.device=...; auto takes the GPU when there is one)")
     parser.add_argument("--nproc", type=int, metavar="N", help="start N ranks on this machine through torchrun "
-                        "(distributed.strategy ddp or fsdp); under a torchrun you started, leave it out")
+                        "(distributed.strategy ddp or fsdp); under srun, on each node of one task per node; under a "
+                        "torchrun you started, or srun with a task per GPU, leave it out")
 
 
 def run(args) -> int:
@@ -63,13 +64,11 @@ def run(args) -> int:
     recipe, doc = load_checked(path, args.overrides)
     args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
-        from ..dist.launch import check_launch, launch
-        from ..train.output import prepare_output
+        from ..train.ownership import launch_owned
 
-        check_launch(recipe, str(path), args.nproc)
-        prepare_output(Path(recipe.output.dir), args.resume, str(path))
         flags = ["--resume-changed"] if args.resume_changed else ["--resume"] if args.resume else []
-        return launch([args.recipe, *args.overrides, *flags], args.nproc, args.verbose)
+        return launch_owned(recipe, str(path), [args.recipe, *args.overrides, *flags], args.nproc, args.resume,
+                            args.verbose, accept_changes=args.resume_changed)
     with located_errors(doc):
         result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
                        predict_step=predicted_step)

@@ -2,7 +2,10 @@
 
 This is what `torchrun --standalone --nproc-per-node N -m runner.cli run RECIPE ...` does (the
 elastic agent, a c10d rendezvous on a free local port), called in-process through
-`torch.distributed.launcher.elastic_launch` so that ckrun, not torchrun, says how the run ended:
+`torch.distributed.launcher.elastic_launch` so that ckrun, not torchrun, says how the run ended.
+Under srun with one task per node (runner/dist/slurm.py) each task starts its node's N ranks and
+the nodes meet at a static rendezvous on the step's first host, as `torchrun --nnodes M
+--node-rank SLURM_NODEID --rdzv-backend static` would.
 - exit status: the first rank that failed gives its own (2 bad input, 3 over the cap, 4 non-finite
   loss, 5 cannot write, 1 a bug); a rank killed by a signal gives 128 + that signal;
 - signals: SIGINT/SIGTERM/SIGHUP to ckrun reach every rank (the agent passes them on); each rank
@@ -13,11 +16,15 @@ group themselves (runner/dist/ranks.py), exactly as under a torchrun the user st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import uuid
+
+from .slurm import Step
+from .supervise import LAUNCHER_ENV
 
 log = logging.getLogger(__name__)
 
@@ -27,34 +34,74 @@ def rank_command(argv: list[str], verbose: bool = False) -> list[str]:
     return ["-m", "runner.cli", *(["-v"] if verbose else []), "run", *argv]
 
 
-def start_ranks(command: list[str], nproc: int) -> None:
+def start_ranks(command: list[str], nproc: int, step: Step | None = None) -> None:
     """Run `python COMMAND` as `nproc` ranks of a group of their own (a fresh rendezvous on a free
-    local port) and wait for them; raises what elastic_launch raises (ChildFailedError, SignalException)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    local port; under srun, this node's ranks of the step's group) and wait for them; raises what
+    elastic_launch raises (ChildFailedError, SignalException)."""
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
     threads = max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun's own default, said once instead of warned
-    log.info("starting %d ranks on this machine (torchrun, standalone rendezvous; %s CPU thread(s) each)", nproc,
-             os.environ["OMP_NUM_THREADS"])
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # each rank dies with this process (runner/dist/supervise.py)
+    config = _config(nproc, step)
+    where = (f"node {step.node} of {step.nodes} (srun, meeting at {config.rdzv_endpoint}"
+             if config.max_nodes > 1 else "this machine (torchrun, standalone rendezvous")
+    log.info("starting %d ranks on %s; %s CPU thread(s) each)", nproc, where, os.environ["OMP_NUM_THREADS"])
     _quiet_agent()
     elastic_launch(config, sys.executable)(*command)
 
 
-def launch(argv: list[str], nproc: int, verbose: bool = False) -> int:
+def _config(nproc: int, step: Step | None):
+    from torch.distributed.launcher.api import LaunchConfig
+
+    common = {"nproc_per_node": nproc, "max_restarts": 0, "monitor_interval": 0.1, "start_method": "spawn"}
+    if step is None or step.nodes == 1:
+        return LaunchConfig(min_nodes=1, max_nodes=1, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
+                            rdzv_endpoint="localhost:0", **common)
+    return LaunchConfig(min_nodes=step.nodes, max_nodes=step.nodes, run_id=f"ckrun-{step.job or 'srun'}",
+                        rdzv_backend="static", rdzv_endpoint=f"{step.address}:{step.port}",
+                        rdzv_configs={"rank": step.node}, **common)
+
+
+def launch(argv: list[str], nproc: int, verbose: bool = False, step: Step | None = None) -> int:
     """Run `ckrun run ARGV` as `nproc` ranks; returns the exit status the whole run ends with."""
+    return group_status(rank_command(argv, verbose), nproc, step)
+
+
+def group_status(command: list[str], nproc: int, step: Step | None = None) -> int:
+    """start_ranks, its ending as an exit status: 0, the failed rank's own, or 128 + a signal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        start_ranks(rank_command(argv, verbose), nproc)
+        start_ranks(command, nproc, step)
+        status = 0
     except ChildFailedError as err:
-        return _first_failure_status(err)
+        status = _first_failure_status(err)
     except SignalException as err:  # the agent has already passed the signal on and waited for the ranks
-        return 128 + int(err.sigval)
-    return 0
+        status = 128 + int(err.sigval)
+        _close_rendezvous(err)
+    return status
+
+
+def _close_rendezvous(err: BaseException) -> None:
+    """After a signal torch's agent leaves its rendezvous open (an elastic job could rejoin it) and its
+    keep-alive thread running. When this frame drops the last reference to the handler while that
+    thread is inside its keep-alive call, the handler is freed in the thread, and its finalizer joins
+    the thread from itself: a "cannot join current thread" traceback after ckrun's own last line.
+    So the handler, found in the frames the signal unwound (a WorkerSpec's rdzv_handler), is shut
+    down here, in this thread, while it is still referenced."""
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    trace = err.__traceback__
+    while trace is not None:
+        for value in list(trace.tb_frame.f_locals.values()):
+            handler = getattr(value, "rdzv_handler", None)
+            if isinstance(handler, RendezvousHandler):
+                with contextlib.suppress(Exception):  # nothing left to rejoin: only its thread matters
+                    handler.shutdown()
+                return
+        trace = trace.tb_next
 
 
 def _first_failure_status(err) -> int:
@@ -84,10 +131,11 @@ def _quiet_agent() -> None:
 
 
 
-def check_launch(recipe, source: str, nproc: int) -> None:
+def check_launch(recipe, source: str, nproc: int, step: Step | None = None) -> None:
     """`--nproc N`: what can be checked once is checked here, so a bad recipe is one line, not one per rank."""
     from ..problems import InputError, Place, Problem
     from .ranks import check_world
+    from .slurm import check_node_launch
 
     if nproc < 1:
         raise InputError([Problem(Place("--nproc"), "", f"needs a rank count of 1 or more, got {nproc}")])
@@ -97,4 +145,6 @@ def check_launch(recipe, source: str, nproc: int) -> None:
     if recipe.distributed.strategy == "none":
         raise InputError([Problem(Place(source), "distributed.strategy", f"--nproc {nproc} needs ddp or fsdp to share "
                                   "the work (none would train the same model N times); set distributed.strategy")])
-    check_world(recipe, nproc, source)
+    if step is not None and step.tasks > 1:
+        check_node_launch(step, nproc)
+    check_world(recipe, nproc * (step.nodes if step is not None else 1), source)

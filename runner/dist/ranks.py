@@ -1,8 +1,9 @@
 """Which rank this process is, joining the group, and the few collectives the trainer needs.
 
-torchrun (ours through `--nproc`, or one the user started, SLURM's included) puts RANK,
-WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/MASTER_PORT in the environment; a process without them is
-the only rank. The global batch is a pure function of (seed, step) (runner/build/data.py), so a
+torchrun (ours through `--nproc`, or one the user started) puts RANK, WORLD_SIZE, LOCAL_RANK and
+MASTER_ADDR/MASTER_PORT in the environment; srun's tasks get them from SLURM's variables
+(runner/dist/slurm.py); a process without them is the only rank. A rank dies with whatever
+started it (runner/dist/supervise.py). The global batch is a pure function of (seed, step) (runner/build/data.py), so a
 rank's part of it is a pure function of (seed, step, rank): resume and any micro-batch see the
 same samples on every world size.
 """
@@ -18,6 +19,8 @@ import torch
 
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe, largest_divisor_at_most
+from .slurm import adopt
+from .supervise import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,10 @@ SINGLE = Ranks()
 
 
 def from_environment() -> Ranks:
-    """The ranks torchrun announced, or SINGLE outside torchrun."""
+    """The ranks torchrun (or srun) announced, or SINGLE outside them."""
+    if adopt(os.environ):
+        log.info("srun: task %s of %s joins one group at %s:%s (SLURM's variables)", os.environ["RANK"],
+                 os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     if "WORLD_SIZE" not in os.environ:
         return SINGLE
     missing = [key for key in ENV_KEYS if key not in os.environ]
@@ -70,6 +76,7 @@ def join(recipe: Recipe, source: str = "<recipe>") -> Ranks:
                  "(start ranks with --nproc N or torchrun)", strategy)
         return SINGLE
     check_world(recipe, ranks.world_size, source)
+    log.debug("rank %d dies with its parent: %s", ranks.rank, die_with_parent())
     backend = _backend(recipe)
     if backend == "nccl":
         torch.cuda.set_device(ranks.local_rank)
@@ -122,6 +129,17 @@ def reduce_step_record(record: dict, loss: torch.Tensor, ranks: Ranks, batch_siz
     seconds, peak = worst.tolist()
     return {**record, "loss": losses.item() / ranks.world_size, "step_time_s": seconds,
             "samples_per_s": batch_size / seconds, "peak_mem_bytes": int(peak), "world_size": ranks.world_size}
+
+
+def any_rank(flag: bool, ranks: Ranks) -> bool:
+    """Whether `flag` holds on any rank (collective: every rank calls it); `flag` alone outside a group."""
+    if not ranks.joined:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":
+        value = value.cuda()
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def barrier(ranks: Ranks) -> None:

@@ -26,6 +26,7 @@ from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import checkpoint_dir, complete_checkpoints, save_checkpoint
 from .ranked import full_weights, save_state
+from .sharded import finish_saving
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,14 @@ def finish_run(trainer, out_dir: Path) -> Path:
 
 
 def save_final_checkpoint(trainer, root: Path) -> Path:
-    """The last step's training state, unless output.checkpoint_every already saved that step."""
+    """The last step's training state, unless output.checkpoint_every already saved that step; complete
+    on return (a save still in flight is finished first)."""
+    finish_saving(trainer)
     final = checkpoint_dir(root, trainer.step)
     if final in complete_checkpoints(root):
         return final
     log.info("saving the final training state (step %d) to %s", trainer.step, final)
-    return save_state(trainer, root, save_checkpoint)
+    return save_state(trainer, root, save_checkpoint, wait=True)
 
 
 def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, weights: dict | None = None) -> Path:

@@ -19,8 +19,8 @@ import torch
 from ..build.data import build_data, close_source
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler, total_steps
+from ..dist.ranks import Ranks, reduce_step_record
 from ..dist.ranks import join as join_ranks
-from ..dist.ranks import reduce_step_record
 from ..dist.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, context_after_kernels, cuda_context_bytes, note_card_before_cuda
@@ -34,11 +34,13 @@ from .export import finish_run
 from ..build.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
 from .output import prepare_output, set_aside_unresumable, write_failure, write_output
+from .ownership import own_output
 from .progress import Progress
 from .start_line import start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
+from .sharded import finish_saving, load_full_into_shards
 from .step import make_precision, run_step
 from .tensorboard import tensorboard_log
 
@@ -106,12 +108,18 @@ class RunResult:
     resumed_at: int = 0  # the checkpoint's step this run continued from (losses cover only the steps after it)
 
 
+def join_group(recipe: Recipe, source: str) -> Ranks:
+    """This process's ranks, joined; the allocator's setting first, since joining under nccl starts CUDA."""
+    apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))
+    note_card_before_cuda()  # what other processes hold on the card, read before our context joins them
+    return join_ranks(recipe, source)
+
+
 class Trainer:
-    def __init__(self, recipe: Recipe, source: str = "<recipe>"):
+    def __init__(self, recipe: Recipe, source: str = "<recipe>", ranks: Ranks | None = None):
         self.recipe, self.source = recipe, source
-        apply_allocator(recipe.memory.allocator, planned_device_kind(recipe))  # before pick_device starts CUDA
-        note_card_before_cuda()  # what other processes hold on the card, read before our context joins them
-        self.ranks = join_ranks(recipe, source)  # before the device: under nccl it picks this rank's GPU
+        # before the device: under nccl joining picks this rank's GPU
+        self.ranks = join_group(recipe, source) if ranks is None else ranks
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
         torch.manual_seed(recipe.train.seed)
@@ -141,6 +149,7 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
+        self.saving = None  # a sharded checkpoint still being written behind the steps (train/sharded.py)
         self.gradient_error = self._lossy_error()  # None for an exact plan
 
     def _lossy_error(self) -> float | None:
@@ -172,12 +181,17 @@ class Trainer:
         }
 
     def restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """From a single process's checkpoint (state.pt), on any world size and strategy."""
+        if self.ranks.joined and self.recipe.distributed.strategy == "fsdp":
+            load_full_into_shards(self, state)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        restore_rng_state(state["rng"], self.device)
+        if self.ranks.is_main:  # one process's random streams: the other ranks keep their own (seeded apart)
+            restore_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
 
     def close(self) -> None:
@@ -318,35 +332,44 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     settings (--resume-changed); `predict_step` gives the line before step 1 its predicted time (the
     CLI passes runner/predict's, which this layer may not import)."""
     out_dir = Path(out_dir or recipe.output.dir)
-    prepare_output(out_dir, resume, source)
     with StopRequest() as stop, process_group_scope():
-        log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
-        trainer = Trainer(recipe, source)
-        if resume:
-            resume_from_checkpoint(trainer, out_dir, source, accept_changes)
-        if trainer.ranks.is_main:
-            write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
-        log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
-                 trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
-        if trainer.ranks.is_main:
-            parameters = sum(p.numel() for p in trainer.model.parameters())
-            predicted = predict_step(recipe, trainer.device, parameters) if predict_step else None
-            for line in start_lines(recipe, trainer.device, predicted, parameters, trainer.total_steps):
-                log.info(line)
-        try:
-            result = _run(trainer, out_dir, stop)
-        except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
-            if trainer.ranks.is_main:
+        ranks = join_group(recipe, source)
+        with own_output(out_dir, ranks, source):  # nothing is written before this run holds out_dir
+            prepare_output(out_dir, resume, source)
+            result = _trained(recipe, source, resume, out_dir, stop, ranks, predict_step, accept_changes)
+            if result.stopped_by and ranks.is_main:
                 set_aside_unresumable(out_dir)
-            raise err.at(source) from None
-        except BaseException:
-            if trainer.ranks.is_main:
-                set_aside_unresumable(out_dir)
-            raise
-        finally:
-            trainer.close()
-    if result.stopped_by and trainer.ranks.is_main:
-        set_aside_unresumable(out_dir)
+    return result
+
+
+def _trained(recipe: Recipe, source: str, resume: bool, out_dir: Path, stop: StopRequest, ranks: Ranks,
+             predict_step: StepPredictor | None, accept_changes: bool) -> RunResult:
+    """train()'s run, in a directory it holds: build, resume, train, save and export."""
+    log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
+    trainer = Trainer(recipe, source, ranks)
+    if resume:
+        resume_from_checkpoint(trainer, out_dir, source, accept_changes)
+    if trainer.ranks.is_main:
+        write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
+    log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
+             trainer.total_steps, recipe.train.batch_size, recipe.micro_batch, recipe.precision)
+    if trainer.ranks.is_main:
+        parameters = sum(p.numel() for p in trainer.model.parameters())
+        predicted = predict_step(recipe, trainer.device, parameters) if predict_step else None
+        for line in start_lines(recipe, trainer.device, predicted, parameters, trainer.total_steps):
+            log.info(line)
+    try:
+        result = _run(trainer, out_dir, stop)
+    except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
+        if trainer.ranks.is_main:
+            set_aside_unresumable(out_dir)
+        raise err.at(source) from None
+    except BaseException:
+        if trainer.ranks.is_main:
+            set_aside_unresumable(out_dir)
+        raise
+    finally:
+        trainer.close()
     return result
 
 
@@ -372,6 +395,8 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
                 result.stopped_early = evaluations.after_step(sinks)
                 if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
+                elif trainer.saving is not None:
+                    _save(trainer, out_dir, finish_only=True)  # a checkpoint written behind: complete once done
             if trainer.step < total and not result.stopped_early:
                 evaluations.at_stop(sinks)  # Ctrl-C: the weights it leaves get their evaluation too
     finally:
@@ -389,10 +414,13 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     return result
 
 
-def _save(trainer: Trainer, out_dir: Path) -> None:
+def _save(trainer: Trainer, out_dir: Path, finish_only: bool = False) -> None:
     root = out_dir / "checkpoints"
     try:
-        save_state(trainer, root, save_checkpoint)
+        if finish_only:
+            finish_saving(trainer, block=False)
+        else:
+            save_state(trainer, root, save_checkpoint)
     except OSError as err:
         raise write_failure(err, root / f"step-{trainer.step:08d}", trainer.source) from None
 

@@ -59,11 +59,12 @@ def metrics_sink(trainer, out_dir: Path):
         yield metrics
 
 
-def save_state(trainer, root: Path, save_checkpoint) -> Path:
-    """A checkpoint of the trainer: sharded (DCP, collective) when ranks are joined, else state.pt."""
+def save_state(trainer, root: Path, save_checkpoint, wait: bool = False) -> Path:
+    """A checkpoint of the trainer: sharded (DCP, collective; `wait`: complete on return, not written
+    behind the next steps) when ranks are joined, else state.pt."""
     keep = trainer.recipe.output.keep_checkpoints
     if trainer.ranks.joined:
-        return save_sharded(trainer, root, keep)
+        return save_sharded(trainer, root, keep, wait)
     return save_checkpoint(root, trainer.step, trainer.state(), keep)
 
 
@@ -91,4 +92,17 @@ def full_weights(trainer) -> dict | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return tie_like(trainer.model, weights)
+
+
+def tie_like(model: torch.nn.Module, weights: dict) -> dict:
+    """`weights` with the names of one shared parameter (tied embeddings and head) holding one tensor
+    again: gathering copies each name to the CPU on its own, and the export, which keeps a tensor
+    once per storage as save_pretrained and safetensors' save_model do, stored both."""
+    first: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(parameter), name)
+        if owner != name and owner in weights and name in weights:
+            weights[name] = weights[owner]
+    return weights

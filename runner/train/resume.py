@@ -18,10 +18,13 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
+from ..checkpoint_files import STATE_FILE
 from ..problems import InputError, Place, Problem, first_line
 from ..recipe import Recipe
 from .checkpoint import CheckpointError, complete_checkpoints, load_latest
-from .sharded import load_sharded, pick_sharded
+from .sharded import is_sharded, load_sharded, pick_sharded, read_trainer_state
 from .output import METRICS, read_metrics_lines, set_aside_unresumable, strict_record, write_output
 
 log = logging.getLogger(__name__)
@@ -52,8 +55,9 @@ def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) ->
     try:
         if _resumed_sharded(trainer, root, out_dir, source, accept_changes):
             return
-        _refuse_full_into_shards(trainer, root, source)
-        state = load_latest(root, trainer.device)
+        # FSDP keeps a shard of the whole state each rank reads: read it into host memory, not N times onto GPUs
+        sharding = trainer.ranks.joined and trainer.recipe.distributed.strategy == "fsdp"
+        state = load_latest(root, torch.device("cpu") if sharding else trainer.device)
     except CheckpointError as err:
         raise InputError([Problem(Place(source), "output.dir", f"--resume: {err}")]) from None
     if state is None:
@@ -94,14 +98,6 @@ def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_cha
         truncate_metrics(out_dir / METRICS, trainer.step, source)
         record_changes(out_dir / METRICS, trainer.step, changes, source)
     return True
-
-
-def _refuse_full_into_shards(trainer, root: Path, source: str) -> None:
-    """A single-process state.pt keys optimizer state by position, which FSDP's sharded state cannot take."""
-    found = complete_checkpoints(root)
-    if found and trainer.ranks.joined and trainer.recipe.distributed.strategy == "fsdp":
-        raise InputError([Problem(Place(source), "distributed.strategy", f"--resume: {found[-1].name} was saved by "
-                                  "a single process; resume it with strategy ddp or none, or choose a new output.dir")])
 
 
 def _check_same_recipe(saved: dict | None, now: dict[str, str], name: str, source: str) -> None:
@@ -177,3 +173,25 @@ def record_changes(path: Path, step: int, changes: dict[str, list], source: str)
         text = path.read_text(encoding="utf-8") if path.exists() else ""
         record = {"step": step, "resumed_with_changes": changes}
         write_output(path, text + json.dumps(record, allow_nan=False) + "\n", source)
+
+
+def check_before_ranks(out_dir: Path, recipe: Recipe, source: str, accept_changes: bool = False) -> None:
+    """`--nproc --resume`: the newest complete checkpoint checked against the recipe once, before any
+    rank starts (each rank would find the same difference, and say it once per rank). One that cannot
+    be read is left to the ranks, which set it aside and take an older one."""
+    found = complete_checkpoints(out_dir / "checkpoints")
+    if not found:
+        return
+    try:
+        saved = read_trainer_state(found[-1]) if is_sharded(found[-1]) else _peek(found[-1])
+    except (CheckpointError, OSError, RuntimeError, ValueError):
+        return
+    _check_same_recipe(saved.get("recipe"), fingerprint(recipe), found[-1].name, source)
+    if not accept_changes:  # accepted, each rank logs and records them as it resumes
+        run_changes(saved.get("recipe"), recipe, found[-1].name, source, accept=False)
+
+
+def _peek(checkpoint: Path) -> dict:
+    """state.pt's small entries; mmap leaves its tensors on disk."""
+    state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    return state if isinstance(state, dict) else {}

@@ -8,8 +8,14 @@ size) and rename the directory to step-NNNNNNNN. A kill of any rank at any momen
 rename leaves a temporary directory that resume never looks at; a file cut short after it is
 caught by the sizes in the marker.
 
+The shards are written asynchronously (DCP's async_save, where torch has it): the step pays for
+copying the state to host memory, training goes on, and the barrier and marker come once every
+rank's writer is done (polled after each step, or at the next save, or at the run's end, whose
+own save is written before the export). Until then the checkpoint is as invisible as one killed.
+
 Loading goes through `get_state_dict`/`set_state_dict` and `dcp.load`, which reshard: a checkpoint
-written by 2 ranks loads on 1 (no process group: DCP reads every shard) or on 4. DCP's .metadata
+written by 2 ranks loads on 1 (no process group: DCP reads every shard) or on 4, and a single
+process's state.pt loads into FSDP's shards (`load_full_into_shards`). DCP's .metadata
 is a pickle that torch reads with pickle.load: resume only checkpoints you wrote.
 """
 
@@ -20,13 +26,15 @@ import logging
 import re
 import shutil
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..checkpoint_files import MARKER, CheckpointError
+from ..dist.ranks import Ranks, any_rank, barrier
 from ..files import save_torch
-from ..dist.ranks import Ranks, barrier
 from .checkpoint import _fsync_path, checkpoint_dir, complete_checkpoints, prune, restore_rng_state, rng_state
 
 log = logging.getLogger(__name__)
@@ -44,10 +52,10 @@ def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
-def save_sharded(trainer, root: Path, keep: int) -> Path:
-    """Collective: every rank calls it at the same step. Returns the final directory."""
-    import torch.distributed.checkpoint as dcp
-
+def save_sharded(trainer, root: Path, keep: int, wait: bool = False) -> Path:
+    """Collective: every rank calls it at the same step. Returns the final directory, complete on return
+    unless the save went on asynchronously (`finish_saving` completes it); `wait`: complete on return."""
+    finish_saving(trainer)  # one save in flight at a time, the older one complete first
     ranks: Ranks = trainer.ranks
     final, temporary = checkpoint_dir(root, trainer.step), root / f".tmp-step-{trainer.step:08d}-dcp"
     if ranks.is_main:
@@ -55,21 +63,79 @@ def save_sharded(trainer, root: Path, keep: int) -> Path:
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
     barrier(ranks)
-    dcp.save(_tensors(trainer), checkpoint_id=str(temporary))
+    upload = _start_upload(trainer, temporary, wait)
     save_torch(rng_state(trainer.device), temporary / _rng_file(ranks.rank))
     _fsync_path(temporary / _rng_file(ranks.rank))
     if ranks.is_main:
         _write_synced(temporary / TRAINER_FILE, json.dumps(_trainer_state(trainer)))
+    flight = InFlight(upload, temporary, final, root, keep, trainer.step)
+    if upload is None:
+        _complete(ranks, flight)
+    else:
+        trainer.saving = flight
+    return final
+
+
+@dataclass
+class InFlight:
+    """A checkpoint whose shards DCP is still writing behind training: invisible until complete."""
+
+    upload: Future | None  # None: written already
+    temporary: Path
+    final: Path
+    root: Path
+    keep: int
+    step: int
+
+
+def _start_upload(trainer, temporary: Path, wait: bool) -> Future | None:
+    """DCP's async_save where torch has it (feature-detected) and the ranks are joined: the step pays
+    only for staging (a copy of the state in host memory) and the files are written by a thread,
+    over a gloo group of its own so its collectives never interleave with training's. Else (or
+    `wait`) a blocking dcp.save, and None."""
+    import torch.distributed.checkpoint as dcp
+
+    async_save = getattr(dcp, "async_save", None)
+    if wait or async_save is None or not trainer.ranks.joined:
+        dcp.save(_tensors(trainer), checkpoint_id=str(temporary))
+        return None
+    started = async_save(_tensors(trainer), checkpoint_id=str(temporary), process_group=_checkpoint_group())
+    return getattr(started, "upload_completion", started)  # torch 2.15 may answer an AsyncSaveResponse
+
+
+def _checkpoint_group():
+    world = torch.distributed.group.WORLD
+    if id(world) not in _GROUPS:  # every rank gets here at the same save: new_group is collective
+        _GROUPS[id(world)] = torch.distributed.new_group(backend="gloo")
+    return _GROUPS[id(world)]
+
+
+_GROUPS: dict[int, object] = {}
+
+
+def finish_saving(trainer, block: bool = True) -> None:
+    """Complete the checkpoint in flight, if any (collective): wait for every rank's files, then mark
+    it complete and rename it into place. `block=False`: only once every rank's upload is done."""
+    flight: InFlight | None = trainer.saving
+    if flight is None:
+        return
+    if not block and any_rank(not flight.upload.done(), trainer.ranks):
+        return
+    trainer.saving = None
+    flight.upload.result()  # the writer thread's error (a full disk) is raised here
+    _complete(trainer.ranks, flight)
+
+
+def _complete(ranks: Ranks, flight: InFlight) -> None:
     barrier(ranks)  # every rank's shards are on disk: only now may the checkpoint look complete
     if ranks.is_main:
-        _mark_complete(temporary, trainer.step)
-        if final.exists():
-            shutil.rmtree(final)
-        temporary.rename(final)
-        _fsync_path(root)
-        prune(root, keep)
+        _mark_complete(flight.temporary, flight.step)
+        if flight.final.exists():
+            shutil.rmtree(flight.final)
+        flight.temporary.rename(flight.final)
+        _fsync_path(flight.root)
+        prune(flight.root, flight.keep)
     barrier(ranks)
-    return final
 
 
 def _tensors(trainer) -> dict:
@@ -148,6 +214,31 @@ def load_sharded(trainer, checkpoint: Path, state: dict) -> None:
     else:
         log.info("resuming on %d rank(s) a checkpoint of %d: weights and optimizer state are resharded; each rank's "
                  "dropout keeps its own random stream", trainer.ranks.world_size, state.get("world_size", 0))
+
+
+def load_full_into_shards(trainer, state: dict) -> None:
+    """A single process's state.pt into FSDP's shards (collective): every rank reads the whole file and
+    keeps its own shards of the weights and of the optimizer state. The file keys the optimizer's
+    state by position; the current optimizer (built as the saving one was, over the same parameters
+    in the same order) says which parameter each position is, so DCP gets it keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=_optimizer_by_name(trainer, state["optimizer"]),
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def _optimizer_by_name(trainer, saved: dict) -> dict:
+    names = {id(parameter): name for name, parameter in trainer.model.named_parameters()}
+    groups = trainer.optimizer.param_groups
+    sizes = [len(group["params"]) for group in groups]
+    if [len(group["params"]) for group in saved["param_groups"]] != sizes:
+        raise ValueError(f"its optimizer has parameter groups of {[len(g['params']) for g in saved['param_groups']]} "
+                         f"parameters, the recipe's {sizes}")
+    name_of = {index: names[id(parameter)] for group, now in zip(saved["param_groups"], groups, strict=True)
+               for index, parameter in zip(group["params"], now["params"], strict=True)}
+    return {"state": {name_of[index]: value for index, value in saved["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]]}
 
 
 def set_aside_damaged(checkpoint: Path) -> None:

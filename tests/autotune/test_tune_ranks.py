@@ -158,3 +158,22 @@ def test_a_starting_point_moves_on_to_fsdp_when_no_ddp_micro_batch_is_predicted_
     starts = space.starting_points(_recipe(), fits)
     assert starts and all(start["sharding"] == "fsdp" and start["micro_batch"] == 4 for start in starts)
     assert all(start["sharding"] == "ddp" for start in space.starting_points(_recipe(), None))  # unpredicted: first
+
+
+def test_an_invalid_plan_is_not_predicted_so_the_log_never_says_it_is_probed():
+    """Issue 25, defect 6: the log said a fsdp+sqrt plan 'is probed' (the predictor's line for a plan
+    it cannot model) while the trial marked it invalid; an invalid plan is never asked about."""
+    import optuna
+
+    from autotune.cap import Cap
+    from autotune.study import Tuner
+
+    space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
+    asked = []
+    tuner = Tuner(optuna.create_study(direction="maximize"), space, Cap(10**9, 0.05), evaluate=None,
+                  predict=lambda candidate: asked.append(candidate.describe()) or 1000)
+    base = {**space.all_params()[0], "sharding": "fsdp"}
+    invalid, valid = (space.candidate({**base, "checkpointing": policy}) for policy in ("sqrt", "full"))
+    assert _invalid_reason(invalid, space) and not _invalid_reason(valid, space)
+    assert tuner._prediction(invalid) is None and tuner._prediction(valid) == 1000
+    assert asked == [valid.describe()]

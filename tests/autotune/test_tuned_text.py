@@ -100,3 +100,22 @@ def test_an_override_rewrites_the_keys_it_sets_not_their_section(tuning):
     lines = original.text.splitlines()
     wanted = [line for number, line in enumerate(lines, 1) if number not in overridden and line in kept]
     assert is_subsequence(wanted, text.splitlines()), (overrides, text)
+
+
+def test_tune_nproc_writes_the_strategy_after_every_line_of_the_last_section_and_fsdp_knobs_in_full():
+    """Issue 25, defect 6: `distributed:` went in before the last section's indented trailing comment
+    (gpt2.yaml's commented-out eval data), which then stood under it; and memory.sharding was left
+    out at its defaults though the README says tuned.yaml carries it."""
+    doc = load_document(ROOT / "recipes" / "gpt2.yaml")
+    plan = MemoryPlan().model_dump(mode="json")
+    text = tuned_text(doc, tuned_data(doc, {"plan": plan, "precision": "bf16", "strategy": "fsdp"}, "40GB"))
+    lines = text.splitlines()
+    at = lines.index("distributed:")
+    assert lines[at + 1:] == ["  strategy: fsdp"]  # nothing of eval's under it
+    assert lines[at - 1].startswith("  # data: {source: text")  # the comment stays last in its section:
+    assert [line for line in lines[:at] if TOP_KEY.match(line)][-1] == "eval:"
+    tuned = recipe_from_text(text, "tuned.yaml")
+    assert tuned.memory.sharding is not None and tuned.memory.sharding.model_dump() == {
+        "reshard_after_forward": True, "offload": "none"}
+    ddp = tuned_data(doc, {"plan": plan, "precision": "bf16", "strategy": "ddp"}, "40GB")
+    assert "sharding" not in ddp["memory"]  # ddp refuses sharding knobs

@@ -1,8 +1,9 @@
 """No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
 own layer or the ones below it:
 
-1. foundations  problems, units, files, yamlio, policies, plan, checkpoint_files (messages, YAML, the
-                policies and the plan's data, the checkpoint file format)
+1. foundations  problems, units, files, lock, yamlio, policies, plan, checkpoint_files (messages, YAML,
+                the policies and the plan's data, the checkpoint file format, the lock a directory's
+                owner holds)
 2. recipe       recipe, recipe_data, recipe_train, load, located, library (the validated recipe and
                 where its lines are)
 3. build        build/, models/ (model, data, optimizer from a recipe)
@@ -30,8 +31,8 @@ from pathlib import Path
 from conftest import ROOT
 
 LAYERS = [
-    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.yamlio", "runner.policies", "runner.plan",
-                     "runner.checkpoint_files"}),
+    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.yamlio",
+                     "runner.policies", "runner.plan", "runner.checkpoint_files"}),
     ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.load", "runner.located",
                 "runner.library"}),
     ("build", {"runner.build", "runner.models"}),

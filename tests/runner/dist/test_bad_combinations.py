@@ -73,3 +73,15 @@ def test_the_ranks_shares_cover_the_global_batch_once_in_order(world, per_rank):
     batch = world * per_rank
     shares = [Ranks(rank, world).share(batch) for rank in range(world)]
     assert [i for start, stop in shares for i in range(start, stop)] == list(range(batch))
+
+
+def test_resuming_another_model_on_ranks_is_one_line_before_any_rank_starts(ckrun, tmp_path):
+    """Issue 25, defect 5: what resume refuses was found by every rank, after each had started, and
+    said once per rank; the launcher checks the newest checkpoint against the recipe first."""
+    out = f"output.dir={tmp_path / 'run'}"
+    code, _, err = ckrun(STACK, *TINY, "train.steps=2", out)
+    assert code == 0, err
+    code, _, err = ckrun(STACK, *TINY, "model.config.width=32", "distributed.strategy=fsdp", out, "--nproc", "2",
+                         "--resume")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "model.config.width: --resume: step-00000002 was trained with a different model" in err

@@ -1,0 +1,62 @@
+"""A rank never outlives what started it: no orphan that goes on training, checkpointing, exporting.
+
+When `ckrun --nproc` (or torchrun, or the agent of a tune probe) is killed with SIGKILL it cannot
+stop its ranks, and the kernel re-parents them to PID 1, where they would train on unsupervised
+and race a `--resume` started meanwhile. So each rank asks the kernel to SIGKILL it when its
+parent dies (Linux's PR_SET_PDEATHSIG, through prctl in libc). SIGKILL, not SIGTERM: a rank that
+stopped gracefully would save and export, which is writing. A checkpoint cut short is invisible
+(its COMPLETE marker comes last), so the newest complete one stays the one `--resume` takes.
+Where prctl is missing (not Linux), a watchdog thread polls the parent's pid twice a second.
+
+PR_SET_PDEATHSIG fires when the parent *thread* that forked the rank ends; torch's elastic agent
+starts its workers from the thread that runs it (ckrun's main thread), which lives as long as the
+launcher does. The launcher's pid is in CKRUN_LAUNCHER_PID: a launcher that died before the rank
+asked is noticed at once (its pid is no longer the parent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+LAUNCHER_ENV = "CKRUN_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.5
+
+
+def die_with_parent() -> str:
+    """Make this process die (SIGKILL) when its parent does; returns how, for the log."""
+    parent = os.getppid()
+    launcher = os.environ.get(LAUNCHER_ENV)
+    how = "parent-death signal" if _pdeathsig(signal.SIGKILL) else _watch(parent)
+    if launcher and launcher.isdigit() and int(launcher) != os.getppid():
+        log.debug("the launcher (pid %s) is gone already", launcher)  # it died before we asked
+        os.kill(os.getpid(), signal.SIGKILL)
+    return how
+
+
+def _pdeathsig(signum: int) -> bool:
+    """prctl(PR_SET_PDEATHSIG, signum); False where libc or prctl is not there."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def _watch(parent: int) -> str:
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
+    return f"a watchdog polling pid {parent}"

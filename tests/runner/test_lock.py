@@ -1,0 +1,130 @@
+"""The lock a directory's owner holds (runner/lock.py): a live holder is refused with its record and
+nothing is written; a holder that has ended is reported, then taken over; another host's holder is
+judged by its heartbeat, since its processes cannot be seen from here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import runner.lock as lock_module
+from runner.lock import DirLock, Holder, LockHeld
+
+HOLD = """
+import sys, time
+from runner.lock import DirLock
+lock = DirLock(sys.argv[1], "`ckrun` run", "is training into it")
+lock.acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _lock(tmp_path) -> DirLock:
+    return DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it")
+
+
+def _record(tmp_path, **fields) -> None:
+    holder = {"host": socket.gethostname(), "pid": 1, "started": time.time(), "what": "`ckrun` run", **fields}
+    (tmp_path / "run.lock").write_text(json.dumps(holder) + "\n")
+
+
+def _ended_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_live_holder_is_refused_with_its_pid_and_nothing_is_written(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run.lock")], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = (tmp_path / "run.lock").read_bytes(), (tmp_path / "run.lock").stat().st_mtime_ns
+        with pytest.raises(LockHeld, match=rf"another `ckrun` run \(pid {holder.pid}\) is training into it since"):
+            _lock(tmp_path).acquire()
+        assert (tmp_path / "run.lock").read_bytes() == before[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    with _lock(tmp_path) as lock:  # killed: the kernel dropped its flock, and its pid has ended
+        assert lock.holder().pid == os.getpid()
+    assert (tmp_path / "run.lock").read_text() == ""  # released cleanly: an empty record
+
+
+def test_a_record_left_by_an_ended_or_reused_pid_is_reported_and_taken_over(tmp_path, caplog):
+    left = [{"pid": _ended_pid()},  # the pid runs no more
+            {"pid": os.getppid(), "ticks": -1},  # the pid runs another process now
+            {"pid": os.getppid(), "boot": "another boot"}]  # the host rebooted since
+    for fields in left:
+        _record(tmp_path, **fields)
+        with caplog.at_level(logging.WARNING, logger="runner.lock"), _lock(tmp_path):
+            pass
+        assert "which has ended (killed before it could let go); taking it over" in caplog.text
+        caplog.clear()
+
+
+def test_a_live_process_named_in_a_free_lock_is_not_taken_over(tmp_path):
+    parent = os.getppid()
+    _record(tmp_path, pid=parent, ticks=lock_module._start_ticks(parent), boot=lock_module._boot_id())
+    with pytest.raises(LockHeld, match="it runs, though it no longer locks"):
+        _lock(tmp_path).acquire()
+
+
+def test_another_hosts_record_is_judged_by_its_heartbeat(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.3)
+    _record(tmp_path, host="node7", pid=4242)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            os.utime(tmp_path / "run.lock")
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        with pytest.raises(LockHeld, match=r"\(pid 4242 on node7\).*cannot see node7's processes.*beats"):
+            _lock(tmp_path).acquire()
+    finally:
+        stop.set()
+    time.sleep(0.2)
+    with caplog.at_level(logging.WARNING, logger="runner.lock"), _lock(tmp_path):
+        pass
+    assert "pid 4242 on node7" in caplog.text and "did not beat for 1 s" in caplog.text
+
+
+def test_the_holder_beats_while_it_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.1)
+    with _lock(tmp_path):
+        first = (tmp_path / "run.lock").stat().st_mtime_ns
+        time.sleep(0.5)
+        assert (tmp_path / "run.lock").stat().st_mtime_ns != first
+
+
+def test_records_old_and_foreign():
+    assert Holder.parse("") is None and Holder.parse("1234\n") is None  # the tune lock's old record: flock alone
+    assert Holder.parse("not json").host == "?"
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
+    """A data-loader worker is forked: were the descriptor it copies still open, it would hold the
+    flock after a kill -9 of the run until it noticed."""
+    held = subprocess.Popen([sys.executable, "-c", HOLD.replace('print("held"', 'import os\nif os.fork() == 0:\n    '
+                                                                 'time.sleep(600)\nprint("held"'),
+                             str(tmp_path / "run.lock")], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, start_new_session=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        held.kill()  # the holder; its forked child sleeps on
+        held.wait()
+        with _lock(tmp_path):
+            pass
+    finally:
+        os.killpg(held.pid, 9)
