@@ -65,14 +65,3 @@ def add_sharding(space: Space, recipe: Recipe, device: Device, nproc: int) -> No
     offload = "" if device.kind == "cuda" else "; FSDP's CPU offload not searched: it needs CUDA"
     space.reasons.append(f"sharding in {space.choices['sharding']}: {why} (fsdp:keep keeps each block's gathered "
                          f"parameters from forward to backward){offload}")
-
-
-def sharding_problem(strategy: str | None, precision: str, checkpointing: str) -> str | None:
-    """What the recipe refuses with fsdp (runner/recipe.py), said before anything is probed."""
-    if strategy != "fsdp":
-        return None
-    if precision == "fp16":
-        return "fp16 with fsdp is not supported (its loss scaler would see one shard per rank); bf16 or ddp are"
-    if checkpointing == "sqrt":
-        return "sqrt segments with fsdp are not supported (their recompute bypasses FSDP's parameter gathering)"
-    return None

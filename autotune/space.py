@@ -23,9 +23,8 @@ from typing import Any
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from runner.memory.blocks import Block, BlockList
-from pydantic import TypeAdapter
 from runner.plan import MemoryPlan
-from runner.recipe import Distributed, Recipe
+from runner.recipe import Recipe
 
 from runner.policies import (CHECKPOINTING, EVERY_K, checkpointing_choices, compression_choices, offload_choices,
                              policy_class)
@@ -38,7 +37,6 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATOR_SETTINGS = ("default", "expandable_segments:True")  # "default": PYTORCH_CUDA_ALLOC_CONF left alone
 BUDGET_STEP = 0.1  # compile's activation_memory_budget: finer steps than this measure noise, not the knob
-DISTRIBUTED = TypeAdapter(Distributed)  # built once: a TypeAdapter compiles its schema when made
 
 
 @dataclass(frozen=True)
@@ -91,13 +89,15 @@ class Candidate:
         return json.dumps({"memory": self.plan.model_dump(mode="json"), "precision": self.precision, **ranks},
                           sort_keys=True)
 
-    def recipe(self, base: Recipe, cap_bytes: int) -> Recipe:
-        """`base` running this candidate; max_mem makes the probe stop (CUDA: fail to allocate) at the cap."""
-        plan = self.plan.model_copy(update={"max_mem": cap_bytes})
-        update = {"memory": plan, "precision": self.precision}
+    def recipe(self, base: Recipe, cap_bytes: int | None) -> Recipe:
+        """`base` running this candidate, validated as the probe's child validates it: a ValidationError
+        says what the recipe's schema refuses (the one set of validity rules). max_mem makes the probe
+        stop (CUDA: fail to allocate) at the cap."""
+        data = base.model_dump(mode="json")
+        data.update(memory={**self.plan.model_dump(mode="json"), "max_mem": cap_bytes}, precision=self.precision)
         if self.strategy:
-            update["distributed"] = DISTRIBUTED.validate_python({"strategy": self.strategy})
-        return base.model_copy(update=update)
+            data["distributed"] = {"strategy": self.strategy}
+        return Recipe.model_validate(data)
 
     def describe(self) -> str:
         parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {self.plan.checkpointing.label()}"]
@@ -131,6 +131,7 @@ class Space:
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
     world_size: int = 1  # --nproc: batch_size is then a rank's share of the global batch
+    base: Recipe | None = None  # the recipe every candidate runs in: what its schema refuses is never probed
     numeric: dict[str, FloatDistribution] = field(default_factory=dict)
     """Continuous knobs (compile's activation_memory_budget): TPE models them as numbers; the grid
     takes their steps. Nothing is pruned from a neighbour's result: each value is measured."""
@@ -260,7 +261,7 @@ def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precis
                 nproc: int = 1) -> Space:
     """The space for `recipe` on `device` (each of `nproc` ranks); every automatic choice is logged with its reason."""
     space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size // nproc,
-                  batchnorm=facts.batchnorm, dropout=facts.dropout)
+                  batchnorm=facts.batchnorm, dropout=facts.dropout, base=recipe)
     if nproc > 1:
         add_sharding(space, recipe, device, nproc)
     _micro_batches(space, recipe.memory.micro_batch or space.batch_size, search_micro_batch)

@@ -27,14 +27,14 @@ import torch
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, Trial, TrialState
+from pydantic import ValidationError
 
 from runner.memory.apply import check_combination
-from runner.problems import InputError, Place, Problem
+from runner.problems import InputError, KeyedError, Place, Problem
 from runner.units import format_bytes
 
 from .cap import Cap
 from .report import ranked_feasible
-from .sharding import sharding_problem
 from .space import Candidate, Space
 
 log = logging.getLogger(__name__)
@@ -374,16 +374,28 @@ class Tuner:
 
 
 def _invalid_reason(candidate: Candidate, space: Space) -> str | None:
-    """Combinations apply_plan refuses (offload with sqrt segments) and what the recipe refuses with
-    fsdp (fp16, sqrt segments) are told infeasible, never probed."""
-    refused = sharding_problem(candidate.strategy, candidate.precision, candidate.plan.checkpointing.policy)
-    if refused:
-        return refused
+    """Why `candidate` cannot run, said before anything is probed (it is told infeasible, never run):
+    what the recipe's schema refuses (runner.plan.plan_problems; fsdp with fp16 or with segments that
+    span blocks), the rules the probe's child would meet, then what this device or torch lacks."""
+    if space.base is not None:
+        try:
+            candidate.recipe(space.base, None)
+        except ValidationError as err:
+            return _refusal(err)
     try:
         check_combination(candidate.plan, torch.device(space.device_kind))
     except ValueError as err:
         return str(err)
     return None
+
+
+def _refusal(err: ValidationError) -> str:
+    """The schema's first refusal as one line, `key: what to do`."""
+    first = err.errors(include_url=False)[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, KeyedError):
+        return f"{cause.key}: {cause.message}"
+    return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
 
 
 def _log_trial(number: int, candidate: Candidate, record: dict) -> None:
