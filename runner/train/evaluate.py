@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..build.data import build_data
+from ..build.sources import build_data
 from ..build.resolve import BuildError, infer_task
 from .checkpoint import restore_rng_state, rng_state
 from .eval_metrics import Metrics

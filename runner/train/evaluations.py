@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..build.data import close_source
 from .early_stop import EarlyStop
 from .evaluate import make_evaluator
 from .output import METRICS, read_metrics_lines
@@ -61,4 +60,4 @@ class Evaluations:
 
     def close(self) -> None:
         if self.evaluator is not None:
-            close_source(self.evaluator.source)
+            self.evaluator.source.close()

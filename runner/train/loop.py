@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..build.data import build_data, close_source
+from ..build.sources import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler, total_steps
 from ..dist.ranks import join as join_ranks
@@ -174,7 +174,7 @@ class Trainer:
 
     def close(self) -> None:
         """Shut down the data's worker processes; the trainer can still step afterwards (they restart)."""
-        close_source(self.data)
+        self.data.close()
 
     # --- running ----------------------------------------------------------------------------
 
