@@ -1,6 +1,6 @@
 """When a run evaluates, and what follows: every `eval.every` steps and at the last step, once more
 at a Ctrl-C stop (the weights a stop leaves are the run's result too), and early stopping fed
-from each evaluation. Each evaluation record goes to every sink (metrics.jsonl, TensorBoard).
+from each evaluation. Each evaluation record goes to every sink (metrics.jsonl and the recipe's).
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ class Evaluations:
 
     def _evaluate(self, sinks) -> dict:
         record = self.evaluator.run()
-        for sink in sinks:
-            sink.append(record)
+        sinks.write(record)
         return record
 
     def close(self) -> None:

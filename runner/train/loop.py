@@ -38,9 +38,9 @@ from .progress import Progress
 from .start_line import start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
-from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
+from .ranked import process_group_scope, rank_share, save_state, stop_agreed
+from .sinks import open_sinks
 from .step import make_precision, run_step
-from .tensorboard import tensorboard_log
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
 
@@ -314,8 +314,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     with StopRequest() as stop, process_group_scope():
         log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
         trainer = Trainer(recipe, source)
-        if resume:
-            resume_from_checkpoint(trainer, out_dir, source, accept_changes)
+        changes = resume_from_checkpoint(trainer, out_dir, source, accept_changes) if resume else {}
         if trainer.ranks.is_main:
             write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
         log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
@@ -326,7 +325,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
             for line in start_lines(recipe, trainer.device, predicted, parameters, trainer.total_steps):
                 log.info(line)
         try:
-            result = _run(trainer, out_dir, stop)
+            result = _run(trainer, out_dir, stop, changes)
         except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
             if trainer.ranks.is_main:
                 set_aside_unresumable(out_dir)
@@ -342,7 +341,9 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     return result
 
 
-def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
+def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> RunResult:
+    """The steps, each record to the sinks (metrics.jsonl and the recipe's); `changes`: the settings
+    --resume-changed accepted, recorded first."""
     recipe, watch = trainer.recipe, LossWatch()
     result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step)
     total, every = trainer.total_steps, recipe.output.checkpoint_every
@@ -350,14 +351,13 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     progress = Progress(total, trainer.step, output.log_every, output.log_seconds, show=trainer.ranks.is_main)
     evaluations = Evaluations(trainer, out_dir)
     try:
-        with (metrics_sink(trainer, out_dir) as metrics,
-              tensorboard_log(recipe.output.tensorboard and trainer.ranks.is_main, out_dir, trainer.step) as board):
-            sinks = (metrics, board)
+        with open_sinks(trainer, out_dir) as sinks:
+            if changes:
+                sinks.write({"step": trainer.step, "resumed_with_changes": changes})
             result.stopped_early = evaluations.stopped_already()
             while trainer.step < total and not result.stopped_early and not stop_agreed(stop, trainer.ranks):
                 record = trainer.train_step()
-                metrics.append(record)  # first, so the line of a non-finite step shows where it happened
-                board.append(record)
+                sinks.write(record)  # before the check, so the line of a non-finite step shows where it happened
                 watch.check(record)
                 _note(result, record)
                 progress.update(record)
@@ -366,6 +366,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
                     _save(trainer, out_dir)
             if trainer.step < total and not result.stopped_early:
                 evaluations.at_stop(sinks)  # Ctrl-C: the weights it leaves get their evaluation too
+                sinks.ended = "stopped"
     finally:
         progress.close()
         evaluations.close()

@@ -3,7 +3,7 @@ own layer or the ones below it:
 
 1. foundations  problems, units, files, yamlio, plan, checkpoint_files (messages, YAML, the plan's
                 data, the checkpoint file format)
-2. recipe       recipe, recipe_data, recipe_train, load, located, library (the validated recipe and
+2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, load, located, library (the validated recipe and
                 where its lines are)
 3. build        build/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
@@ -29,8 +29,8 @@ from conftest import ROOT
 LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.yamlio", "runner.plan",
                      "runner.checkpoint_files"}),
-    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.load", "runner.located",
-                "runner.library"}),
+    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks", "runner.load",
+                "runner.located", "runner.library"}),
     ("build", {"runner.build", "runner.models"}),
     ("memory", {"runner.memory"}),
     ("dist", {"runner.dist"}),
