@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from runner.build.data import build_data
+from runner.build.sources import build_data
 from runner.build.model import build_model
 from runner.build.optim import build_optimizer
 from runner.load import load_recipe

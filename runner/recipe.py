@@ -23,6 +23,7 @@ from .recipe_data import (  # noqa: F401 - the data sources are part of the reci
 from .recipe_train import (  # noqa: F401 - the optimizers and schedules too
     AdamW, ConstantSchedule, CosineSchedule, Optimizer, Schedule, SGD, TorchOptimizer,
 )
+from .recipe_sinks import SinkEntries
 
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -104,7 +105,11 @@ class OutputSpec(Strict):
     """How many complete checkpoints to keep; older ones are deleted."""
     tensorboard: bool = False
     """Also write every step and evaluation as TensorBoard events to OUTPUT_DIR/tensorboard
-    (needs `pip install 'ckrun[tensorboard]'`)."""
+    (needs `pip install 'ckrun[tensorboard]'`); the same as listing tensorboard in output.sinks."""
+    sinks: SinkEntries = Field(default_factory=list)
+    """Where each step's and evaluation's record goes besides metrics.jsonl: `tensorboard`, `wandb`
+    (offline) and `mlflow` (a local store), by name (`[tensorboard, wandb]`) or as a section with
+    settings (`{name: wandb, project: bert}`). One that fails mid-run is one warning line; the run goes on."""
 
     @field_validator("tensorboard")
     @classmethod

@@ -1,21 +1,24 @@
 """Batches for a step, addressed by step number so that resume and micro-batching see the same data.
 
-`BatchSource.global_batch(step)` is a pure function of (seed, step): synthetic data draws it
-from a generator seeded by both, local data takes a seeded permutation. Micro-batches are
-slices of the global batch, so any micro-batch size trains on exactly the same samples.
+`BatchSource` is what every data source provides (the registry of sources, one per recipe
+`data.source`, is runner/build/sources.py). `global_batch(step)` is a pure function of (seed,
+step): synthetic data draws it from a generator seeded by both, local data takes a seeded
+permutation. Micro-batches are slices of the global batch, so any micro-batch size trains on
+exactly the same samples.
 """
 
 from __future__ import annotations
 
 import functools
 import glob
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..recipe import ImageFolderData, Recipe, SyntheticData, Task, TextFilesData, infer_task
 from ..problems import first_line
+from ..recipe import ImageFolderData, SyntheticData, Task, TextFilesData
 from ..recipe_data import BYTE_VOCAB
 from .resolve import BuildError
 
@@ -55,32 +58,6 @@ class Shape:
     image_size: int = 224
     channels: int = 3
     decoder_start: int = 0  # seq2seq: the token the decoder starts from (T5's pad, BART's </s>)
-
-
-def describe_inputs(recipe: Recipe, model: torch.nn.Module) -> Shape:
-    data, spec = recipe.data, recipe.model
-    task = data.task or infer_task(spec)
-    if task is None:  # validation refuses a python model without data.task; other models imply one
-        raise BuildError("data.task", f"cannot tell what {spec.name} learns; set data.task (masked_lm, causal_lm, "
-                         "seq2seq, sequence_classification or image_classification)")
-    config = getattr(model, "config", None)
-    vocab = getattr(data, "vocab_size", None) or getattr(config, "vocab_size", None) or getattr(model, "vocab_size", 0) \
-        or _file_vocab(data)
-    classes = getattr(data, "num_classes", None) or getattr(config, "num_labels", None) or spec.config.get("num_classes", 1000)
-    image = getattr(data, "image_size", None) or getattr(config, "image_size", 224)
-    channels = getattr(data, "channels", None) or getattr(config, "num_channels", 3)
-    if task != "image_classification" and not vocab:
-        raise BuildError("data.vocab_size", f"{spec.name} has no vocab_size (no config or attribute of that name); "
-                                            "set data.vocab_size to the token ids its embedding takes")
-    start = getattr(config, "decoder_start_token_id", None) or 0
-    return Shape(task, spec.source == "transformers", int(vocab), int(classes), int(image), int(channels), int(start))
-
-
-def _file_vocab(data) -> int:
-    """Ids file data produces: its tokenizer's size, or the UTF-8 byte ids; synthetic data has none of its own."""
-    if data.source == "synthetic" or not hasattr(data, "tokenizer"):
-        return 0
-    return len(load_tokenizer(data.tokenizer)) if data.tokenizer else BYTE_VOCAB
 
 
 def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
@@ -125,7 +102,64 @@ def _permutation(count: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(count, generator=_generator(seed, epoch, 2))
 
 
-class SyntheticSource:
+class BatchSource(ABC):
+    """What a data source gives the loop, the evaluator and the estimator. One subclass per recipe
+    `data.source` literal, registered in runner/build/sources.py; its recipe section is a model in
+    runner/recipe_data.py.
+
+    A source reads and prepares its data once, in `build`, and reports what is wrong with it as a
+    BuildError at the recipe key to fix. After that, `global_batch(step)` must be a pure function of
+    the seed and the step: the same step always gives the same batch, so `--resume`, micro-batching
+    and every rank see the same samples (file data: a seeded order per epoch, `epoch_rows`).
+    """
+
+    rows: int | None = None
+    """Samples in one epoch, what train.epochs counts and the evaluator covers; None: never ends."""
+    label_ids: dict[str, int] | None = None
+    """Label name -> id, when the source chose them (records, datasets): held-out data takes the
+    same ids, and the exported config's id2label says them."""
+
+    @classmethod
+    def build(cls, data, shape: Shape, batch_size: int, seed: int, *, label_ids: dict[str, int] | None = None,
+              pin_memory: bool = False) -> BatchSource:
+        """The source of a recipe's data section. `label_ids`: the training data's, when this is
+        held-out data; `pin_memory`: batches go to a GPU (a source with workers pins them)."""
+        return cls(data, shape, batch_size, seed)
+
+    @abstractmethod
+    def global_batch(self, step: int) -> Batch:
+        """The whole batch of optimizer step `step` (0-based), on the CPU."""
+
+    def close(self) -> None:
+        """Stop what runs beside training (worker processes), now; may be called again, and the
+        source may be asked for batches afterwards (it restarts them)."""
+        return None  # most sources run nothing beside training
+
+    @classmethod
+    def token_vocab(cls, data) -> int:
+        """Token ids the data's text comes as (a tokenizer's size, or UTF-8 bytes), for a model that
+        does not say its vocabulary; 0: the source has no tokens of its own."""
+        return 0
+
+    @classmethod
+    def stand_in(cls, data, shape: Shape, batch_size: int, seed: int) -> Batch:
+        """A batch of the shapes `global_batch` gives, read from no file: the estimator prices a step
+        from shapes alone. Synthetic tokens or images of the section's lengths."""
+        synthetic = SyntheticData(task=shape.task, seq_len=getattr(data, "seq_len", 128), image_size=shape.image_size,
+                                  channels=shape.channels, mask_prob=getattr(data, "mask_prob", 0.15),
+                                  target_len=getattr(data, "target_len", None))  # seq2seq targets of records, datasets
+        return SyntheticSource(synthetic, shape, batch_size, seed).global_batch(0)
+
+
+class TextSource(BatchSource):
+    """A source of text, whose token ids are its tokenizer's (`data.tokenizer`), or UTF-8 bytes."""
+
+    @classmethod
+    def token_vocab(cls, data) -> int:
+        return len(load_tokenizer(data.tokenizer)) if data.tokenizer else BYTE_VOCAB
+
+
+class SyntheticSource(BatchSource):
     def __init__(self, data: SyntheticData, shape: Shape, batch_size: int, seed: int):
         self.data, self.shape, self.batch_size, self.seed = data, shape, batch_size, seed
 
@@ -165,7 +199,7 @@ def _successor_table(vocab: int, seed: int) -> torch.Tensor:
     return 2 + torch.searchsorted(cumulative, draws * cumulative[-1]).clamp(max=vocab - 3)
 
 
-class TextFilesSource:
+class TextFilesSource(TextSource):
     """Local text, tokenised once, cut into seq_len samples, visited in a seeded order per epoch."""
 
     def __init__(self, data: TextFilesData, shape: Shape, batch_size: int, seed: int):
@@ -269,9 +303,13 @@ def load_tokenizer(directory: str, key: str = "data"):
                          "give a directory saved by tokenizer.save_pretrained") from None
 
 
-class ImageFolderSource:
+class ImageFolderSource(BatchSource):
     """Images decoded and transformed by DataLoader workers (build/image_loader.py), or in this
     process with workers 0; the same batches either way."""
+
+    @classmethod
+    def build(cls, data, shape, batch_size, seed, *, label_ids=None, pin_memory=False) -> ImageFolderSource:
+        return cls(data, shape, batch_size, seed, pin_memory)  # pinned batches copy to the GPU while it computes
 
     def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int, pin_memory: bool = False):
         from torchvision import transforms
@@ -339,40 +377,3 @@ def describe_image_error(err: Exception) -> str:
     if "cannot identify image file" in str(err):
         return "not an image PIL can read (corrupt, cut short, or another format)"
     return first_line(getattr(err, "strerror", None) or err, 200)
-
-
-def build_data(recipe: Recipe, model: torch.nn.Module, label_ids: dict[str, int] | None = None):
-    """The recipe's batch source; `label_ids`: the training data's label ids, for held-out records."""
-    shape = describe_inputs(recipe, model)
-    if recipe.data.source in ("records", "dataset"):
-        from .hf_dataset import dataset_source  # both build on this module
-        from .records import RecordsSource
-
-        make = RecordsSource if recipe.data.source == "records" else dataset_source
-        source = make(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, label_ids)
-        if label_ids is None:
-            _name_labels(model, getattr(source, "label_ids", None))
-        return source
-    if recipe.data.source == "image_folder":  # pinned batches copy to the GPU while it computes
-        pinned = any(p.is_cuda for p in model.parameters())
-        return ImageFolderSource(recipe.data, shape, recipe.train.batch_size, recipe.train.seed, pin_memory=pinned)
-    sources = {"synthetic": SyntheticSource, "text": TextFilesSource}
-    return sources[recipe.data.source](recipe.data, shape, recipe.train.batch_size, recipe.train.seed)
-
-
-def _name_labels(model: torch.nn.Module, label_ids: dict[str, int] | None) -> None:
-    """Label names into a transformers config, so the exported model's id2label says what each id means."""
-    config = getattr(model, "config", None)
-    if not label_ids or config is None or not hasattr(config, "id2label") or len(label_ids) != config.num_labels:
-        return
-    if sorted(label_ids.values()) == list(range(len(label_ids))):
-        config.id2label = {i: name for name, i in label_ids.items()}
-        config.label2id = dict(label_ids)
-
-
-def close_source(source) -> None:
-    """Shut down what a source runs beside the training process (image decoding workers), now:
-    at the end of a run, after a stop or a failure, never left to the garbage collector."""
-    close = getattr(source, "close", None)
-    if close is not None:
-        close()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..recipe import DatasetData
-from .data import Shape, TextFilesSource, load_tokenizer
+from .data import BatchSource, Shape, TextFilesSource, TextSource, load_tokenizer
 from .dataset_files import READERS, cheap_columns, find_paths, reason, require_datasets, saved_kind, split_folder
 from .records import RecordsSource, encode_examples, to_example
 from .resolve import BuildError
@@ -53,6 +53,15 @@ class PackedTexts(TextFilesSource):
         self.tokenizer = tokenizer
         self.mask_id = self._mask_id()  # a tokenizer without [MASK] is refused before any reading
         self.samples = torch.empty(0, data.seq_len, dtype=torch.long)
+
+
+class DatasetSource(TextSource):
+    """`data.source: dataset`: built as packed text (language modelling) or labelled rows (classification,
+    seq2seq), whose batches are served as text files' and records' are."""
+
+    @classmethod
+    def build(cls, data, shape, batch_size, seed, *, label_ids=None, pin_memory=False) -> BatchSource:
+        return dataset_source(data, shape, batch_size, seed, label_ids)
 
 
 def dataset_source(data: DatasetData, shape: Shape, batch_size: int, seed: int, label_ids: dict[str, int] | None = None):

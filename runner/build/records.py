@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..recipe import RecordsData
-from .data import IGNORE, Batch, Shape, epoch_rows, load_tokenizer
+from .data import IGNORE, Batch, Shape, TextSource, epoch_rows, load_tokenizer
 from .resolve import BuildError
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,12 @@ def pick_label_ids(examples: list[Example], data: RecordsData, classes: int, key
     return ids
 
 
-class RecordsSource:
+class RecordsSource(TextSource):
     """Inputs (and seq2seq targets) tokenised once, padded to fixed lengths; targets from the file."""
+
+    @classmethod
+    def build(cls, data, shape, batch_size, seed, *, label_ids=None, pin_memory=False) -> RecordsSource:
+        return cls(data, shape, batch_size, seed, label_ids)
 
     def __init__(self, data: RecordsData, shape: Shape, batch_size: int, seed: int, label_ids: dict[str, int] | None = None):
         key = "data"  # held-out data's problems are moved to eval.data by the evaluator

@@ -231,15 +231,15 @@ def recompute_seconds(recipe: Recipe, micro_batch: int, precision: str, steps: i
     timed steps after one warm-up, on the recipe's device with a real model and a synthetic batch."""
     from ..build.model import build_model
     from ..build.optim import build_optimizer
+    from ..build.sources import stand_in_batch
     from ..train.loop import pick_device
     from ..train.step import Precision, run_step
-    from .estimate import _stand_in_batch
 
     device = device or pick_device(recipe)
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, device).train()
     optimizer = build_optimizer(model, recipe.train, device)
-    batch = _stand_in_batch(recipe, model).to(device)
+    batch = stand_in_batch(recipe, model).to(device)
     blocks = find_blocks(model, recipe.memory.blocks)
     out: dict[str, list[float]] = {}
     for policy, name in ((FullCheckpointing(policy="full"), "recompute"),

@@ -38,16 +38,17 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from ..build.data import Batch, SyntheticSource, describe_inputs
+from ..build.data import Batch
 from ..build.model import build_model
 from ..build.optim import build_optimizer
 from ..build.resolve import transformers_class
+from ..build.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport
 from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload
-from ..recipe import ModelSpec, Precision as PrecisionName, Recipe, SyntheticData
+from ..recipe import ModelSpec, Precision as PrecisionName, Recipe
 from ..train.step import Precision, label_count, run_step
 from ..problems import CkrunError, KeyedError
 from ..units import format_bytes
@@ -123,7 +124,7 @@ class Estimator:
                 self.model = self._prepare(_build_for_shapes(recipe.model))
             self.model.train()
         # a real batch, made outside the mode: synthetic data indexes and masks by value
-        self.batch, self.batch_only = _to_fake(_stand_in_batch(recipe, self.model), self.fake_mode)
+        self.batch, self.batch_only = _to_fake(stand_in_batch(recipe, self.model), self.fake_mode)
         gaps = FakeGapWatch()  # watched once, in the warm-up: a plan changes how often ops run, not which
         with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour():
             # fused AdamW on a CUDA target, as the trainer builds it (it makes no temporaries)
@@ -306,17 +307,6 @@ def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
     model_class = transformers_class(spec.name)
     config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
     return model_class(config)
-
-
-def _stand_in_batch(recipe: Recipe, model: torch.nn.Module) -> Batch:
-    """A real batch of the recipe's shapes; synthetic, so no local data is read (contents do not
-    change memory)."""
-    data = recipe.data
-    shape = describe_inputs(recipe, model)
-    synthetic = SyntheticData(task=shape.task, seq_len=getattr(data, "seq_len", 128), image_size=shape.image_size,
-                              channels=shape.channels, mask_prob=getattr(data, "mask_prob", 0.15),
-                              target_len=getattr(data, "target_len", None))  # records' and datasets' seq2seq targets
-    return SyntheticSource(synthetic, shape, recipe.train.batch_size, recipe.train.seed).global_batch(0)
 
 
 def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch.Tensor]]:

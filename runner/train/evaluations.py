@@ -1,6 +1,6 @@
 """When a run evaluates, and what follows: every `eval.every` steps and at the last step, once more
 at a Ctrl-C stop (the weights a stop leaves are the run's result too), and early stopping fed
-from each evaluation. Each evaluation record goes to every sink (metrics.jsonl, TensorBoard).
+from each evaluation. Each evaluation record goes to every sink (metrics.jsonl and the recipe's).
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..build.data import close_source
 from .early_stop import EarlyStop
 from .evaluate import make_evaluator
 from .output import METRICS, read_metrics_lines
@@ -55,10 +54,9 @@ class Evaluations:
 
     def _evaluate(self, sinks) -> dict:
         record = self.evaluator.run()
-        for sink in sinks:
-            sink.append(record)
+        sinks.write(record)
         return record
 
     def close(self) -> None:
         if self.evaluator is not None:
-            close_source(self.evaluator.source)
+            self.evaluator.source.close()

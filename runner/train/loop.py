@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..build.data import build_data, close_source
+from ..build.sources import build_data
 from ..build.model import BuildError, build_model
 from ..build.optim import build_optimizer, build_scheduler, total_steps
 from ..dist.ranks import Ranks, reduce_step_record
@@ -39,10 +39,10 @@ from .progress import Progress
 from .start_line import start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
-from .ranked import metrics_sink, process_group_scope, rank_share, save_state, stop_agreed
+from .ranked import process_group_scope, rank_share, save_state, stop_agreed
 from .sharded import finish_saving, load_full_into_shards
+from .sinks import open_sinks
 from .step import make_precision, run_step
-from .tensorboard import tensorboard_log
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
 
@@ -196,7 +196,7 @@ class Trainer:
 
     def close(self) -> None:
         """Shut down the data's worker processes; the trainer can still step afterwards (they restart)."""
-        close_source(self.data)
+        self.data.close()
 
     # --- running ----------------------------------------------------------------------------
 
@@ -347,8 +347,7 @@ def _trained(recipe: Recipe, source: str, resume: bool, out_dir: Path, stop: Sto
     """train()'s run, in a directory it holds: build, resume, train, save and export."""
     log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
     trainer = Trainer(recipe, source, ranks)
-    if resume:
-        resume_from_checkpoint(trainer, out_dir, source, accept_changes)
+    changes = resume_from_checkpoint(trainer, out_dir, source, accept_changes) if resume else {}
     if trainer.ranks.is_main:
         write_output(out_dir / "recipe.yaml", dump_yaml(recipe.model_dump(mode="json")), source)
     log.info("training %s on %s: %d steps of batch %d (micro-batch %d), %s", recipe.model.name, trainer.device,
@@ -359,7 +358,7 @@ def _trained(recipe: Recipe, source: str, resume: bool, out_dir: Path, stop: Sto
         for line in start_lines(recipe, trainer.device, predicted, parameters, trainer.total_steps):
             log.info(line)
     try:
-        result = _run(trainer, out_dir, stop)
+        result = _run(trainer, out_dir, stop, changes)
     except BuildError as err:  # the data failed mid-run (a corrupt image): the recipe's data to fix
         if trainer.ranks.is_main:
             set_aside_unresumable(out_dir)
@@ -373,7 +372,9 @@ def _trained(recipe: Recipe, source: str, resume: bool, out_dir: Path, stop: Sto
     return result
 
 
-def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
+def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> RunResult:
+    """The steps, each record to the sinks (metrics.jsonl and the recipe's); `changes`: the settings
+    --resume-changed accepted, recorded first."""
     recipe, watch = trainer.recipe, LossWatch()
     result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step)
     total, every = trainer.total_steps, recipe.output.checkpoint_every
@@ -381,14 +382,13 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
     progress = Progress(total, trainer.step, output.log_every, output.log_seconds, show=trainer.ranks.is_main)
     evaluations = Evaluations(trainer, out_dir)
     try:
-        with (metrics_sink(trainer, out_dir) as metrics,
-              tensorboard_log(recipe.output.tensorboard and trainer.ranks.is_main, out_dir, trainer.step) as board):
-            sinks = (metrics, board)
+        with open_sinks(trainer, out_dir) as sinks:
+            if changes:
+                sinks.write({"step": trainer.step, "resumed_with_changes": changes})
             result.stopped_early = evaluations.stopped_already()
             while trainer.step < total and not result.stopped_early and not stop_agreed(stop, trainer.ranks):
                 record = trainer.train_step()
-                metrics.append(record)  # first, so the line of a non-finite step shows where it happened
-                board.append(record)
+                sinks.write(record)  # before the check, so the line of a non-finite step shows where it happened
                 watch.check(record)
                 _note(result, record)
                 progress.update(record)
@@ -399,6 +399,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest) -> RunResult:
                     _save(trainer, out_dir, finish_only=True)  # a checkpoint written behind: complete once done
             if trainer.step < total and not result.stopped_early:
                 evaluations.at_stop(sinks)  # Ctrl-C: the weights it leaves get their evaluation too
+                sinks.ended = "stopped"
     finally:
         progress.close()
         evaluations.close()

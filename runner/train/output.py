@@ -1,4 +1,5 @@
-"""What a run writes into output.dir, and the one line that explains when it cannot.
+"""What a run writes into output.dir, the interface every output of its records keeps (`Sink`), and
+the one line that explains when a write fails.
 
 Two kinds of write failure, told apart by errno. The directory itself being unusable (a file
 where a folder should be, a name too long, no permission) is the recipe's output.dir to change:
@@ -15,10 +16,13 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Protocol
 
 from ..files import write_atomic
 from ..problems import EXIT_CANNOT_WRITE, CkrunError, InputError, Place, Problem, one_line
+from ..recipe import Recipe
 from .checkpoint import complete_checkpoints
 
 log = logging.getLogger(__name__)
@@ -117,18 +121,51 @@ def _strict(value):
     return strict_record(value) if isinstance(value, dict) else value
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What a sink learns of the run when it opens."""
+
+    out_dir: Path
+    recipe: Recipe
+    source: str  # the recipe's file, for located lines
+    first_step: int  # 0, or the checkpoint step a resumed run continues after: records come from first_step + 1
+
+
+Ended = Literal["finished", "stopped", "failed"]  # a run that ran its steps, one a signal stopped, one an error ended
+
+
+class Sink(Protocol):
+    """Where the loop's records go: one per step (`{"step", "loss", "lr", ...}`), one per evaluation
+    (`{"step", "eval": {...}}`), and after a --resume-changed resume one `{"step", "resumed_with_changes"}`.
+    runner/train/sinks.py opens the ones a recipe chooses; records come in step order."""
+
+    def open(self, run: RunInfo) -> None: ...
+
+    def write(self, record: dict) -> None: ...
+
+    def close(self, ended: Ended) -> None: ...
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's numbers as the trackers name them: `train/loss`, `train/lr`, ... or `eval/perplexity`."""
+    group, values = ("eval", record["eval"]) if isinstance(record.get("eval"), dict) else ("train", record)
+    return {f"{group}/{key}": value for key, value in values.items()
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)}
+
+
 class MetricsLog:
     """metrics.jsonl, one record per line, each line written by one append so that a failed write
-    leaves at most a partial last line (which resume drops), never a damaged earlier one."""
+    leaves at most a partial last line (which resume drops), never a damaged earlier one. The one
+    sink every run has: its failure ends the run (OutputError, status 5)."""
 
-    def __init__(self, out_dir: Path, source: str):
-        self.path, self.source = out_dir / METRICS, source
+    def open(self, run: RunInfo) -> None:
+        self.path, self.source = run.out_dir / METRICS, run.source
         try:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as err:
-            raise write_failure(err, self.path, source) from None
+            raise write_failure(err, self.path, self.source) from None
 
-    def append(self, record: dict) -> None:
+    def write(self, record: dict) -> None:
         line = (json.dumps(strict_record(record), allow_nan=False) + "\n").encode("utf-8")
         try:
             written = os.write(self.fd, line)
@@ -137,14 +174,8 @@ class MetricsLog:
         except OSError as err:
             raise write_failure(err, self.path, self.source) from None
 
-    def close(self) -> None:
+    def close(self, ended: Ended) -> None:
         os.close(self.fd)
-
-    def __enter__(self) -> MetricsLog:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def read_metrics_lines(path: Path) -> tuple[list[dict], int]:

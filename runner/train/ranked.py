@@ -1,7 +1,7 @@
 """The loop's few places that differ per rank: the batch share, who writes, how state is saved.
 
-Every rank runs the same loop; collectives keep them in step. Only rank 0 writes metrics.jsonl,
-TensorBoard events, the resolved recipe and the exported model. Decisions that end or skip a step
+Every rank runs the same loop; collectives keep them in step. Only rank 0 writes metrics.jsonl and
+the recipe's other sinks (runner/train/sinks.py), the resolved recipe and the exported model. Decisions that end or skip a step
 (a stop request, a non-finite loss, the memory cap) are taken on reduced values, so all ranks take
 them together and none waits forever in a collective the others left.
 """
@@ -16,7 +16,6 @@ import torch
 from ..build.data import Batch
 from ..dist.ranks import Ranks
 from .guard import StopRequest
-from .output import MetricsLog
 from .sharded import save_sharded
 from .step import label_count
 
@@ -42,21 +41,6 @@ def stop_agreed(stop: StopRequest, ranks: Ranks) -> bool:
     if signal.item() and not stop.requested:
         stop.signum = int(signal.item())
     return stop.requested
-
-
-class _NoMetrics:
-    def append(self, record: dict) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def metrics_sink(trainer, out_dir: Path):
-    """metrics.jsonl on rank 0; the other ranks' records (the same, reduced) go nowhere."""
-    if not trainer.ranks.is_main:
-        yield _NoMetrics()
-        return
-    with MetricsLog(out_dir, trainer.source) as metrics:
-        yield metrics
 
 
 def save_state(trainer, root: Path, save_checkpoint, wait: bool = False) -> Path:

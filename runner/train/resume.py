@@ -9,7 +9,8 @@ and so may train.steps, which is how a finished run is extended.
 What else decides the steps to come (the batch size, the data and its seq_len, the seed, the
 precision, clipping, the schedule) is recorded too: changed, the run would not be the one it
 continues, so --resume refuses, naming each change, unless --resume-changed accepts them; then
-the changes are logged and written to metrics.jsonl as `{"step": N, "resumed_with_changes": ...}`.
+the changes are logged, and the loop gives every sink (metrics.jsonl first) the record
+`{"step": N, "resumed_with_changes": ...}`.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ def _run_settings(recipe: Recipe) -> dict:
     return {**{f"train.{key}": value for key, value in train.items()}, "precision": recipe.precision, "data": data}
 
 
-def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) -> None:
+def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) -> dict[str, list]:
     """Restore `trainer` from the newest loadable checkpoint in out_dir, or start at step 0 when none;
-    `accept_changes`: --resume-changed (changed run settings are logged and recorded, not refused)."""
+    `accept_changes`: --resume-changed (changed run settings are logged and returned, for the loop to
+    record, not refused). Returns those changes, {key: [in the checkpoint, now]}."""
     root = out_dir / "checkpoints"
     try:
-        if _resumed_sharded(trainer, root, out_dir, source, accept_changes):
-            return
+        sharded = _resumed_sharded(trainer, root, out_dir, source, accept_changes)
+        if sharded is not None:
+            return sharded
         # FSDP keeps a shard of the whole state each rank reads: read it into host memory, not N times onto GPUs
         sharding = trainer.ranks.joined and trainer.recipe.distributed.strategy == "fsdp"
         state = load_latest(root, torch.device("cpu") if sharding else trainer.device)
@@ -64,7 +67,7 @@ def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) ->
         log.info("--resume: no complete checkpoint in %s, starting from step 0", root)
         if trainer.ranks.is_main:
             set_aside_unresumable(out_dir)
-        return
+        return {}
     name = f"step-{int(state['step']):08d}"
     _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), name, source)
     changes = run_changes(state.get("recipe"), trainer.recipe, name, source, accept_changes)
@@ -76,14 +79,15 @@ def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) ->
                                   "with, or choose a new output.dir")]) from None
     if trainer.ranks.is_main:
         truncate_metrics(out_dir / METRICS, trainer.step, source)
-        record_changes(out_dir / METRICS, trainer.step, changes, source)
+    return changes
 
 
-def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_changes: bool) -> bool:
-    """Resume from the newest sharded (DCP) checkpoint, on any world size; False when the newest is not one."""
+def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_changes: bool) -> dict[str, list] | None:
+    """Resume from the newest sharded (DCP) checkpoint, on any world size, returning the accepted
+    changes; None when the newest is not one."""
     picked = pick_sharded(root, trainer.ranks)
     if picked is None:
-        return False
+        return None
     checkpoint, state = picked
     _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), checkpoint.name, source)
     changes = run_changes(state.get("recipe"), trainer.recipe, checkpoint.name, source, accept_changes)
@@ -96,8 +100,7 @@ def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_cha
     log.info("resuming from %s (sharded, saved by %s rank(s))", checkpoint, state.get("world_size", "?"))
     if trainer.ranks.is_main:
         truncate_metrics(out_dir / METRICS, trainer.step, source)
-        record_changes(out_dir / METRICS, trainer.step, changes, source)
-    return True
+    return changes
 
 
 def _check_same_recipe(saved: dict | None, now: dict[str, str], name: str, source: str) -> None:
@@ -167,12 +170,6 @@ def _leaves(key: str, before, after):
     else:
         yield key, before, after
 
-
-def record_changes(path: Path, step: int, changes: dict[str, list], source: str) -> None:
-    if changes:
-        text = path.read_text(encoding="utf-8") if path.exists() else ""
-        record = {"step": step, "resumed_with_changes": changes}
-        write_output(path, text + json.dumps(record, allow_nan=False) + "\n", source)
 
 
 def check_before_ranks(out_dir: Path, recipe: Recipe, source: str, accept_changes: bool = False) -> None:

@@ -12,7 +12,8 @@ from runner.build.model import build_model
 from runner.load import load_recipe
 from runner.memory.apply import apply_plan
 from runner.plan import MemoryPlan
-from runner.predict.estimate import Estimator, _stand_in_batch
+from runner.build.sources import stand_in_batch
+from runner.predict.estimate import Estimator
 from runner.train.step import call_model, loss_sum
 
 
@@ -38,7 +39,7 @@ def test_the_plan_fits_the_cap_by_the_estimator(solved):
 def _gradients(recipe, plan: MemoryPlan | None) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = build_model(recipe.model, "cpu").train()
-    batch = _stand_in_batch(recipe, model)
+    batch = stand_in_batch(recipe, model)
     applied = apply_plan(model, plan, "cpu") if plan is not None else None
     torch.manual_seed(1)  # the same dropout masks (bert_tiny has dropout on)
     loss_sum(call_model(model, batch), batch.labels, batch.positions).backward()

@@ -4,7 +4,8 @@ own layer or the ones below it:
 1. foundations  problems, units, files, lock, yamlio, policies, plan, checkpoint_files (messages, YAML,
                 the policies and the plan's data, the checkpoint file format, the lock a directory's
                 owner holds)
-2. recipe       recipe, recipe_data, recipe_train, load, located, library (the validated recipe and
+2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, load, located, library (the validated
+                recipe and
                 where its lines are)
 3. build        build/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
@@ -33,8 +34,8 @@ from conftest import ROOT
 LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.yamlio",
                      "runner.policies", "runner.plan", "runner.checkpoint_files"}),
-    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.load", "runner.located",
-                "runner.library"}),
+    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks", "runner.load",
+                "runner.located", "runner.library"}),
     ("build", {"runner.build", "runner.models"}),
     ("memory", {"runner.memory"}),
     ("dist", {"runner.dist"}),
@@ -128,7 +129,7 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
 
 def test_the_recipe_schema_imports_nothing_from_build():
     """Validating a recipe's schema imports neither torch nor transformers nor user code: build/ is above it."""
-    schema = ["recipe", "recipe_data", "recipe_train", "load", "located"]
+    schema = ["recipe", "recipe_data", "recipe_train", "recipe_sinks", "load", "located"]
     found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.build")}
              for name in schema}
     assert not any(found.values()), found
@@ -136,7 +137,7 @@ def test_the_recipe_schema_imports_nothing_from_build():
 
 def test_the_readme_lists_the_same_layers():
     """README's Layout section names each layer's modules in this order, so the two cannot drift apart."""
-    layout = (ROOT / "README.md").read_text(encoding="utf-8").split("## Layout", 1)[1].split("\n## ", 1)[0]
+    layout = re.split(r"\n#{2,} ", (ROOT / "README.md").read_text(encoding="utf-8").split("## Layout", 1)[1])[0]
     items = re.findall(r"^\d\. (.*?)(?=^\d\. |^\s*$)", layout, re.M | re.S)
     assert len(items) == len(LAYERS), items
     for item, (name, members) in zip(items, LAYERS, strict=True):

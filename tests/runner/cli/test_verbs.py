@@ -63,13 +63,15 @@ def test_help_imports_neither_optuna_nor_transformers():
 
 def test_validate_imports_only_what_its_recipe_needs(tmp_path):
     # a model of the user's own: validating it imports the factory's module, and nothing heavy besides
-    # (it imports colorsys, which nothing else does: import_module itself escapes -X importtime)
+    # (it imports colorsys, which nothing else does: import_module itself escapes -X importtime);
+    # the sinks' packages are looked for, not imported
     (tmp_path / "own_models.py").write_text("import colorsys\n\n\ndef small():\n    pass\n")
     recipe = tmp_path / "own.yaml"
-    recipe.write_text("model: {source: python, name: 'own_models:small'}\ntrain: {batch_size: 2, steps: 1}\n")
+    recipe.write_text("model: {source: python, name: 'own_models:small'}\ntrain: {batch_size: 2, steps: 1}\n"
+                      "output: {sinks: [tensorboard, wandb, mlflow]}\n")
     names = imported_modules("validate", str(recipe), path=(str(tmp_path),))
     assert "colorsys" in names and "pydantic" in names  # the recipe was really checked
-    assert heavy(names, *HEAVY, "torch") == []
+    assert heavy(names, *HEAVY, "torch", "tensorboard", "wandb", "mlflow", "sqlalchemy", "alembic") == []
 
 
 def test_the_verb_table_matches_every_verb_module():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.build.data import build_data
+from runner.build.sources import build_data
 from runner.build.model import build_model
 from runner.load import load_recipe
 from runner.train.step import call_model

@@ -1,0 +1,198 @@
+"""The sinks a run's records go to: the registry matches the recipe's sink sections, `output.tensorboard:
+true` is still TensorBoard, a missing package is one line at validate, and the policy when one
+fails: metrics.jsonl's failure ends the run (status 5 through the CLI), an optional sink's is one
+warning line and the run goes on without it."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import logging
+import os
+import typing
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import BERT_TINY, TINY_BERT, read_metrics
+from runner.load import load_recipe
+from runner.recipe import OutputSpec
+from runner.recipe_sinks import SECTIONS, SinkSection, TensorBoardSink
+from runner.train.output import METRICS, MetricsLog, OutputError, RunInfo
+from runner.train.sinks import SINKS, Sinks, chosen, open_sinks
+from runner.train.tensorboard import TensorBoardLog
+
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+RUN = [BERT_TINY, *TINY_BERT, "train.steps=4"]
+
+
+def test_every_sink_section_has_a_sink_and_no_other():
+    union = {typing.get_args(member.model_fields["name"].annotation)[0]
+             for member in typing.get_args(typing.get_args(SinkSection)[0])}
+    assert union == set(SINKS) == {typing.get_args(section.model_fields["name"].annotation)[0] for section in SECTIONS}
+    for sink in SINKS.values():
+        assert all(callable(getattr(sink, method, None)) for method in ("open", "write", "close")), sink
+
+
+def test_tensorboard_true_is_the_tensorboard_sink_once():
+    if not HAS_TENSORBOARD:
+        pytest.skip("tensorboard is not installed")
+    assert [s.name for s in chosen(OutputSpec(tensorboard=True))] == ["tensorboard"]
+    assert [s.name for s in chosen(OutputSpec(tensorboard=True, sinks=["tensorboard"]))] == ["tensorboard"]
+    assert chosen(OutputSpec()) == []
+
+
+class Recorder:
+    """A sink that keeps what it is given, and raises where it is told to."""
+
+    def __init__(self, fail_open: bool = False, fail_write: int = 0, fail_close: bool = False):
+        self.fail_open, self.fail_write, self.fail_close = fail_open, fail_write, fail_close
+        self.records, self.ended = [], None
+
+    def open(self, run: RunInfo) -> None:
+        if self.fail_open:
+            raise RuntimeError("the store is locked")
+
+    def write(self, record: dict) -> None:
+        if len(self.records) + 1 == self.fail_write:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.records.append(record)
+
+    def close(self, ended: str) -> None:
+        self.ended = ended
+        if self.fail_close:
+            raise RuntimeError("database is locked")
+
+
+def run_info(tmp_path, first_step: int = 0) -> RunInfo:
+    return RunInfo(tmp_path, load_recipe(BERT_TINY), "<recipe>", first_step)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_an_optional_sink_that_fails_is_one_warning_and_the_others_go_on(tmp_path, caplog):
+    bad, good = Recorder(fail_write=2), Recorder()
+    sinks = Sinks([MetricsLog()], {"bad": bad, "good": good})
+    sinks.open(run_info(tmp_path))
+    for step in range(1, 5):
+        sinks.write({"step": step, "loss": 1.0 / step})
+    sinks.close("finished")
+    assert warnings(caplog) == ["output.sinks: bad failed at step 2 (OSError: [Errno 28] No space left on device); it gets "
+                                "no more records, training goes on (metrics.jsonl has every record)"]
+    assert [r["step"] for r in bad.records] == [1] and bad.ended == "failed"  # closed, so it lets go of its files
+    assert [r["step"] for r in good.records] == [1, 2, 3, 4] and good.ended == "finished"
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_sink_that_cannot_start_is_one_warning_and_gets_nothing(tmp_path, caplog):
+    stuck = Recorder(fail_open=True)
+    sinks = Sinks([MetricsLog()], {"mlflow": stuck})
+    sinks.open(run_info(tmp_path))
+    sinks.write({"step": 1, "loss": 1.0})
+    sinks.close("finished")
+    assert warnings(caplog) == ["output.sinks: mlflow could not start (RuntimeError: the store is locked); it gets no "
+                                "more records, training goes on (metrics.jsonl has every record)"]
+    assert stuck.records == [] and stuck.ended == "failed"
+
+
+def test_a_sink_that_cannot_close_is_one_warning_and_metrics_jsonl_is_still_closed(tmp_path, caplog):
+    stuck = Recorder(fail_close=True)
+    metrics = MetricsLog()
+    sinks = Sinks([metrics], {"mlflow": stuck})
+    sinks.open(run_info(tmp_path))
+    sinks.write({"step": 1, "loss": 1.0})
+    sinks.close("finished")
+    assert warnings(caplog) == ["output.sinks: mlflow failed to close (RuntimeError: database is locked); "
+                                "metrics.jsonl has every record"]
+    assert [r["step"] for r in stuck.records] == [1] and stuck.ended == "finished"
+    with pytest.raises(OSError):  # closed
+        os.fstat(metrics.fd)
+
+
+def test_metrics_jsonl_failing_ends_the_run_and_the_other_sinks_close_as_failed(tmp_path, monkeypatch):
+    other = Recorder()
+    trainer = SimpleNamespace(ranks=SimpleNamespace(is_main=True), recipe=load_recipe(BERT_TINY), source="<recipe>", step=0)
+    monkeypatch.setitem(SINKS, "tensorboard", lambda section: other)
+    trainer.recipe.output.sinks.append(TensorBoardSink(name="tensorboard"))
+    real_write = os.write
+
+    def full(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(METRICS):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    with pytest.raises(OutputError, match="cannot write .*metrics.jsonl: No space left on device"):
+        with open_sinks(trainer, tmp_path) as sinks:
+            monkeypatch.setattr(os, "write", full)
+            sinks.write({"step": 1, "loss": 1.0})
+    assert other.records == [] and other.ended == "failed"  # metrics.jsonl is written first
+
+
+def test_only_rank_0_writes(tmp_path):
+    trainer = SimpleNamespace(ranks=SimpleNamespace(is_main=False), recipe=load_recipe(BERT_TINY), source="<recipe>", step=0)
+    with open_sinks(trainer, tmp_path) as sinks:
+        sinks.write({"step": 1, "loss": 1.0})
+    assert not (tmp_path / METRICS).exists()
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed (pip install 'ckrun[tensorboard]')")
+def test_tensorboard_that_cannot_start_leaves_the_run_going(tmp_path, ckrun, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("a file where the event folder goes")
+    code, _, err = ckrun(*RUN, "output.sinks=[tensorboard]", f"output.dir={out}")
+    assert code == 0, err
+    [line] = warnings(caplog)
+    assert line.startswith("output.sinks: tensorboard could not start (") and "training goes on" in line
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed (pip install 'ckrun[tensorboard]')")
+def test_tensorboard_failing_mid_run_is_one_warning(tmp_path, ckrun, caplog, monkeypatch):
+    real_write = TensorBoardLog.write
+
+    def fills_the_disk(self, record):
+        if record["step"] >= 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, record)
+
+    monkeypatch.setattr(TensorBoardLog, "write", fills_the_disk)
+    out = tmp_path / "run"
+    code, _, err = ckrun(*RUN, "output.tensorboard=true", f"output.dir={out}")
+    assert code == 0, err
+    assert warnings(caplog) == ["output.sinks: tensorboard failed at step 3 (OSError: [Errno 28] No space left on "
+                                "device); it gets no more records, training goes on (metrics.jsonl has every record)"]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("sink, package", [("wandb", "wandb"), ("mlflow", "mlflow"),
+                                           ("mlflow", "sqlalchemy")])  # mlflow-skinny alone has no SQLite store
+def test_a_missing_package_is_one_line_at_its_entry(ckrun, monkeypatch, sink, package):
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real_find(name, *a))
+    code, _, err = ckrun("validate", BERT_TINY, f"output.sinks=[{{name: {sink}}}]")
+    assert code == 2
+    assert err.splitlines() == [f"override 'output.sinks=[{{name: {sink}}}]': output.sinks.0: the {package} package "
+                                f"is not installed; pip install 'ckrun[{sink}]', or remove {sink} from output.sinks"]
+
+
+@pytest.mark.parametrize("sinks, said", [
+    ("[wandbb]", "output.sinks.0: unknown name 'wandbb' (did you mean wandb?); choose one of tensorboard, wandb, mlflow"),
+    ("[mlflow, mlflow]", "output.sinks: mlflow is listed twice; list each sink once"),
+    ("[{name: wandb, projekt: x}]", "output.sinks.0.projekt: unknown key"),
+])
+def test_a_wrong_sink_is_one_located_line(ckrun, sinks, said):
+    code, _, err = ckrun("validate", BERT_TINY, f"output.sinks={sinks}")
+    assert code == 2 and err.splitlines() == [f"override 'output.sinks={sinks}': {said}"], err
+
+
+def test_the_schema_offers_a_sink_by_name_or_as_a_section():
+    from runner.recipe import Recipe
+
+    schema = Recipe.model_json_schema()
+    items = schema["$defs"]["OutputSpec"]["properties"]["sinks"]["items"]["anyOf"]
+    assert {"enum": ["tensorboard", "wandb", "mlflow"], "type": "string"} in items
+    assert any("$ref" in item or "oneOf" in item for item in items), json.dumps(items)
