@@ -120,7 +120,7 @@ def _is_out_of_memory(err: Exception) -> bool:
     """CUDA's and the CPU allocator's errors alike: a probe on the CPU that runs out is over the cap, not broken."""
     if "torch" not in sys.modules:  # not imported means not even started: only Python itself can have run out
         return isinstance(err, MemoryError)
-    from runner.build.oom import is_out_of_memory
+    from runner.builders.oom import is_out_of_memory
 
     return is_out_of_memory(err)
 
@@ -134,7 +134,7 @@ def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> dict:
 
 def measure(recipe, warmup: int, timed: int) -> dict:
     """Warm-up and timed steps of `recipe`; adds `measured_peak_bytes`, the number held against the cap."""
-    from runner.train.probe import probe
+    from runner.train.measure_plan import probe
 
     result = probe(recipe, warmup, timed, source="<candidate>")
     # on CUDA a card-level cap must also hold the context the driver keeps beside the allocator

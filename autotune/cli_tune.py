@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from runner.build.checks import load_checked
+from runner.builders.checks import load_checked
 from runner.cli import Command
 from runner.library import DEFAULT_RECIPE, resolve_recipe
 from runner.located import located_errors

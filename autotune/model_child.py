@@ -14,7 +14,7 @@ Protocol (files are written atomically; the tuner waits for each with a timeout)
 2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
 3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32", "strategy":
    null}`, each answered in DIR/answer-N.json (with --nproc N, the peak of one of N ranks under
-   `strategy`, ddp or fsdp: runner/predict/ranks.py); with --time-facts (a device's
+   `strategy`, ddp or fsdp: runner/predict/per_rank.py); with --time-facts (a device's
    `runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
    it (`StepTime.record()`). End of input ends the child. A request with `"frontier": {"pairs":
    [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan}}`
@@ -98,7 +98,7 @@ def model_facts(recipe) -> dict:
     from torch import nn
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    from runner.build.model import BuildError, build_model
+    from runner.builders.model import BuildError, build_model
     from runner.memory.blocks import find_blocks
 
     model = build_model(recipe.model, device="meta")  # nothing is allocated; CUDA is not touched
@@ -116,7 +116,7 @@ def model_facts(recipe) -> dict:
 
 def facts_answer(recipe) -> dict:
     """The model's facts, once the user's code passes the checks the tuner leaves to this child."""
-    from runner.build.checks import user_code_problems
+    from runner.builders.checks import user_code_problems
 
     problems = user_code_problems(recipe)
     if problems:
@@ -139,7 +139,7 @@ def _predict(estimator, request: dict, nproc: int = 1) -> dict:
 def _rank_estimate(estimator, request: dict, nproc: int):
     """One rank's peak: the candidate's recipe (plan, precision, strategy) estimated as `ckrun estimate
     --nproc` does; FSDP shards the model anew for each, so nothing is shared with `estimator` but its recipe."""
-    from runner.predict.ranks import per_rank
+    from runner.predict.per_rank import per_rank
     from runner.recipe import Recipe
 
     data = estimator.recipe.model_dump(mode="json")
@@ -171,7 +171,7 @@ def _unavailable() -> tuple[type, ...]:
 def _answer(work, expected: tuple[type, ...]) -> dict:
     """Every failure as an answer the tuner records: a bad recipe key is bad input, an `expected`
     failure means no prediction, anything else is the user's code crashing; each in one line."""
-    from runner.build.model import BuildError
+    from runner.builders.model import BuildError
     from runner.problems import InputError
 
     try:

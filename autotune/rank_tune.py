@@ -41,7 +41,7 @@ class RanksOverCap(MemoryCapExceeded):
 
 def check_ranks(recipe: Recipe, source: str, nproc: int) -> None:
     """--nproc: a rank count the recipe's global batch splits over, and not already under torchrun."""
-    from runner.dist.ranks import check_world
+    from runner.parallel.ranks import check_world
 
     if nproc < 1:
         raise InputError([Problem(Place("--nproc"), "", f"needs a rank count of 1 or more, got {nproc}")])

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from runner.build.sources import build_data
-from runner.build.model import build_model
-from runner.build.optim import build_optimizer
+from runner.builders.sources import build_data
+from runner.builders.model import build_model
+from runner.builders.optim import build_optimizer
 from runner.load import load_recipe
 from runner.memory.apply import apply_plan
 from runner.memory.measure import SavedBytes

@@ -25,7 +25,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
 
 def load_recipe_document(path: str | Path, overrides: list[str] = ()) -> tuple[Recipe, Document]:
     """Read, override and validate against the schema; raises InputError listing every problem at once.
-    The verbs that use a recipe load it with runner/build/checks.py's `load_checked`, which checks more."""
+    The verbs that use a recipe load it with runner/builders/checks.py's `load_checked`, which checks more."""
     doc = read_document(path, overrides)
     return validate_document(doc), doc
 

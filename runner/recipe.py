@@ -3,7 +3,7 @@
 A recipe is plain data; `runner.load` turns a YAML file into one and reports every problem
 with its file, line and key. The schema needs nothing but the recipe: what only the named classes,
 files and code can tell (a transformers config, a factory's arguments, a dataset's columns) is
-checked right after it by runner/build/checks.py, so `ckrun validate` still catches it before
+checked right after it by runner/builders/checks.py, so `ckrun validate` still catches it before
 training, and validating imports neither torch nor transformers.
 """
 

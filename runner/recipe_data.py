@@ -1,7 +1,7 @@
 """The recipe's `data:` section: where samples come from (synthetic, text files, records, HF
 datasets, image folders). Each source is plain data checked where cheap (paths, tokenizer folders);
-a dataset's files, split and columns are checked after the schema (runner/build/checks.py), and
-building batches from it is runner/build's work.
+a dataset's files, split and columns are checked after the schema (runner/builders/checks.py), and
+building batches from it is runner/builders's work.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ..build.user_code import UserExit, describe_exit, exits_raised, stray_threads
+from ..builders.user_code import UserExit, describe_exit, exits_raised, stray_threads
 from ..problems import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, CkrunError,
                         first_line)
 

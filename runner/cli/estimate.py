@@ -14,7 +14,7 @@ import json
 import logging
 import time
 
-from ..build.checks import load_checked
+from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
@@ -42,9 +42,9 @@ def run(args) -> int:
     recipe, doc = load_checked(path, args.overrides)
     device, facts, why_no_time = target_facts(args.device, args.gpu)
     started = time.perf_counter()
-    if args.nproc is not None:  # one rank of N: runner/predict/ranks.py
-        from ..dist.launch import check_launch
-        from ..predict.ranks import per_rank
+    if args.nproc is not None:  # one rank of N: runner/predict/per_rank.py
+        from ..parallel.launch import check_launch
+        from ..predict.per_rank import per_rank
 
         check_launch(recipe, str(path), args.nproc)
         Estimator = per_rank(args.nproc, str(path))  # noqa: N806 - stands in for the class
@@ -111,7 +111,7 @@ def time_lines(step) -> list[str]:
 def _plan_lines_quiet():
     """The estimator applies the plan to a stand-in model; the lines a run prints for that ("checkpointing
     2 of 2 blocks") would only repeat the recipe above the prediction. Warnings still show; -v shows all."""
-    logs = [logging.getLogger(name) for name in ("runner.memory", "runner.dist")]  # the plan; FSDP's sharding
+    logs = [logging.getLogger(name) for name in ("runner.memory", "runner.parallel")]  # the plan; FSDP's sharding
     levels = [plan_log.level for plan_log in logs]
     for plan_log in logs:
         if not plan_log.isEnabledFor(logging.DEBUG):

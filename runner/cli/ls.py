@@ -48,7 +48,7 @@ def run(args) -> int:
 
 def describe(name: str, path: Path) -> Entry:
     """The row of one recipe; a broken one is reported on stderr and shown without a count."""
-    from ..build.model import build_model, count_parameters
+    from ..builders.model import build_model, count_parameters
     from ..load import load_recipe
 
     try:

@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..build.checks import load_checked
+from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
 from . import Command, _is_rank_zero, add_recipe_arguments

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..build.checks import load_checked
+from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
@@ -34,7 +34,7 @@ def run(args) -> int:
 
 def print_blocks(recipe, source: str = "<recipe>") -> int:
     """`ckrun show RECIPE --blocks`: the blocks a plan's indices refer to, built on the meta device."""
-    from ..build.model import build_model, count_parameters
+    from ..builders.model import build_model, count_parameters
     from ..memory.blocks import find_blocks
 
     try:

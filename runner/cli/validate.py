@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..build.checks import load_checked
+from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from . import Command, add_recipe_arguments
 

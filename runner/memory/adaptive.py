@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from ..build.data import Batch
+from ..builders.data import Batch
 from ..plan import MemoryPlan
 from .blocks import BlockList, Undo, short_list
 from .checkpointing import apply_switched

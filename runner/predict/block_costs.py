@@ -229,9 +229,9 @@ def recompute_seconds(recipe: Recipe, micro_batch: int, precision: str, steps: i
                       device: torch.device | None = None) -> dict[str, list[float]]:
     """Per block: `forward`, `recompute` (full) and `selective` seconds per step, medians of `steps`
     timed steps after one warm-up, on the recipe's device with a real model and a synthetic batch."""
-    from ..build.model import build_model
-    from ..build.optim import build_optimizer
-    from ..build.sources import stand_in_batch
+    from ..builders.model import build_model
+    from ..builders.optim import build_optimizer
+    from ..builders.sources import stand_in_batch
     from ..train.loop import pick_device
     from ..train.step import Precision, run_step
 

@@ -38,11 +38,11 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from ..build.data import Batch
-from ..build.model import build_model
-from ..build.optim import build_optimizer
-from ..build.resolve import transformers_class
-from ..build.sources import stand_in_batch
+from ..builders.data import Batch
+from ..builders.model import build_model
+from ..builders.optim import build_optimizer
+from ..builders.resolve import transformers_class
+from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ..build.resolve import BuildError
+from ..builders.resolve import BuildError
 
 log = logging.getLogger(__name__)
 

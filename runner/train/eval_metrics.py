@@ -15,9 +15,9 @@ import numbers
 
 import torch
 
-from ..build.contract import where_raised
-from ..build.data import IGNORE
-from ..build.resolve import BuildError, resolve_import_path
+from ..builders.contract import where_raised
+from ..builders.data import IGNORE
+from ..builders.resolve import BuildError, resolve_import_path
 
 RESERVED = ("loss", "perplexity", "accuracy", "samples", "time_s")  # the evaluation's own names
 

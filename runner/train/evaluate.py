@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from ..build.resolve import BuildError
-from ..build.sources import build_data
+from ..builders.resolve import BuildError
+from ..builders.sources import build_data
 from ..recipe import infer_task
 from .checkpoint import restore_rng_state, rng_state
 from .eval_metrics import Metrics

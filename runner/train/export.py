@@ -20,13 +20,13 @@ from pathlib import Path
 
 from torch import nn
 
-from ..build.pretrained import EXPORT_RECIPE, WEIGHTS
+from ..builders.pretrained import EXPORT_RECIPE, WEIGHTS
 from ..files import os_errors_kept
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
 from .checkpoint import checkpoint_dir, complete_checkpoints, save_checkpoint
 from .ranked import full_weights, save_state
-from .sharded import finish_saving
+from .dcp_checkpoint import finish_saving
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _write_weight_files(model: nn.Module, recipe: Recipe, directory: Path, weigh
         save_file(unique, str(directory / WEIGHTS), metadata={"format": "pt"})
         return
     # save_model, unlike save_file, drops the second name of tied weights instead of refusing them;
-    # loading gives the tie back (build/pretrained.py)
+    # loading gives the tie back (builders/pretrained.py)
     save_model(model, str(directory / WEIGHTS), metadata={"format": "pt"})
 
 

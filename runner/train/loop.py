@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from ..build.sources import build_data
-from ..build.model import BuildError, build_model
-from ..build.optim import build_optimizer, build_scheduler, total_steps
-from ..dist.ranks import Ranks, reduce_step_record
-from ..dist.ranks import join as join_ranks
-from ..dist.wrap import wrap_model
+from ..builders.sources import build_data
+from ..builders.model import BuildError, build_model
+from ..builders.optim import build_optimizer, build_scheduler, total_steps
+from ..parallel.ranks import Ranks, reduce_step_record
+from ..parallel.ranks import join as join_ranks
+from ..parallel.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, context_after_kernels, cuda_context_bytes, note_card_before_cuda
 from ..units import format_bytes
@@ -31,7 +31,7 @@ from ..yamlio import dump_yaml
 from .checkpoint import restore_rng_state, rng_state, save_checkpoint
 from .evaluations import Evaluations
 from .export import finish_run
-from ..build.oom import describe_out_of_memory, is_out_of_memory
+from ..builders.oom import describe_out_of_memory, is_out_of_memory
 from .guard import LossWatch, StopRequest
 from .output import prepare_output, set_aside_unresumable, write_failure, write_output
 from .ownership import own_output
@@ -40,7 +40,7 @@ from .start_line import start_lines
 from .resume import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import process_group_scope, rank_share, save_state, stop_agreed
-from .sharded import finish_saving, load_full_into_shards
+from .dcp_checkpoint import finish_saving, load_full_into_shards
 from .sinks import open_sinks
 from .step import make_precision, run_step
 

@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from ..build.data import Batch
+from ..builders.data import Batch
 from ..memory.compress import ActivationCompression
 from .checkpoint import restore_rng_state, rng_state
 from .step import Precision, call_model, label_count, loss_sum, predict_only_at

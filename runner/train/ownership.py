@@ -16,9 +16,9 @@ import os
 import socket
 from pathlib import Path
 
-from ..dist.launch import check_launch, launch
-from ..dist.ranks import Ranks, any_rank
-from ..dist.slurm import allocation_hint, srun_step
+from ..parallel.launch import check_launch, launch
+from ..parallel.ranks import Ranks, any_rank
+from ..parallel.slurm import allocation_hint, srun_step
 from ..lock import DirLock, LockHeld
 from ..problems import InputError, Place, Problem
 from .output import prepare_output

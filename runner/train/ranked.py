@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ..build.data import Batch
-from ..dist.ranks import Ranks
+from ..builders.data import Batch
+from ..parallel.ranks import Ranks
 from .guard import StopRequest
-from .sharded import save_sharded
+from .dcp_checkpoint import save_sharded
 from .step import label_count
 
 

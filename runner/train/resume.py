@@ -25,7 +25,7 @@ from ..checkpoint_files import STATE_FILE
 from ..problems import InputError, Place, Problem, first_line
 from ..recipe import Recipe
 from .checkpoint import CheckpointError, complete_checkpoints, load_latest
-from .sharded import is_sharded, load_sharded, pick_sharded, read_trainer_state
+from .dcp_checkpoint import is_sharded, load_sharded, pick_sharded, read_trainer_state
 from .output import METRICS, read_metrics_lines, set_aside_unresumable, strict_record, write_output
 
 log = logging.getLogger(__name__)

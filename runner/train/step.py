@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..build.contract import check_logits, logits_from, user_forward
-from ..build.data import IGNORE, Batch
-from ..build.resolve import BuildError
+from ..builders.contract import check_logits, logits_from, user_forward
+from ..builders.data import IGNORE, Batch
+from ..builders.resolve import BuildError
 from ..problems import InputError, Place, Problem
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,7 +79,7 @@ def predict_only_at(model: nn.Module, positions: torch.Tensor | None):
 
 
 def call_model(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The model's logits for `batch`, checked against its labels (build/contract.py says why)."""
+    """The model's logits for `batch`, checked against its labels (builders/contract.py says why)."""
     with user_forward(model, batch.inputs):
         output = model(**batch.inputs) if batch.by_keyword else model(*batch.inputs.values())
     logits, labels = logits_from(output, model), batch.labels

@@ -8,11 +8,11 @@ import torch
 
 from autotune.solver import frontier
 from conftest import BERT_TINY, TINY_BERT
-from runner.build.model import build_model
+from runner.builders.model import build_model
 from runner.load import load_recipe
 from runner.memory.apply import apply_plan
 from runner.plan import MemoryPlan
-from runner.build.sources import stand_in_batch
+from runner.builders.sources import stand_in_batch
 from runner.predict.estimate import Estimator
 from runner.train.step import call_model, loss_sum
 

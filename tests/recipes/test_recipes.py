@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.build.model import build_model, count_parameters
-from runner.build.checks import load_checked
+from runner.builders.model import build_model, count_parameters
+from runner.builders.checks import load_checked
 from runner.load import load_recipe
 from runner.train.loop import Trainer
 

@@ -7,9 +7,9 @@ own layer or the ones below it:
 2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, load, located, library (the validated
                 recipe and
                 where its lines are)
-3. build        build/, models/ (model, data, optimizer from a recipe)
+3. builders     builders/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
-5. dist         dist/ (ranks joined, DDP/FSDP2 put on the planned model, torchrun started)
+5. parallel     parallel/ (ranks joined, DDP/FSDP2 put on the planned model, torchrun started)
 6. train        train/ (the step and the loop; the plan applied, the memory measured)
 7. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
 8. cli          cli/, __main__ (the one place that sees everything)
@@ -18,8 +18,8 @@ autotune/ stands above all of runner/, and no runner module imports it: the CLI 
 report verbs as module strings and loads the one asked for with importlib (DESIGN: the CLI is the
 one place that sees both), which is no import statement. Every import counts, top-level or inside a
 function: a lazy import that runs back up is still a crossing. None is allowed: the recipe's schema
-imports nothing from build/ (what needs a built or imported thing is checked after the schema, in
-runner/build/checks.py). ALLOWED would list an exception with its reason, and a test keeps that
+imports nothing from builders/ (what needs a built or imported thing is checked after the schema, in
+runner/builders/checks.py). ALLOWED would list an exception with its reason, and a test keeps that
 list from going stale.
 """
 
@@ -36,9 +36,9 @@ LAYERS = [
                      "runner.policies", "runner.plan", "runner.checkpoint_files"}),
     ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks", "runner.load",
                 "runner.located", "runner.library"}),
-    ("build", {"runner.build", "runner.models"}),
+    ("builders", {"runner.builders", "runner.models"}),
     ("memory", {"runner.memory"}),
-    ("dist", {"runner.dist"}),
+    ("parallel", {"runner.parallel"}),
     ("train", {"runner.train"}),
     ("predict", {"runner.predict"}),
     ("cli", {"runner.cli", "runner.__main__", "runner"}),
@@ -121,16 +121,16 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
     """The checker itself: on the real files it must find the imports known to be there."""
     estimate = imports_of(ROOT / "runner" / "predict" / "estimate.py")
     assert {"runner.train.step", "runner.memory.apply", "runner.predict.cuda_model"} <= estimate
-    assert "runner.build.pretrained" in imports_of(ROOT / "runner" / "build" / "checks.py")  # inside a function
+    assert "runner.builders.pretrained" in imports_of(ROOT / "runner" / "builders" / "checks.py")  # inside a function
     assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "loop.py")
     assert layer_of("runner.predict.estimate") > layer_of("runner.train.step") > layer_of("runner.memory.apply")
-    assert layer_of("runner.memory.apply") > layer_of("runner.build.pretrained") > layer_of("runner.checkpoint_files")
+    assert layer_of("runner.memory.apply") > layer_of("runner.builders.pretrained") > layer_of("runner.checkpoint_files")
 
 
 def test_the_recipe_schema_imports_nothing_from_build():
-    """Validating a recipe's schema imports neither torch nor transformers nor user code: build/ is above it."""
+    """Validating a recipe's schema imports neither torch nor transformers nor user code: builders/ is above it."""
     schema = ["recipe", "recipe_data", "recipe_train", "recipe_sinks", "load", "located"]
-    found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.build")}
+    found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.builders")}
              for name in schema}
     assert not any(found.values()), found
 

@@ -12,7 +12,7 @@ import autotune
 import runner
 from autotune.cli_tune import NothingFits
 from autotune.rank_tune import RanksEnded, RanksOverCap
-from runner.build.resolve import BuildError
+from runner.builders.resolve import BuildError
 from runner.checkpoint_files import CheckpointError
 from runner.cli import UsageError, ending
 from runner.load import AcrossSections

@@ -1,7 +1,7 @@
 """`ckrun estimate --nproc N` counts one rank: FSDP really shards the fake model over a fake group of
 N ranks, so a rank holds exactly 1/N of the parameters and of AdamW's moments (every dimension here
 splits evenly); DDP holds them whole plus gradient buckets as large as the gradients. The comparison
-with measured per-rank peaks is in tests/runner/dist/test_ranks.py (slow: it starts ranks)."""
+with measured per-rank peaks is in tests/runner/parallel/test_ranks.py (slow: it starts ranks)."""
 
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.build.optim import total_steps
-from runner.build.resolve import BuildError
+from runner.builders.optim import total_steps
+from runner.builders.resolve import BuildError
 from runner.load import load_recipe
-from runner.train.probe import probe
+from runner.train.measure_plan import probe
 
 EPOCHS = ["train.steps=null", "train.scheduler={name: constant}"]  # batch 8 (TINY_BERT)
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=2"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.build.sources import build_data
-from runner.build.model import build_model
+from runner.builders.sources import build_data
+from runner.builders.model import build_model
 from runner.load import load_recipe
 from runner.train.step import call_model
 

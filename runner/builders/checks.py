@@ -1,0 +1,219 @@
+"""What a recipe is checked for after its schema: what only its named classes, files and code can tell.
+
+The schema (runner/recipe*.py) checks a recipe's shape and values without importing torch,
+transformers or the user's code. The rest is checked here, once, by every verb that loads a
+recipe to use it (`load_checked`: validate, show, run, estimate, tune): that a transformers class
+exists, takes the config's keys and builds from them on the meta device (runner/builders/model_config.py,
+one forward on fake tensors for token models), that a sequence fits its position table, that a
+torchvision builder exists, that a python factory imports and takes model.config's arguments,
+that eval.metrics name functions, that model.pretrained can hold the model's weights, and that a
+dataset's files, split and columns are there. Every problem is one line at its key's line, all at
+once, beside the schema's own: a section the schema refused is not checked deeper.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+
+from ..load import AcrossSections, read_document, validate_document
+from ..problems import InputError, KeyedError, Problem, suggest
+from ..recipe import EvalSpec, ModelSpec, Recipe
+from ..recipe_data import Data
+from ..yamlio import Document
+from .resolve import check_factory, check_kwargs, resolve_import_path, transformers_class
+
+
+def load_checked(path: str | Path, overrides: list[str] = (), user_code: bool = True) -> tuple[Recipe, Document]:
+    """The recipe and its document, or an InputError with every problem of the schema and of the checks
+    after it. `user_code=False` imports none of the user's code (a python model's factory, eval.metrics):
+    `ckrun tune` has its model child check those (`user_code_problems`)."""
+    doc = read_document(path, overrides)
+    try:
+        recipe = validate_document(doc)
+    except InputError as err:
+        deeper = _section_problems(doc, err.problems, user_code)
+        if isinstance(err, AcrossSections) and deeper:  # as pydantic does: a section's own problems come first
+            raise InputError(deeper) from None
+        raise InputError(_ordered([*err.problems, *deeper])) from None
+    problems = deep_problems(recipe, doc, user_code)
+    if problems:
+        raise InputError(problems)
+    return recipe, doc
+
+
+def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool = True) -> list[Problem]:
+    """Every problem the checks after the schema find, at its line in `doc` (the key alone without one)."""
+    found = [*_section_checks("model", recipe.model, user_code), *_section_checks("data", recipe.data, user_code)]
+    if recipe.eval is not None:
+        found += _section_checks("eval", recipe.eval, user_code)
+    return _placed(found or position_problems(recipe), doc)  # positions: only once the model is known to build
+
+
+def user_code_problems(recipe: Recipe) -> list[KeyedError]:
+    """What only importing the user's code tells: a python model's factory and arguments, eval.metrics."""
+    return [*_factory_problems(recipe.model), *(metrics_problems(recipe.eval.metrics) if recipe.eval else [])]
+
+
+def model_problems(spec: ModelSpec) -> list[KeyedError]:
+    """A library model's class and config (a python model's code is `user_code_problems`), and model.pretrained."""
+    checks = {"transformers": _transformers_fits, "torchvision": _torchvision_fits}
+    found = _caught("model.name", checks[spec.source], spec) if spec.source in checks else []
+    if spec.pretrained is not None:
+        from .pretrained import check_pretrained_dir
+
+        name = None if any(p.key == "model.name" for p in found) else spec.name  # as far as the name is known
+        found += _caught("model.pretrained", check_pretrained_dir, Path(spec.pretrained).expanduser(), spec.source, name)
+    return found
+
+
+def data_problems(data, key: str) -> list[KeyedError]:
+    """A dataset's files, split and columns, read from their schemas (no torch, no rows read)."""
+    if data.source != "dataset":
+        return []
+    from .dataset_files import check_column, check_paths, check_split
+
+    found = _caught(f"{key}.paths", check_paths, data.paths)
+    if found:
+        return found
+    found = _caught(f"{key}.split", check_split, data.paths, data.split)
+    split = None if found else data.split
+    for field in ("input_field", "target_field"):
+        if field == "input_field" or data.task in ("seq2seq", "sequence_classification"):
+            found += _caught(f"{key}.{field}", check_column, data.paths, split, getattr(data, field))
+    return found
+
+
+def metrics_problems(paths: list[str]) -> list[KeyedError]:
+    """The first of eval.metrics that is not a function of the user's: imported to tell."""
+    for index, path in enumerate(paths):
+        try:
+            function = resolve_import_path(path)
+        except ValueError as err:
+            return [KeyedError(("eval", "metrics", index), str(err))]
+        name = path.partition(":")[2]
+        if not callable(function) or name in ("loss", "perplexity", "accuracy", "samples", "time_s"):
+            why = "is not a function" if not callable(function) else "has the name of one of the evaluation's own"
+            return [KeyedError(("eval", "metrics", index), f"{path} {why}; name a function "
+                               "metric(predictions, labels) -> number or dict")]
+    return []
+
+
+def position_problems(recipe: Recipe) -> list[KeyedError]:
+    """A sequence past a transformers model's position table would index out of range at the first step."""
+    if recipe.model.source != "transformers":
+        return []
+    from .model_config import max_positions
+
+    limit = max_positions(transformers_class(recipe.model.name), recipe.model.config)
+    for key, data in [("data", recipe.data), ("eval.data", recipe.eval.data if recipe.eval else None)]:
+        seq_len = getattr(data, "seq_len", None)
+        if limit is not None and seq_len is not None and seq_len > limit:
+            return [KeyedError(f"{key}.seq_len", f"{seq_len} tokens exceed {recipe.model.name}'s {limit} "
+                               f"positions (max_position_embeddings); give seq_len <= {limit}")]
+    return []
+
+
+# --- one check each --------------------------------------------------------------------------
+
+
+def _transformers_fits(spec: ModelSpec) -> None:
+    model_class = transformers_class(spec.name)
+    try:
+        check_config_keys(model_class.config_class, spec.config)
+        from .model_config import check_transformers_config
+
+        check_transformers_config(model_class, spec.config)
+    except KeyedError:
+        raise
+    except ValueError as err:
+        raise KeyedError("model.config", str(err)) from None
+
+
+def check_config_keys(config_class, given: dict) -> None:
+    # transformers configs keep unknown kwargs as attributes, so a typo would be silently ignored
+    known = set(config_class().to_dict())
+    for base in config_class.__mro__:  # base-class settings such as num_labels reach __init__ via **kwargs
+        if "__init__" in vars(base):
+            known |= set(inspect.signature(base.__init__).parameters)
+    known |= set(getattr(config_class, "attribute_map", {}))
+    known |= {name for name, attr in inspect.getmembers(config_class) if isinstance(attr, property) and attr.fset}
+    unknown = [key for key in given if key not in known]
+    if unknown:
+        raise KeyedError(("model", "config", unknown[0]),
+                         f"{config_class.__name__} has no setting {unknown[0]!r}{suggest(unknown[0], known)}")
+
+
+def _torchvision_fits(spec: ModelSpec) -> None:
+    import torchvision
+
+    known = torchvision.models.list_models()
+    if spec.name not in known:
+        raise ValueError(f"no torchvision model named {spec.name!r}{suggest(spec.name, known)}")
+
+
+def _factory_problems(spec: ModelSpec) -> list[KeyedError]:
+    return _caught("model.name", _factory_fits, spec) if spec.source == "python" else []
+
+
+def _factory_fits(spec: ModelSpec) -> None:
+    """That a python factory imports and can be called with model.config, from its signature (it is not called)."""
+    factory = resolve_import_path(spec.name)
+    check_factory(factory, spec.name)
+    check_kwargs(factory, spec.config)
+
+
+def _caught(key: str, check: Callable, *args) -> list[KeyedError]:
+    """The problem `check(*args)` raises, at its own key or at `key`; none when it passes."""
+    try:
+        check(*args)
+    except KeyedError as err:
+        return [err]
+    except ValueError as err:
+        return [KeyedError(key, str(err))]
+    return []
+
+
+# --- the schema's problems and these together ------------------------------------------------
+
+_SECTIONS = {"model": TypeAdapter(ModelSpec), "data": TypeAdapter(Data), "eval": TypeAdapter(EvalSpec)}
+
+
+def _section_problems(doc: Document, known: list[Problem], user_code: bool) -> list[Problem]:
+    """The checks after the schema for each section the schema found nothing wrong with, so a recipe's
+    problems come at once even where the schema refused another section."""
+    if not isinstance(doc.data, dict):
+        return []
+    found = []
+    for key, adapter in _SECTIONS.items():
+        if doc.data.get(key) is None or any(p.key == key or p.key.startswith(f"{key}.") for p in known):
+            continue
+        try:
+            spec = adapter.validate_python(doc.data[key])
+        except ValidationError:
+            continue
+        found += _section_checks(key, spec, user_code)
+    return _placed(found, doc)
+
+
+def _section_checks(key: str, spec, user_code: bool) -> list[KeyedError]:
+    """The checks after the schema of one section: model, data or eval."""
+    if key == "model":
+        return [*model_problems(spec), *(_factory_problems(spec) if user_code else [])]
+    if key == "data":
+        return data_problems(spec, "data")
+    held_out = data_problems(spec.data, "eval.data") if spec.data is not None else []
+    return held_out + (metrics_problems(spec.metrics) if user_code else [])
+
+
+def _placed(found: list[KeyedError], doc: Document | None) -> list[Problem]:
+    if doc is None:
+        return [problem for err in found for problem in err.problems]
+    return _ordered(Problem(doc.place_of(err.path), err.key, err.message) for err in found)
+
+
+def _ordered(problems) -> list[Problem]:
+    return sorted(dict.fromkeys(problems), key=lambda p: (p.place.line, p.key))
