@@ -64,10 +64,36 @@ class Policy(Strict):
         return self.policy
 
 
+class BlockList(Policy):
+    """A policy that names its blocks (`layers: [0, 2, 5]`, the tuner's `layers:0,2,5`); its kind says its
+    `section` of the plan."""
+
+    layers: list[int]
+
+    @field_validator("layers")
+    @classmethod
+    def _unique(cls, layers: list[int]) -> list[int]:
+        if len(set(layers)) != len(layers):
+            raise ValueError("a block index is listed twice")
+        return sorted(layers)
+
+    def chosen(self, layout: BlockLayout) -> list[int]:
+        check_indices(f"memory.{self.section}.layers", self.layers, len(layout))
+        return list(self.layers)
+
+    def label(self) -> str:
+        return "layers:" + ",".join(map(str, self.layers))
+
+    @classmethod
+    def from_argument(cls, argument: str) -> dict:
+        return {"layers": [int(i) for i in argument.split(",")]}
+
+
 # --- activation checkpointing --------------------------------------------------------------------
 
 
 class CheckpointingPolicy(Policy):
+    section: ClassVar[str] = "checkpointing"
     recomputes: ClassVar[bool] = True
     """It recomputes activations in backward (no plan does not)."""
     spans_blocks: ClassVar[bool] = False
@@ -143,28 +169,10 @@ class EveryKthCheckpointing(CheckpointingPolicy):
         return f"every {_ordinal(self.every)}: {short_list(self.chosen(layout))}"
 
 
-class LayerListCheckpointing(CheckpointingPolicy):
+class LayerListCheckpointing(BlockList, CheckpointingPolicy):
     policy: Literal["layers"]
     layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     """Indices of the blocks to checkpoint (0-based, as `ckrun show --blocks` lists them)."""
-
-    @field_validator("layers")
-    @classmethod
-    def _unique(cls, layers: list[int]) -> list[int]:
-        if len(set(layers)) != len(layers):
-            raise ValueError("a block index is listed twice")
-        return sorted(layers)
-
-    def chosen(self, layout: BlockLayout) -> list[int]:
-        check_indices("memory.checkpointing.layers", self.layers, len(layout))
-        return list(self.layers)
-
-    def label(self) -> str:
-        return "layers:" + ",".join(map(str, self.layers))
-
-    @classmethod
-    def from_argument(cls, argument: str) -> dict:
-        return {"layers": [int(i) for i in argument.split(",")]}
 
     @classmethod
     def tuner_labels(cls, layout: BlockLayout) -> list[str]:
@@ -249,6 +257,7 @@ def _ordinal(k: int) -> str:
 
 
 class OffloadPolicy(Policy):
+    section: ClassVar[str] = "offload"
     moves: ClassVar[bool] = True
     """It moves saved activations to host memory (CUDA only)."""
 
@@ -280,23 +289,12 @@ class AllBlocksOffload(OffloadPolicy):
     """Saved tensors smaller than this stay on the device (copying them costs more than it saves)."""
 
 
-class LayerListOffload(OffloadPolicy):
+class LayerListOffload(BlockList, OffloadPolicy):
     policy: Literal["layers"]
     layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     """Indices of the blocks whose saved activations go to pinned host memory."""
     min_bytes: ByteSize = ByteSize(1 << 20)
     """Saved tensors smaller than this stay on the device."""
-
-    def chosen(self, layout: BlockLayout) -> list[int]:
-        check_indices("memory.offload.layers", self.layers, len(layout))
-        return list(self.layers)
-
-    def label(self) -> str:
-        return "layers:" + ",".join(map(str, self.layers))
-
-    @classmethod
-    def from_argument(cls, argument: str) -> dict:
-        return {"layers": [int(i) for i in argument.split(",")]}
 
     @classmethod
     def tuner_labels(cls, device_kind: str) -> list[str]:
