@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,15 @@ def lstm_step_reaches(op: str) -> bool:
     with watch:
         lstm(torch.randn(2, 3, 8))[0].sum().backward()
     return op in watch.seen
+
+
+@pytest.fixture(autouse=True)
+def _logger_levels_restored():
+    """A benchmark's main() run in-process quiets ckrun's loggers (bench/tune_oracle.py sets them to
+    WARNING); put them back, so a later test on the same worker still sees the INFO lines it checks."""
+    names = ("runner", "autotune", "optuna")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+

@@ -1,6 +1,7 @@
 """Every malformed recipe or override: exactly one line naming file:line:col (or the override)
 and the key, exit status 2, no traceback."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,7 @@ def test_problems_found_while_building_name_the_recipe_line(tmp_path, ckrun, mon
         "def raises(**config):\n    raise ValueError('width must be even')\n\n\n"
         "def returns_a_list(**config):\n    return [1, 2]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "faulty_models", raising=False)  # another test's, from its own tmp_path
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(GOOD.replace(old, new, 1))
     code, out, err = ckrun(recipe, *BUILD_OVERRIDES, "train.device=cpu", f"output.dir={tmp_path / 'run'}")
@@ -163,6 +165,7 @@ def test_estimate_places_plan_errors_too(tmp_path, ckrun):
 def test_show_blocks_places_build_errors_too(tmp_path, ckrun, monkeypatch):
     (tmp_path / "faulty_models.py").write_text("def returns_a_list(**config):\n    return [1, 2]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "faulty_models", raising=False)
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(GOOD.replace("  source: transformers\n  name: BertForMaskedLM",
                                    "  source: python\n  name: faulty_models:returns_a_list", 1))
