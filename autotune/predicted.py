@@ -23,6 +23,7 @@ from runner.predict.hardware import DeviceFacts, UnknownDevice, resolve_device
 from runner.problems import InputError, Place, Problem
 from runner.units import format_bytes
 
+from .records import ProbeResult
 from .search import SearchSettings
 from .space import Candidate, Device
 from .study import Evaluate, Prediction
@@ -110,7 +111,7 @@ class CachedPredictor:
 def predicted_probe(predictor: CachedPredictor) -> Evaluate:
     """A probe answered by the prediction: its peak (context included) and its predicted throughput."""
 
-    def evaluate(candidate: Candidate, number: int) -> dict:
+    def evaluate(candidate: Candidate, number: int) -> ProbeResult:
         started = time.monotonic()
         prediction = predictor(candidate)
         facts = predictor.predictor.child.time_facts
@@ -119,11 +120,11 @@ def predicted_probe(predictor: CachedPredictor) -> Evaluate:
         if not isinstance(prediction, Prediction) or prediction.peak is None or not prediction.time:
             why = prediction.reason if isinstance(prediction, Prediction) and prediction.reason else \
                 "the estimator could not run this plan on fake tensors"
-            return {"status": "unavailable", "reason": f"no prediction: {why}", **device}
+            return ProbeResult(status="unavailable", reason=f"no prediction: {why}", **device)
         step = prediction.time
-        return {"status": "ok", "measured_peak_bytes": prediction.peak, "samples_per_s": step["samples_per_s"],
-                "step_s": step["seconds"], "mfu": step["mfu"], "hfu": step["hfu"], "predicted": True,
-                "probe_s": time.monotonic() - started, **device}
+        return ProbeResult(status="ok", measured_peak_bytes=prediction.peak, samples_per_s=step["samples_per_s"],
+                           step_s=step["seconds"], mfu=step["mfu"], hfu=step["hfu"], predicted=True,
+                           probe_s=time.monotonic() - started, **device)
     return evaluate
 
 

@@ -34,6 +34,7 @@ from runner.problems import InputError, KeyedError, Place, Problem
 from runner.units import format_bytes
 
 from .cap import Cap
+from .records import ProbeResult
 from .report import ranked_feasible
 from .space import Candidate, Space
 
@@ -46,7 +47,7 @@ FINALIST_RUNS = 3  # runs of each finalist: the median of three ignores one outl
 UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad as a plan twice the cap
 UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
 
-Evaluate = Callable[[Candidate, int], dict]  # (candidate, trial number) -> the probe child's result
+Evaluate = Callable[[Candidate, int], ProbeResult]  # (candidate, trial number) -> what the probe reported
 
 
 @dataclass(frozen=True)
@@ -354,19 +355,19 @@ class Tuner:
         log.info("trial %d: probing %s", number, candidate.describe())
         return {**record, **self._measured(self.evaluate(candidate, number))}
 
-    def _measured(self, result: dict) -> dict:
-        peak = result.get("measured_peak_bytes", result.get("peak_mem_bytes"))
-        out = {"measured_peak": peak, "probe_s": result.get("probe_s", 0.0), "reason": result.get("reason", ""),
-               "device": {k: result.get(k) for k in ("device", "device_total_bytes", "torch", "cuda")},
+    def _measured(self, result: ProbeResult) -> dict:
+        peak = result.measured_peak_bytes if result.measured_peak_bytes is not None else result.peak_mem_bytes
+        out = {"measured_peak": peak, "probe_s": result.probe_s or 0.0, "reason": result.reason,
+               "device": {"device": result.device, "device_total_bytes": result.device_total_bytes,
+                          "torch": result.torch, "cuda": result.cuda},
                "constraint": self.cap.constraint(peak) if peak is not None else UNMEASURED}
-        if result["status"] != "ok":
-            return {**out, "state": result["status"], "constraint": max(out["constraint"], 1e-6)}
-        out["samples_per_s"] = result["samples_per_s"]
-        for extra in ("step_s", "mfu", "hfu", "predicted"):  # tune --predict: what the prediction said
-            if extra in result:
-                out[extra] = result[extra]
-        if "gradient_error" in result:  # a lossy plan (memory.compression): how far its gradient moved
-            out["gradient_error"] = result["gradient_error"]
+        if result.status != "ok":
+            return {**out, "state": result.status, "constraint": max(out["constraint"], 1e-6)}
+        out["samples_per_s"] = result.samples_per_s
+        if result.predicted:  # tune --predict: what the prediction said
+            out.update(step_s=result.step_s, mfu=result.mfu, hfu=result.hfu, predicted=True)
+        if result.gradient_error is not None:  # a lossy plan (memory.compression): how far its gradient moved
+            out["gradient_error"] = result.gradient_error
         if peak > self.cap.limit:
             return {**out, "state": "over_limit",
                     "reason": f"measured {format_bytes(peak)} > limit {self.cap.describe()}"}

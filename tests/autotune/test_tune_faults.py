@@ -125,4 +125,4 @@ def test_a_probe_that_runs_out_of_host_or_device_memory_is_recorded_as_oom(error
     def step():
         raise error
 
-    assert _guarded(step)["status"] == "oom"
+    assert _guarded(step).status == "oom"

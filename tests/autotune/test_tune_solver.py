@@ -61,7 +61,7 @@ def test_a_plan_that_differs_from_a_pinned_knob_is_left_out():
 @pytest.mark.parametrize("trials, exhaustive", [(40, True), (3, False)])
 def test_a_small_space_is_predicted_whole_and_searched_exhaustively(tmp_path, caplog, trials, exhaustive):
     recipe, space = _setting(layers=2)
-    formula = lambda c: measure(json.loads(c.recipe(recipe, 10**12).model_dump_json()), 1, 1)["peak_mem_bytes"]  # noqa: E731
+    formula = lambda c: measure(json.loads(c.recipe(recipe, 10**12).model_dump_json()), 1, 1).peak_mem_bytes  # noqa: E731
     study, _ = open_study(tmp_path, {}, False)
     tuner = Tuner(study, space, CAP, _probe(recipe), predict=formula)
     with caplog.at_level(logging.INFO, logger="autotune.study"):

@@ -10,6 +10,7 @@ from autotune.cli_tune import parse_duration
 from autotune.model_child import model_facts
 from autotune.space import Device, ModelFacts, build_space
 from autotune.cap import Cap
+from autotune.records import ProbeResult
 from autotune.study import Budget, Prediction, Tuner, open_study, trial_records
 from autotune.report import ranked_feasible
 from conftest import BERT_TINY, TINY_BERT
@@ -38,7 +39,7 @@ class Counting:
             raise KeyboardInterrupt  # the tuner dies mid-probe: the trial stays RUNNING in the journal
         self.asked.append(candidate.key)
         if number in self.status:
-            return {"status": self.status[number], "reason": f"injected {self.status[number]}"}
+            return ProbeResult.failed(self.status[number], f"injected {self.status[number]}")
         return measure(json.loads(candidate.recipe(self.recipe, CAP.bytes).model_dump_json()), 1, 1)
 
 
@@ -141,7 +142,7 @@ class Lucky(Counting):
         result = super().__call__(candidate, number)
         self.runs[candidate.key] = self.runs.get(candidate.key, 0) + 1
         if candidate.describe() == self.lucky_label and self.runs[candidate.key] == 1:
-            result["samples_per_s"] *= 1.3
+            result = result.model_copy(update={"samples_per_s": result.samples_per_s * 1.3})
         return result
 
 
@@ -192,7 +193,7 @@ class Slow(Counting):
 
     def __call__(self, candidate, number):
         self.clock.now += self.seconds
-        return {**super().__call__(candidate, number), "probe_s": self.seconds}
+        return super().__call__(candidate, number).model_copy(update={"probe_s": self.seconds})
 
 
 class Clock:
