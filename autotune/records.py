@@ -7,9 +7,7 @@ field is a validation error, where a dict would have carried it silently.
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -107,16 +105,18 @@ class TrialRecord(BaseModel):
     duplicate_of: int | None = None
     """The trial whose measurement this one reused (the sampler proposed the same plan again)."""
 
-    def to_attrs(self) -> dict[str, Any]:
-        """The record as optuna user attributes: JSON values, unset fields left out, no trial number."""
-        return self.model_dump(mode="json", exclude_none=True, exclude={"number"})
+    def as_data(self) -> dict[str, Any]:
+        """The record as JSON values, fields without a value left out: report.json's trials, and (less
+        the number) the trial's user attributes."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 def store_record(trial: BaseTrial, record: TrialRecord) -> None:
     """Keep `record` in the trial's user attributes; what the trial was queued with (proposed_by,
     repeat_of) stays unless the record says otherwise."""
-    for name, value in record.to_attrs().items():
-        trial.set_user_attr(name, value)
+    for name, value in record.as_data().items():
+        if name != "number":
+            trial.set_user_attr(name, value)
 
 
 def read_record(trial: FrozenTrial) -> TrialRecord:

@@ -197,10 +197,10 @@ def run_search(recipe, pins: dict, oracle: Oracle, device: str, cap: Cap, probes
         records = search(study, fresh, recipe, space, cap, target, budget, evaluate,
                          OraclePredictor(oracle, device, guided), SearchSettings(0, finalists, timed_steps=0))
     ranked = ranked_feasible(records)
-    solver = next((r for r in records if r.get("proposed_by") == "solver"), None)
-    return {"winner": ranked[0]["key"] if ranked else None,
-            "probes": sum(1 for r in records if r.get("probe_s") and r["state"] != "duplicate"),
-            "solver_first": solver["key"] if solver else None}
+    solver = next((r for r in records if r.proposed_by == "solver"), None)
+    return {"winner": ranked[0].key if ranked else None,
+            "probes": sum(1 for r in records if r.probe_s and r.state != "duplicate"),
+            "solver_first": solver.key if solver else None}
 
 
 def score(oracle: Oracle, rows: list[dict], device: str, cap: Cap, found: dict) -> dict:

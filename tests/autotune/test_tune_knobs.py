@@ -68,6 +68,6 @@ def test_a_non_monotonic_budget_is_measured_not_assumed(tmp_path):
     tuner.start(recipe)
     tuner.run(Budget(trials=11))
     records = trial_records(study)
-    assert not [r for r in records if r["state"] == "screened"] and not tuner.predicted
+    assert not [r for r in records if r.state == "screened"] and not tuner.predicted
     assert sorted(set(probed)) == [round(0.1 * i, 6) for i in range(11)]
-    assert ranked_feasible(records)[0]["plan"]["activation_memory_budget"] == 0.3
+    assert ranked_feasible(records)[0].plan["activation_memory_budget"] == 0.3

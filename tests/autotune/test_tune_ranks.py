@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autotune.records import TrialRecord
 from autotune.rank_probe import combine
 from autotune.records import ProbeResult
 from autotune.rank_tune import check_devices, check_ranks, ranks_comment
@@ -88,7 +89,7 @@ def test_plans_that_differ_only_in_sharding_have_different_keys_and_labels():
 
 def test_tuned_yaml_carries_the_winners_strategy():
     doc = Document(data={"model": {}, "distributed": {"strategy": "fsdp"}}, text="", source="r.yaml")
-    winner = {"plan": {"micro_batch": 2, "sharding": None}, "precision": "fp32", "strategy": "ddp"}
+    winner = TrialRecord(state="feasible", plan={"micro_batch": 2, "sharding": None}, precision="fp32", strategy="ddp")
     assert tuned_data(doc, winner, "1GB")["distributed"] == {"strategy": "ddp"}
     assert "2 ranks" in ranks_comment(2) and ranks_comment(1) is None
 
