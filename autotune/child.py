@@ -36,6 +36,8 @@ from pathlib import Path
 from runner.files import write_atomic
 from runner.problems import first_line
 
+from .records import ProbeResult
+
 FAULT_ENV = "CKRUN_PROBE_FAULT"
 
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         result = _guarded(lambda: rank_probe.run_group(command, Path(args.result), args.nproc))
     else:
         result = _guarded(lambda: _probe(recipe_json, args.trial, args.warmup, args.timed))
-    write_atomic(Path(args.result), json.dumps(result, indent=1))
+    write_atomic(Path(args.result), result.to_json() if isinstance(result, ProbeResult) else json.dumps(result, indent=1))
     return 0
 
 
@@ -101,19 +103,20 @@ def _recipe(text: str):
     return Recipe.model_validate_json(text)  # JSON mode: strict fields accept lists for tuples
 
 
-def _guarded(work) -> dict:
-    """Turn every failure into a result the tuner can record: the reason is one line, the rest is logged."""
+def _guarded(work):
+    """Turn every failure into a result the tuner can record: the reason is one line, the rest is logged.
+    `work` returns a ProbeResult, or the device's facts (a plain dict, as `Device.from_json` reads them)."""
     from runner.problems import InputError
 
     try:
         return work()
     except InputError as err:
-        return {"status": "bad_input", "reason": "; ".join(str(p) for p in err.problems)}
+        return ProbeResult.failed("bad_input", "; ".join(str(p) for p in err.problems))
     except Exception as err:  # a candidate that breaks must not stop the search: record it and move on
         if _is_out_of_memory(err):
-            return {"status": "oom", "reason": f"out of memory: {first_line(err)}"}
+            return ProbeResult.failed("oom", f"out of memory: {first_line(err)}")
         traceback.print_exc()
-        return {"status": "crash", "reason": f"{type(err).__name__}: {first_line(err)}"}
+        return ProbeResult.failed("crash", f"{type(err).__name__}: {first_line(err)}")
 
 
 def _is_out_of_memory(err: Exception) -> bool:
@@ -125,21 +128,18 @@ def _is_out_of_memory(err: Exception) -> bool:
     return is_out_of_memory(err)
 
 
-def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> dict:
+def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> ProbeResult:
     fault = _fault_for(trial)
     if fault:
         _inject(fault)
     return measure(_recipe(recipe_json), warmup, timed)
 
 
-def measure(recipe, warmup: int, timed: int) -> dict:
-    """Warm-up and timed steps of `recipe`; adds `measured_peak_bytes`, the number held against the cap."""
+def measure(recipe, warmup: int, timed: int) -> ProbeResult:
+    """Warm-up and timed steps of `recipe`, with `measured_peak_bytes`, the number held against the cap."""
     from runner.train.measure_plan import probe
 
-    result = probe(recipe, warmup, timed, source="<candidate>")
-    # on CUDA a card-level cap must also hold the context the driver keeps beside the allocator
-    result["measured_peak_bytes"] = result["card_peak_bytes"]
-    return result
+    return ProbeResult.of(probe(recipe, warmup, timed, source="<candidate>"))
 
 
 def device_info(recipe) -> dict:

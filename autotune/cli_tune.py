@@ -25,6 +25,7 @@ from runner.units import format_bytes
 from runner.yamlio import dump_yaml
 
 from .probe import ProbeRunner, ProbeSettings
+from .records import TrialRecord
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
 from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
@@ -141,15 +142,15 @@ def run(args) -> int:
         return _conclude(args, records, doc, cap, space, device, directory, str(path), overrides)
 
 
-def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: Device, directory: Path,
+def _conclude(args, records: list[TrialRecord], doc, cap: Cap, space: Space, device: Device, directory: Path,
               source: str, overrides: list[str]) -> int:
     """tuned.yaml for the winner, then training (falling back down the ranking), or why nothing fits."""
     ranked = ranked_feasible(records)
     if not ranked:
         raise NothingFits(nothing_fits(records, cap, space, device, directory))
 
-    def tuned_for(record: dict):
-        notes = [note for note in [micro_batch_comment(space, record["plan"]["micro_batch"]),
+    def tuned_for(record: TrialRecord):
+        notes = [note for note in [micro_batch_comment(space, record.plan["micro_batch"]),
                                    compression_comment(record), ranks_comment(args.nproc),
                                    predicted_note(record) if args.predict else None] if note]
         return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes,
@@ -169,7 +170,7 @@ def _conclude(args, records: list[dict], doc, cap: Cap, space: Space, device: De
 
 
 def _search(args, recipe: Recipe, directory: Path, cap: Cap, budget: Budget, runner: ProbeRunner, space: Space,
-            device: Device, model: ModelChild) -> tuple[list[dict], dict, dict]:
+            device: Device, model: ModelChild) -> tuple[list[TrialRecord], dict, dict]:
     config = _config(recipe, space, cap, args, device)
     study, fresh = open_study(directory, config, args.resume)
     predictor = None if args.no_screen else CachedPredictor(IsolatedPredictor(model, device.context_bytes))

@@ -23,6 +23,7 @@ from runner.predict.hardware import DeviceFacts, UnknownDevice, resolve_device
 from runner.problems import InputError, Place, Problem
 from runner.units import format_bytes
 
+from .records import ProbeResult, TrialRecord
 from .search import SearchSettings
 from .space import Candidate, Device
 from .study import Evaluate, Prediction
@@ -110,7 +111,7 @@ class CachedPredictor:
 def predicted_probe(predictor: CachedPredictor) -> Evaluate:
     """A probe answered by the prediction: its peak (context included) and its predicted throughput."""
 
-    def evaluate(candidate: Candidate, number: int) -> dict:
+    def evaluate(candidate: Candidate, number: int) -> ProbeResult:
         started = time.monotonic()
         prediction = predictor(candidate)
         facts = predictor.predictor.child.time_facts
@@ -119,11 +120,11 @@ def predicted_probe(predictor: CachedPredictor) -> Evaluate:
         if not isinstance(prediction, Prediction) or prediction.peak is None or not prediction.time:
             why = prediction.reason if isinstance(prediction, Prediction) and prediction.reason else \
                 "the estimator could not run this plan on fake tensors"
-            return {"status": "unavailable", "reason": f"no prediction: {why}", **device}
+            return ProbeResult(status="unavailable", reason=f"no prediction: {why}", **device)
         step = prediction.time
-        return {"status": "ok", "measured_peak_bytes": prediction.peak, "samples_per_s": step["samples_per_s"],
-                "step_s": step["seconds"], "mfu": step["mfu"], "hfu": step["hfu"], "predicted": True,
-                "probe_s": time.monotonic() - started, **device}
+        return ProbeResult(status="ok", measured_peak_bytes=prediction.peak, samples_per_s=step["samples_per_s"],
+                           step_s=step["seconds"], mfu=step["mfu"], hfu=step["hfu"], predicted=True,
+                           probe_s=time.monotonic() - started, **device)
     return evaluate
 
 
@@ -134,19 +135,19 @@ def predict_settings(args) -> SearchSettings:
                           else ("--no-solver" if args.no_solver else None), timed_steps=0)
 
 
-def ranked_lines(ranked: list[dict]) -> str:
+def ranked_lines(ranked: list[TrialRecord]) -> str:
     """The predicted ranking: step time, throughput, peak and MFU of the fastest plans that fit."""
     lines = [f"predicted ranking ({min(len(ranked), RANKED_SHOWN)} of {len(ranked)} plans that fit):",
              f"  {'trial':>5}  {'step':>9}  {'samples/s':>9}  {'peak':>9}  {'MFU':>5}  plan"]
     for record in ranked[:RANKED_SHOWN]:
-        lines.append(f"  {record['number']:>5}  {1000 * record['step_s']:>7.1f}ms  {record['samples_per_s']:>9.1f}  "
-                     f"{format_bytes(record['measured_peak']):>9}  {100 * record['mfu']:>4.1f}%  {record['label']}")
+        lines.append(f"  {record.number:>5}  {1000 * record.step_s:>7.1f}ms  {record.samples_per_s:>9.1f}  "
+                     f"{format_bytes(record.measured_peak):>9}  {100 * record.mfu:>4.1f}%  {record.label}")
     return "\n".join(lines)
 
 
-def predicted_note(record: dict) -> str:
-    device = (record.get("device") or {}).get("device")
-    return (f"PREDICTED, not measured: {device}, step {1000 * record['step_s']:.1f} ms, MFU {100 * record['mfu']:.1f}% "
+def predicted_note(record: TrialRecord) -> str:
+    device = (record.device or {}).get("device")
+    return (f"PREDICTED, not measured: {device}, step {1000 * record.step_s:.1f} ms, MFU {100 * record.mfu:.1f}% "
             f"by ckrun's roofline time model (an ordering and a first number, not a promise); on that GPU, "
             f"`ckrun tune THIS_FILE --max-mem SIZE` measures, starting from this plan")
 

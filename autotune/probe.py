@@ -1,6 +1,6 @@
 """The tuner's side of a probe: run the child, wait with a wall-clock limit, read its result.
 
-Whatever happens in the child comes back as a dict with a `status` and, when it did not
+Whatever happens in the child comes back as a `ProbeResult` with a `status` and, when it did not
 measure, a one-line `reason`: ok, over_cap, oom, crash, bad_input (the child said so), timeout
 (we killed it), died (it exited without a result: a segfault, the kernel's OOM killer). The
 child's process group is killed after every probe, so nothing it started outlives the probe.
@@ -21,6 +21,8 @@ from pathlib import Path
 from runner.files import write_atomic
 from runner.memory.allocator import allocator_env
 from runner.recipe import Recipe
+
+from .records import ProbeResult
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +58,23 @@ class ProbeRunner:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.settings = settings
 
-    def probe(self, recipe: Recipe, trial: int) -> dict:
+    def probe(self, recipe: Recipe, trial: int) -> ProbeResult:
         stem = self.directory / f"trial-{trial}"
         extra = ["--trial", str(trial), "--warmup", str(self.settings.warmup_steps),
                  "--timed", str(self.settings.timed_steps), "--nproc", str(self.settings.nproc)]
         started = time.monotonic()
-        result = self._run("probe", recipe, stem, extra, self.settings.timeout_for(recipe), trial)
-        result["probe_s"] = round(time.monotonic() - started, 2)
+        result = ProbeResult.from_json(self._run("probe", recipe, stem, extra, self.settings.timeout_for(recipe), trial))
+        result = result.model_copy(update={"probe_s": round(time.monotonic() - started, 2)})
         _warn_if_shared(result, trial)
         return result
 
     def device(self, recipe: Recipe, timeout_s: float = 300.0) -> dict:
-        return self._run("device", recipe, self.directory / "device", [], timeout_s, None)
+        """The device's facts (`Device.from_json`), or a failed probe's status and reason."""
+        return json.loads(self._run("device", recipe, self.directory / "device", [], timeout_s, None))
 
     def _run(self, what: str, recipe: Recipe, stem: Path, extra: list[str], timeout_s: float,
-             trial: int | None) -> dict:
+             trial: int | None) -> str:
+        """The child's result file as written, or a failure the tuner saw (`_result`)."""
         recipe_path, result_path, log_path = (stem.with_name(f"{stem.name}.{s}") for s in
                                               ("recipe.json", "result.json", "log"))
         write_atomic(recipe_path, recipe.model_dump_json(indent=1))
@@ -87,10 +91,10 @@ class ProbeRunner:
         return _result(result_path, log_path, code, timeout_s)
 
 
-def _warn_if_shared(result: dict, trial: int) -> None:
+def _warn_if_shared(result: ProbeResult, trial: int) -> None:
     """A probe must have the GPU to itself: the tuner keeps its own processes off it (its model child
     predicts with the GPUs hidden; this process never starts CUDA), and says so when it was not alone."""
-    others = result.get("other_gpu_processes")
+    others = result.other_gpu_processes
     if others:
         log.warning("probe %d was timed while %d other process(es) used its GPU: its time may be off", trial, others)
     torch = sys.modules.get("torch")
@@ -184,13 +188,13 @@ def kill_group(pgid: int) -> None:
         pass  # the group is already empty
 
 
-def _result(result_path: Path, log_path: Path, code: int | None, timeout_s: float) -> dict:
+def _result(result_path: Path, log_path: Path, code: int | None, timeout_s: float) -> str:
     if code is None:
-        return {"status": "timeout", "reason": f"timed out after {timeout_s:g} s; the probe was killed "
-                                               f"(raise --probe-timeout if steps are this slow)"}
+        return ProbeResult.failed("timeout", f"timed out after {timeout_s:g} s; the probe was killed "
+                                             f"(raise --probe-timeout if steps are this slow)").to_json()
     if result_path.exists():
-        return json.loads(result_path.read_text(encoding="utf-8"))
-    return {"status": "died", "reason": f"the probe process {exit_words(code)} before reporting; see {log_path}"}
+        return result_path.read_text(encoding="utf-8")
+    return ProbeResult.failed("died", f"the probe process {exit_words(code)} before reporting; see {log_path}").to_json()
 
 
 def exit_words(code: int) -> str:

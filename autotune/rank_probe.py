@@ -19,12 +19,15 @@ its pid in probes.log, where the tuner finds the groups to kill after a timeout.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from runner.files import write_atomic
+
+from .records import ProbeResult
 
 # why a probe failed, most likely cause first: a peer's crash usually follows another rank's failure
 _CAUSE_ORDER = {"over_cap": 0, "oom": 0, "bad_input": 1, "killed": 2, "crash": 3, "stopped": 4, "silent": 5}
@@ -40,7 +43,7 @@ def rank_command(module: str, recipe: str, result: str, trial: int, warmup: int,
             "--warmup", str(warmup), "--timed", str(timed), "--nproc", str(nproc)]
 
 
-def run_group(command: list[str], result: Path, nproc: int) -> dict:
+def run_group(command: list[str], result: Path, nproc: int) -> ProbeResult:
     """As the agent: run the ranks, wait for them, and combine what each reported."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -56,33 +59,33 @@ def run_group(command: list[str], result: Path, nproc: int) -> dict:
     return combine({rank: _read(rank_result_path(result, rank)) for rank in range(nproc)}, exit_codes)
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path) -> ProbeResult | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return ProbeResult.from_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValidationError):
         return None  # the rank died before its atomic write
 
 
-def combine(results: dict[int, dict | None], exit_codes: dict[int, int]) -> dict:
+def combine(results: dict[int, ProbeResult | None], exit_codes: dict[int, int]) -> ProbeResult:
     """The group's result: rank 0's when every rank measured, else the failure that caused the others."""
-    if all(result is not None and result["status"] == "ok" for result in results.values()):
-        return {**results[0], "world_size": len(results)}
-    failed = [r for r, result in results.items() if result is None or result["status"] != "ok"]
+    if all(result is not None and result.status == "ok" for result in results.values()):
+        return results[0].model_copy(update={"world_size": len(results)})
+    failed = [r for r, result in results.items() if result is None or result.status != "ok"]
     rank = min(failed, key=lambda r: (_CAUSE_ORDER[_cause(results[r], exit_codes.get(r))], r))
     result = results[rank]
     if result is None:
-        return {"status": "died", "reason": f"rank {rank} of {len(results)} {_silent_words(exit_codes.get(rank))} "
-                                            "before reporting; see the probe's log"}
-    return {**result, "reason": f"rank {rank} of {len(results)}: {result.get('reason') or result['status']}",
-            "world_size": len(results)}
+        return ProbeResult.failed("died", f"rank {rank} of {len(results)} {_silent_words(exit_codes.get(rank))} "
+                                          "before reporting; see the probe's log")
+    return result.model_copy(update={"reason": f"rank {rank} of {len(results)}: {result.reason or result.status}",
+                                     "world_size": len(results)})
 
 
-def _cause(result: dict | None, exit_code: int | None) -> str:
+def _cause(result: ProbeResult | None, exit_code: int | None) -> str:
     if result is None:  # SIGTERM is how torchrun stops the survivors of a failed rank: a consequence
         if exit_code == -signal.SIGTERM:
             return "stopped"
         return "killed" if exit_code is not None and exit_code < 0 else "silent"
-    return result["status"] if result["status"] in _CAUSE_ORDER else "crash"
+    return result.status if result.status in _CAUSE_ORDER else "crash"
 
 
 def _silent_words(exit_code: int | None) -> str:
@@ -91,7 +94,7 @@ def _silent_words(exit_code: int | None) -> str:
     return "ended" if exit_code is None else exit_words(exit_code)
 
 
-def write_rank_result(result: Path, rank: int, measured: dict) -> int:
+def write_rank_result(result: Path, rank: int, measured: ProbeResult) -> int:
     """A rank's own result file; the exit status tells torchrun whether to stop the other ranks."""
-    write_atomic(rank_result_path(result, rank), json.dumps(measured, indent=1))
-    return 0 if measured["status"] == "ok" else 1
+    write_atomic(rank_result_path(result, rank), measured.to_json())
+    return 0 if measured.status == "ok" else 1

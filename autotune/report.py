@@ -18,92 +18,96 @@ from runner.files import write_atomic
 from runner.units import format_bytes
 
 from .cap import Cap
+from .records import TrialRecord
 
 log = logging.getLogger(__name__)
 
 
-def plans(records: list[dict]) -> list[dict]:
+def plans(records: list[TrialRecord]) -> list[TrialRecord]:
     """One entry per measured plan, in trial order: its first trial with every run of it folded in
     (finalists are measured again). Throughput is the median of the runs; the peak is the largest,
     and the plan fits only if every run did: the cap must hold whichever run training resembles."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[TrialRecord]] = {}
     for record in records:
-        if record["state"] != "duplicate" and "key" in record:
-            groups.setdefault(record["key"], []).append(record)
+        if record.state != "duplicate" and record.key is not None:
+            groups.setdefault(record.key, []).append(record)
     found = []
     for group in groups.values():
-        runs = [r for r in group if r.get("samples_per_s") and r.get("measured_peak")]
+        runs = [r for r in group if r.samples_per_s and r.measured_peak]
         if not runs:
             continue
-        misfit = next((r for r in group if r["state"] != "feasible"), None)
-        found.append({**group[0], "samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
-                      "measured_peak": max(r["measured_peak"] for r in runs), "runs": len(runs),
-                      **({"state": misfit["state"], "reason": misfit.get("reason", "")} if misfit else {})})
+        misfit = next((r for r in group if r.state != "feasible"), None)
+        folded = {"samples_per_s": statistics.median(r.samples_per_s for r in runs),
+                  "measured_peak": max(r.measured_peak for r in runs), "runs": len(runs)}
+        if misfit:
+            folded.update(state=misfit.state, reason=misfit.reason)
+        found.append(group[0].model_copy(update=folded))
     return found
 
 
-def ranked_feasible(records: list[dict]) -> list[dict]:
+def ranked_feasible(records: list[TrialRecord]) -> list[TrialRecord]:
     """Plans that fit, best first: fastest; on a tie the smaller peak, then the earlier trial."""
-    feasible = [p for p in plans(records) if p["state"] == "feasible"]
-    return sorted(feasible, key=lambda p: (-p["samples_per_s"], p["measured_peak"], p["number"]))
+    feasible = [p for p in plans(records) if p.state == "feasible"]
+    return sorted(feasible, key=lambda p: (-p.samples_per_s, p.measured_peak, p.number))
 
 
-def pareto_front(records: list[dict]) -> list[dict]:
+def pareto_front(records: list[TrialRecord]) -> list[TrialRecord]:
     """Measured plans not beaten on both peak and throughput by another, smallest peak first."""
     front, best_speed = [], 0.0
-    for plan in sorted(plans(records), key=lambda p: (p["measured_peak"], -p["samples_per_s"], p["number"])):
-        if plan["samples_per_s"] > best_speed:
+    for plan in sorted(plans(records), key=lambda p: (p.measured_peak, -p.samples_per_s, p.number)):
+        if plan.samples_per_s > best_speed:
             front.append(plan)
-            best_speed = plan["samples_per_s"]
+            best_speed = plan.samples_per_s
     return front
 
 
-def winner_reason(records: list[dict], limit: int) -> str:
+def winner_reason(records: list[TrialRecord], limit: int) -> str:
     ranked = ranked_feasible(records)
     if not ranked:
         return "no measured plan stays within the limit"
     best = ranked[0]
-    faster = sorted((r for r in plans(records) if r["state"] != "feasible"
-                     and r["samples_per_s"] > best["samples_per_s"]), key=lambda r: -r["samples_per_s"])
-    how = "predicted" if best.get("predicted") else "measured"
-    why = (f"trial {best['number']} is the fastest of {len(ranked)} plan(s) whose {how} peak stays within "
+    faster = sorted((r for r in plans(records) if r.state != "feasible"
+                     and r.samples_per_s > best.samples_per_s), key=lambda r: -r.samples_per_s)
+    how = "predicted" if best.predicted else "measured"
+    why = (f"trial {best.number} is the fastest of {len(ranked)} plan(s) whose {how} peak stays within "
            f"{format_bytes(limit)}")
     if faster:
-        over = ", ".join(f"trial {r['number']} ({format_bytes(r['measured_peak'])})" for r in faster[:3])
+        over = ", ".join(f"trial {r.number} ({format_bytes(r.measured_peak)})" for r in faster[:3])
         why += f"; {len(faster)} faster plan(s) went over it: {over}"
     return why
 
 
-def summary(records: list[dict]) -> str:
+def summary(records: list[TrialRecord]) -> str:
     counts: dict[str, int] = {}
     for record in records:
-        counts[record["state"]] = counts.get(record["state"], 0) + 1
+        counts[record.state] = counts.get(record.state, 0) + 1
     return ", ".join(f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def format_table(records: list[dict], cap: int, limit: int) -> str:
+def format_table(records: list[TrialRecord], cap: int, limit: int) -> str:
     """The Pareto front as a table, the winner marked `*`, and why it won."""
     front, ranked = pareto_front(records), ranked_feasible(records)
-    winner = ranked[0]["number"] if ranked else None
+    winner = ranked[0].number if ranked else None
     lines = [f"{len(records)} trials: {summary(records)}",
              f"Pareto front (peak memory vs throughput; cap {format_bytes(cap)}, limit {format_bytes(limit)}):",
              f"  {'':1} {'trial':>5}  {'peak':>9}  {'samples/s':>9}  {'runs':>4}  {'fits':<4}  plan"]
     for plan in front:
-        mark = "*" if plan["number"] == winner else ""
-        fits = "yes" if plan["state"] == "feasible" else "no"
-        lines.append(f"  {mark:1} {plan['number']:>5}  {format_bytes(plan['measured_peak']):>9}  "
-                     f"{plan['samples_per_s']:>9.2f}  {plan['runs']:>4}  {fits:<4}  {plan['label']}")
+        mark = "*" if plan.number == winner else ""
+        fits = "yes" if plan.state == "feasible" else "no"
+        lines.append(f"  {mark:1} {plan.number:>5}  {format_bytes(plan.measured_peak):>9}  "
+                     f"{plan.samples_per_s:>9.2f}  {plan.runs:>4}  {fits:<4}  {plan.label}")
     lines.append(f"winner: {winner_reason(records, limit)}" if ranked else f"no winner: {winner_reason(records, limit)}")
     return "\n".join(lines)
 
 
-def write_report(directory: Path, records: list[dict], config: dict, screening: dict | None = None) -> Path:
+def write_report(directory: Path, records: list[TrialRecord], config: dict, screening: dict | None = None) -> Path:
     """DIR/report.json; `screening` says whether predictions screened plans, why not, which of them
     failed in the user's code, and what the estimate warned of."""
     ranked = ranked_feasible(records)
     report = {"cap_bytes": config["cap"], "margin": config["margin"], "limit_bytes": _limit(config),
-              "winner": ranked[0]["number"] if ranked else None, "ranked_feasible": [r["number"] for r in ranked],
-              "pareto_front": [r["number"] for r in pareto_front(records)], "screening": screening, "trials": records}
+              "winner": ranked[0].number if ranked else None, "ranked_feasible": [r.number for r in ranked],
+              "pareto_front": [r.number for r in pareto_front(records)], "screening": screening,
+              "trials": [r.as_data() for r in records]}
     path = directory / "report.json"
     write_atomic(path, json.dumps(report, indent=1, default=str))
     return path
@@ -113,7 +117,7 @@ def _limit(config: dict) -> int:
     return Cap(config["cap"], config["margin"]).limit
 
 
-def plot(directory: Path, records: list[dict], config: dict) -> Path:
+def plot(directory: Path, records: list[TrialRecord], config: dict) -> Path:
     """DIR/pareto.png: every measured plan, the front, the cap and limit, the winner starred."""
     import matplotlib
 
@@ -122,21 +126,21 @@ def plot(directory: Path, records: list[dict], config: dict) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     measured = plans(records)
-    groups = {("fits", "o", "tab:green"): [p for p in measured if p["state"] == "feasible"],
-              ("over the limit", "x", "tab:red"): [p for p in measured if p["state"] != "feasible"]}
+    groups = {("fits", "o", "tab:green"): [p for p in measured if p.state == "feasible"],
+              ("over the limit", "x", "tab:red"): [p for p in measured if p.state != "feasible"]}
     for (label, marker, color), group in ((style, group) for style, group in groups.items() if group):
-        ax.scatter([r["measured_peak"] / 1e6 for r in group], [r["samples_per_s"] for r in group], label=label,
+        ax.scatter([r.measured_peak / 1e6 for r in group], [r.samples_per_s for r in group], label=label,
                    marker=marker, color=color)
     front = pareto_front(records)
-    ax.step([r["measured_peak"] / 1e6 for r in front], [r["samples_per_s"] for r in front], where="post",
+    ax.step([r.measured_peak / 1e6 for r in front], [r.samples_per_s for r in front], where="post",
             color="grey", linewidth=1, label="Pareto front")
     ax.axvline(config["cap"] / 1e6, color="black", linestyle="--", linewidth=1, label="cap")
     ax.axvline(_limit(config) / 1e6, color="black", linestyle=":", linewidth=1, label="limit (cap - margin)")
     ranked = ranked_feasible(records)
     if ranked:
         best = ranked[0]
-        ax.scatter([best["measured_peak"] / 1e6], [best["samples_per_s"]], marker="*", s=250, color="gold",
-                   edgecolors="black", zorder=3, label=f"winner (trial {best['number']})")
+        ax.scatter([best.measured_peak / 1e6], [best.samples_per_s], marker="*", s=250, color="gold",
+                   edgecolors="black", zorder=3, label=f"winner (trial {best.number})")
     ax.set_xlabel("measured peak memory (MB)")
     ax.set_ylabel("samples/s")
     ax.set_title("ckrun tune: plans measured")
@@ -148,7 +152,7 @@ def plot(directory: Path, records: list[dict], config: dict) -> Path:
     return path
 
 
-def publish(directory: Path, records: list[dict], config: dict, screening: dict | None = None) -> str:
+def publish(directory: Path, records: list[TrialRecord], config: dict, screening: dict | None = None) -> str:
     """Write report.json and pareto.png, return the table: what `tune` and `report` both print."""
     report_path = write_report(directory, records, config, screening)
     plot_path = plot(directory, records, config) if plans(records) else None

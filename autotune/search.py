@@ -17,6 +17,7 @@ import optuna
 
 from .cap import Cap
 from .frontier import solver_points
+from .records import TrialRecord
 from .space import Device, Space
 from .study import Budget, Evaluate, Tuner, trial_records
 
@@ -32,7 +33,7 @@ class SearchSettings:
 
 
 def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, device: Device, budget: Budget,
-           evaluate: Evaluate, predictor=None, settings: SearchSettings = SearchSettings()) -> list[dict]:
+           evaluate: Evaluate, predictor=None, settings: SearchSettings = SearchSettings()) -> list[TrialRecord]:
     """Run the search on `study` and return every trial as a record (`study.trial_records`)."""
     off = settings.solver_off or (None if predictor is not None else "no predictions")
     first = solver_points(study, fresh, space, cap, device, predictor, off, settings.timed_steps)

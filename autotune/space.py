@@ -29,6 +29,7 @@ from runner.recipe import Recipe
 from runner.policies import (CHECKPOINTING, EVERY_K, checkpointing_choices, compression_choices, offload_choices,
                              policy_class)
 
+from .records import TrialRecord
 from .labels import adaptive_buckets, compression_fields, parse_checkpointing, parse_offload
 from .sharding import add_sharding, describe_sharding, parse_sharding
 
@@ -418,13 +419,13 @@ def _compression(space: Space, memory: MemoryPlan, allow_lossy: bool) -> None:
                          "rounded; lossy, and each such plan's gradient error is measured in its probe")
 
 
-def compression_comment(record: dict) -> str | None:
+def compression_comment(record: TrialRecord) -> str | None:
     """tuned.yaml's line on a lossy winner: what it changes, and by how much on one micro-batch."""
-    compression = MemoryPlan.model_validate(record["plan"]).compression
+    compression = MemoryPlan.model_validate(record.plan).compression
     if not compression.lossy:
         return None
     policy = compression.label()
-    error = record.get("gradient_error")
+    error = record.gradient_error
     measured = f"relative gradient error {error:.2e} against the exact plan (one micro-batch)" if error is not None else \
         "gradient error not measured"
     return (f"LOSSY: memory.compression {policy} stores saved activations rounded: {measured}; set "

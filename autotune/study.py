@@ -34,6 +34,7 @@ from runner.problems import InputError, KeyedError, Place, Problem
 from runner.units import format_bytes
 
 from .cap import Cap
+from .records import ProbeResult, TrialRecord, read_record, store_record
 from .report import ranked_feasible
 from .space import Candidate, Space
 
@@ -46,7 +47,7 @@ FINALIST_RUNS = 3  # runs of each finalist: the median of three ignores one outl
 UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad as a plan twice the cap
 UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
 
-Evaluate = Callable[[Candidate, int], dict]  # (candidate, trial number) -> the probe child's result
+Evaluate = Callable[[Candidate, int], ProbeResult]  # (candidate, trial number) -> what the probe reported
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,9 @@ class Tuner:
         self.evaluate, self.predict = evaluate, predict
         self.first_of: dict[str, FrozenTrial] = {}  # plan key -> the trial that evaluated it
         for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if "duplicate_of" not in trial.user_attrs and "repeat_of" not in trial.user_attrs:
-                self.first_of.setdefault(trial.user_attrs["key"], trial)
+            record = read_record(trial)
+            if record.duplicate_of is None and record.repeat_of is None:
+                self.first_of.setdefault(record.key, trial)
         self.duplicates_in_a_row = 0
         self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
         self.predicted_time: dict[str, dict] = {}  # plan key -> its predicted StepTime record, when timed
@@ -223,7 +225,7 @@ class Tuner:
 
     @property
     def probes(self) -> int:
-        return sum(1 for t in self.first_of.values() if t.user_attrs.get("probe_s") is not None)
+        return sum(1 for t in self.first_of.values() if read_record(t).probe_s is not None)
 
     def _stop_reason(self, budget: Budget) -> str | None:
         if self.probes >= budget.trials:
@@ -251,8 +253,8 @@ class Tuner:
 
     def expected_probe_s(self) -> float:
         """How long a probe takes here: the median of the probes so far (re-runs included)."""
-        seconds = [t.user_attrs["probe_s"] for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                   if t.user_attrs.get("probe_s") and "duplicate_of" not in t.user_attrs]
+        records = map(read_record, self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        seconds = [r.probe_s for r in records if r.probe_s and r.duplicate_of is None]
         return statistics.median(seconds) if seconds else 0.0
 
     def _sampler(self) -> optuna.samplers.TPESampler:
@@ -267,7 +269,7 @@ class Tuner:
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             self.study.tell(trial.number, state=TrialState.FAIL)
             # a second run of a finalist is left to confirm(), which decides again which plans need one
-            if set(trial.params) == set(self.space.distributions()) and "repeat_of" not in trial.user_attrs:
+            if set(trial.params) == set(self.space.distributions()) and read_record(trial).repeat_of is None:
                 self.study.enqueue_trial(trial.params)
                 log.info("tune: trial %d was interrupted mid-probe; measuring its plan again", trial.number)
 
@@ -278,21 +280,21 @@ class Tuner:
         self._close_unreached()
         params = {t.number: t.params for t in self.study.get_trials(deepcopy=False)}
         for _ in range(2 * finalists * (FINALIST_RUNS - 1)):
-            short = [p for p in ranked_feasible(trial_records(self.study))[:finalists] if p["runs"] < FINALIST_RUNS]
+            short = [p for p in ranked_feasible(trial_records(self.study))[:finalists] if p.runs < FINALIST_RUNS]
             if not short:
                 return
             late = self._out_of_time(budget) if budget else None
             if late:
                 log.info("tune: no more re-runs of the finalists: %s", late)
                 return
-            number = short[0]["number"]
+            number = short[0].number
             self.study.enqueue_trial(params[number], user_attrs={"repeat_of": number})
             trial = self.study.ask(self.space.distributions())
             if trial.params != params[number]:  # only this plan is queued now: anything else is a bug
                 raise RuntimeError(f"trial {trial.number} was to measure trial {number}'s plan again but holds "
                                    f"{trial.params}")
             log.info("trial %d: measuring the plan of trial %d again (a finalist, run %d of %d)", trial.number,
-                     number, short[0]["runs"] + 1, FINALIST_RUNS)
+                     number, short[0].runs + 1, FINALIST_RUNS)
             self._evaluate(trial, self.space.candidate(trial.params))
 
     def _close_unreached(self) -> None:
@@ -302,8 +304,7 @@ class Tuner:
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         for _ in waiting:
             trial = self.study.ask(self.space.distributions())
-            trial.set_user_attr("state", "skipped")
-            trial.set_user_attr("reason", "queued, but the search stopped before it was measured")
+            store_record(trial, TrialRecord(state="skipped", reason="queued, but the search stopped before it was measured"))
             self.study.tell(trial, state=TrialState.FAIL)
         if waiting:
             log.info("tune: %d queued plan(s) were not reached before the search stopped", len(waiting))
@@ -315,62 +316,55 @@ class Tuner:
             self._tell_duplicate(trial, earlier)
             return
         self.duplicates_in_a_row = 0
-        record = self._record(trial.number, candidate, screen=not repeat)
-        trial.set_constraint("peak", record.pop("constraint"))
-        for name, value in record.items():
-            trial.set_user_attr(name, value)
-        told = self.study.tell(trial, record.get("samples_per_s") or 0.0)
+        record, constraint = self._record(trial.number, candidate, screen=not repeat)
+        trial.set_constraint("peak", constraint)
+        store_record(trial, record)
+        told = self.study.tell(trial, record.samples_per_s or 0.0)
         self.first_of.setdefault(candidate.key, told)
         _log_trial(trial.number, candidate, record)
 
     def _tell_duplicate(self, trial: Trial, earlier: FrozenTrial) -> None:
         self.duplicates_in_a_row += 1
-        trial.set_user_attr("duplicate_of", earlier.number)
-        for name, value in earlier.user_attrs.items():
-            trial.set_user_attr(name, value)
+        store_record(trial, read_record(earlier).model_copy(update={"state": "duplicate", "duplicate_of": earlier.number}))
         trial.set_constraint("peak", earlier.constraints["peak"])
         self.study.tell(trial, earlier.value)
         log.info("trial %d: same plan as trial %d; reusing its measurement", trial.number, earlier.number)
 
-    def _record(self, number: int, candidate: Candidate, screen: bool = True) -> dict:
-        """Measure the candidate, unless it is invalid or (`screen`) predicted clearly over the cap."""
-        record = {"key": candidate.key, "plan": candidate.plan.model_dump(mode="json"),
-                  "precision": candidate.precision, "label": candidate.describe(),
-                  **({"strategy": candidate.strategy} if candidate.strategy else {})}
+    def _record(self, number: int, candidate: Candidate, screen: bool = True) -> tuple[TrialRecord, float]:
+        """The trial's record and constraint: the candidate measured, unless it is invalid or (`screen`)
+        predicted clearly over the cap."""
+        known = {"key": candidate.key, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision,
+                 "label": candidate.describe(), "strategy": candidate.strategy}
         invalid = _invalid_reason(candidate, self.space) if screen else None
         if invalid:
-            return {**record, "state": "invalid", "reason": invalid, "constraint": UNMEASURED}
+            return TrialRecord(**known, state="invalid", reason=invalid), UNMEASURED
         # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
         measure_only = candidate.plan.activation_memory_budget is not None
         predicted = self._prediction(candidate) if screen and not measure_only else None
-        record["predicted_peak"] = predicted
-        if candidate.key in self.predicted_time:
-            record["predicted_s"] = self.predicted_time[candidate.key]["seconds"]
-        if candidate.key in self.unscreened:
-            record["unscreened"] = self.unscreened[candidate.key]
+        known.update(predicted_peak=predicted, unscreened=self.unscreened.get(candidate.key),
+                     predicted_s=(self.predicted_time.get(candidate.key) or {}).get("seconds"))
         if predicted is not None and predicted > self.cap.screen_above:
             reason = f"predicted {format_bytes(predicted)} > cap {format_bytes(self.cap.bytes)}; not probed"
-            return {**record, "state": "screened", "reason": reason, "constraint": self.cap.constraint(predicted)}
+            return TrialRecord(**known, state="screened", reason=reason), self.cap.constraint(predicted)
         log.info("trial %d: probing %s", number, candidate.describe())
-        return {**record, **self._measured(self.evaluate(candidate, number))}
+        return self._measured(known, self.evaluate(candidate, number))
 
-    def _measured(self, result: dict) -> dict:
-        peak = result.get("measured_peak_bytes", result.get("peak_mem_bytes"))
-        out = {"measured_peak": peak, "probe_s": result.get("probe_s", 0.0), "reason": result.get("reason", ""),
-               "device": {k: result.get(k) for k in ("device", "device_total_bytes", "torch", "cuda")},
-               "constraint": self.cap.constraint(peak) if peak is not None else UNMEASURED}
-        if result["status"] != "ok":
-            return {**out, "state": result["status"], "constraint": max(out["constraint"], 1e-6)}
-        out["samples_per_s"] = result["samples_per_s"]
-        for extra in ("step_s", "mfu", "hfu", "predicted"):  # tune --predict: what the prediction said
-            if extra in result:
-                out[extra] = result[extra]
-        if "gradient_error" in result:  # a lossy plan (memory.compression): how far its gradient moved
-            out["gradient_error"] = result["gradient_error"]
+    def _measured(self, known: dict, result: ProbeResult) -> tuple[TrialRecord, float]:
+        """What the probe said, judged against the limit; `known` is the plan and its prediction."""
+        peak = result.measured_peak_bytes if result.measured_peak_bytes is not None else result.peak_mem_bytes
+        constraint = self.cap.constraint(peak) if peak is not None else UNMEASURED
+        measured = {**known, "measured_peak": peak, "probe_s": result.probe_s or 0.0, "reason": result.reason,
+                    "device": {"device": result.device, "device_total_bytes": result.device_total_bytes,
+                               "torch": result.torch, "cuda": result.cuda}}
+        if result.status != "ok":
+            return TrialRecord(**measured, state=result.status), max(constraint, 1e-6)
+        # gradient_error: a lossy plan's (memory.compression), how far its gradient moved
+        measured.update(samples_per_s=result.samples_per_s, gradient_error=result.gradient_error)
+        if result.predicted:  # tune --predict: what the prediction said
+            measured.update(step_s=result.step_s, mfu=result.mfu, hfu=result.hfu, predicted=True)
         if peak > self.cap.limit:
-            return {**out, "state": "over_limit",
-                    "reason": f"measured {format_bytes(peak)} > limit {self.cap.describe()}"}
-        return {**out, "state": "feasible"}
+            measured.update(state="over_limit", reason=f"measured {format_bytes(peak)} > limit {self.cap.describe()}")
+        return TrialRecord(**{"state": "feasible", **measured}), constraint
 
 
 def _invalid_reason(candidate: Candidate, space: Space) -> str | None:
@@ -398,30 +392,17 @@ def _refusal(err: ValidationError) -> str:
     return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
 
 
-def _log_trial(number: int, candidate: Candidate, record: dict) -> None:
-    peak = record.get("measured_peak") or record.get("predicted_peak")
-    speed = record.get("samples_per_s")
+def _log_trial(number: int, candidate: Candidate, record: TrialRecord) -> None:
+    peak = record.measured_peak or record.predicted_peak
+    speed = record.samples_per_s
     numbers = ", ".join(x for x in (f"peak {format_bytes(peak)}" if peak else "",
                                     f"{speed:.1f} samples/s" if speed else "",
-                                    f"gradient error {record['gradient_error']:.2e}" if "gradient_error" in record
+                                    f"gradient error {record.gradient_error:.2e}" if record.gradient_error is not None
                                     else "") if x)
-    log.info("trial %d: %s: %s%s%s", number, record["state"], candidate.describe(),
-             f" ({numbers})" if numbers else "", f" - {record['reason']}" if record.get("reason") else "")
+    log.info("trial %d: %s: %s%s%s", number, record.state, candidate.describe(),
+             f" ({numbers})" if numbers else "", f" - {record.reason}" if record.reason else "")
 
 
-def trial_records(study: optuna.Study) -> list[dict]:
-    """Every trial as plain data for the report: number, state, plan, peaks, throughput, reason."""
-    records = []
-    for trial in study.get_trials(deepcopy=False):
-        if trial.state == TrialState.WAITING:
-            continue
-        attrs = dict(trial.user_attrs)
-        if trial.state == TrialState.RUNNING:
-            attrs["state"] = "running"
-        elif trial.state == TrialState.FAIL:
-            attrs.setdefault("state", "interrupted")
-            attrs.setdefault("reason", "the tuner stopped mid-probe; the plan was measured again later")
-        if "duplicate_of" in attrs:
-            attrs["state"] = "duplicate"
-        records.append({"number": trial.number, **attrs, "label": attrs.get("label") or str(trial.params)})
-    return records
+def trial_records(study: optuna.Study) -> list[TrialRecord]:
+    """Every trial the search reached, as the report reads it: number, state, plan, peaks, throughput, reason."""
+    return [read_record(trial) for trial in study.get_trials(deepcopy=False) if trial.state != TrialState.WAITING]

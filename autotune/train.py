@@ -27,20 +27,21 @@ from runner.units import format_bytes
 from .report import summary
 from .space import Device, Space
 from .cap import Cap
+from .records import TrialRecord
 
 log = logging.getLogger(__name__)
 
 BROKEN = ("crash", "died", "timeout", "bad_input")  # probe states that say nothing about memory
-TunedFor = Callable[[dict], "tuple[Path, Recipe]"]  # a ranked trial -> (tuned.yaml written for it, its recipe)
+TunedFor = Callable[[TrialRecord], "tuple[Path, Recipe]"]  # a ranked trial -> (tuned.yaml written for it, its recipe)
 
 
-def train_with_fallback(ranked: list[dict], tuned_for: TunedFor, resume: bool,
+def train_with_fallback(ranked: list[TrialRecord], tuned_for: TunedFor, resume: bool,
                         train_fn: Callable[..., RunResult] = train) -> RunResult | None:
     """Train the best plan that stays under the cap in real training; None when none does. A run
     stopped by SIGINT/SIGTERM comes back as it is (`stopped_by` set): stopping is no reason to fall back."""
     for position, record in enumerate(ranked):
         path, recipe = tuned_for(record)
-        log.info("train: %s (trial %d: %s), every step held to the cap %s", path, record["number"], record["label"],
+        log.info("train: %s (trial %d: %s), every step held to the cap %s", path, record.number, record.label,
                  format_bytes(int(recipe.memory.max_mem)))
         try:
             result = train_fn(recipe, str(path), resume=resume or position > 0)
@@ -61,14 +62,14 @@ def train_with_fallback(ranked: list[dict], tuned_for: TunedFor, resume: bool,
     return None
 
 
-def _explain_breach(err: MemoryCapExceeded, record: dict, following: dict | None) -> None:
-    probed = format_bytes(record["measured_peak"])
+def _explain_breach(err: MemoryCapExceeded, record: TrialRecord, following: TrialRecord | None) -> None:
+    probed = format_bytes(record.measured_peak)
     if following is None:
         log.warning("train: %s, although the probe measured %s; no feasible plan is left to fall back to", err, probed)
         return
     log.warning("train: %s, although the probe measured %s (real batches and a longer-lived allocator can use more); "
                 "falling back to the next-best feasible plan, trial %d (%s, probed at %s)", err, probed,
-                following["number"], following["label"], format_bytes(following["measured_peak"]))
+                following.number, following.label, format_bytes(following.measured_peak))
 
 
 def _release_memory() -> None:
@@ -78,31 +79,31 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def nothing_fits(records: list[dict], cap: Cap, space: Space, device: Device, directory: Path) -> str:
+def nothing_fits(records: list[TrialRecord], cap: Cap, space: Space, device: Device, directory: Path) -> str:
     """One line: the cap, the smallest peak seen, and the knob that would help."""
     head = f"nothing fits within {cap.describe()}"
     # prefer what a probe measured; then probes that broke (their reason, not a prediction, is the news);
     # when every plan was screened out, what the estimate predicted
-    measured = [r for r in records if r.get("measured_peak") and r["state"] != "duplicate"]
-    broken = [r for r in records if r["state"] in BROKEN and not r.get("measured_peak")]
+    measured = [r for r in records if r.measured_peak and r.state != "duplicate"]
+    broken = [r for r in records if r.state in BROKEN and not r.measured_peak]
     if not measured and broken:
-        reason = broken[0].get("reason") or broken[0]["state"]
-        log_path = f"{directory / 'probes'}/trial-{broken[0]['number']}.log"
+        reason = broken[0].reason or broken[0].state
+        log_path = f"{directory / 'probes'}/trial-{broken[0].number}.log"
         return (f"no plan could be measured within {cap.describe()}: {len(broken)} probe(s) failed before measuring "
-                f"a peak, e.g. trial {broken[0]['number']} ({broken[0]['label']}): {reason}"
+                f"a peak, e.g. trial {broken[0].number} ({broken[0].label}): {reason}"
                 + ("" if log_path in reason else f"; see {log_path}"))
-    for key, verb in (("measured_peak", "seen"), ("predicted_peak", "predicted")):
-        seen = [r for r in records if r.get(key) and r["state"] != "duplicate"]
+    for peak_of, verb in ((lambda r: r.measured_peak, "seen"), (lambda r: r.predicted_peak, "predicted")):
+        seen = [r for r in records if peak_of(r) and r.state != "duplicate"]
         if seen:
-            smallest = min(seen, key=lambda r: r[key])
-            return (f"{head}: the smallest peak {verb} was {format_bytes(smallest[key])} "
-                    f"(trial {smallest['number']}: {smallest['label']}); {_knob(smallest, space, device)}")
+            smallest = min(seen, key=peak_of)
+            return (f"{head}: the smallest peak {verb} was {format_bytes(peak_of(smallest))} "
+                    f"(trial {smallest.number}: {smallest.label}); {_knob(smallest, space, device)}")
     return f"{head}: no probe measured a peak ({summary(records)}); see {directory / 'probes'}/*.log"
 
 
-def _knob(smallest: dict, space: Space, device: Device) -> str:
-    plan = MemoryPlan.model_validate(smallest["plan"])
-    if "precision" not in space.choices and smallest["precision"] == "fp32" and len(device.precisions) > 1:
+def _knob(smallest: TrialRecord, space: Space, device: Device) -> str:
+    plan = MemoryPlan.model_validate(smallest.plan)
+    if "precision" not in space.choices and smallest.precision == "fp32" and len(device.precisions) > 1:
         halves = "/".join(p for p in device.precisions if p != "fp32")
         return f"--search-precision would try {halves}, which halves activations"
     untried = []

@@ -26,20 +26,21 @@ from runner.units import format_bytes
 from runner.yamlio import Document, dump_yaml, parse_document
 
 from .cap import Cap
+from .records import TrialRecord
 
 log = logging.getLogger(__name__)
 
 
-def tuned_data(doc: Document, winner: dict, cap_text: str) -> dict:
+def tuned_data(doc: Document, winner: TrialRecord, cap_text: str) -> dict:
     """The document's data with the winner's plan and precision; the plan written out in full."""
     data = copy.deepcopy(doc.data)
-    memory = {k: v for k, v in winner["plan"].items() if v is not None and not _quiet_default(k, v)}
+    memory = {k: v for k, v in winner.plan.items() if v is not None and not _quiet_default(k, v)}
     memory["max_mem"] = cap_text  # as the user typed it: `40GB` reads better than 40000000000
     data["memory"] = memory
-    data["precision"] = winner["precision"]
-    if winner.get("strategy"):  # tune --nproc: how the ranks share the work is part of the plan
-        data["distributed"] = {**data.get("distributed", {}), "strategy": winner["strategy"]}
-        if winner["strategy"] == "fsdp" and "sharding" not in memory:  # written out, as the other knobs are
+    data["precision"] = winner.precision
+    if winner.strategy:  # tune --nproc: how the ranks share the work is part of the plan
+        data["distributed"] = {**data.get("distributed", {}), "strategy": winner.strategy}
+        if winner.strategy == "fsdp" and "sharding" not in memory:  # written out, as the other knobs are
             from runner.plan import Sharding
 
             memory["sharding"] = Sharding().model_dump(mode="json")
@@ -155,9 +156,9 @@ def _between_sections(line: str) -> bool:
     return line.strip() in ("", "...") or line.lstrip().startswith("#")
 
 
-def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: Path, trials: int,
+def provenance(winner: TrialRecord, cap: Cap, source: str, overrides: list[str], path: Path, trials: int,
                notes: list[str] = (), flags: str = "") -> str:
-    device = winner.get("device") or {}
+    device = winner.device or {}
     total = device.get("device_total_bytes")
     versions = f"torch {device.get('torch')}" + (f", CUDA {device['cuda']}" if device.get("cuda") else "")
     lines = [
@@ -165,17 +166,17 @@ def provenance(winner: dict, cap: Cap, source: str, overrides: list[str], path: 
         f"  overrides:  {' '.join(overrides)}" if overrides else "",
         f"  train it:   ckrun {path}{flags}",
         f"  device:     {device.get('device')}{f' ({format_bytes(total)})' if total else ''}; {versions}",
-        f"  {'predicted:' if winner.get('predicted') else 'measured: '}  peak {format_bytes(winner['measured_peak'])} "
+        f"  {'predicted:' if winner.predicted else 'measured: '}  peak {format_bytes(winner.measured_peak)} "
         f"within {cap.describe()}, "
-        f"{winner['samples_per_s']:.2f} samples/s" + (f" (median of {winner['runs']} runs)" if winner["runs"] > 1 else ""),
-        f"  plan:       {winner['label']}",
-        f"  chosen:     trial {winner['number']} of {trials}; the study, report.json and pareto.png are in {path.parent}",
+        f"{winner.samples_per_s:.2f} samples/s" + (f" (median of {winner.runs} runs)" if winner.runs > 1 else ""),
+        f"  plan:       {winner.label}",
+        f"  chosen:     trial {winner.number} of {trials}; the study, report.json and pareto.png are in {path.parent}",
         *(f"  note:       {note}" for note in notes),
     ]
     return "".join(f"# {line}\n" for line in lines if line) + "\n"
 
 
-def write_tuned(directory: Path, doc: Document, winner: dict, cap: Cap, cap_text: str,
+def write_tuned(directory: Path, doc: Document, winner: TrialRecord, cap: Cap, cap_text: str,
                 source: str, overrides: list[str], trials: int, notes: list[str] = (),
                 flags: str = "") -> tuple[Path, Recipe]:
     """`flags`: what `ckrun tuned.yaml` needs besides the file (` --nproc 2`), shown in the comment."""

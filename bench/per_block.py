@@ -78,11 +78,11 @@ def measure(recipe, plans: dict[str, MemoryPlan], rounds: int, out: Path, settin
     for round_ in range(rounds):
         for index, (name, plan) in enumerate(plans.items()):
             result = runner.probe(recipe.model_copy(update={"memory": plan}), round_ * len(plans) + index)
-            if result["status"] != "ok":
-                raise SystemExit(f"{name}: {result['status']}: {result.get('reason')}")
-            runs[name].append({"speed": result["samples_per_s"], "peak": result["measured_peak_bytes"]})
-            logging.info("round %d: %s: %.2f samples/s, peak %s", round_ + 1, name, result["samples_per_s"],
-                         format_bytes(result["measured_peak_bytes"]))
+            if result.status != "ok":
+                raise SystemExit(f"{name}: {result.status}: {result.reason}")
+            runs[name].append({"speed": result.samples_per_s, "peak": result.measured_peak_bytes})
+            logging.info("round %d: %s: %.2f samples/s, peak %s", round_ + 1, name, result.samples_per_s,
+                         format_bytes(result.measured_peak_bytes))
     return {name: {"median": statistics.median(r["speed"] for r in values), "runs": [r["speed"] for r in values],
                    "peak": max(r["peak"] for r in values)} for name, values in runs.items()}
 

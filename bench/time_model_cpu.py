@@ -71,7 +71,7 @@ def measured(cases: dict, rounds: int, steps: int) -> dict:
     runs = {key: [] for key in cases}
     for _ in range(rounds):
         for key, recipe in cases.items():
-            runs[key].append(probe(recipe, warmup_steps=2, timed_steps=steps)["step_time_s"])
+            runs[key].append(probe(recipe, warmup_steps=2, timed_steps=steps).step_time_s)
     return {key: statistics.median(values) for key, values in runs.items()}, runs
 
 

@@ -39,6 +39,7 @@ from autotune.cap import Cap
 from bench.doc_sections import write_section
 from autotune.model_child import model_facts
 from autotune.predicted import CONTEXT_BYTES
+from autotune.records import ProbeResult
 from autotune.report import ranked_feasible
 from autotune.search import SearchSettings, search
 from autotune.space import Candidate, Device, ModelFacts, build_space
@@ -179,15 +180,15 @@ def run_search(recipe, pins: dict, oracle: Oracle, device: str, cap: Cap, probes
     target, space = problem_space(recipe, pins)
     target = Device("cuda", facts.name, facts.memory_bytes, target.precisions, target.torch, None, CONTEXT_BYTES)
 
-    def evaluate(candidate: Candidate, number: int) -> dict:
+    def evaluate(candidate: Candidate, number: int) -> ProbeResult:
         answer = oracle.answer(candidate)
         if "invalid" in answer:
-            return {"status": "crash", "reason": answer["invalid"], "probe_s": 1.0}
+            return ProbeResult(status="crash", reason=answer["invalid"], probe_s=1.0)
         speed = answer["times"][device]["samples_per_s"]
         if noise_seed is not None:
             speed *= 1 + rng.uniform(-NOISE, NOISE)
-        return {"status": "ok", "measured_peak_bytes": answer["peak"], "samples_per_s": speed, "probe_s": 1.0,
-                "device": facts.name, "device_total_bytes": facts.memory_bytes, "torch": torch.__version__}
+        return ProbeResult(status="ok", measured_peak_bytes=answer["peak"], samples_per_s=speed, probe_s=1.0,
+                           device=facts.name, device_total_bytes=facts.memory_bytes, torch=torch.__version__)
 
     finalists = FINALISTS if probes > 2 * FINALISTS * (FINALIST_RUNS - 1) + 2 else 0
     budget = Budget(trials=max(1, probes - 2 * finalists * (FINALIST_RUNS - 1)))
@@ -196,10 +197,10 @@ def run_search(recipe, pins: dict, oracle: Oracle, device: str, cap: Cap, probes
         records = search(study, fresh, recipe, space, cap, target, budget, evaluate,
                          OraclePredictor(oracle, device, guided), SearchSettings(0, finalists, timed_steps=0))
     ranked = ranked_feasible(records)
-    solver = next((r for r in records if r.get("proposed_by") == "solver"), None)
-    return {"winner": ranked[0]["key"] if ranked else None,
-            "probes": sum(1 for r in records if r.get("probe_s") and r["state"] != "duplicate"),
-            "solver_first": solver["key"] if solver else None}
+    solver = next((r for r in records if r.proposed_by == "solver"), None)
+    return {"winner": ranked[0].key if ranked else None,
+            "probes": sum(1 for r in records if r.probe_s and r.state != "duplicate"),
+            "solver_first": solver.key if solver else None}
 
 
 def score(oracle: Oracle, rows: list[dict], device: str, cap: Cap, found: dict) -> dict:

@@ -153,7 +153,8 @@ def measure(candidate: dict, setup: Setup, work: Path, number: int, limit_s: flo
     if candidate["role"] == "hf_full_checkpointing":
         return measure_hf(setup, work, number, limit_s)
     runner = ProbeRunner(work, ProbeSettings(limit_s, setup.warmup_steps, setup.timed_steps, compile_timeout_s=limit_s))
-    return runner.probe(candidate["recipe"], number)
+    # a row of tune.json, as hf_loop.py's result is: the fields the probe set
+    return runner.probe(candidate["recipe"], number).model_dump(mode="json", exclude_defaults=True)
 
 
 def measure_hf(setup: Setup, work: Path, number: int, limit_s: float) -> dict:

@@ -1,7 +1,8 @@
 """Measure one recipe's plan: warm-up steps, then timed steps; the tuner's view of a run.
 
-This is the only thing the tuner asks of training: a recipe in, a small dict of measurements
-out. It runs in whatever process calls it; the tuner runs it in a fresh subprocess.
+This is the only thing the tuner asks of training: a recipe in, a `Measurement` out. It runs in
+whatever process calls it; the tuner runs it in a fresh subprocess, and adds to the measurement
+what only the tuner knows.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from ..memory import nvml
 from ..memory.measure import card_peak, cuda_context_bytes
 from ..recipe import Recipe
 from .loop import MemoryCapExceeded, Trainer
+from .measurement import Measurement
 
 
-def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: str = "<probe>") -> dict:
-    """{"status": "ok"|"over_cap", "card_peak_bytes", "peak_mem_bytes", "samples_per_s" (median of timed steps), ...}.
+def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: str = "<probe>") -> Measurement:
+    """The peak and the throughput of `recipe`'s plan, or `over_cap` with the step that broke the cap.
 
     `card_peak_bytes` is what the cap limits (`runner.memory.measure.card_peak`): the allocator's
     reserve plus the CUDA context on CUDA, the live tensor bytes on CPU.
@@ -36,22 +38,23 @@ def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: s
     except MemoryCapExceeded as err:
         # err.peak is already the card peak (reserve plus context), as the cap counts it
         context = cuda_context_bytes(trainer.device) if trainer.device.type == "cuda" else 0
-        return {"status": "over_cap", "card_peak_bytes": err.peak, "peak_mem_bytes": max(0, err.peak - context),
-                "cuda_context_bytes": context, "step": err.step, "reason": str(err), **_device(trainer)}
+        return Measurement(status="over_cap", card_peak_bytes=err.peak, peak_mem_bytes=max(0, err.peak - context),
+                           cuda_context_bytes=context, step=err.step, reason=str(err), **_device(trainer))
     finally:
         trainer.close()  # the data's worker processes, before the measurements are reported
     timed = records[warmup_steps:]
-    return {
-        "status": "ok",
-        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
-        "card_peak_bytes": max(card_peak(r) for r in records),
-        "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
-        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
-        "losses": [r["loss"] for r in records],
-        **{k: max(r.get(k, 0) for r in records) for k in ("peak_allocated_bytes", "cuda_context_bytes")},
-        **({"gradient_error": trainer.gradient_error} if trainer.gradient_error is not None else {}),
+    return Measurement(
+        status="ok",
+        peak_mem_bytes=max(r["peak_mem_bytes"] for r in records),
+        card_peak_bytes=max(card_peak(r) for r in records),
+        samples_per_s=statistics.median(r["samples_per_s"] for r in timed),
+        step_time_s=statistics.median(r["step_time_s"] for r in timed),
+        losses=[r["loss"] for r in records],
+        peak_allocated_bytes=max(r.get("peak_allocated_bytes", 0) for r in records),
+        cuda_context_bytes=max(r.get("cuda_context_bytes", 0) for r in records),
+        gradient_error=trainer.gradient_error,
         **_device(trainer),
-    }
+    )
 
 
 SCAN_STEPS = 32  # batches looked at for the longest one of each length bucket

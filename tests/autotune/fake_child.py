@@ -8,13 +8,14 @@ import os
 import time
 
 from autotune import child
+from autotune.records import ProbeResult
 
 # activation memory kept, and step time, relative to no checkpointing
 KEPT = {"none": 1.0, "full": 0.25, "sqrt": 0.5, "selective": 0.55}
 SLOWER = {"none": 1.0, "full": 1.35, "sqrt": 1.2, "selective": 1.1}
 
 
-def measure(recipe: dict, warmup: int, timed: int) -> dict:
+def measure(recipe: dict, warmup: int, timed: int) -> ProbeResult:
     time.sleep(float(os.environ.get("FAKE_PROBE_SECONDS", "0")))
     memory, batch = recipe["memory"], recipe["train"]["batch_size"]
     micro, checkpointing = memory["micro_batch"], memory["checkpointing"]
@@ -27,9 +28,9 @@ def measure(recipe: dict, warmup: int, timed: int) -> dict:
     speed = batch / (0.01 * batch / micro + 0.02 * batch * slower)  # a fixed cost per micro-batch
     device = {"device": "fake", "device_total_bytes": 0, "torch": "fake", "cuda": None}
     if peak > memory["max_mem"]:
-        return {"status": "over_cap", "peak_mem_bytes": peak, "measured_peak_bytes": peak, **device,
-                "reason": f"memory cap exceeded: step 1 peaked at {peak} B"}
-    return {"status": "ok", "peak_mem_bytes": peak, "measured_peak_bytes": peak, "samples_per_s": speed, **device}
+        return ProbeResult(status="over_cap", peak_mem_bytes=peak, measured_peak_bytes=peak, **device,
+                           reason=f"memory cap exceeded: step 1 peaked at {peak} B")
+    return ProbeResult(status="ok", peak_mem_bytes=peak, measured_peak_bytes=peak, samples_per_s=speed, **device)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ def _settings(timeout_s: float, warmup_steps: int = 1) -> ProbeSettings:
 
 def test_a_probe_group_measures_with_every_rank_and_reports_once(tmp_path):
     result = ProbeRunner(tmp_path, _settings(children.STALL_S * 5, warmup_steps=2)).probe(_recipe("fsdp"), 0)
-    assert result["status"] == "ok", result
-    assert result["world_size"] == 2 and result["measured_peak_bytes"] > 0 and result["samples_per_s"] > 0
+    assert result.status == "ok", result
+    assert result.world_size == 2 and result.measured_peak_bytes > 0 and result.samples_per_s > 0
     assert sorted(p.name for p in (tmp_path / "probes").glob("trial-0.result*.json")) == [
         "trial-0.result.json", "trial-0.result.rank-0.json", "trial-0.result.rank-1.json"]
     assert [launch["what"] for launch in launches(tmp_path)].count("rank") == 2
@@ -38,9 +38,9 @@ def test_a_rank_that_crashes_or_hangs_costs_its_probe_and_leaves_no_process(tmp_
     monkeypatch.setenv("CKRUN_PROBE_FAULT", "crash:0@1,hang:1@1")  # only rank 1 of each group
     # the crash must come before its probe's timeout however busy the machine; the hang waits for it
     crashed = ProbeRunner(tmp_path, _settings(children.STALL_S * 5)).probe(_recipe("ddp"), 0)
-    assert crashed["status"] == "died" and crashed["reason"].startswith("rank 1 of 2 was killed by SIGSEGV"), crashed
+    assert crashed.status == "died" and crashed.reason.startswith("rank 1 of 2 was killed by SIGSEGV"), crashed
     hung = ProbeRunner(tmp_path, _settings(25)).probe(_recipe("ddp"), 1)
-    assert hung["status"] == "timeout", hung
+    assert hung.status == "timeout", hung
     started = launches(tmp_path)
     assert any(launch["what"] == "rank" and launch["trial"] == 1 for launch in started)
     assert not survivors([launch["pid"] for launch in started])  # the ranks' sessions and the hang's grandchild

@@ -15,7 +15,7 @@ from tune_helpers import launches, report, survivors
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("tuned")
-    no_plan_peak = probe(load_recipe(BERT_TINY, TINY_BERT), 1, 1)["peak_mem_bytes"]
+    no_plan_peak = probe(load_recipe(BERT_TINY, TINY_BERT), 1, 1).peak_mem_bytes
     cap = int(no_plan_peak * 0.85)  # the recipe as written does not fit: the tuner must find a plan that does
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")  # the probe children, like this process (conftest), use one thread

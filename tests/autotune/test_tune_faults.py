@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from autotune.records import TrialRecord
 from autotune.cli_tune import _check_cap_fits
 from autotune.space import Device
 from autotune.cap import Cap
@@ -78,11 +79,15 @@ def _tuned_for(record):
     """What tune's own tuned_for returns: the tuned.yaml path of a ranked trial and its recipe."""
     from runner.load import load_recipe
 
-    return Path(f"tuned-{record['number']}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
+    return Path(f"tuned-{record.number}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
+
+
+def _ranked(number: int, label: str, peak: int) -> TrialRecord:
+    return TrialRecord(state="feasible", number=number, label=label, measured_peak=peak)
 
 
 def test_a_breach_in_training_falls_back_to_the_next_best_plan(tmp_path):
-    ranked = [{"number": 4, "label": "fast", "measured_peak": 90}, {"number": 7, "label": "lean", "measured_peak": 60}]
+    ranked = [_ranked(4, "fast", 90), _ranked(7, "lean", 60)]
     trained = []
 
     def train(recipe, source, resume):
@@ -99,7 +104,7 @@ def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
     """SIGTERM during tune's training ends it like `ckrun run`: one line, no next plan tried."""
     import signal
 
-    ranked = [{"number": 4, "label": "a", "measured_peak": 90}, {"number": 7, "label": "b", "measured_peak": 80}]
+    ranked = [_ranked(4, "a", 90), _ranked(7, "b", 80)]
     trained = []
 
     def train(recipe, source, resume):
@@ -125,4 +130,4 @@ def test_a_probe_that_runs_out_of_host_or_device_memory_is_recorded_as_oom(error
     def step():
         raise error
 
-    assert _guarded(step)["status"] == "oom"
+    assert _guarded(step).status == "oom"

@@ -7,6 +7,7 @@ import pytest
 from autotune.cap import Cap
 from autotune.model_child import model_facts
 from autotune.report import ranked_feasible
+from autotune.records import ProbeResult
 from autotune.space import Device, ModelFacts, build_space
 from autotune.study import Budget, Tuner, open_study, trial_records
 from tune_helpers import valid_points
@@ -60,13 +61,13 @@ def test_a_non_monotonic_budget_is_measured_not_assumed(tmp_path):
         budget = candidate.plan.activation_memory_budget
         probed.append(budget)
         peak = 700_000 if budget == 0.3 else 1_200_000 - int(100_000 * budget)  # lower budget, higher peak
-        return {"status": "ok", "measured_peak_bytes": peak, "samples_per_s": 10 + budget}
+        return ProbeResult(status="ok", measured_peak_bytes=peak, samples_per_s=10 + budget)
 
     study, _ = open_study(tmp_path, {"seed": 0}, False)
     tuner = Tuner(study, space, cap, probe, predict=lambda candidate: 10 * cap.bytes)
     tuner.start(recipe)
     tuner.run(Budget(trials=11))
     records = trial_records(study)
-    assert not [r for r in records if r["state"] == "screened"] and not tuner.predicted
+    assert not [r for r in records if r.state == "screened"] and not tuner.predicted
     assert sorted(set(probed)) == [round(0.1 * i, 6) for i in range(11)]
-    assert ranked_feasible(records)[0]["plan"]["activation_memory_budget"] == 0.3
+    assert ranked_feasible(records)[0].plan["activation_memory_budget"] == 0.3

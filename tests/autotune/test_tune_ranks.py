@@ -3,14 +3,15 @@ probe group's ranks' results become one, and the checks made before anything sta
 
 from __future__ import annotations
 
-import json
 import signal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autotune.records import TrialRecord
 from autotune.rank_probe import combine
+from autotune.records import ProbeResult
 from autotune.rank_tune import check_devices, check_ranks, ranks_comment
 from autotune.sharding import describe_sharding, parse_sharding, sharding_value
 from autotune.space import Device, ModelFacts, build_space
@@ -88,7 +89,7 @@ def test_plans_that_differ_only_in_sharding_have_different_keys_and_labels():
 
 def test_tuned_yaml_carries_the_winners_strategy():
     doc = Document(data={"model": {}, "distributed": {"strategy": "fsdp"}}, text="", source="r.yaml")
-    winner = {"plan": {"micro_batch": 2, "sharding": None}, "precision": "fp32", "strategy": "ddp"}
+    winner = TrialRecord(state="feasible", plan={"micro_batch": 2, "sharding": None}, precision="fp32", strategy="ddp")
     assert tuned_data(doc, winner, "1GB")["distributed"] == {"strategy": "ddp"}
     assert "2 ranks" in ranks_comment(2) and ranks_comment(1) is None
 
@@ -118,11 +119,11 @@ def test_more_ranks_than_gpus_is_refused():
 
 # --- a probe group's ranks' results --------------------------------------------------------------
 
-OK = {"status": "ok", "samples_per_s": 10.0, "measured_peak_bytes": 100}
+OK = ProbeResult(status="ok", samples_per_s=10.0, measured_peak_bytes=100)
 REPORTS = {
-    "ok": OK, "over_cap": {"status": "over_cap", "reason": "memory cap 1 MB exceeded", "measured_peak_bytes": 200},
-    "oom": {"status": "oom", "reason": "out of memory"}, "bad_input": {"status": "bad_input", "reason": "bad key"},
-    "crash": {"status": "crash", "reason": "RuntimeError: Connection closed by peer"}, "none": None,
+    "ok": OK, "over_cap": ProbeResult(status="over_cap", reason="memory cap 1 MB exceeded", measured_peak_bytes=200),
+    "oom": ProbeResult.failed("oom", "out of memory"), "bad_input": ProbeResult.failed("bad_input", "bad key"),
+    "crash": ProbeResult.failed("crash", "RuntimeError: Connection closed by peer"), "none": None,
 }
 CODES = st.sampled_from([1, -signal.SIGKILL, -signal.SIGTERM, -signal.SIGSEGV])
 
@@ -132,20 +133,20 @@ def test_a_groups_result_names_the_rank_whose_failure_caused_the_others(kinds, c
     results = {rank: REPORTS[kind] for rank, kind in enumerate(kinds)}
     exit_codes = {rank: code for rank, code in enumerate(codes) if rank < len(kinds) and kinds[rank] != "ok"}
     combined = combine(results, exit_codes)
-    json.dumps(combined)  # written as the probe's result file
+    assert ProbeResult.from_json(combined.to_json()) == combined  # written as the probe's result file
     if all(kind == "ok" for kind in kinds):
-        assert combined["status"] == "ok" and combined["world_size"] == len(kinds)
+        assert combined.status == "ok" and combined.world_size == len(kinds)
         return
-    assert combined["status"] != "ok" and combined["reason"].startswith("rank ")
+    assert combined.status != "ok" and combined.reason.startswith("rank ")
     if {"over_cap", "oom"} & set(kinds):
-        assert combined["status"] in ("over_cap", "oom")  # the memory is the news, not the peers that lost it
+        assert combined.status in ("over_cap", "oom")  # the memory is the news, not the peers that lost it
     elif "bad_input" in kinds:
-        assert combined["status"] == "bad_input"
-    rank = int(combined["reason"].split()[1])
+        assert combined.status == "bad_input"
+    rank = int(combined.reason.split()[1])
     assert kinds[rank] != "ok"
     killed = [r for r, code in exit_codes.items() if kinds[r] == "none" and code not in (1, -signal.SIGTERM)]
     if killed and not {"over_cap", "oom", "bad_input"} & set(kinds):
-        assert rank in killed and "was killed by" in combined["reason"]  # not a survivor torchrun stopped
+        assert rank in killed and "was killed by" in combined.reason  # not a survivor torchrun stopped
 
 
 def test_a_starting_point_moves_on_to_fsdp_when_no_ddp_micro_batch_is_predicted_to_fit():

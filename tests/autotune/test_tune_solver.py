@@ -46,10 +46,10 @@ def test_the_solvers_plans_are_the_first_trials_and_join_the_space(tmp_path):
     tuner.start(recipe, points)
     tuner.run(Budget(5))
     records = trial_records(study)
-    assert [r["plan"]["checkpointing"].get("layers") for r in records[:2]] == [[1, 3], [2]]
-    assert [r["plan"]["micro_batch"] for r in records[:2]] == [8, 4]
-    assert [r.get("proposed_by") for r in records[:3]] == ["solver", "solver", None]
-    assert records[2]["plan"]["checkpointing"]["policy"] == "none"  # then the usual starting points
+    assert [r.plan["checkpointing"].get("layers") for r in records[:2]] == [[1, 3], [2]]
+    assert [r.plan["micro_batch"] for r in records[:2]] == [8, 4]
+    assert [r.proposed_by for r in records[:3]] == ["solver", "solver", None]
+    assert records[2].plan["checkpointing"]["policy"] == "none"  # then the usual starting points
 
 
 def test_a_plan_that_differs_from_a_pinned_knob_is_left_out():
@@ -61,7 +61,7 @@ def test_a_plan_that_differs_from_a_pinned_knob_is_left_out():
 @pytest.mark.parametrize("trials, exhaustive", [(40, True), (3, False)])
 def test_a_small_space_is_predicted_whole_and_searched_exhaustively(tmp_path, caplog, trials, exhaustive):
     recipe, space = _setting(layers=2)
-    formula = lambda c: measure(json.loads(c.recipe(recipe, 10**12).model_dump_json()), 1, 1)["peak_mem_bytes"]  # noqa: E731
+    formula = lambda c: measure(json.loads(c.recipe(recipe, 10**12).model_dump_json()), 1, 1).peak_mem_bytes  # noqa: E731
     study, _ = open_study(tmp_path, {}, False)
     tuner = Tuner(study, space, CAP, _probe(recipe), predict=formula)
     with caplog.at_level(logging.INFO, logger="autotune.study"):
@@ -70,6 +70,6 @@ def test_a_small_space_is_predicted_whole_and_searched_exhaustively(tmp_path, ca
     assert ("exhaustive search" in caplog.text) is exhaustive
     if exhaustive:
         tuner.run(Budget(trials))
-        probed = {r["key"] for r in trial_records(study) if r.get("probe_s") is not None}
+        probed = {r.key for r in trial_records(study) if r.probe_s is not None}
         assert probed == {space.candidate(p).key for p in fitting}  # every plan predicted to fit, and no other
         assert tuner.probes == len(fitting) <= trials

@@ -10,6 +10,7 @@ from autotune.cli_tune import parse_duration
 from autotune.model_child import model_facts
 from autotune.space import Device, ModelFacts, build_space
 from autotune.cap import Cap
+from autotune.records import ProbeResult
 from autotune.study import Budget, Prediction, Tuner, open_study, trial_records
 from autotune.report import ranked_feasible
 from conftest import BERT_TINY, TINY_BERT
@@ -38,7 +39,7 @@ class Counting:
             raise KeyboardInterrupt  # the tuner dies mid-probe: the trial stays RUNNING in the journal
         self.asked.append(candidate.key)
         if number in self.status:
-            return {"status": self.status[number], "reason": f"injected {self.status[number]}"}
+            return ProbeResult.failed(self.status[number], f"injected {self.status[number]}")
         return measure(json.loads(candidate.recipe(self.recipe, CAP.bytes).model_dump_json()), 1, 1)
 
 
@@ -54,7 +55,7 @@ def _tune(directory, setting, probe, trials=8, seed=0, resume=False, predict=Non
 
 def _sequence(records):
     """The plans in the order they were first evaluated."""
-    return [r["key"] for r in records if r["state"] not in ("duplicate", "interrupted")]
+    return [r.key for r in records if r.state not in ("duplicate", "interrupted")]
 
 
 def test_same_seed_same_proposals_and_a_feasible_winner(tmp_path, setting):
@@ -64,8 +65,8 @@ def test_same_seed_same_proposals_and_a_feasible_winner(tmp_path, setting):
     assert _sequence(first) == _sequence(again)
     assert _sequence(first) != _sequence(other)
     winner = ranked_feasible(first)[0]
-    assert winner["measured_peak"] <= CAP.limit and winner["state"] == "feasible"
-    assert [r["label"] for r in first[:2]] == ["micro_batch 8, checkpointing none, fp32",
+    assert winner.measured_peak <= CAP.limit and winner.state == "feasible"
+    assert [r.label for r in first[:2]] == ["micro_batch 8, checkpointing none, fp32",
                                                "micro_batch 8, checkpointing full, fp32"]
 
 
@@ -77,11 +78,11 @@ def test_interrupted_study_resumes_without_rerunning_and_ends_the_same(tmp_path,
         _tune(tmp_path / "cut", setting, Counting(setting[0]), seed=3)
     rest = Counting(setting[0])
     resumed = _tune(tmp_path / "cut", setting, rest, seed=3, resume=True)
-    finished_before = {r["key"] for r in resumed if r["number"] < 4}
+    finished_before = {r.key for r in resumed if r.number < 4}
     assert not finished_before & set(rest.asked)  # finished trials were not measured again
     assert _sequence(resumed) == _sequence(whole)
-    assert ranked_feasible(resumed)[0]["key"] == ranked_feasible(whole)[0]["key"]
-    assert [r["state"] for r in resumed].count("interrupted") == 1
+    assert ranked_feasible(resumed)[0].key == ranked_feasible(whole)[0].key
+    assert [r.state for r in resumed].count("interrupted") == 1
 
 
 def test_resume_with_other_options_is_refused(tmp_path, setting):
@@ -94,25 +95,25 @@ def test_repeated_proposals_reuse_the_measurement(tmp_path, setting):
     probe = Counting(setting[0])
     records = _tune(tmp_path, setting, probe, trials=30)  # more than the 15 plans: proposals must repeat
     assert len(probe.asked) == len(set(probe.asked)) == setting[1].size
-    for duplicate in (r for r in records if r["state"] == "duplicate"):
-        first = next(r for r in records if r["number"] == duplicate["duplicate_of"])
-        assert (duplicate["key"], duplicate["measured_peak"]) == (first["key"], first["measured_peak"])
+    for duplicate in (r for r in records if r.state == "duplicate"):
+        first = next(r for r in records if r.number == duplicate.duplicate_of)
+        assert (duplicate.key, duplicate.measured_peak) == (first.key, first.measured_peak)
 
 
 def test_screening_skips_plans_predicted_over_the_cap(tmp_path, setting):
     probe = Counting(setting[0])
     predict = lambda candidate: 10 * CAP.bytes if candidate.plan.checkpointing.policy == "none" else None  # noqa: E731
     records = _tune(tmp_path, setting, probe, trials=15, predict=predict)  # the whole space
-    assert records[0]["label"] == "micro_batch 8, checkpointing full, fp32"  # no-plan start: none predicted to fit
-    screened = [r for r in records if r["state"] == "screened"]
-    assert screened and all(r["reason"].startswith("predicted 25.0 MB > cap 2.5 MB") for r in screened)
-    assert not {r["key"] for r in screened} & set(probe.asked)
+    assert records[0].label == "micro_batch 8, checkpointing full, fp32"  # no-plan start: none predicted to fit
+    screened = [r for r in records if r.state == "screened"]
+    assert screened and all(r.reason.startswith("predicted 25.0 MB > cap 2.5 MB") for r in screened)
+    assert not {r.key for r in screened} & set(probe.asked)
 
 
 def test_failed_probes_are_infeasible_trials_and_the_search_goes_on(tmp_path, setting):
     probe = Counting(setting[0], status={0: "oom", 1: "timeout", 2: "died"})
     records = _tune(tmp_path, setting, probe, trials=5)
-    assert [r["state"] for r in records[:3]] == ["oom", "timeout", "died"]
+    assert [r.state for r in records[:3]] == ["oom", "timeout", "died"]
     assert ranked_feasible(records)  # later trials still found a plan
 
 
@@ -141,7 +142,7 @@ class Lucky(Counting):
         result = super().__call__(candidate, number)
         self.runs[candidate.key] = self.runs.get(candidate.key, 0) + 1
         if candidate.describe() == self.lucky_label and self.runs[candidate.key] == 1:
-            result["samples_per_s"] *= 1.3
+            result = result.model_copy(update={"samples_per_s": result.samples_per_s * 1.3})
         return result
 
 
@@ -150,14 +151,14 @@ def test_finalists_are_measured_three_times_and_one_lucky_run_does_not_win(tmp_p
     best, second = ranked_feasible(honest)[:2]
     recipe, space = setting
     study, _ = open_study(tmp_path / "lucky", {}, False)
-    tuner = Tuner(study, space, CAP, Lucky(recipe, second["label"]))
+    tuner = Tuner(study, space, CAP, Lucky(recipe, second.label))
     tuner.start(recipe)
     tuner.run(Budget(15))
-    assert ranked_feasible(trial_records(study))[0]["key"] == second["key"]  # one probe each: the lucky run wins
+    assert ranked_feasible(trial_records(study))[0].key == second.key  # one probe each: the lucky run wins
     tuner.confirm(2)
     ranked = ranked_feasible(trial_records(study))
-    assert ranked[0]["key"] == best["key"] and [p["runs"] for p in ranked[:2]] == [3, 3]
-    assert ranked[1]["samples_per_s"] == pytest.approx(second["samples_per_s"])  # the median drops the lucky run
+    assert ranked[0].key == best.key and [p.runs for p in ranked[:2]] == [3, 3]
+    assert ranked[1].samples_per_s == pytest.approx(second.samples_per_s)  # the median drops the lucky run
 
 
 def test_a_re_measurement_measures_the_plan_it_names_though_queued_plans_were_left(tmp_path, setting):
@@ -172,15 +173,15 @@ def test_a_re_measurement_measures_the_plan_it_names_though_queued_plans_were_le
     tuner.run(Budget(trials=2))
     searched = list(probe.asked)
     tuner.confirm(2)
-    records = {r["number"]: r for r in trial_records(study)}
-    repeats = [r for r in records.values() if "repeat_of" in r]
+    records = {r.number: r for r in trial_records(study)}
+    repeats = [r for r in records.values() if r.repeat_of is not None]
     assert repeats, "confirm() measured no finalist again"
     for repeat in repeats:
-        assert repeat["key"] == records[repeat["repeat_of"]]["key"]
+        assert repeat.key == records[repeat.repeat_of].key
     assert set(probe.asked[len(searched):]) <= set(searched)  # only plans measured before were probed again
-    assert all(p["runs"] == 3 for p in ranked_feasible(trial_records(study))[:2])
+    assert all(p.runs == 3 for p in ranked_feasible(trial_records(study))[:2])
     assert not study.get_trials(states=(TrialState.WAITING,))  # the unreached plans are closed, and say why
-    assert {r["state"] for r in records.values() if r["number"] not in {x["number"] for x in repeats}} >= {"skipped"}
+    assert {r.state for r in records.values() if r.number not in {x.number for x in repeats}} >= {"skipped"}
 
 
 class Slow(Counting):
@@ -192,7 +193,7 @@ class Slow(Counting):
 
     def __call__(self, candidate, number):
         self.clock.now += self.seconds
-        return {**super().__call__(candidate, number), "probe_s": self.seconds}
+        return super().__call__(candidate, number).model_copy(update={"probe_s": self.seconds})
 
 
 class Clock:
@@ -218,7 +219,7 @@ def test_the_time_budget_bounds_search_and_re_runs(tmp_path, setting, monkeypatc
     tuner.confirm(2, budget)
     spent = clock.now - budget.started
     assert spent <= max(budget_s, probe_s)
-    probes = len([r for r in trial_records(study) if r.get("probe_s") and r["state"] != "duplicate"])
+    probes = len([r for r in trial_records(study) if r.probe_s and r.state != "duplicate"])
     assert probes == max(1, budget_s // probe_s)
 
 

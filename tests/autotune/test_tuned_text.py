@@ -9,6 +9,7 @@ import re
 
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+from autotune.records import TrialRecord
 from autotune.tuned import tuned_data, tuned_text
 from conftest import ROOT
 from runner.load import recipe_from_text
@@ -33,7 +34,8 @@ def tunings(draw):
                       micro_batch=draw(st.sampled_from([None, *(d for d in range(1, batch + 1) if batch % d == 0)])),
                       compile=draw(st.booleans()))
     assume(not plan_problems(plan))  # the tuner never proposes a plan the schema refuses
-    winner = {"plan": plan.model_dump(mode="json"), "precision": draw(st.sampled_from(["fp32", "bf16", "fp16"]))}
+    winner = TrialRecord(state="feasible", plan=plan.model_dump(mode="json"),
+                         precision=draw(st.sampled_from(["fp32", "bf16", "fp16"])))
     return path, overrides, doc, winner, draw(st.sampled_from(["40GB", "100MB", "1500000000"]))
 
 
@@ -71,14 +73,14 @@ def test_tuned_text_validates_holds_the_tuned_values_and_keeps_the_rest(tuning):
 def test_an_unchanged_precision_keeps_its_line_and_comment():
     doc = load_document(ROOT / "recipes" / "bert_tiny.yaml")
     line = next(line for line in doc.text.splitlines() if line.startswith("precision:"))
-    winner = {"plan": MemoryPlan().model_dump(mode="json"), "precision": doc.data["precision"]}
+    winner = TrialRecord(state="feasible", plan=MemoryPlan().model_dump(mode="json"), precision=doc.data["precision"])
     assert "#" in line and line in tuned_text(doc, tuned_data(doc, winner, "1GB")).splitlines()
 
 
 def test_a_flow_style_recipe_is_dumped_and_the_log_says_why(caplog):
     doc = parse_document("{model: {source: torchvision, name: resnet18}, data: {source: synthetic, "
                          "task: image_classification}, train: {batch_size: 2}}  # one line\n", "flow.yaml")
-    winner = {"plan": MemoryPlan().model_dump(mode="json"), "precision": "bf16"}
+    winner = TrialRecord(state="feasible", plan=MemoryPlan().model_dump(mode="json"), precision="bf16")
     expected = tuned_data(doc, winner, "1GB")
     with caplog.at_level(logging.INFO, logger="autotune.tuned"):
         text = tuned_text(doc, expected)
@@ -108,7 +110,7 @@ def test_tune_nproc_writes_the_strategy_after_every_line_of_the_last_section_and
     out at its defaults though the README says tuned.yaml carries it."""
     doc = load_document(ROOT / "recipes" / "gpt2.yaml")
     plan = MemoryPlan().model_dump(mode="json")
-    text = tuned_text(doc, tuned_data(doc, {"plan": plan, "precision": "bf16", "strategy": "fsdp"}, "40GB"))
+    text = tuned_text(doc, tuned_data(doc, TrialRecord(state="feasible", plan=plan, precision="bf16", strategy="fsdp"), "40GB"))
     lines = text.splitlines()
     at = lines.index("distributed:")
     assert lines[at + 1:] == ["  strategy: fsdp"]  # nothing of eval's under it
@@ -117,5 +119,5 @@ def test_tune_nproc_writes_the_strategy_after_every_line_of_the_last_section_and
     tuned = recipe_from_text(text, "tuned.yaml")
     assert tuned.memory.sharding is not None and tuned.memory.sharding.model_dump() == {
         "reshard_after_forward": True, "offload": "none"}
-    ddp = tuned_data(doc, {"plan": plan, "precision": "bf16", "strategy": "ddp"}, "40GB")
+    ddp = tuned_data(doc, TrialRecord(state="feasible", plan=plan, precision="bf16", strategy="ddp"), "40GB")
     assert "sharding" not in ddp["memory"]  # ddp refuses sharding knobs

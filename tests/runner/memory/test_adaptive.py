@@ -142,4 +142,4 @@ def test_a_probe_measures_the_longest_batch_of_each_bucket(tmp_path):
     # the probe's peak is the largest a step of either bucket reaches
     whole = Trainer(recipe(tmp_path, BUCKETS, "memory.checkpointing={policy: full}", "output.log_every=1"))
     peaks = [whole.train_step()["peak_mem_bytes"] for _ in range(4)]
-    assert probe(lossy_free, 1, 1)["peak_mem_bytes"] == max(peaks[1:])
+    assert probe(lossy_free, 1, 1).peak_mem_bytes == max(peaks[1:])

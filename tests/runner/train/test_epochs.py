@@ -111,7 +111,7 @@ def test_estimate_and_a_probe_take_a_recipe_in_epochs(tmp_path, ckrun):
     assert code == 0 and '"peak' in out, err
     # what the tuner's probe child runs: a few steps, whatever the run's length
     measured = probe(load_recipe(BERT_TINY, [*TINY_BERT, *EPOCHS, "train.epochs=0.1", data]), 1, 2)
-    assert measured["status"] == "ok" and len(measured["losses"]) == 3
+    assert measured.status == "ok" and len(measured.losses) == 3
 
 
 @pytest.mark.slow
