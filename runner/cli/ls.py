@@ -1,16 +1,24 @@
 """`ckrun ls [FAMILY]`: the recipe library with each model's parameter count.
 
 Counts are computed, never written down: every model is built on the meta device (shapes
-only, no memory, well under a second each), so a count cannot drift from its recipe.
+only, no memory), so a count cannot drift from its recipe. Building needs torch and
+transformers' modeling modules (seconds to import), so each count is kept in the user's cache
+($XDG_CACHE_HOME/ckrun/parameter_counts.json) under a key of everything it depends on: the
+model section, the versions of torch, transformers and torchvision, and for a python model its
+module file's content. A later `ls` builds only what changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 
+from ..files import write_atomic
 from ..problems import EXIT_BAD_INPUT, InputError, Place, Problem
 from . import Command
 
@@ -33,7 +41,9 @@ def run(args) -> int:
     from ..library import library_recipes
 
     recipes = library_recipes()
-    everything = [describe(name, path) for name, path in recipes.items()]
+    counts = _read_counts()
+    everything = [describe(name, path, counts) for name, path in recipes.items()]
+    _write_counts(counts)
     entries = [e for e in everything if args.family in (None, e.family)]
     if not entries:
         families = ", ".join(sorted({e.family for e in everything}))
@@ -46,9 +56,9 @@ def run(args) -> int:
     return EXIT_BAD_INPUT if any(e.parameters is None for e in everything) else 0
 
 
-def describe(name: str, path: Path) -> Entry:
-    """The row of one recipe; a broken one is reported on stderr and shown without a count."""
-    from ..builders.model import build_model, count_parameters
+def describe(name: str, path: Path, counts: dict[str, int] | None = None) -> Entry:
+    """The row of one recipe; a broken one is reported on stderr and shown without a count.
+    `counts`: counts by `_count_key`, read and added to (None: build every model)."""
     from ..load import load_recipe
 
     try:
@@ -56,12 +66,74 @@ def describe(name: str, path: Path) -> Entry:
     except InputError as err:
         print(f"ckrun ls: {err.problems[0]}", file=sys.stderr)
         return Entry(name, "?", None, f"(does not validate: ckrun validate {name})")
+    key = _count_key(recipe.model)
+    count = counts.get(key) if counts is not None and key else None
+    if count is None:
+        count = _built_count(recipe, path)
+        if count is not None and counts is not None and key:
+            counts[key] = count
+    return Entry(name, recipe.family or "-", count, recipe.description)
+
+
+def _built_count(recipe, path: Path) -> int | None:
+    from ..builders.model import build_model, count_parameters
+
     try:
-        count = count_parameters(build_model(recipe.model, device="meta"))
+        return count_parameters(build_model(recipe.model, device="meta"))
     except (ValueError, TypeError) as err:  # BuildError, or a factory rejecting its arguments
         print(f"ckrun ls: {path}: model: {err}", file=sys.stderr)
-        count = None
-    return Entry(name, recipe.family or "-", count, recipe.description)
+        return None
+
+
+def _count_key(model) -> str | None:
+    """What a count depends on, hashed; None when it cannot be told (a python model's file not found)."""
+    parts = [json.dumps(model.model_dump(mode="json"), sort_keys=True)]
+    for package in ("torch", "transformers", "torchvision"):
+        try:
+            parts.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{package} none")
+    if model.source == "python":
+        source = _module_file(model.name.split(":")[0])
+        if source is None:
+            return None
+        parts.append(hashlib.sha256(source.read_bytes()).hexdigest())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _module_file(module: str) -> Path | None:
+    """The file of `module` on sys.path, found without importing it (its package may import torch)."""
+    relative = Path(*module.split("."))
+    for root in sys.path:
+        for candidate in (Path(root or ".") / relative.with_suffix(".py"), Path(root or ".") / relative / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _counts_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckrun" / "parameter_counts.json"
+
+
+def _read_counts() -> dict[str, int]:
+    """The cached counts; an unreadable or damaged cache is an empty one (it is rebuilt)."""
+    try:
+        counts = json.loads(_counts_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(counts, dict):
+        return {}
+    return {k: v for k, v in counts.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _write_counts(counts: dict[str, int]) -> None:
+    """Keep the counts for the next `ls`; a cache that cannot be written only costs that `ls` time."""
+    path = _counts_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(counts, sort_keys=True))
+    except OSError:
+        pass
 
 
 def _family_rank(family: str) -> int:

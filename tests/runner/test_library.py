@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zipfile
 from pathlib import Path
@@ -181,3 +182,43 @@ def test_a_recipe_path_that_is_not_a_readable_file_is_one_line(tmp_path, ckrun):
     for name, expected in [(str(tmp_path), "is not a regular file"), ("a" * 5000, "File name too long")]:
         code, _, err = ckrun("validate", name)
         assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path_factory):
+    """`ls` keeps its counts in the user's cache: each test gets an empty one."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+
+
+def test_ls_keeps_its_counts_and_a_second_ls_imports_no_torch(ckrun, tmp_path):
+    first = ls_rows(ckrun)
+    code = ("import contextlib, io, sys\nfrom runner.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out: status = main(['ls'])\n"
+            "print(status, sorted(m for m in ('torch', 'transformers', 'torchvision') if m in sys.modules))\n"
+            "print(out.getvalue(), end='')")
+    done = children.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    said, *table = done.stdout.splitlines()
+    assert said == "0 []", done.stderr[-2000:]  # every count from the cache: nothing heavy imported
+    assert {row.split()[0]: row.split(maxsplit=3)[1:] for row in table[1:]} == first
+
+
+def test_a_python_models_count_follows_its_module_file(ckrun, monkeypatch, tmp_path):
+    module = tmp_path / "own_net.py"
+    recipe = tmp_path / "own.yaml"
+    recipe.write_text("description: own\nmodel: {source: python, name: 'own_net:make'}\ndata: {source: synthetic, task: causal_lm, vocab_size: 8}\n"
+                      "train: {batch_size: 2, steps: 1}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(library, "library_recipes", lambda: {"own": recipe})
+    for width, count in ((4, "20"), (8, "72")):  # a Linear(width, width): width^2 + width
+        module.write_text(f"import torch\n\n\ndef make(**config):\n    return torch.nn.Linear({width}, {width})\n")
+        sys.modules.pop("own_net", None)
+        assert ls_rows(ckrun)["own"][1] == count
+
+
+def test_a_damaged_count_cache_is_rebuilt(ckrun, tmp_path):
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "ckrun" / "parameter_counts.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    for damage in ('{"a": ', '["not", "a", "dict"]', '{"key": "335M"}'):
+        cache.write_text(damage)
+        assert ls_rows(ckrun, "language")["bert_large"][1] == "335.2M"
+        assert json.loads(cache.read_text())  # written again, whole
