@@ -116,12 +116,14 @@ def test_records_old_and_foreign():
 def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
     """A data-loader worker is forked: were the descriptor it copies still open, it would hold the
     flock after a kill -9 of the run until it noticed."""
-    held = subprocess.Popen([sys.executable, "-c", HOLD.replace('print("held"', 'import os\nif os.fork() == 0:\n    '
-                                                                 'time.sleep(600)\nprint("held"'),
+    # the child says it runs (its fork hooks have run) before the holder is killed: not a race with its start
+    forking = ('import os\nif os.fork() == 0:\n    os.write(1, b"child\\n")\n    time.sleep(600)\n'
+               'os.write(1, b"held\\n")')  # one write each: the two processes share the pipe
+    held = subprocess.Popen([sys.executable, "-c", HOLD.replace('print("held", flush=True)', forking),
                              str(tmp_path / "run.lock")], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, start_new_session=True)
     try:
-        assert held.stdout.readline().strip() == "held"
+        assert {held.stdout.readline().strip(), held.stdout.readline().strip()} == {"held", "child"}
         held.kill()  # the holder; its forked child sleeps on
         held.wait()
         with _lock(tmp_path):
