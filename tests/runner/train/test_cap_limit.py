@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import BERT_TINY
-from runner.train import loop
+from runner.memory import measure
+from runner.train import loop, memory_cap
 
 GB = 10**9
 MB = 10**6
@@ -22,9 +23,9 @@ def test_the_limit_leaves_room_for_the_context_with_a_steps_kernels(monkeypatch)
     fractions = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * GB))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
-    monkeypatch.setattr(loop, "cuda_context_bytes", lambda device: 650 * MB)  # at init, before any kernel
-    monkeypatch.setattr(loop, "context_after_kernels", lambda device: 800 * MB)  # once matmul, attention, AdamW ran
-    assert loop.limit_cuda_memory(torch.device("cuda", 0), 40 * GB) == 800 * MB
+    monkeypatch.setattr(measure, "cuda_context_bytes", lambda device: 650 * MB)  # at init, before any kernel
+    monkeypatch.setattr(memory_cap, "context_after_kernels", lambda device: 800 * MB)  # once matmul, attention, AdamW ran
+    assert memory_cap.limit_cuda_memory(torch.device("cuda", 0), 40 * GB) == 800 * MB
     assert fractions == [pytest.approx((40 * GB - 800 * MB) / (80 * GB))]
 
 
