@@ -9,13 +9,16 @@ training, and validating imports neither torch nor transformers.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
 from .plan import MemoryPlan, Strict, plan_problems
 from .problems import KeyedError
+from .strategies import (  # noqa: F401 - the strategies are part of the recipe's schema
+    DataParallel, Distributed, FullySharded, HybridSharded, SingleProcess, TensorParallel,
+)
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
     PathText,
     Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, Task, TextFilesData,
@@ -168,25 +171,6 @@ class EvalSpec(Strict):
         return self
 
 
-class SingleProcess(Strict):
-    strategy: Literal["none"] = "none"
-    """One process trains on one device."""
-
-
-class DataParallel(Strict):
-    strategy: Literal["ddp"]
-    """DDP: every rank holds the whole model and optimizer; gradients are averaged after backward."""
-
-
-class FullySharded(Strict):
-    strategy: Literal["fsdp"]
-    """FSDP2 (`fully_shard` per block, then the whole model): parameters, gradients and optimizer
-    state are split over the ranks; memory.sharding tunes it, `precision` sets its mixed precision."""
-
-
-Distributed = Annotated[SingleProcess | DataParallel | FullySharded, Field(discriminator="strategy")]
-
-
 class Recipe(Strict):
     description: str = ""
     """One line on what this recipe trains, shown by `ckrun ls`."""
@@ -203,24 +187,19 @@ class Recipe(Strict):
     eval: EvalSpec | None = None
     """Evaluate on held-out data during training; unset: no evaluation."""
     distributed: Distributed = Field(default_factory=SingleProcess)
-    """How ranks share the work under torchrun (`ckrun RECIPE --nproc N`): none, ddp or fsdp.
+    """How ranks share the work under torchrun (`ckrun RECIPE --nproc N`): none, ddp, fsdp, hsdp or tp.
     train.batch_size stays the global batch; each rank takes batch_size / world size of it."""
 
     @model_validator(mode="after")
-    def _sharding_needs_fsdp(self) -> Recipe:
-        strategy = self.distributed.strategy
-        if self.memory.sharding is not None and strategy != "fsdp":
-            raise KeyedError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy is "
-                                  f"{strategy}; set distributed.strategy: fsdp or remove memory.sharding")
-        if strategy == "fsdp" and self.memory.checkpointing.spans_blocks:
-            # a region's recompute replays its blocks' forwards, past the hooks FSDP2 gathers parameters in
-            raise KeyedError(("memory", "checkpointing"), f"{self.memory.checkpointing.label()} segments do not "
-                             "work with distributed.strategy fsdp (their recompute bypasses FSDP's parameter "
-                             "gathering); use every, layers or full, or strategy ddp")
-        if strategy == "fsdp" and self.precision == "fp16":
-            # the loss scaler would find inf/nan in each rank's shard alone: ranks could disagree on skipping
-            raise KeyedError(("precision",), "fp16 with distributed.strategy fsdp is not supported (its loss "
-                                  "scaler sees one shard per rank); use precision: bf16, or strategy: ddp")
+    def _strategy_combines(self) -> Recipe:
+        strategy, problems = self.distributed, []
+        if self.memory.sharding is not None and not strategy.shards:
+            problems.append(KeyedError(("memory", "sharding"), f"sharding knobs apply to FSDP, but distributed.strategy "
+                                       f"is {strategy.strategy}; set distributed.strategy: fsdp (or hsdp, tp) or remove "
+                                       "memory.sharding"))
+        problems += [KeyedError(path, message) for path, message in strategy.combination_problems(self.memory,
+                                                                                                    self.precision)]
+        raise_all(problems)
         return self
 
     @model_validator(mode="after")
