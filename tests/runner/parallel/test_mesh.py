@@ -13,7 +13,7 @@ from runner.builders.model import build_model
 from runner.load import load_recipe_document
 from runner.parallel.mesh import data_coordinate
 from runner.parallel.ranks import Ranks, join
-from runner.parallel.tensor_plan import matches, resolve
+from runner.builders.tensor_plan import matches, resolve
 from runner.problems import InputError
 from runner.strategies import HybridSharded, TensorParallel, strategy_from_label
 
@@ -108,3 +108,12 @@ def test_torchrun_ranks_an_hsdp_shard_does_not_divide_are_refused_before_joining
     recipe, _ = load_recipe_document(STACK, [*TINY, "distributed={strategy: hsdp, shard: 3}"])
     with pytest.raises(InputError, match="distributed.shard: 3 ranks a shard group do not divide 4 ranks"):
         join(recipe, STACK)
+
+
+def test_a_2d_layout_whose_inner_groups_span_machines_is_named():
+    from runner.parallel.mesh import node_problem
+
+    assert node_problem(TensorParallel(strategy="tp", tensor=4).mesh_dims(8), 2).startswith(
+        "tp groups of 4 ranks do not fit the 2 ranks of a machine")
+    assert node_problem(HybridSharded(strategy="hsdp", shard=8).mesh_dims(16), 8) is None
+    assert node_problem({"dp": 16}, 8) is None  # one dimension: nothing inside a machine to keep together

@@ -4,9 +4,11 @@ and at 4 ranks 2 of them holding FSDP2 shards, torchtitan's 2-D); the whole mode
 checkpoints resumed at other world sizes and strategies; and `ckrun estimate --nproc` within 5% of
 each measured per-rank peak.
 
-A small Llama from its config, split by transformers' own plan (LlamaConfig.base_model_tp_plan), with
-tied embeddings (exported once) and clipping at 0.1, so every step clips and the norm over gradients
-on two meshes (split layers on dp x tp, the rest on dp) is what the update depends on. Tolerance as
+A small Llama from its config with tied embeddings (exported once), split by a recipe plan of the seven
+projections its own plan (LlamaConfig.base_model_tp_plan) names: transformers 5.17 adds a vocabulary-
+parallel embedding to that plan when the embeddings are tied, a style ckrun refuses. Clipping at 0.1,
+so every step clips and the norm over gradients on two meshes (split layers on dp x tp, the rest on
+dp) is what the update depends on. Tolerance as
 in test_ranks.py: 1e-5 relative, SGD, no dropout (the only difference is the order of fp32 sums).
 The fast test at the end runs the recipe-level plan of ckrun's own transformer stack on 2 ranks.
 """
@@ -32,10 +34,14 @@ RUN = [LLAMA, "model.config={vocab_size: 256, hidden_size: 64, intermediate_size
        "data.seq_len=32", "train.batch_size=16", "train.device=cpu", "precision=fp32", "memory.micro_batch=null",
        "memory.checkpointing={policy: none}", "train.optimizer={name: sgd, lr: 0.5}", "train.scheduler={name: constant}",
        "train.grad_clip=0.1", "train.steps=4", "output.checkpoint_every=2", "output.keep_checkpoints=3"]
+PLAN = ("plan: {layers.*.self_attn.q_proj: colwise, layers.*.self_attn.k_proj: colwise, layers.*.self_attn.v_proj: "
+        "colwise, layers.*.self_attn.o_proj: rowwise, layers.*.mlp.gate_proj: colwise, layers.*.mlp.up_proj: colwise, "
+        "layers.*.mlp.down_proj: rowwise}")
+TP = "{strategy: tp, tensor: 2, " + PLAN + "}"
 LAYOUTS = {  # name: (distributed section, ranks)
-    "tp2": ("{strategy: tp, tensor: 2}", 2),
+    "tp2": (TP, 2),
     "hsdp2": ("{strategy: hsdp, shard: 1}", 2),
-    "tp4": ("{strategy: tp, tensor: 2}", 4),
+    "tp4": (TP, 4),
     "hsdp4": ("{strategy: hsdp, shard: 2}", 4),
 }
 

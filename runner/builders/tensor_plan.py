@@ -135,8 +135,8 @@ def _meta_model(spec) -> nn.Module:
     """The model's modules and shapes: a transformers directory's config, never its weights."""
     import torch
 
-    from ..builders.model import build_model
-    from ..builders.resolve import transformers_class
+    from .model import build_model
+    from .resolve import transformers_class
 
     if spec.source != "transformers" or not spec.pretrained:
         return build_model(spec.model_copy(update={"pretrained": None}), "meta")
