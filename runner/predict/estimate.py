@@ -110,6 +110,7 @@ class Estimator:
     """A recipe's model built once on fake tensors; `estimate(plan)` is cheap enough to call per plan."""
 
     world_size = 1  # ranks the step's samples are one share of (predict/ranks.py)
+    data_parallel = None  # groups among them that see different samples (tensor parallelism: fewer); None: all
     ddp_gradient_bytes = 0  # gradients DDP all-reduces after the last micro-batch (predict/ranks.py)
 
     def __init__(self, recipe: Recipe, device: str = "cpu", facts: DeviceFacts | None = None):
@@ -178,7 +179,7 @@ class Estimator:
         return StepShape(micro_batches=self.recipe.train.batch_size // micro_batch,
                          samples=self.recipe.train.batch_size, precision=precision, world_size=self.world_size,
                          tokens_per_sample=int(tokens.shape[1]) if tokens is not None and tokens.dim() > 1 else None,
-                         ddp_gradient_bytes=self.ddp_gradient_bytes)
+                         ddp_gradient_bytes=self.ddp_gradient_bytes, data_parallel=self.data_parallel)
 
     def _device_behaviour(self):
         stack = contextlib.ExitStack()

@@ -75,6 +75,7 @@ class _ShardedEstimator(Estimator):
     def __init__(self, recipe: Recipe, device: str, mesh, source: str, facts: DeviceFacts | None = None):
         self.mesh, self.source = mesh, source
         self.world_size = mesh.size()
+        self.data_parallel = recipe.distributed.data_parallel(self.world_size)
         super().__init__(recipe, device, facts)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -80,7 +80,8 @@ class StepWork:
     to_host: list[tuple[str, int | None, int]] = field(default_factory=list)
     """(kind, block, bytes) of each device -> host copy (activation offload stashes)."""
     collectives: list[tuple[str, str, float]] = field(default_factory=list)
-    """(kind, phase, ring bytes: what one rank sends) of each collective."""
+    """(kind, phase, ring bytes: what one rank sends, (n-1)/n of the gathered bytes over its group of n) of
+    each collective."""
     world_size: int = 1
     tf32: bool = False
 
@@ -126,7 +127,7 @@ def price(work: StepWork, facts: DeviceFacts) -> Ledger:
             ledger.block_to_host[block] += nbytes
     if work.world_size > 1 and facts.peer_gbs:
         for kind, phase, nbytes in work.collectives:
-            ledger.comm_s[(kind, phase)] += nbytes * (work.world_size - 1) / work.world_size / (facts.peer_gbs * 1e9)
+            ledger.comm_s[(kind, phase)] += nbytes / (facts.peer_gbs * 1e9)
     return ledger
 
 
@@ -204,7 +205,8 @@ class OpClock(TorchDispatchMode):
             return  # prim::device and the like read metadata; profiler ops mark ranges
         kind, phase = self._where()
         if func.namespace in _COLLECTIVE_NAMESPACES:
-            self.work.collectives.append((kind, phase, _ring_bytes(name, args, out)))
+            group = _group_size(args, self.work.world_size)
+            self.work.collectives.append((kind, phase, _ring_bytes(name, args, out) * (group - 1) / group))
             return
         moved = _host_copy_bytes(args, out)
         if moved:
@@ -232,6 +234,23 @@ def _ring_bytes(name: str, args, out) -> float:
     tensors = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
     nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
     return (2.0 if "all_reduce" in name or "allreduce" in name else 1.0) * nbytes
+
+
+def _group_size(args, world_size: int) -> int:
+    """The ranks a collective runs over: a sub-mesh's group (tensor parallelism's, HSDP's replicas) is
+    smaller than the world. c10d ops carry their ProcessGroup, functional collectives its name."""
+    from torch.distributed import distributed_c10d
+
+    resolve = getattr(distributed_c10d, "_resolve_process_group", None)  # private: looked for, not assumed
+    for arg in args:
+        if isinstance(arg, str) and resolve is not None:
+            try:
+                return resolve(arg).size()
+            except RuntimeError:  # another string argument: the reduce op's name
+                continue
+        if not isinstance(arg, torch.Tensor) and callable(getattr(arg, "size", None)):
+            return int(arg.size())
+    return world_size
 
 
 def _host_copy_bytes(args, out) -> int:

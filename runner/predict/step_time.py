@@ -75,6 +75,9 @@ class StepShape:
     precision: str
     world_size: int = 1
     ddp_gradient_bytes: int = 0
+    data_parallel: int | None = None
+    """Groups of ranks that see different samples (the step's samples are one group's); None: world_size.
+    Tensor parallelism's groups share samples, so they count once."""
 
 
 def step_time(work: StepWork, shape: StepShape, facts: DeviceFacts) -> StepTime:
@@ -93,7 +96,7 @@ def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
     comm = _comm_exposed(ledger, shape, facts, phase)
     seconds = sum(phase.values()) + update + offload + comm
     peak = facts.peak_flops(_matmul_dtype(shape))
-    samples_per_s = shape.samples * shape.world_size / seconds if seconds else 0.0
+    samples_per_s = shape.samples * (shape.data_parallel or shape.world_size) / seconds if seconds else 0.0
     blocks = [BlockTime(i, n * ledger.block_forward_s[i], n * ledger.block_recompute_s.get(i, 0.0))
               for i in sorted(ledger.block_forward_s)]
     return StepTime(
