@@ -6,8 +6,9 @@ recipe to use it (`load_checked`: validate, show, run, estimate, tune): that a t
 exists, takes the config's keys and builds from them on the meta device (runner/builders/model_config.py,
 one forward on fake tensors for token models), that a sequence fits its position table, that a
 torchvision builder exists, that a python factory imports and takes model.config's arguments,
-that eval.metrics name functions, that model.pretrained can hold the model's weights, and that a
-dataset's files, split and columns are there. Every problem is one line at its key's line, all at
+that eval.metrics name functions, that model.pretrained can hold the model's weights, that a
+dataset's files, split and columns are there, and that a tensor-parallel plan fits the model
+(runner/builders/tensor_plan.py). Every problem is one line at its key's line, all at
 once, beside the schema's own: a section the schema refused is not checked deeper.
 """
 

@@ -18,12 +18,12 @@ import warnings
 import torch
 from torch import nn
 
+from ..builders.tensor_plan import resolve
 from ..memory.blocks import find_blocks
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe
 from .mesh import data_mesh, tensor_mesh
 from .ranks import Ranks
-from ..builders.tensor_plan import resolve
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def place_on_mesh(model: nn.Module, recipe: Recipe, mesh, device: torch.device, 
 
 
 def split_layers(model: nn.Module, recipe: Recipe, mesh, source: str) -> dict[str, str]:
-    """parallelize_module with the resolved plan (runner/parallel/tensor_plan.py); returns it."""
+    """parallelize_module with the resolved plan (runner/builders/tensor_plan.py); returns it."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan, problems = resolve(model, recipe.distributed)
@@ -100,7 +100,8 @@ def shard(model: nn.Module, recipe: Recipe, device: torch.device, source: str, m
     try:
         blocks = find_blocks(model, recipe.memory.blocks)
     except ValueError as err:  # no repeated blocks: the root alone is one shard unit
-        log.info("fsdp: %s; sharding the model as one unit", str(err).split(": ", 1)[-1].split(";")[0])
+        log.info("%s: %s; sharding the model as one unit", recipe.distributed.label(),
+                 str(err).split(": ", 1)[-1].split(";")[0])
         blocks = []
     # the root's logits are a view (reshape); ckrun's loss never writes into them in place, which is
     # what this warning, printed once per rank and step, is about
