@@ -10,7 +10,8 @@ parallel embedding to that plan when the embeddings are tied, a style ckrun refu
 so every step clips and the norm over gradients on two meshes (split layers on dp x tp, the rest on
 dp) is what the update depends on. Tolerance as
 in test_ranks.py: 1e-5 relative, SGD, no dropout (the only difference is the order of fp32 sums).
-The fast test at the end runs the recipe-level plan of ckrun's own transformer stack on 2 ranks.
+The fast test at the end runs the recipe-level plan of ckrun's own transformer stack on 2 ranks, with
+dropout on.
 """
 
 from __future__ import annotations
@@ -131,12 +132,15 @@ def test_estimate_per_rank_is_within_5_percent_of_the_measured_per_rank_peak(run
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
-def test_a_recipe_plan_splits_your_own_models_mlp_on_two_ranks_to_the_losses_of_one_process(tmp_path):
-    """ckrun's transformer stack ships no plan: the recipe's splits each block's feed-forward pair."""
+def test_a_recipe_plan_splits_your_own_models_mlp_on_two_ranks_to_the_losses_of_one_process_dropout_on(tmp_path):
+    """ckrun's transformer stack ships no plan: the recipe's splits each block's feed-forward pair. Dropout
+    is on: the ranks of a tensor group draw from the stream one process draws from (seeded by their
+    data-parallel index, 0 here), and this model drops only activations each rank holds whole, so
+    their masks are one process's masks and the losses match it."""
     plan = "distributed={strategy: tp, tensor: 2, plan: {blocks.*.ff_in: colwise, blocks.*.ff_out: rowwise}}"
-    process = ckrun_process(STACK, *STACK_TINY, plan, "train.steps=2", "output.checkpoint_every=0",
-                            f"output.dir={tmp_path / 'tp'}", "--nproc", 2)
-    assert main([STACK, *STACK_TINY, "train.steps=2", f"output.dir={tmp_path / 'single'}"]) == 0
+    run = [STACK, *STACK_TINY, "model.config.dropout=0.1", "train.steps=2", "output.checkpoint_every=0"]
+    process = ckrun_process(*run, plan, f"output.dir={tmp_path / 'tp'}", "--nproc", 2)
+    assert main([*run, f"output.dir={tmp_path / 'single'}"]) == 0
     code, err = finish(process)
     assert code == 0, err
     assert "tp: 4 linear layers split over 2 ranks (2 colwise, 2 rowwise)" in err
