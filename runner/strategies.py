@@ -149,7 +149,7 @@ class HybridSharded(_Sharded):
 
     def world_problem(self, world_size: int) -> str | None:
         if world_size % self.shard:
-            return f"{self.shard} ranks a shard group do not divide {world_size} ranks; use {_divisors_text(world_size)}"
+            return f"shard groups of {self.shard} ranks do not divide {world_size} ranks; use {_divisors_text(world_size)}"
         return None
 
     @classmethod
@@ -190,7 +190,7 @@ class TensorParallel(_Sharded):
 
     def world_problem(self, world_size: int) -> str | None:
         if world_size % self.tensor:
-            return f"{self.tensor} ranks a tensor group do not divide {world_size} ranks; use {_divisors_text(world_size)}"
+            return f"tensor groups of {self.tensor} ranks do not divide {world_size} ranks; use {_divisors_text(world_size)}"
         return None
 
     @classmethod

@@ -64,8 +64,8 @@ def test_a_llamas_own_plan_splits_its_seven_projections_a_layer_under_its_base_m
 TP = "distributed={strategy: tp, tensor: 2, plan: %s}"
 CASES = [  # (recipe, arguments, the fragment of the one line)
     (STACK, ["distributed={strategy: hsdp, shard: 3}", "--nproc", "4"],
-     "distributed.shard: 3 ranks a shard group do not divide 4 ranks; use 2 or 4"),
-    (STACK, [TP % MLP_PLAN, "--nproc", "3"], "distributed.tensor: 2 ranks a tensor group do not divide 3 ranks; use 3"),
+     "distributed.shard: shard groups of 3 ranks do not divide 4 ranks; use 2 or 4"),
+    (STACK, [TP % MLP_PLAN, "--nproc", "3"], "distributed.tensor: tensor groups of 2 ranks do not divide 3 ranks; use 3"),
     (STACK, [TP % MLP_PLAN, "train.batch_size=5", "--nproc", "4"],
      "train.batch_size: 5 does not split over 2 data-parallel groups of 4 ranks"),
     (STACK, ["distributed={strategy: tp, tensor: 2}", "--nproc", "2"],
@@ -106,7 +106,7 @@ def test_torchrun_ranks_an_hsdp_shard_does_not_divide_are_refused_before_joining
     for key, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost"}.items():
         monkeypatch.setenv(key, value)
     recipe, _ = load_recipe_document(STACK, [*TINY, "distributed={strategy: hsdp, shard: 3}"])
-    with pytest.raises(InputError, match="distributed.shard: 3 ranks a shard group do not divide 4 ranks"):
+    with pytest.raises(InputError, match="distributed.shard: shard groups of 3 ranks do not divide 4 ranks"):
         join(recipe, STACK)
 
 
