@@ -10,11 +10,13 @@ segfault or an `os._exit` in the user's code then costs a timeout and a line in 
         [--time-facts FACTS.json]
 
 Protocol (files are written atomically; the tuner waits for each with a timeout):
-1. DIR/facts.json: `model_facts` of the model built on the meta device.
+1. DIR/facts.json: `model_facts` of the model built on the meta device (its blocks, the layers that
+   see the micro-batch, its tensor-parallel plan: autotune/tp_facts.py).
 2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
-3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32", "strategy":
-   null}`, each answered in DIR/answer-N.json (with --nproc N, the peak of one of N ranks under
-   `strategy`, ddp or fsdp: runner/predict/per_rank.py); with --time-facts (a device's
+3. Then one request per line on stdin, `{"id": N, **Candidate.request()}` (plan, precision and the
+   `distributed:` section, null for one process: autotune/candidate.py), each answered in
+   DIR/answer-N.json (with --nproc N, the peak of one of N ranks under that strategy:
+   runner/predict/per_rank.py); with --time-facts (a device's
    `runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
    it (`StepTime.record()`). End of input ends the child. A request with `"frontier": {"pairs":
    [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan}}`
@@ -101,6 +103,8 @@ def model_facts(recipe) -> dict:
     from runner.builders.model import BuildError, build_model
     from runner.memory.blocks import find_blocks
 
+    from .tp_facts import tensor_facts
+
     model = build_model(recipe.model, device="meta")  # nothing is allocated; CUDA is not touched
     try:
         blocks = find_blocks(model, recipe.memory.blocks)
@@ -111,7 +115,8 @@ def model_facts(recipe) -> dict:
             "containers": list(blocks.containers),
             "batchnorm": [name for name, module in named if isinstance(module, _BatchNorm)],
             "dropout": [name for name, module in named
-                        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0]}
+                        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0],
+            "tensor_parallel": tensor_facts(model)}
 
 
 def facts_answer(recipe) -> dict:
@@ -126,28 +131,24 @@ def facts_answer(recipe) -> dict:
 
 
 def _predict(estimator, request: dict, nproc: int = 1) -> dict:
-    from runner.plan import MemoryPlan
+    from .candidate import Candidate
 
+    candidate = Candidate.from_request(request)
     if nproc > 1:
-        estimate = _rank_estimate(estimator, request, nproc)
+        estimate = _rank_estimate(estimator, candidate, nproc)
     else:
-        estimate = estimator.estimate(MemoryPlan.model_validate(request["plan"]), request["precision"])
+        estimate = estimator.estimate(candidate.plan, candidate.precision)
     return {"status": "ok", "peak_bytes": int(estimate.peak_bytes), "warnings": list(estimate.warnings),
             "time": estimate.time.record() if estimate.time else None}
 
 
-def _rank_estimate(estimator, request: dict, nproc: int):
+def _rank_estimate(estimator, candidate, nproc: int):
     """One rank's peak: the candidate's recipe (plan, precision, strategy) estimated as `ckrun estimate
     --nproc` does; FSDP shards the model anew for each, so nothing is shared with `estimator` but its recipe."""
     from runner.predict.per_rank import per_rank
-    from runner.recipe import Recipe
 
-    data = estimator.recipe.model_dump(mode="json")
-    data.update(memory=request["plan"], precision=request["precision"])
-    if request.get("strategy"):
-        data["distributed"] = {"strategy": request["strategy"]}
     device = "cuda" if estimator.cuda else "cpu"
-    return per_rank(nproc)(Recipe.model_validate(data), device, estimator.facts).estimate()
+    return per_rank(nproc)(candidate.recipe(estimator.recipe, None), device, estimator.facts).estimate()
 
 
 def _frontier(estimator, request: dict) -> dict:

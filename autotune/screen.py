@@ -103,8 +103,7 @@ class ModelChild:
 
     def ask(self, candidate: Candidate) -> dict:
         number, self.requests = self.requests, self.requests + 1
-        request = {"id": number, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision,
-                   "strategy": candidate.strategy}
+        request = {"id": number, **candidate.request()}
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
