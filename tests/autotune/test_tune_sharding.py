@@ -193,3 +193,36 @@ def test_the_model_child_reports_a_models_tensor_parallel_plan_and_its_widths():
     assert llama.problem(2) is None and "3 ranks" in llama.problem(3)
     bert = TensorFacts.from_json(tensor_facts(build_model(load_recipe(BERT_TINY, TINY_BERT).model, device="meta")))
     assert not bert.has_plan and "ships no tensor-parallel plan" in bert.problem(2)
+
+
+# --- the whole tune, predicted by a fake model child ---------------------------------------------
+
+
+def test_tune_predict_on_four_ranks_ranks_every_strategy_and_writes_the_winners_section(tmp_path, monkeypatch, capsys):
+    """`ckrun tune --nproc 4 --predict` through the CLI: the model child (tests/autotune/fake_model_child.py)
+    reads each request back as a typed Candidate and prices it by formula (ddp never fits the cap,
+    hsdp:2 keeping its gathered blocks is fastest); the space of 42 plans is predicted whole."""
+    from runner.cli import main
+    from runner.load import recipe_from_text
+    from tune_helpers import HERE, report
+
+    monkeypatch.setenv("CKRUN_MODEL_CHILD", "fake_model_child")
+    monkeypatch.setenv("PYTHONPATH", f"{HERE}:{ROOT}")
+    monkeypatch.setenv("FAKE_MODEL_COUNTER", str(tmp_path / "counter"))
+    monkeypatch.setenv("FAKE_MODEL_TENSOR", json.dumps(LLAMA))
+    code = main(["tune", str(ROOT / "recipes" / "llama_1b.yaml"), *TINY_LLAMA, "train.batch_size=4",
+                 f"output.dir={tmp_path / 'run'}",
+                 "--max-mem", "700MB", "--nproc", "4", "--predict", "--gpu", "cpu", "--trials", "64",
+                 "--output", str(tmp_path / "tune")])
+    assert code == 0, capsys.readouterr().err
+    trials = report(tmp_path / "tune")["trials"]
+    labels = {t["label"].split(",")[0] for t in trials if t["state"] == "feasible"}
+    assert {"fsdp", "hsdp:2", "hsdp:2 (reshard_after_forward false)", "tp:2"} <= labels
+    assert not any(t["label"].startswith("ddp") for t in trials if t["state"] == "feasible")  # over the cap
+    told = {t["reason"].split(":")[0] for t in trials if t["state"] == "invalid"}
+    assert told == {"memory.micro_batch"}  # 2 samples a micro-batch: more than a rank's share of 1 (but tp's)
+    text = (tmp_path / "tune" / "tuned.yaml").read_text()
+    tuned = recipe_from_text(text, "tuned.yaml")
+    assert tuned.distributed == HybridSharded(strategy="hsdp", shard=2) and tuned.memory.micro_batch == 1
+    assert tuned.memory.sharding == Sharding(reshard_after_forward=False)
+    assert "train it:   ckrun" in text and "--nproc 4" in text
