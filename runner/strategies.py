@@ -26,6 +26,8 @@ class Strategy(Strict):
 
     shards: ClassVar[bool] = False
     """Parameters, gradients and optimizer state split over ranks by FSDP2 (memory.sharding applies)."""
+    layout_key: ClassVar[str] = "distributed.strategy"
+    """The recipe key a `world_problem` is about (where the one line points)."""
 
     @classmethod
     def tag(cls) -> str:
@@ -49,7 +51,7 @@ class Strategy(Strict):
         return world_size
 
     def world_problem(self, world_size: int) -> str | None:
-        """Why this strategy cannot lay out `world_size` ranks; None when it can."""
+        """Why this strategy cannot lay out `world_size` ranks (a message about `layout_key`); None when it can."""
         return None
 
     def shard_group(self, world_size: int) -> int:
@@ -83,7 +85,8 @@ class SingleProcess(Strategy):
 
     def world_problem(self, world_size: int) -> str | None:
         if world_size > 1:
-            return f"{world_size} ranks but distributed.strategy none (each would train alone); set ddp or fsdp"
+            return (f"none trains one process, but {world_size} ranks would each train alone; set ddp, fsdp, hsdp "
+                    "or tp")
         return None
 
     @classmethod
@@ -137,6 +140,7 @@ class HybridSharded(_Sharded):
     traffic between nodes than fsdp over all ranks, more memory than it per rank."""
     shard: int = Field(gt=0)
     """Ranks in one shard group; must divide the world size (the rest are replicas)."""
+    layout_key: ClassVar[str] = "distributed.shard"
 
     @classmethod
     def from_argument(cls, argument: str) -> dict:
@@ -153,7 +157,7 @@ class HybridSharded(_Sharded):
 
     def world_problem(self, world_size: int) -> str | None:
         if world_size % self.shard:
-            return f"distributed.shard {self.shard} does not divide {world_size} ranks; use a divisor of {world_size}"
+            return f"{self.shard} ranks a shard group do not divide {world_size} ranks; use {_divisors_text(world_size)}"
         return None
 
     @classmethod
@@ -177,6 +181,7 @@ class TensorParallel(_Sharded):
     """Which modules split how: a module name pattern (`layers.*.mlp.up_proj`, `*` for one name) to
     `colwise` or `rowwise`; a colwise layer's output must feed the rowwise one that closes it.
     Unset: the transformers model's own plan (its config's `base_model_tp_plan`)."""
+    layout_key: ClassVar[str] = "distributed.tensor"
 
     @classmethod
     def from_argument(cls, argument: str) -> dict:
@@ -196,7 +201,7 @@ class TensorParallel(_Sharded):
 
     def world_problem(self, world_size: int) -> str | None:
         if world_size % self.tensor:
-            return f"distributed.tensor {self.tensor} does not divide {world_size} ranks; use a divisor of {world_size}"
+            return f"{self.tensor} ranks a tensor group do not divide {world_size} ranks; use {_divisors_text(world_size)}"
         return None
 
     @classmethod
@@ -211,6 +216,12 @@ class TensorParallel(_Sharded):
 
 def _proper_divisors(n: int) -> list[int]:
     return [d for d in range(2, n) if n % d == 0]
+
+
+def _divisors_text(n: int) -> str:
+    """`2 or 4`: the group sizes that lay out n ranks (1 stands for no groups at all, so is left out)."""
+    sizes = [*_proper_divisors(n), n] if n > 1 else [1]
+    return ", ".join(map(str, sizes[:-1])) + (" or " if len(sizes) > 1 else "") + str(sizes[-1])
 
 
 Distributed = Annotated[SingleProcess | DataParallel | FullySharded | HybridSharded | TensorParallel,

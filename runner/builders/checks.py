@@ -50,7 +50,11 @@ def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool =
     found = [*_section_checks("model", recipe.model, user_code), *_section_checks("data", recipe.data, user_code)]
     if recipe.eval is not None:
         found += _section_checks("eval", recipe.eval, user_code)
-    return _placed(found or position_problems(recipe), doc)  # positions: only once the model is known to build
+    if not found:  # positions and a tensor-parallel plan: only once the model is known to build
+        from ..parallel.tensor_plan import recipe_problems
+
+        found = [*position_problems(recipe), *recipe_problems(recipe, user_code)]
+    return _placed(found, doc)
 
 
 def user_code_problems(recipe: Recipe) -> list[KeyedError]:

@@ -31,8 +31,9 @@ def add_arguments(parser):
                              "a100-40gb, l4, a10), the name torch reports (\"NVIDIA A100-SXM4-40GB\"), or a facts "
                              ".json measured on the GPU; default: this machine's GPU. `cpu`: this CPU")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--nproc", type=int, metavar="N", help="predict one of N ranks (distributed.strategy ddp "
-                        "or fsdp): its share of the batch, FSDP's shards and gathered blocks, DDP's buckets")
+    parser.add_argument("--nproc", type=int, metavar="N", help="predict one of N ranks (distributed.strategy ddp, "
+                        "fsdp, hsdp or tp): its share of the batch, FSDP's shards and gathered blocks, the layers "
+                        "tensor parallelism splits, DDP's buckets")
 
 
 def run(args) -> int:

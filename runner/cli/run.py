@@ -50,7 +50,7 @@ def add_arguments(parser):
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (the same as "
                         "train.device=...; auto takes the GPU when there is one)")
     parser.add_argument("--nproc", type=int, metavar="N", help="start N ranks on this machine through torchrun "
-                        "(distributed.strategy ddp or fsdp); under srun, on each node of one task per node; under a "
+                        "(distributed.strategy ddp, fsdp, hsdp or tp); under srun, on each node of one task per node; under a "
                         "torchrun you started, or srun with a task per GPU, leave it out")
 
 

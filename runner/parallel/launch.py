@@ -142,9 +142,10 @@ def check_launch(recipe, source: str, nproc: int, step: Step | None = None) -> N
     if "WORLD_SIZE" in os.environ:
         raise InputError([Problem(Place("--nproc"), "", "ckrun already runs under torchrun (WORLD_SIZE is set); "
                                   "leave out --nproc and let torchrun start the ranks")])
-    if recipe.distributed.strategy == "none":
-        raise InputError([Problem(Place(source), "distributed.strategy", f"--nproc {nproc} needs ddp or fsdp to share "
-                                  "the work (none would train the same model N times); set distributed.strategy")])
+    if not recipe.distributed.mesh_dims(max(nproc, 2)):  # a strategy with no rank layout: one process
+        raise InputError([Problem(Place(source), "distributed.strategy", f"--nproc {nproc} needs ddp, fsdp, hsdp or "
+                                  "tp to share the work (none would train the same model N times); set "
+                                  "distributed.strategy")])
     if step is not None and step.tasks > 1:
         check_node_launch(step, nproc)
     check_world(recipe, nproc * (step.nodes if step is not None else 1), source)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe, largest_divisor_at_most
+from .mesh import build_mesh, data_coordinate
 from .slurm import adopt
 from .supervise import die_with_parent
 
@@ -34,15 +35,28 @@ class Ranks:
     world_size: int = 1
     local_rank: int = 0
     joined: bool = False  # a process group is up: collectives and DCP checkpoints apply
+    data: tuple[int, int] | None = None  # (data-parallel index, groups); None: every rank sees its own samples
+    mesh: object = field(default=None, compare=False, repr=False)  # the joined ranks' DeviceMesh (parallel/mesh.py)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_rank(self) -> int:
+        """Which share of the global batch this rank trains on: the ranks of one tensor-parallel group
+        share one, as they split the same samples' layers."""
+        return self.rank if self.data is None else self.data[0]
+
+    @property
+    def data_size(self) -> int:
+        """How many shares the global batch splits into (the data-parallel groups)."""
+        return self.world_size if self.data is None else self.data[1]
+
     def share(self, batch_size: int) -> tuple[int, int]:
         """[start, stop) of this rank's samples in the global batch."""
-        per_rank = batch_size // self.world_size
-        return self.rank * per_rank, (self.rank + 1) * per_rank
+        per_group = batch_size // self.data_size
+        return self.data_rank * per_group, (self.data_rank + 1) * per_group
 
 
 SINGLE = Ranks()
@@ -63,17 +77,16 @@ def from_environment() -> Ranks:
 
 def join(recipe: Recipe, source: str = "<recipe>") -> Ranks:
     """Join the process group torchrun set up (when the recipe distributes), after checking that the
-    recipe fits the world size; SINGLE when there is nothing to join."""
+    recipe fits the world size, and lay the ranks out as the strategy's device mesh; SINGLE when there
+    is nothing to join."""
     ranks = from_environment()
-    strategy = recipe.distributed.strategy
-    if ranks.world_size > 1 and strategy == "none":
-        raise InputError([Problem(Place(source), "distributed.strategy", f"torchrun started {ranks.world_size} ranks "
-                                  "but distributed.strategy is none (each would train alone); set ddp or fsdp")])
-    if strategy == "none":
+    strategy = recipe.distributed
+    check_layout(recipe, ranks.world_size, source)  # strategy none on many ranks among the rest
+    if not strategy.mesh_dims(ranks.world_size):  # one process: nothing to join
         return SINGLE
     if "WORLD_SIZE" not in os.environ:
         log.info("distributed.strategy %s, but no torchrun environment: training as one process without it "
-                 "(start ranks with --nproc N or torchrun)", strategy)
+                 "(start ranks with --nproc N or torchrun)", strategy.label())
         return SINGLE
     check_world(recipe, ranks.world_size, source)
     log.debug("rank %d dies with its parent: %s", ranks.rank, die_with_parent())
@@ -84,9 +97,19 @@ def join(recipe: Recipe, source: str = "<recipe>") -> Ranks:
         torch.distributed.init_process_group(backend, timeout=TIMEOUT)
     if not ranks.is_main:
         logging.getLogger("runner").setLevel(logging.WARNING)  # one log, rank 0's; problems still show
-    log.info("rank %d of %d joined (%s backend, %s): %d samples of the global batch %d each", ranks.rank,
-             ranks.world_size, backend, strategy, recipe.train.batch_size // ranks.world_size, recipe.train.batch_size)
-    return Ranks(ranks.rank, ranks.world_size, ranks.local_rank, joined=True)
+    mesh = build_mesh(strategy, ranks.world_size, "cuda" if backend == "nccl" else "cpu")
+    joined = Ranks(ranks.rank, ranks.world_size, ranks.local_rank, joined=True,
+                   data=data_coordinate(strategy, ranks.rank, ranks.world_size), mesh=mesh)
+    _log_joined(joined, recipe, backend)
+    return joined
+
+
+def _log_joined(ranks: Ranks, recipe: Recipe, backend: str) -> None:
+    dims = recipe.distributed.mesh_dims(ranks.world_size)
+    log.info("rank %d of %d joined (%s backend, mesh %s): %s; %d samples of the global batch %d each", ranks.rank,
+             ranks.world_size, backend, " x ".join(f"{name} {size}" for name, size in dims.items()),
+             recipe.distributed.describe(ranks.world_size), recipe.train.batch_size // ranks.data_size,
+             recipe.train.batch_size)
 
 
 def _backend(recipe: Recipe) -> str:
@@ -96,18 +119,32 @@ def _backend(recipe: Recipe) -> str:
     return "nccl" if on_gpu else "gloo"
 
 
+def check_layout(recipe: Recipe, world_size: int, source: str = "<recipe>") -> None:
+    """The strategy must lay out `world_size` ranks (hsdp's shard and tp's tensor divide it; none is one)."""
+    problem = recipe.distributed.world_problem(world_size)
+    if problem:
+        raise InputError([Problem(Place(source), recipe.distributed.layout_key, problem)])
+
+
 def check_world(recipe: Recipe, world_size: int, source: str = "<recipe>") -> None:
-    """The global batch must split evenly over the ranks, and the micro-batch must divide a rank's share."""
+    """A distributing strategy must lay out `world_size` ranks, the global batch must split evenly over
+    its data-parallel groups, and the micro-batch must divide a group's share. A recipe of strategy
+    none is checked as the tuner lays it out for `--nproc` (ddp or fsdp: every rank a share)."""
+    distributes = bool(recipe.distributed.mesh_dims(max(world_size, 2)))
+    if distributes:
+        check_layout(recipe, world_size, source)
+    groups = recipe.distributed.data_parallel(world_size) if distributes else world_size
     batch = recipe.train.batch_size
-    if batch % world_size:
+    ranks = f"{world_size} ranks" if groups == world_size else f"{groups} data-parallel groups of {world_size} ranks"
+    if batch % groups:
         fits = [n for n in range(1, min(batch, 64) + 1) if batch % n == 0]
-        raise InputError([Problem(Place(source), "train.batch_size", f"{batch} does not split over {world_size} ranks; "
-                                  f"use a multiple of {world_size} or a rank count that divides it "
+        raise InputError([Problem(Place(source), "train.batch_size", f"{batch} does not split over {ranks}; "
+                                  f"use a multiple of {groups} or a rank count that divides it "
                                   f"({', '.join(map(str, fits[-6:]))})")])
-    share, micro = batch // world_size, recipe.memory.micro_batch
+    share, micro = batch // groups, recipe.memory.micro_batch
     if micro is not None and share % micro:
         raise InputError([Problem(Place(source), "memory.micro_batch", f"{micro} does not divide a rank's share "
-                                  f"{share} (train.batch_size {batch} over {world_size} ranks); use "
+                                  f"{share} (train.batch_size {batch} over {ranks}); use "
                                   f"{largest_divisor_at_most(share, micro)}")])
 
 
@@ -122,7 +159,9 @@ def reduce_step_record(record: dict, loss: torch.Tensor, ranks: Ranks, batch_siz
     if not ranks.joined:
         return record
     losses = loss.detach().reshape(1).float()
-    torch.distributed.all_reduce(losses)  # each rank's loss is its share of the global mean
+    # each rank's loss is its data-parallel group's share of the global mean times the groups; the ranks
+    # of a tensor group hold the same one, so the sum over all ranks is world_size times the mean
+    torch.distributed.all_reduce(losses)
     worst = torch.tensor([record["step_time_s"], float(record["peak_mem_bytes"])], dtype=torch.float64,
                          device=losses.device)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)

@@ -1,10 +1,13 @@
-"""Put DDP or FSDP2 on a built model whose memory plan is already applied.
+"""Put DDP, FSDP2, HSDP or tensor parallelism on a built model whose memory plan is already applied.
 
-Order matters: the plan wraps each block's forward (checkpointing, offload), then FSDP2's
+Order matters: the plan wraps each block's forward (checkpointing, offload); then tensor parallelism
+(`parallelize_module` on the mesh's `tp` dimension) splits the plan's linear layers, whose hooks
+redistribute their inputs and outputs, so a recomputed block runs its collectives again; then FSDP2's
 `fully_shard` goes on each block (its unshard/reshard hooks then sit outside the checkpoint, so a
 recomputed block gathers its parameters again) and last on the root, which owns what no block
-holds (embeddings, the head). DDP wraps the root once. The optimizer is built afterwards, on the
-sharded parameters.
+holds (embeddings, the head), over the mesh's data-parallel part: all of it for fsdp, its 2-D
+replicate x shard for hsdp (HSDP), its `dp` dimension beside `tp` (2-D, as torchtitan composes
+them). DDP wraps the root once. The optimizer is built afterwards, on the sharded parameters.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from torch import nn
 from ..memory.blocks import find_blocks
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe
+from .mesh import data_mesh, tensor_mesh
 from .ranks import Ranks
+from .tensor_plan import resolve
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +41,45 @@ def fsdp_api():
 
 
 def wrap_model(model: nn.Module, recipe: Recipe, ranks: Ranks, device: torch.device, source: str) -> nn.Module:
-    """The module to call forward on: DDP around `model`, or `model` itself sharded in place by FSDP2."""
-    strategy = recipe.distributed.strategy
-    if not ranks.joined or strategy == "none":
+    """The module to call forward on: DDP around `model`, or `model` itself split in place over the mesh."""
+    if not ranks.joined or ranks.mesh is None:
         return model
-    if strategy == "ddp":
+    if not recipe.distributed.shards:  # ddp: whole copies, gradients averaged
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
-        log.info("ddp: every rank holds the whole model; gradients are averaged over %d ranks", ranks.world_size)
+        log.info("%s", recipe.distributed.describe(ranks.world_size))
         return DistributedDataParallel(model, device_ids=ids)
-    shard(model, recipe, device, source)
+    return place_on_mesh(model, recipe, ranks.mesh, device, source)
+
+
+def place_on_mesh(model: nn.Module, recipe: Recipe, mesh, device: torch.device, source: str) -> nn.Module:
+    """Tensor parallelism over the mesh's `tp` dimension, then FSDP2 over its data-parallel part, in place
+    (the estimate does the same over a fake process group's mesh)."""
+    if tensor_mesh(mesh) is not None:
+        split_layers(model, recipe, tensor_mesh(mesh), source)
+    data = data_mesh(mesh)
+    if data is not None:
+        shard(model, recipe, device, source, data)
+    elif recipe.memory.sharding is not None:
+        log.info("memory.sharding: no FSDP2 with a single data-parallel group (every rank is in the tensor "
+                 "group); the knobs have nothing to act on")
     return model
+
+
+def split_layers(model: nn.Module, recipe: Recipe, mesh, source: str) -> dict[str, str]:
+    """parallelize_module with the resolved plan (runner/parallel/tensor_plan.py); returns it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan, problems = resolve(model, recipe.distributed)
+    if problems:  # the recipe checks found these before any rank started; a model built otherwise lands here
+        raise InputError([Problem(Place(source), problem.key, problem.message) for problem in problems])
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
+    columns = sum(style == "colwise" for style in plan.values())
+    log.info("tp: %d linear layers split over %d ranks (%d colwise, %d rowwise)", len(plan), mesh.size(), columns,
+             len(plan) - columns)
+    return plan
 
 
 def shard(model: nn.Module, recipe: Recipe, device: torch.device, source: str, mesh=None) -> list[str]:
@@ -76,9 +108,16 @@ def shard(model: nn.Module, recipe: Recipe, device: torch.device, source: str, m
     for block in blocks:
         fully_shard(block.module, **options)
     fully_shard(model, **options)
-    log.info("fsdp: %d blocks and the root sharded (reshard_after_forward %s, cpu offload %s, mixed precision %s)",
-             len(blocks), reshard, "on" if offload else "off", recipe.precision)
+    log.info("%s: %d blocks and the root sharded over %s (reshard_after_forward %s, cpu offload %s, mixed "
+             "precision %s)", recipe.distributed.label(), len(blocks), _mesh_text(mesh), reshard,
+             "on" if offload else "off", recipe.precision)
     return [block.name for block in blocks]
+
+
+def _mesh_text(mesh) -> str:
+    if mesh is None:
+        return "every rank"
+    return " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))
 
 
 def _mixed_precision(precision: str, policy):

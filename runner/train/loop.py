@@ -111,8 +111,12 @@ class Trainer:
         wrapped = wrap_model(self.model, recipe, self.ranks, self.device, self.source)  # after the plan, before the optimizer
         apply_compile_budget(recipe.memory)
         self.forward_model = torch.compile(wrapped) if recipe.memory.compile else wrapped
-        if self.ranks.rank > 0:  # every rank built the same weights; dropout now draws a stream of its own
-            torch.manual_seed(recipe.train.seed + (self.ranks.rank << 32))
+        if self.ranks.data_rank > 0:  # every rank built the same weights; dropout now draws a stream of its own
+            # per data-parallel group: the ranks of a tensor group must drop the same features of the
+            # activations they each hold whole (their split layers' inputs), or they would compute on
+            # different inputs; on an activation each holds a piece of (attention's heads), each piece
+            # then gets the mask the others' pieces get, a correlation a single process does not have
+            torch.manual_seed(recipe.train.seed + (self.ranks.data_rank << 32))
         self.data = build_data(recipe, self.model)
         self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
         self.optimizer = build_optimizer(self.model, recipe.train, self.device)
@@ -153,7 +157,7 @@ class Trainer:
 
     def restore(self, state: dict) -> None:
         """From a single process's checkpoint (state.pt), on any world size and strategy."""
-        if self.ranks.joined and self.recipe.distributed.strategy == "fsdp":
+        if self.ranks.joined and self.recipe.distributed.shards:
             load_full_into_shards(self, state)
         else:
             self.model.load_state_dict(state["model"])

@@ -21,12 +21,13 @@ from .step import label_count
 
 
 def rank_share(batch: Batch, ranks: Ranks) -> tuple[Batch, torch.Tensor | None]:
-    """This rank's slice of the global batch, and the denominator that makes its loss its part of the
-    global mean: labels of the whole batch / world size (gradients are then averaged over ranks)."""
+    """This rank's slice of the global batch (one per data-parallel group: the ranks of a tensor group
+    train on the same one), and the denominator that makes its loss its group's part of the global
+    mean: labels of the whole batch / data-parallel groups (gradients are then averaged over them)."""
     if not ranks.joined:
         return batch, None
     start, stop = ranks.share(len(batch.labels))
-    return batch.slice(start, stop), label_count(batch.labels) / ranks.world_size
+    return batch.slice(start, stop), label_count(batch.labels) / ranks.data_size
 
 
 def stop_agreed(stop: StopRequest, ranks: Ranks) -> bool:
@@ -70,9 +71,9 @@ def process_group_scope():
 
 
 def full_weights(trainer) -> dict | None:
-    """FSDP: the whole model's state dict gathered on rank 0 (on the CPU; collective, every rank calls
-    it; the others get {}). None when the model is not sharded: its own state_dict is whole."""
-    if not trainer.ranks.joined or trainer.recipe.distributed.strategy != "fsdp":
+    """FSDP, HSDP, TP: the whole model's state dict gathered on rank 0 (on the CPU; collective, every rank
+    calls it; the others get {}). None when the model is not split: its own state_dict is whole."""
+    if not trainer.ranks.joined or not trainer.recipe.distributed.shards:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

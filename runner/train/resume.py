@@ -58,8 +58,9 @@ def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) ->
         sharded = _resumed_sharded(trainer, root, out_dir, source, accept_changes)
         if sharded is not None:
             return sharded
-        # FSDP keeps a shard of the whole state each rank reads: read it into host memory, not N times onto GPUs
-        sharding = trainer.ranks.joined and trainer.recipe.distributed.strategy == "fsdp"
+        # a split model keeps a piece of the whole state each rank reads: read it into host memory, not N
+        # times onto GPUs
+        sharding = trainer.ranks.joined and trainer.recipe.distributed.shards
         state = load_latest(root, torch.device("cpu") if sharding else trainer.device)
     except CheckpointError as err:
         raise InputError([Problem(Place(source), "output.dir", f"--resume: {err}")]) from None

@@ -19,6 +19,7 @@ from torch import nn
 from ..builders.contract import check_logits, logits_from, user_forward
 from ..builders.data import IGNORE, Batch
 from ..builders.resolve import BuildError
+from ..parallel.grad_norm import clip_gradients
 from ..problems import InputError, Place, Problem
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,7 +151,7 @@ def _optimizer_step(model, optimizer, scaler, grad_clip) -> bool:
     if scaler is not None:
         scaler.unscale_(optimizer)
     if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+        clip_gradients(model.parameters(), grad_clip)
     if scaler is None:
         optimizer.step()
         return False

@@ -19,7 +19,7 @@ TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.dep
 CASES = [  # (arguments, the fragment of the one line)
     (["distributed.strategy=ddp", "--nproc", "3"], "train.batch_size: 8 does not split over 3 ranks"),
     (["distributed.strategy=fsdp", "memory.micro_batch=4", "--nproc", "4"], "memory.micro_batch: 4 does not divide a rank's share 2"),
-    (["--nproc", "2"], "distributed.strategy: --nproc 2 needs ddp or fsdp"),
+    (["--nproc", "2"], "distributed.strategy: --nproc 2 needs ddp, fsdp, hsdp or tp"),
     (["distributed.strategy=ddp", "--nproc", "0"], "--nproc: needs a rank count of 1 or more, got 0"),
     (["memory.sharding.offload=cpu"], "memory.sharding: sharding knobs apply to FSDP, but distributed.strategy is none"),
     (["distributed.strategy=ddp", "memory.sharding.reshard_after_forward=false"], "distributed.strategy is ddp"),
@@ -49,7 +49,7 @@ def test_two_ranks_with_strategy_none_are_refused_before_joining(monkeypatch):
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost"}.items():
         monkeypatch.setenv(key, value)
     recipe, _ = load_recipe_document(STACK, TINY)
-    with pytest.raises(InputError, match="distributed.strategy is none"):
+    with pytest.raises(InputError, match="none trains one process, but 2 ranks would each train alone"):
         join(recipe, STACK)
 
 
