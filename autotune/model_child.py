@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     directory = Path(args.directory)
     recipe = _recipe(Path(args.recipe).read_text(encoding="utf-8"))
-    facts = facts_answer(recipe)
+    facts = facts_answer(recipe, args.nproc)
     write_atomic(directory / "facts.json", json.dumps(facts))
     if args.facts_only or facts["status"] != "ok":
         return 0
@@ -94,9 +94,10 @@ def _time_facts(path: str | None):
     return load_facts(Path(path))
 
 
-def model_facts(recipe) -> dict:
-    """The blocks plans act on (names and containers), and the modules whose result depends on the
-    micro-batch: BatchNorm normalises over it, dropout draws its masks per micro-batch."""
+def model_facts(recipe, nproc: int = 1) -> dict:
+    """The blocks plans act on (names and containers), the modules whose result depends on the
+    micro-batch (BatchNorm normalises over it, dropout draws its masks per micro-batch), and which
+    tensor sizes of `nproc` ranks the model's own tensor-parallel plan splits."""
     from torch import nn
     from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -116,10 +117,10 @@ def model_facts(recipe) -> dict:
             "batchnorm": [name for name, module in named if isinstance(module, _BatchNorm)],
             "dropout": [name for name, module in named
                         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0],
-            "tensor_parallel": tensor_facts(model)}
+            "tensor_parallel": tensor_facts(model, nproc)}
 
 
-def facts_answer(recipe) -> dict:
+def facts_answer(recipe, nproc: int = 1) -> dict:
     """The model's facts, once the user's code passes the checks the tuner leaves to this child."""
     from runner.builders.checks import user_code_problems
 
@@ -127,7 +128,7 @@ def facts_answer(recipe) -> dict:
     if problems:
         return {"status": "bad_input", "key": problems[0].key, "reason": problems[0].message,
                 "problems": [[problem.key, problem.message] for problem in problems]}
-    return _answer(lambda: {"status": "ok", **model_facts(recipe)}, expected=())
+    return _answer(lambda: {"status": "ok", **model_facts(recipe, nproc)}, expected=())
 
 
 def _predict(estimator, request: dict, nproc: int = 1) -> dict:

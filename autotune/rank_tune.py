@@ -15,7 +15,6 @@ from pathlib import Path
 
 from runner.problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Problem
 from runner.recipe import Recipe
-from runner.strategies import SingleProcess
 from runner.train.loop import MemoryCapExceeded, RunResult
 
 from .space import Device
@@ -52,11 +51,7 @@ def check_ranks(recipe: Recipe, source: str, nproc: int) -> None:
     if "WORLD_SIZE" in os.environ:
         raise InputError([Problem(Place("--nproc"), "", "ckrun tune already runs under torchrun (WORLD_SIZE is set); "
                                   "run it as one process: it starts each probe's ranks itself")])
-    pinned = recipe.distributed  # none: the tuner chooses a strategy; a pinned hsdp or tp must lay out the ranks
-    problem = None if isinstance(pinned, SingleProcess) else pinned.world_problem(nproc)
-    if problem:
-        raise InputError([Problem(Place(source), "distributed", problem)])
-    # micro_batch is the tuner's to choose: only the global batch must split
+    # micro_batch is the tuner's to choose: only the layout (a pinned hsdp or tp) and the global batch must split
     check_world(recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"micro_batch": None})}),
                 nproc, source)
 

@@ -164,7 +164,7 @@ def read_facts(child: ModelChild, source: str) -> dict:
     else:
         from .model_child import facts_answer
 
-        facts = facts_answer(child.recipe)
+        facts = facts_answer(child.recipe, child.nproc)
     if facts["status"] == "ok":
         return facts
     child.stop()

@@ -1,8 +1,8 @@
 """Why a candidate cannot run, said before anything is probed: such a plan is told infeasible and
 never run. Every rule is asked of its owner, never written again here: the recipe's schema (a
-candidate's recipe validated as the probe's child validates it), the strategy (which world sizes
-it lays out), the check every rank makes before it starts (runner.parallel.ranks.check_world: the
-batch and micro-batch split over the ranks), and what the memory layer applies on this device.
+candidate's recipe validated as the probe's child validates it), the check every rank makes before
+it starts (runner.parallel.ranks.check_world: the strategy lays out the ranks, the batch and the
+micro-batch split over its data-parallel groups), and what the memory layer applies on this device.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from .candidate import Candidate
 if TYPE_CHECKING:
     from .space import Space
 
+
 def invalid_reason(candidate: Candidate, space: Space) -> str | None:
     """Why `candidate` cannot run, said before anything is probed (it is told infeasible, never run):
     what the recipe's schema refuses (runner.plan.plan_problems; fsdp with fp16 or with segments that
-    span blocks), what the ranks refuse (the strategy's world size, a micro-batch that does not divide
-    a rank's share), the rules the probe's child would meet, then what this device or torch lacks."""
+    span blocks), what the ranks refuse (the strategy's layout, a micro-batch that does not divide a
+    rank's share), the rules the probe's child would meet, then what this device or torch lacks."""
     if space.base is not None:
         try:
             recipe = candidate.recipe(space.base, None)
@@ -42,12 +43,10 @@ def invalid_reason(candidate: Candidate, space: Space) -> str | None:
 
 
 def _ranks_refusal(recipe, candidate: Candidate, world_size: int) -> str | None:
-    """What N ranks refuse, asked of the strategy and of the check every rank makes before it starts."""
+    """What N ranks refuse, asked of the check every rank makes before it starts: the strategy's
+    layout of the ranks, the batch over its data-parallel groups, the micro-batch in a group's share."""
     if candidate.strategy is None or world_size == 1:
         return None
-    problem = candidate.strategy.world_problem(world_size)
-    if problem:
-        return f"distributed: {problem}"
     try:
         check_world(recipe, world_size)
     except InputError as err:

@@ -26,9 +26,11 @@ CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "test")
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=8)
 BLOCKS = {"container_name": "model.layers", "blocks": ["model.layers.0", "model.layers.1"],
           "containers": ["model.layers"] * 2}
-LLAMA = {"model": "LlamaForCausalLM", "has_plan": True, "layers": 14, "heads": 4, "kv_heads": 2,
-         "widths": [32, 64, 128]}
-GPT2 = {"model": "GPT2LMHeadModel", "has_plan": False, "heads": 4}
+# what the model child reports (runner/parallel/tensor_plan.py's first problem per tensor size)
+HEADS = "4 ranks cannot split 2 attention heads (model.config.num_key_value_heads); use a tensor size that divides 2"
+LLAMA = {"model": "LlamaForCausalLM", "problems": {"2": None, "4": HEADS}}
+NO_PLAN = "GPT2LMHeadModel ships no tensor-parallel plan (its config has no base_model_tp_plan); give distributed.plan"
+GPT2 = {"model": "GPT2LMHeadModel", "problems": {"2": NO_PLAN, "4": NO_PLAN}}
 # a tiny Llama: 2 layers of width 64, 4 heads sharing 2 key/value heads, batch 8 (4 ranks: 2 samples each)
 TINY_LLAMA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
               "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.vocab_size=256",
@@ -107,10 +109,10 @@ def test_an_older_studys_trial_reads_back_typed_with_its_plan_key(tmp_path):
 def test_four_ranks_search_ddp_fsdp_hsdp_and_the_tp_sizes_the_heads_allow():
     space = build_space(_llama(), _facts(), CPU, nproc=4)
     assert space.choices["sharding"] == ["ddp", "fsdp", "fsdp:keep", "hsdp:2", "hsdp:2,keep", "tp:2", "tp:2,keep"]
-    assert "tp:4 not searched: its 2 key/value heads do not split over 4 ranks" in space.reasons
+    assert f"tp:4 not searched: {HEADS}" in space.reasons
     assert "FSDP's CPU offload not searched: it needs CUDA" in space.reasons
     assert space.choices["micro_batch"] == [1, 2, 4]  # tp:2's share is 4: its 2 groups of 2 ranks see the same
-    gpu = build_space(_llama(), _facts({**LLAMA, "kv_heads": 4}), GPU, nproc=4)
+    gpu = build_space(_llama(), _facts({**LLAMA, "problems": {"2": None, "4": None}}), GPU, nproc=4)
     assert {"fsdp:cpu", "hsdp:2,cpu", "tp:2,cpu", "tp:4"} <= set(gpu.choices["sharding"])
     assert "tp:4,keep" not in gpu.choices["sharding"]  # no data-parallel ranks left for FSDP2 to split over
     assert any(line.startswith("memory.sharding not searched with tp:4") for line in gpu.reasons)
@@ -119,10 +121,9 @@ def test_four_ranks_search_ddp_fsdp_hsdp_and_the_tp_sizes_the_heads_allow():
 def test_a_model_without_a_plan_or_two_ranks_leave_tp_and_hsdp_out_with_their_reasons():
     space = build_space(_llama(), _facts(GPT2), CPU, nproc=2)
     assert space.choices["sharding"] == ["ddp", "fsdp", "fsdp:keep"]
-    assert "tp not searched: GPT2LMHeadModel ships no tensor-parallel plan (its config has no base_model_tp_plan)" \
-        in space.reasons
+    assert f"tp not searched: {NO_PLAN}" in space.reasons  # one line for every tensor size
     assert any(line.startswith("hsdp not searched: 2 ranks have no shard group") for line in space.reasons)
-    six = build_space(_llama("train.batch_size=12"), _facts({**LLAMA, "heads": 6, "kv_heads": 6, "widths": [48]}),
+    six = build_space(_llama("train.batch_size=12"), _facts({**LLAMA, "problems": {"2": None, "3": None, "6": None}}),
                       CPU, nproc=6)
     assert [c for c in six.choices["sharding"] if c.startswith(("hsdp", "tp"))] == [
         "hsdp:2", "hsdp:2,keep", "hsdp:3", "hsdp:3,keep", "tp:2", "tp:2,keep", "tp:3", "tp:3,keep", "tp:6"]
@@ -146,7 +147,7 @@ def test_a_pinned_layout_the_ranks_do_not_fit_is_refused_before_anything_starts(
     from autotune.rank_tune import check_ranks
     from runner.problems import InputError
 
-    with pytest.raises(InputError, match="distributed.shard 3 does not divide 4 ranks"):
+    with pytest.raises(InputError, match="3 ranks a shard group do not divide 4 ranks; use 2 or 4"):
         check_ranks(_llama("train.batch_size=12", "distributed={strategy: hsdp, shard: 3}"), "r.yaml", 4)
 
 
@@ -185,14 +186,14 @@ def test_tuned_yaml_writes_the_whole_distributed_section_and_the_knobs_of_a_shar
     assert stored.strategy == hsdp.strategy
 
 
-def test_the_model_child_reports_a_models_tensor_parallel_plan_and_its_widths():
+def test_the_model_child_asks_the_tensor_plan_check_for_each_size_the_ranks_offer():
     from runner.builders.model import build_model
 
-    llama = TensorFacts.from_json(tensor_facts(build_model(_llama().model, device="meta")))
-    assert llama == TensorFacts("LlamaForCausalLM", True, 14, 4, 2, (32, 64, 128))  # 7 linear layers a block
-    assert llama.problem(2) is None and "3 ranks" in llama.problem(3)
-    bert = TensorFacts.from_json(tensor_facts(build_model(load_recipe(BERT_TINY, TINY_BERT).model, device="meta")))
-    assert not bert.has_plan and "ships no tensor-parallel plan" in bert.problem(2)
+    llama = TensorFacts.from_json(json.loads(json.dumps(tensor_facts(build_model(_llama().model, "meta"), 4))))
+    assert llama == TensorFacts("LlamaForCausalLM", {2: None, 4: HEADS})
+    assert llama.problem(8) == "the model's facts say nothing of 8 ranks a tensor group"
+    bert = TensorFacts.from_json(tensor_facts(build_model(load_recipe(BERT_TINY, TINY_BERT).model, "meta"), 2))
+    assert bert.problem(2).startswith("BertForMaskedLM ships no tensor-parallel plan")
 
 
 # --- the whole tune, predicted by a fake model child ---------------------------------------------
