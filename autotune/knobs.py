@@ -33,7 +33,8 @@ BUDGET_STEP = 0.1  # compile's activation_memory_budget: finer steps than this m
 def add_micro_batches(space: Space, recipe_micro: int, search: bool) -> None:
     """The divisors of a rank's share; under --nproc of the largest share any strategy gives a rank
     (a tensor-parallel group's ranks see the same samples), so each strategy can run its whole share."""
-    batch_size = max([space.share(strategy) for strategy in space.strategies()] or [space.batch_size])
+    largest = max(space.strategies(), key=space.share, default=None)  # tp's groups see the most samples
+    batch_size = space.share(largest)
     divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     if space.batchnorm and not search:
         space.fixed["micro_batch"] = recipe_micro
@@ -42,10 +43,8 @@ def add_micro_batches(space: Space, recipe_micro: int, search: bool) -> None:
                              f"micro_batch would change what it computes (--search-micro-batch searches {divisors})")
         return
     space.choices["micro_batch"] = divisors
-    groups = space.world_size * space.batch_size // batch_size  # fewer than the ranks under tp
-    over = f"{groups} ranks" if groups == space.world_size else f"{groups} tensor-parallel groups"
     whose = f"train.batch_size {batch_size}" if space.world_size == 1 else \
-        f"a rank's share {batch_size} (train.batch_size over {over})"
+        f"a rank's share {batch_size} (train.batch_size over {_groups(space, largest)})"
     space.reasons.append(f"micro_batch in {divisors}: the divisors of {whose}, so the global "
                          "batch stays the same; the gradient is the same only without BatchNorm and dropout")
     if batch_size > space.batch_size:
@@ -59,6 +58,13 @@ def add_micro_batches(space: Space, recipe_micro: int, search: bool) -> None:
     if space.dropout:
         space.reasons.append(f"note: the model has dropout ({_layers(space.dropout)}): its masks are drawn per "
                              "micro-batch, so losses differ from the whole batch's (the same in distribution)")
+
+
+def _groups(space: Space, strategy) -> str:
+    groups = strategy.data_parallel(space.world_size)
+    if groups == space.world_size:
+        return f"{groups} ranks"
+    return f"the {groups} data-parallel group{'s' if groups > 1 else ''} of {strategy.label()}"
 
 
 def micro_batch_comment(space: Space, micro: int, share: int | None = None) -> str | None:
