@@ -141,7 +141,7 @@ def _close_keys(path: tuple, data: Any) -> list[str]:
     return difflib.get_close_matches(str(path[-1]), _known_keys(path[:-1], data), n=1, cutoff=0.6)
 
 
-_TAG_KEYS = ("policy", "name", "source")
+_TAG_KEYS = ("policy", "name", "source", "strategy")
 
 
 def _data_path(loc: tuple, data: Any) -> tuple:

@@ -51,7 +51,7 @@ def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool =
     if recipe.eval is not None:
         found += _section_checks("eval", recipe.eval, user_code)
     if not found:  # positions and a tensor-parallel plan: only once the model is known to build
-        from ..parallel.tensor_plan import recipe_problems
+        from .tensor_plan import recipe_problems
 
         found = [*position_problems(recipe), *recipe_problems(recipe, user_code)]
     return _placed(found, doc)

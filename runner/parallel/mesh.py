@@ -39,6 +39,18 @@ def build_mesh(strategy: Strategy, world_size: int, device_type: str):
     return mesh
 
 
+def node_problem(dims: dict[str, int], local_world: int) -> str | None:
+    """Why the innermost groups of a 2-D layout (tp's tensor groups, hsdp's shard groups) would span
+    machines, where their traffic, every layer's for tp, is slowest; None when each fits on one."""
+    if len(dims) < 2 or local_world < 1:
+        return None
+    name, size = list(dims.items())[-1]
+    if local_world % size == 0:
+        return None
+    return (f"{name} groups of {size} ranks do not fit the {local_world} ranks of a machine: some span machines "
+            f"and their collectives cross the network; choose a {name} size that divides {local_world}")
+
+
 def data_mesh(mesh):
     """The mesh's data-parallel part, which FSDP2 shards over: the whole mesh for fsdp and hsdp (2-D:
     replicate x shard), its `dp` dimension beside tensor parallelism; None when that part is one rank."""

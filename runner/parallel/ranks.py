@@ -19,7 +19,7 @@ import torch
 
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe, largest_divisor_at_most
-from .mesh import build_mesh, data_coordinate
+from .mesh import build_mesh, data_coordinate, node_problem
 from .slurm import adopt
 from .supervise import die_with_parent
 
@@ -106,6 +106,9 @@ def join(recipe: Recipe, source: str = "<recipe>") -> Ranks:
 
 def _log_joined(ranks: Ranks, recipe: Recipe, backend: str) -> None:
     dims = recipe.distributed.mesh_dims(ranks.world_size)
+    spread = node_problem(dims, int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)))
+    if spread and ranks.is_main:
+        log.warning("distributed: %s", spread)
     log.info("rank %d of %d joined (%s backend, mesh %s): %s; %d samples of the global batch %d each", ranks.rank,
              ranks.world_size, backend, " x ".join(f"{name} {size}" for name, size in dims.items()),
              recipe.distributed.describe(ranks.world_size), recipe.train.batch_size // ranks.data_size,

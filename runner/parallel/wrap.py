@@ -23,7 +23,7 @@ from ..problems import InputError, Place, Problem
 from ..recipe import Recipe
 from .mesh import data_mesh, tensor_mesh
 from .ranks import Ranks
-from .tensor_plan import resolve
+from ..builders.tensor_plan import resolve
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,16 @@
 """No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
 own layer or the ones below it:
 
-1. foundations  problems, units, files, lock, yamlio, policies, plan, checkpoint_files (messages, YAML,
-                the policies and the plan's data, the checkpoint file format, the lock a directory's
-                owner holds)
+1. foundations  problems, units, files, lock, yamlio, policies, strategies, plan, checkpoint_files
+                (messages, YAML, the policies, distributed strategies and the plan's data, the
+                checkpoint file format, the lock a directory's owner holds)
 2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, load, located, library (the validated
                 recipe and
                 where its lines are)
 3. builders     builders/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
-5. parallel     parallel/ (ranks joined, DDP/FSDP2 put on the planned model, torchrun started)
+5. parallel     parallel/ (ranks joined as a device mesh, DDP/FSDP2/HSDP/TP put on the planned model,
+                torchrun started)
 6. train        train/ (the step and the loop; the plan applied, the memory measured)
 7. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
 8. cli          cli/, __main__ (the one place that sees everything)
@@ -33,7 +34,7 @@ from conftest import ROOT
 
 LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.yamlio",
-                     "runner.policies", "runner.plan", "runner.checkpoint_files"}),
+                     "runner.policies", "runner.strategies", "runner.plan", "runner.checkpoint_files"}),
     ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks", "runner.load",
                 "runner.located", "runner.library"}),
     ("builders", {"runner.builders", "runner.models"}),

@@ -26,32 +26,47 @@ class Layout:
         return self.count
 
 
-def _compares_policy_name(node: ast.AST) -> bool:
-    """`x.policy == "sqrt"`, `part.policy in (...)`, `policy != "none"`: deciding by a policy's name."""
+def _compares_name(node: ast.AST, field: str = "policy") -> bool:
+    """`x.policy == "sqrt"`, `part.policy in (...)`, `policy != "none"`: deciding by a policy's (or, with
+    field="strategy", a distributed strategy's) name."""
     if not isinstance(node, ast.Compare):
         return False
     operands = [node.left, *node.comparators]
-    named = any(isinstance(o, ast.Attribute) and o.attr == "policy" or isinstance(o, ast.Name) and o.id == "policy"
+    named = any(isinstance(o, ast.Attribute) and o.attr == field or isinstance(o, ast.Name) and o.id == field
                 for o in operands)
     return named and any(isinstance(o, ast.Constant) and isinstance(o.value, str) or isinstance(o, ast.Tuple)
                          for o in operands)
 
 
-def test_no_code_outside_the_policy_types_decides_by_a_policy_name():
+def _name_comparisons(folders: tuple[str, ...], field: str, home: str) -> list[str]:
     found = []
-    for folder in ("runner", "autotune", "bench"):
+    for folder in folders:
         for path in (ROOT / folder).rglob("*.py"):
-            if path == ROOT / "runner" / "policies.py":
+            if path == ROOT / home:
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if _compares_policy_name(node):
+                if _compares_name(node, field):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_no_code_outside_the_policy_types_decides_by_a_policy_name():
+    found = _name_comparisons(("runner", "autotune", "bench"), "policy", "runner/policies.py")
     assert not found, f"ask the policy type instead: {found}"
 
 
+def test_no_runner_code_decides_by_a_distributed_strategys_name():
+    """runner/strategies.py answers for each strategy (shards, mesh_dims, data_parallel, world_problem);
+    autotune's `sharding` choices are strings of the tuner's own and are not checked here."""
+    found = _name_comparisons(("runner", "bench"), "strategy", "runner/strategies.py")
+    assert not found, f"ask the strategy type instead: {found}"
+
+
 def test_the_check_finds_what_it_looks_for():
-    tree = ast.parse('a = x.policy == "sqrt"\nb = policy in ("full", "none")\nc = x.every == 2')
-    assert [_compares_policy_name(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)] == [True, True, False]
+    tree = ast.parse('a = x.policy == "sqrt"\nb = policy in ("full", "none")\nc = x.every == 2\nd = s.strategy != "fsdp"')
+    compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
+    assert [_compares_name(n) for n in compares] == [True, True, False, False]
+    assert [_compares_name(n, "strategy") for n in compares] == [False, False, False, True]
 
 
 def test_every_policy_class_is_in_its_union():

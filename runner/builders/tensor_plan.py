@@ -50,33 +50,44 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def resolve(model: nn.Module, strategy: TensorParallel) -> tuple[dict[str, str], list[KeyedError]]:
-    """(every module to split, by its full name, to its style; each problem that stops the plan)."""
+    """(every module to split, by its full name, to its style; each problem that stops the plan: one per
+    pattern, the first layer it names that cannot be split standing for the rest)."""
     plan, origin = wanted_plan(model, strategy)
     if not plan:
         return {}, [KeyedError(("distributed", "plan"), f"{type(model).__name__} ships no tensor-parallel plan (its "
                                "config has no base_model_tp_plan); give distributed.plan: {module pattern: colwise "
                                "or rowwise}, e.g. {layers.*.mlp.up_proj: colwise, layers.*.mlp.down_proj: rowwise}")]
+    unknown = _style_problems(plan, origin)
+    if unknown:
+        return {}, unknown
     modules, prefix = dict(model.named_modules()), base_prefix(model)
     chosen, problems = {}, _head_problems(model, strategy.tensor)
     for pattern, style in plan.items():
         where = ("distributed", "plan", pattern) if strategy.plan is not None else ("distributed", "tensor")
         names = [name for name in modules if name.startswith(prefix) and matches(pattern, name[len(prefix):])]
-        problems += _pattern_problems(pattern, style, origin, names, model, prefix, where)
-        for name in names:
-            problems += _target_problems(name, modules[name], style, strategy.tensor, where)
-            chosen[name] = style
+        if not names:
+            problems.append(KeyedError(where, f"{pattern} ({origin}) matches no module of {type(model).__name__}; "
+                                       f"name one relative to {prefix.rstrip('.') or 'the model'}, with `*` for one "
+                                       "name such as an index"))
+        found = [problem for name in names for problem in _target_problems(name, modules[name], style,
+                                                                           strategy.tensor, where)]
+        problems += found[:1]
+        chosen.update(dict.fromkeys(names, style))
     return chosen, problems
 
 
-def _pattern_problems(pattern: str, style: str, origin: str, names: list[str], model: nn.Module, prefix: str,
-                      where: tuple) -> list[KeyedError]:
-    if style not in STYLES:  # transformers' own plans also use gather, local_colwise, sequence_parallel, ...
-        return [KeyedError(where, f"{origin} splits {pattern} as {style!r}, which ckrun does not apply (it applies "
-                           f"{' and '.join(STYLES)}); give distributed.plan")]
-    if not names:
-        return [KeyedError(where, f"{pattern} ({origin}) matches no module of {type(model).__name__}; name one "
-                           f"relative to {prefix.rstrip('.') or 'the model'}, with `*` for one name such as an index")]
-    return []
+def _style_problems(plan: dict[str, str], origin: str) -> list[KeyedError]:
+    """transformers' own plans also use styles of its own TP engine (colwise_gather_output, packed_colwise,
+    embedding_rowwise, ...); the schema keeps a recipe's plan to colwise and rowwise already."""
+    unknown: dict[str, list[str]] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            unknown.setdefault(style, []).append(pattern)
+    if not unknown:
+        return []
+    said = "; ".join(f"{style} ({', '.join(patterns)})" for style, patterns in unknown.items())
+    return [KeyedError(("distributed", "tensor"), f"{origin} splits layers in styles ckrun does not apply (it "
+                       f"applies {' and '.join(STYLES)}): {said}; give distributed.plan with colwise and rowwise")]
 
 
 def _target_problems(name: str, module: nn.Module, style: str, tensor: int, where: tuple) -> list[KeyedError]:
@@ -124,8 +135,8 @@ def _meta_model(spec) -> nn.Module:
     """The model's modules and shapes: a transformers directory's config, never its weights."""
     import torch
 
-    from ..builders.model import build_model
-    from ..builders.resolve import transformers_class
+    from .model import build_model
+    from .resolve import transformers_class
 
     if spec.source != "transformers" or not spec.pretrained:
         return build_model(spec.model_copy(update={"pretrained": None}), "meta")
