@@ -2,7 +2,7 @@
 
 `distributed: {strategy: tp}` without a `plan` splits the layers the transformers model's own plan
 names (its config's `base_model_tp_plan`). Whether it can, for each tensor size T the world size
-offers, is runner/parallel/tensor_plan.py's to say (a plan at all, styles ckrun applies, patterns
+offers, is runner/builders/tensor_plan.py's to say (a plan at all, styles ckrun applies, patterns
 that match linear layers, features and attention heads that split over T): the model child asks it
 on the meta-device model (`tensor_facts`), and the space reads the answers back (`TensorFacts`)
 without building anything, so the tuner never offers a tp the recipe checks would refuse.
@@ -32,8 +32,8 @@ class TensorFacts:
 
 def tensor_facts(model, nproc: int) -> dict:
     """`TensorFacts` of a built (meta-device) model for the tensor sizes `nproc` ranks offer, as JSON:
-    the first problem runner/parallel/tensor_plan.py finds with the model's own plan at each size."""
-    from runner.parallel.tensor_plan import resolve
+    the first problem runner/builders/tensor_plan.py finds with the model's own plan at each size."""
+    from runner.builders.tensor_plan import resolve
     from runner.strategies import TensorParallel, strategy_from_label
 
     problems = {}

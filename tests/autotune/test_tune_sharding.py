@@ -26,7 +26,7 @@ CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "test")
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=8)
 BLOCKS = {"container_name": "model.layers", "blocks": ["model.layers.0", "model.layers.1"],
           "containers": ["model.layers"] * 2}
-# what the model child reports (runner/parallel/tensor_plan.py's first problem per tensor size)
+# what the model child reports (runner/builders/tensor_plan.py's first problem per tensor size)
 HEADS = "4 ranks cannot split 2 attention heads (model.config.num_key_value_heads); use a tensor size that divides 2"
 LLAMA = {"model": "LlamaForCausalLM", "problems": {"2": None, "4": HEADS}}
 NO_PLAN = "GPT2LMHeadModel ships no tensor-parallel plan (its config has no base_model_tp_plan); give distributed.plan"
