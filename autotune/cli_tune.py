@@ -28,7 +28,8 @@ from .probe import ProbeRunner, ProbeSettings
 from .records import TrialRecord
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
-from .space import Device, ModelFacts, Space, build_space, compression_comment, micro_batch_comment
+from .knobs import compression_comment, micro_batch_comment
+from .space import Device, ModelFacts, Space, build_space
 from .cap import Cap
 from .rank_tune import check_devices, check_ranks, rank_training, ranks_comment
 from .predicted import (CachedPredictor, local_facts, named_facts, predict_settings, predicted_device,
@@ -64,7 +65,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
                         help="tune for N ranks on this machine (torchrun): the cap holds per rank, each probe is a "
-                             "group of N ranks, and ddp/fsdp and FSDP's knobs join the search (default 1)")
+                             "group of N ranks, and how they share the work joins the search: ddp, fsdp and FSDP's "
+                             "knobs, hsdp:S (N >= 4) and tp:T (a model with a tensor-parallel plan) (default 1)")
     parser.add_argument("--no-train", action="store_true", help="stop after writing DIR/tuned.yaml")
     parser.add_argument("--predict", action="store_true",
                         help="predict every plan instead of measuring it (peak and step time on --gpu, a roofline): "
@@ -150,7 +152,8 @@ def _conclude(args, records: list[TrialRecord], doc, cap: Cap, space: Space, dev
         raise NothingFits(nothing_fits(records, cap, space, device, directory))
 
     def tuned_for(record: TrialRecord):
-        notes = [note for note in [micro_batch_comment(space, record.plan["micro_batch"]),
+        share = space.share(record.strategy)  # a rank's samples under the winner's strategy
+        notes = [note for note in [micro_batch_comment(space, record.plan["micro_batch"], share),
                                    compression_comment(record), ranks_comment(args.nproc),
                                    predicted_note(record) if args.predict else None] if note]
         return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes,

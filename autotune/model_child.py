@@ -10,11 +10,13 @@ segfault or an `os._exit` in the user's code then costs a timeout and a line in 
         [--time-facts FACTS.json]
 
 Protocol (files are written atomically; the tuner waits for each with a timeout):
-1. DIR/facts.json: `model_facts` of the model built on the meta device.
+1. DIR/facts.json: `model_facts` of the model built on the meta device (its blocks, the layers that
+   see the micro-batch, its tensor-parallel plan: autotune/tp_facts.py).
 2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
-3. Then one request per line on stdin, `{"id": N, "plan": {...}, "precision": "fp32", "strategy":
-   null}`, each answered in DIR/answer-N.json (with --nproc N, the peak of one of N ranks under
-   `strategy`, ddp or fsdp: runner/predict/per_rank.py); with --time-facts (a device's
+3. Then one request per line on stdin, `{"id": N, **Candidate.request()}` (plan, precision and the
+   `distributed:` section, null for one process: autotune/candidate.py), each answered in
+   DIR/answer-N.json (with --nproc N, the peak of one of N ranks under that strategy:
+   runner/predict/per_rank.py); with --time-facts (a device's
    `runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
    it (`StepTime.record()`). End of input ends the child. A request with `"frontier": {"pairs":
    [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan}}`
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     directory = Path(args.directory)
     recipe = _recipe(Path(args.recipe).read_text(encoding="utf-8"))
-    facts = facts_answer(recipe)
+    facts = facts_answer(recipe, args.nproc)
     write_atomic(directory / "facts.json", json.dumps(facts))
     if args.facts_only or facts["status"] != "ok":
         return 0
@@ -92,14 +94,17 @@ def _time_facts(path: str | None):
     return load_facts(Path(path))
 
 
-def model_facts(recipe) -> dict:
-    """The blocks plans act on (names and containers), and the modules whose result depends on the
-    micro-batch: BatchNorm normalises over it, dropout draws its masks per micro-batch."""
+def model_facts(recipe, nproc: int = 1) -> dict:
+    """The blocks plans act on (names and containers), the modules whose result depends on the
+    micro-batch (BatchNorm normalises over it, dropout draws its masks per micro-batch), and which
+    tensor sizes of `nproc` ranks the model's own tensor-parallel plan splits."""
     from torch import nn
     from torch.nn.modules.batchnorm import _BatchNorm
 
     from runner.builders.model import BuildError, build_model
     from runner.memory.blocks import find_blocks
+
+    from .tp_facts import tensor_facts
 
     model = build_model(recipe.model, device="meta")  # nothing is allocated; CUDA is not touched
     try:
@@ -111,10 +116,11 @@ def model_facts(recipe) -> dict:
             "containers": list(blocks.containers),
             "batchnorm": [name for name, module in named if isinstance(module, _BatchNorm)],
             "dropout": [name for name, module in named
-                        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0]}
+                        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0],
+            "tensor_parallel": tensor_facts(model, nproc)}
 
 
-def facts_answer(recipe) -> dict:
+def facts_answer(recipe, nproc: int = 1) -> dict:
     """The model's facts, once the user's code passes the checks the tuner leaves to this child."""
     from runner.builders.checks import user_code_problems
 
@@ -122,32 +128,28 @@ def facts_answer(recipe) -> dict:
     if problems:
         return {"status": "bad_input", "key": problems[0].key, "reason": problems[0].message,
                 "problems": [[problem.key, problem.message] for problem in problems]}
-    return _answer(lambda: {"status": "ok", **model_facts(recipe)}, expected=())
+    return _answer(lambda: {"status": "ok", **model_facts(recipe, nproc)}, expected=())
 
 
 def _predict(estimator, request: dict, nproc: int = 1) -> dict:
-    from runner.plan import MemoryPlan
+    from .candidate import Candidate
 
+    candidate = Candidate.from_request(request)
     if nproc > 1:
-        estimate = _rank_estimate(estimator, request, nproc)
+        estimate = _rank_estimate(estimator, candidate, nproc)
     else:
-        estimate = estimator.estimate(MemoryPlan.model_validate(request["plan"]), request["precision"])
+        estimate = estimator.estimate(candidate.plan, candidate.precision)
     return {"status": "ok", "peak_bytes": int(estimate.peak_bytes), "warnings": list(estimate.warnings),
             "time": estimate.time.record() if estimate.time else None}
 
 
-def _rank_estimate(estimator, request: dict, nproc: int):
+def _rank_estimate(estimator, candidate, nproc: int):
     """One rank's peak: the candidate's recipe (plan, precision, strategy) estimated as `ckrun estimate
     --nproc` does; FSDP shards the model anew for each, so nothing is shared with `estimator` but its recipe."""
     from runner.predict.per_rank import per_rank
-    from runner.recipe import Recipe
 
-    data = estimator.recipe.model_dump(mode="json")
-    data.update(memory=request["plan"], precision=request["precision"])
-    if request.get("strategy"):
-        data["distributed"] = {"strategy": request["strategy"]}
     device = "cuda" if estimator.cuda else "cpu"
-    return per_rank(nproc)(Recipe.model_validate(data), device, estimator.facts).estimate()
+    return per_rank(nproc)(candidate.recipe(estimator.recipe, None), device, estimator.facts).estimate()
 
 
 def _frontier(estimator, request: dict) -> dict:

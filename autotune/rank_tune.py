@@ -1,9 +1,10 @@
 """`ckrun tune --nproc N`: what changes when the tuned recipe trains as N ranks.
 
 The cap holds per rank (per GPU), so a probe measures a group of N ranks (autotune/rank_probe.py)
-and reads the highest peak over them. The space gains the `sharding` knob (autotune/sharding.py)
-and splits each rank's share of the batch into micro-batches. The winner trains as N ranks,
-started as `ckrun RECIPE --nproc N` starts them; tuned.yaml says so in its comment.
+and reads the highest peak over them. The space gains the `sharding` knob (autotune/sharding.py:
+ddp, fsdp, hsdp, tp and FSDP2's knobs) and splits each rank's share of the batch into
+micro-batches. The winner trains as N ranks, started as `ckrun RECIPE --nproc N` starts them;
+tuned.yaml says so in its comment.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def check_ranks(recipe: Recipe, source: str, nproc: int) -> None:
     if "WORLD_SIZE" in os.environ:
         raise InputError([Problem(Place("--nproc"), "", "ckrun tune already runs under torchrun (WORLD_SIZE is set); "
                                   "run it as one process: it starts each probe's ranks itself")])
-    # micro_batch is the tuner's to choose: only the global batch must split
+    # micro_batch is the tuner's to choose: only the layout (a pinned hsdp or tp) and the global batch must split
     check_world(recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"micro_batch": None})}),
                 nproc, source)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
+from runner.strategies import Distributed, strategy_from_label
 from runner.train.measurement import Measurement
 
 if TYPE_CHECKING:  # the probe child imports this module: optuna would only slow its start
@@ -79,8 +80,9 @@ class TrialRecord(BaseModel):
     precision: str | None = None
     label: str | None = None
     """The plan in words; `read_record` falls back to the trial's params."""
-    strategy: str | None = None
-    """tune --nproc: how the ranks share the work (ddp, fsdp)."""
+    strategy: Distributed | None = None
+    """tune --nproc: how the ranks share the work, stored as the recipe's `distributed:` section
+    (memory.sharding is in `plan`); none for a tune of one process."""
     predicted_peak: int | None = None
     predicted_s: float | None = None
     """The predicted step time, when the device's facts were known."""
@@ -104,6 +106,12 @@ class TrialRecord(BaseModel):
     """A finalist's re-run: the trial whose plan this measured again."""
     duplicate_of: int | None = None
     """The trial whose measurement this one reused (the sampler proposed the same plan again)."""
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _label_of_an_older_study(cls, value: Any) -> Any:
+        """Studies before hsdp and tp stored the strategy as its label (`ddp`, `fsdp`)."""
+        return strategy_from_label(value) if isinstance(value, str) else value
 
     def as_data(self) -> dict[str, Any]:
         """The record as JSON values, fields without a value left out: report.json's trials, and (less

@@ -103,8 +103,7 @@ class ModelChild:
 
     def ask(self, candidate: Candidate) -> dict:
         number, self.requests = self.requests, self.requests + 1
-        request = {"id": number, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision,
-                   "strategy": candidate.strategy}
+        request = {"id": number, **candidate.request()}
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -165,7 +164,7 @@ def read_facts(child: ModelChild, source: str) -> dict:
     else:
         from .model_child import facts_answer
 
-        facts = facts_answer(child.recipe)
+        facts = facts_answer(child.recipe, child.nproc)
     if facts["status"] == "ok":
         return facts
     child.stop()

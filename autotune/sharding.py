@@ -1,67 +1,178 @@
 """`ckrun tune --nproc N`: how the ranks share the work, as one more knob of the space.
 
 With N ranks the memory of a rank depends on the strategy as much as on checkpointing: DDP keeps
-the whole model, its gradients and optimizer state on every rank (and buckets of the gradients
-besides); FSDP2 keeps 1/N of them and gathers each block's parameters while it runs. FSDP's own
-knobs trade communication for memory the way checkpointing trades recompute: keeping the gathered
-parameters from forward to backward (`reshard_after_forward: false`) saves a second all-gather,
-and CPU offload (CUDA only) moves the shards, gradients and the optimizer step to the host.
+the whole model, its gradients and optimizer state on every rank; FSDP2 splits them over the ranks
+(fsdp), over groups of S ranks with N/S replicas (hsdp:S), or over the data-parallel ranks left
+after tensor parallelism splits each planned layer over T ranks (tp:T). FSDP2's own knobs
+(memory.sharding) trade communication for memory the way checkpointing trades recompute: keeping
+the gathered parameters from forward to backward (`reshard_after_forward: false`) saves a second
+all-gather, and CPU offload (CUDA only) moves the shards, gradients and optimizer step to the host.
 
-The knob `sharding` takes one string per choice, so optuna stores it as it stores the others:
-`ddp`, `fsdp`, `fsdp:keep` (reshard_after_forward false), `fsdp:cpu` (offload cpu), `fsdp:keep,cpu`.
+A choice is a `ShardingChoice`: a strategy (a runner.strategies type) and its memory.sharding. The
+space stores it as one optuna categorical string, its label, read back by `ShardingChoice.from_label`:
+
+    label   := strategy [":" words]         strategy's own label first: ddp, fsdp, hsdp:2, tp:2
+    words   := [argument ","] knob ("," knob)*  in the order keep, cpu
+    knob    := "keep"  (reshard_after_forward false) | "cpu"  (offload cpu)
+
+so `fsdp`, `fsdp:keep`, `fsdp:cpu`, `fsdp:keep,cpu` (the labels of studies before hsdp and tp),
+`hsdp:2`, `hsdp:2,keep`, `tp:2,keep,cpu`. Default knobs are written as none: one label per plan.
+Only a label read back into itself is accepted, so a mistyped one fails loudly.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runner.plan import Sharding
 from runner.recipe import Recipe
+from runner.strategies import (STRATEGIES, HybridSharded, SingleProcess, Strategy, TensorParallel,
+                               strategy_from_label)
+
+from .tp_facts import TensorFacts
 
 if TYPE_CHECKING:
     from .space import Device, Space
 
-FSDP_VARIANTS = {"keep": ("reshard_after_forward", False), "cpu": ("offload", "cpu")}
+KNOB_WORDS = {"keep": ("reshard_after_forward", False), "cpu": ("offload", "cpu")}
+"""The label's word for each memory.sharding value other than FSDP2's default, in label order."""
 
 
-def parse_sharding(value: str) -> tuple[str, dict | None]:
-    """(distributed.strategy, memory.sharding) of a `sharding` choice."""
-    strategy, _, variant = value.partition(":")
-    if strategy == "ddp" or not variant:
-        return strategy, None
-    return strategy, dict(FSDP_VARIANTS[name] for name in variant.split(","))
+@dataclass(frozen=True)
+class ShardingChoice:
+    """One value of the `sharding` knob: the strategy, and memory.sharding (None: FSDP2's defaults)."""
+
+    strategy: Strategy
+    knobs: Sharding | None = None
+
+    def __post_init__(self):
+        if self.knobs == Sharding():
+            object.__setattr__(self, "knobs", None)  # the defaults spelt out are the same plan, the same label
+
+    def words(self) -> list[str]:
+        return [word for word, (key, value) in KNOB_WORDS.items()
+                if self.knobs is not None and getattr(self.knobs, key) == value]
+
+    def label(self) -> str:
+        label, words = self.strategy.label(), self.words()
+        if not words:
+            return label
+        return label + ("," if ":" in label else ":") + ",".join(words)
+
+    @classmethod
+    def from_label(cls, label: str, pinned: Strategy | None = None) -> ShardingChoice:
+        """The choice `label` writes; a strategy of the recipe's own kind (`pinned`) lends the fields
+        no label says (tp's `plan`). A ValueError for anything `label()` would not write."""
+        tag, _, rest = label.partition(":")
+        parts = rest.split(",") if rest else []
+        words = [part for part in parts if part in KNOB_WORDS]
+        argument = ",".join(part for part in parts if part not in KNOB_WORDS)
+        knobs = Sharding(**dict(KNOB_WORDS[word] for word in words)) if words else None
+        choice = cls(_strategy(tag, argument, pinned), knobs)
+        if choice.label() != label:
+            raise ValueError(f"{label!r} is not a sharding choice; did you mean {choice.label()!r}?")
+        return choice
+
+    def describe(self) -> str:
+        """How a plan's label names it: `hsdp:2 (reshard_after_forward false, offload cpu)`."""
+        changed = [f"{KNOB_WORDS[word][0]} {str(KNOB_WORDS[word][1]).lower()}" for word in self.words()]
+        return self.strategy.label() + (f" ({', '.join(changed)})" if changed else "")
 
 
-def sharding_value(strategy: str, knobs: dict | None) -> str:
-    """The choice for a strategy and its memory.sharding (the inverse of `parse_sharding`)."""
-    knobs = knobs or {}
-    variant = [name for name, (key, value) in FSDP_VARIANTS.items() if knobs.get(key) == value]
-    return strategy + (":" + ",".join(variant) if strategy == "fsdp" and variant else "")
+def _strategy(tag: str, argument: str, pinned: Strategy | None) -> Strategy:
+    for cls in STRATEGIES:
+        if cls.tag() == tag:
+            fields = pinned.model_dump() if pinned is not None and pinned.strategy == tag else {}
+            return cls.model_validate({**fields, "strategy": tag, **(cls.from_argument(argument) if argument else {})})
+    raise ValueError(f"no distributed strategy is written {tag!r}; one of {', '.join(c.tag() for c in STRATEGIES)}")
 
 
-def describe_sharding(strategy: str, knobs: dict | None) -> str:
-    """How a plan's label names it: `fsdp (reshard_after_forward false, offload cpu)`."""
-    changed = [f"{key} {str(value).lower()}" for key, value in (knobs or {}).items()
-               if (key, value) in FSDP_VARIANTS.values()]
-    return strategy + (f" ({', '.join(changed)})" if changed else "")
+def distributed_section(strategy: Strategy) -> dict:
+    """The recipe's `distributed:` for `strategy`, as every tuner file writes it (a candidate's recipe,
+    the model child's request, a trial's record, tuned.yaml); the recipe's schema reads it back."""
+    return strategy.model_dump(mode="json", exclude_none=True)
 
 
-def add_sharding(space: Space, recipe: Recipe, device: Device, nproc: int) -> None:
-    """The `sharding` knob for `nproc` ranks, or the recipe's strategy pinned; the reason either way."""
-    pinned = recipe.distributed.strategy
+# --- the knob's choices for a recipe and a world size ------------------------------------------------
+
+
+def add_sharding(space: Space, recipe: Recipe, tensor: TensorFacts | None, device: Device, nproc: int) -> None:
+    """The `sharding` knob for `nproc` ranks: with distributed.strategy none, every strategy the world
+    size and the model allow; else the recipe's own strategy and its knob variants. Each choice, and
+    each strategy left out, is logged with its reason."""
     space.world_size = nproc
-    if pinned == "ddp":
-        space.fixed["sharding"] = "ddp"
-        space.reasons.append(f"sharding pinned to the recipe's ddp over {nproc} ranks (distributed.strategy: none "
-                             "lets the tuner choose between ddp and fsdp)")
-        return
-    variants = ["fsdp", "fsdp:keep"] + (["fsdp:cpu"] if device.kind == "cuda" else [])
-    own = sharding_value("fsdp", recipe.memory.sharding.model_dump() if recipe.memory.sharding else None)
-    if pinned == "fsdp":
-        space.choices["sharding"] = list(dict.fromkeys([own, *variants]))
-        why = "the recipe's fsdp, with its knobs searched"
+    pinned = recipe.distributed
+    if isinstance(pinned, SingleProcess):
+        strategies = _searched(nproc, tensor, space.reasons)
+        why = f"distributed.strategy none with --nproc {nproc}: the tuner chooses how the ranks share the work"
     else:
-        space.choices["sharding"] = ["ddp", *variants]
-        why = f"distributed.strategy none with --nproc {nproc}: ddp and fsdp both searched"
-    offload = "" if device.kind == "cuda" else "; FSDP's CPU offload not searched: it needs CUDA"
-    space.reasons.append(f"sharding in {space.choices['sharding']}: {why} (fsdp:keep keeps each block's gathered "
-                         f"parameters from forward to backward){offload}")
+        strategies = [pinned]
+        why = f"the recipe's distributed.strategy {pinned.strategy}, with its own variants only (none searches all)"
+    choices = [choice.label() for strategy in strategies
+               for choice in _variants(strategy, recipe.memory.sharding, device, nproc, space.reasons)]
+    choices = list(dict.fromkeys(choices))
+    if len(choices) == 1:
+        space.fixed["sharding"] = choices[0]
+        space.reasons.append(f"sharding pinned to {choices[0]} over {nproc} ranks: {why}")
+    else:
+        space.choices["sharding"] = choices
+        space.reasons.append(f"sharding in {choices}: {why} (`keep`: reshard_after_forward false, each block's "
+                             "gathered parameters kept from forward to backward; `cpu`: FSDP2's CPU offload)")
+    space.reasons += [strategy.describe(nproc) for strategy in strategies]
+    if device.kind != "cuda" and any(strategy.shards for strategy in strategies):
+        space.reasons.append("FSDP's CPU offload not searched: it needs CUDA")
+
+
+def _searched(nproc: int, tensor: TensorFacts | None, reasons: list[str]) -> list[Strategy]:
+    """The strategies each type offers for `nproc` ranks (`tuner_labels`), less those the world size
+    or the model rules out; one line per rule, or per label where they differ."""
+    kept = []
+    for cls in STRATEGIES:
+        labels = cls.tuner_labels(nproc)
+        if not labels and cls is not SingleProcess:  # one process is never a choice of several ranks
+            reasons.append(f"{cls.tag()} not searched: {_no_layout(cls, nproc)}")
+        problems = {}
+        for label in labels:
+            strategy = strategy_from_label(label)
+            problem = strategy.world_problem(nproc) or _model_problem(strategy, tensor)
+            if problem:
+                problems[label] = problem
+            else:
+                kept.append(strategy)
+        if problems and len(problems) == len(labels) and len(set(problems.values())) == 1:
+            reasons.append(f"{cls.tag()} not searched: {next(iter(problems.values()))}")
+        else:
+            reasons += [f"{label} not searched: {problem}" for label, problem in problems.items()]
+    return kept
+
+
+def _no_layout(cls: type[Strategy], nproc: int) -> str:
+    if issubclass(cls, HybridSharded):
+        return (f"{nproc} ranks have no shard group size between 1 and {nproc} that divides them (hsdp:S needs "
+                "S ranks per group and at least 2 groups: 4 ranks or more)")
+    return f"it offers no layout of {nproc} ranks"
+
+
+def _model_problem(strategy: Strategy, tensor: TensorFacts | None) -> str | None:
+    """Why the model cannot take `strategy`: tp with the model's own plan needs one that splits evenly."""
+    if not isinstance(strategy, TensorParallel) or strategy.plan is not None:
+        return None
+    if tensor is None:
+        return "the model's facts do not say whether it ships a tensor-parallel plan"
+    return tensor.problem(strategy.tensor)
+
+
+def _variants(strategy: Strategy, own: Sharding | None, device: Device, nproc: int,
+              reasons: list[str]) -> list[ShardingChoice]:
+    """`strategy` with each memory.sharding the space tries: the recipe's own first (the starting
+    points take the first), FSDP2's defaults, keep, and on CUDA cpu."""
+    if not strategy.shards:
+        return [ShardingChoice(strategy)]
+    if strategy.shard_group(nproc) < 2:
+        reasons.append(f"memory.sharding not searched with {strategy.label()}: FSDP2 splits nothing over a group "
+                       f"of {strategy.shard_group(nproc)} rank, so its knobs change nothing")
+        return [ShardingChoice(strategy, own)]
+    knobs = [own, None, Sharding(reshard_after_forward=False)] + ([Sharding(offload="cpu")] if device.kind == "cuda"
+                                                                 else [])
+    return [ShardingChoice(strategy, k) for k in knobs]

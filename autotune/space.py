@@ -5,17 +5,14 @@ that optuna stores, a resumed study reads back unchanged, and the same seed prop
 Knobs the recipe pins (precision unless --search-precision, compile unless --search-compile,
 offload off the GPU, micro_batch of a model with BatchNorm unless --search-micro-batch) are left
 out of the space, and each such choice is logged with its reason. The global batch is never a
-knob: micro_batch only runs through the divisors of train.batch_size.
-
-Micro-batching changes what is computed where the model looks across samples: BatchNorm
-normalises over each micro-batch, dropout draws its masks per micro-batch. The space says so in
-its lines, and tuned.yaml in a comment (`micro_batch_comment`).
+knob: micro_batch only runs through the divisors of train.batch_size (of a rank's share under
+--nproc). Each knob's choices and reasons come from autotune/knobs.py, the ranks' `sharding` knob
+from autotune/sharding.py; a point becomes a typed `Candidate` (autotune/candidate.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,19 +22,16 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from runner.memory.blocks import Block, BlockList
 from runner.plan import MemoryPlan
 from runner.recipe import Recipe
+from runner.strategies import Strategy
 
-from runner.policies import (CHECKPOINTING, EVERY_K, checkpointing_choices, compression_choices, offload_choices,
-                             policy_class)
-
-from .records import TrialRecord
+from .candidate import Candidate
+from .knobs import (add_adaptive, add_allocator, add_checkpointing, add_compile, add_compression, add_micro_batches,
+                    add_offload, add_precision)
 from .labels import adaptive_buckets, compression_fields, parse_checkpointing, parse_offload
-from .sharding import add_sharding, describe_sharding, parse_sharding
+from .sharding import ShardingChoice, add_sharding
+from .tp_facts import TensorFacts
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-ALLOCATOR_SETTINGS = ("default", "expandable_segments:True")  # "default": PYTORCH_CUDA_ALLOC_CONF left alone
-BUDGET_STEP = 0.1  # compile's activation_memory_budget: finer steps than this measure noise, not the knob
 
 
 @dataclass(frozen=True)
@@ -67,56 +61,15 @@ class ModelFacts:
     blocks: BlockList  # names and containers; the modules stay in the child
     batchnorm: tuple[str, ...] = ()  # BatchNorm layers: they normalise over each micro-batch
     dropout: tuple[str, ...] = ()  # dropout layers with p > 0: masks are drawn per micro-batch
+    tensor: TensorFacts | None = None  # its tensor-parallel plan (tp under --nproc); None: the child did not say
 
     @classmethod
     def from_json(cls, data: dict) -> ModelFacts:
         blocks = [Block(i, name, None) for i, name in enumerate(data["blocks"])]
+        tensor = data.get("tensor_parallel")
         return cls(BlockList(data["container_name"], blocks, list(data["containers"])),
-                   tuple(data.get("batchnorm", ())), tuple(data.get("dropout", ())))
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the space: the memory plan and the precision it runs in."""
-
-    plan: MemoryPlan
-    precision: str
-    strategy: str | None = None  # distributed.strategy under --nproc; None: the recipe's
-
-    @property
-    def key(self) -> str:
-        """Identical plans have identical keys: a repeated proposal reuses the earlier measurement."""
-        ranks = {"distributed": self.strategy} if self.strategy else {}
-        return json.dumps({"memory": self.plan.model_dump(mode="json"), "precision": self.precision, **ranks},
-                          sort_keys=True)
-
-    def recipe(self, base: Recipe, cap_bytes: int | None) -> Recipe:
-        """`base` running this candidate, validated as the probe's child validates it: a ValidationError
-        says what the recipe's schema refuses (the one set of validity rules). max_mem makes the probe
-        stop (CUDA: fail to allocate) at the cap."""
-        data = base.model_dump(mode="json")
-        data.update(memory={**self.plan.model_dump(mode="json"), "max_mem": cap_bytes}, precision=self.precision)
-        if self.strategy:
-            data["distributed"] = {"strategy": self.strategy}
-        return Recipe.model_validate(data)
-
-    def describe(self) -> str:
-        parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {self.plan.checkpointing.label()}"]
-        if self.strategy:
-            sharding = self.plan.sharding.model_dump() if self.plan.sharding else None
-            parts.insert(0, describe_sharding(self.strategy, sharding))
-        if self.plan.offload.moves:
-            parts.append(f"offload {self.plan.offload.label()}")
-        if self.plan.compile:
-            budget = self.plan.activation_memory_budget
-            parts.append("compile" + (f" (activation budget {budget:g})" if budget is not None else ""))
-        if self.plan.allocator is not None:
-            parts.append(f"allocator {self.plan.allocator}")
-        for bucket in self.plan.adaptive:
-            parts.append(f"up to {bucket.max_len} tokens: {bucket.checkpointing.label()}")
-        if self.plan.compression.lossy:
-            parts.append(f"compression {self.plan.compression.label()} (lossy)")
-        return ", ".join(parts + [self.precision])
+                   tuple(data.get("batchnorm", ())), tuple(data.get("dropout", ())),
+                   TensorFacts.from_json(tensor) if tensor else None)
 
 
 @dataclass
@@ -128,10 +81,10 @@ class Space:
     device_kind: str = "cpu"
     blocks_path: str | None = None  # the recipe's memory.blocks, kept in every plan
     reasons: list[str] = field(default_factory=list)
-    batch_size: int = 0
+    batch_size: int = 0  # a rank's share of train.batch_size (the least under --nproc: every strategy divides it)
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
-    world_size: int = 1  # --nproc: batch_size is then a rank's share of the global batch
+    world_size: int = 1  # --nproc
     base: Recipe | None = None  # the recipe every candidate runs in: what its schema refuses is never probed
     numeric: dict[str, FloatDistribution] = field(default_factory=dict)
     """Continuous knobs (compile's activation_memory_budget): TPE models them as numbers; the grid
@@ -144,6 +97,24 @@ class Space:
             size *= len(values)
         return size
 
+    def share(self, strategy: Strategy | None) -> int:
+        """A rank's samples per step under `strategy`: the ranks of one tensor-parallel group see the same."""
+        if strategy is None:
+            return self.batch_size
+        return self.batch_size * self.world_size // strategy.data_parallel(self.world_size)
+
+    def strategies(self) -> list[Strategy]:
+        """The strategies the `sharding` knob takes (none without --nproc)."""
+        labels = self.choices.get("sharding") or ([self.fixed["sharding"]] if "sharding" in self.fixed else [])
+        strategies = {}  # by label: a tp plan (a dict) makes a strategy unhashable
+        for label in labels:
+            strategy = self._sharding(label).strategy
+            strategies.setdefault(strategy.label(), strategy)
+        return list(strategies.values())
+
+    def _sharding(self, label: str) -> ShardingChoice:
+        return ShardingChoice.from_label(label, self.base.distributed if self.base else None)
+
     def distributions(self) -> dict[str, BaseDistribution]:
         return {**{name: CategoricalDistribution(values) for name, values in self.choices.items()}, **self.numeric}
 
@@ -151,7 +122,7 @@ class Space:
         """The plan for optuna's `params` (searched knobs) and the pinned ones."""
         values = {**self.fixed, **params}
         compiled = values["compile"]
-        strategy, sharding = parse_sharding(values["sharding"]) if "sharding" in values else (None, None)
+        sharding = self._sharding(values["sharding"]) if "sharding" in values else None
         plan = MemoryPlan.model_validate({
             "activation_memory_budget": _budget(values.get("activation_memory_budget"), compiled),
             "allocator": None if values.get("allocator", "default") == "default" else values["allocator"],
@@ -159,9 +130,9 @@ class Space:
             "offload": parse_offload(values["offload"]), "compile": values["compile"], "blocks": self.blocks_path,
             "adaptive": adaptive_buckets(values),
             **compression_fields(values.get("compression", "none")),
-            **({"sharding": sharding} if sharding else {}),
+            **({"sharding": sharding.knobs.model_dump()} if sharding and sharding.knobs else {}),
         })
-        return Candidate(plan, values["precision"], strategy)
+        return Candidate(plan, values["precision"], sharding.strategy if sharding else None)
 
     def all_params(self) -> list[dict[str, Any]]:
         """Every point, in a fixed order: the grid the benchmark compares against."""
@@ -264,169 +235,18 @@ def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precis
     space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size // nproc,
                   batchnorm=facts.batchnorm, dropout=facts.dropout, base=recipe)
     if nproc > 1:
-        add_sharding(space, recipe, device, nproc)
-    _micro_batches(space, recipe.memory.micro_batch or space.batch_size, search_micro_batch)
-    _checkpointing(space, facts.blocks)
-    _adaptive(space, recipe)
-    _offload(space, device)
-    _allocator(space, recipe.memory.allocator, device)
-    _precision(space, recipe.precision, device, search_precision)
-    _compile(space, recipe.memory.compile, search_compile)
-    _compression(space, recipe.memory, allow_lossy)
+        add_sharding(space, recipe, facts.tensor, device, nproc)
+    add_micro_batches(space, recipe.memory.micro_batch or space.batch_size, search_micro_batch)
+    add_checkpointing(space, facts.blocks)
+    add_adaptive(space, recipe)
+    add_offload(space, device)
+    add_allocator(space, recipe.memory.allocator, device)
+    add_precision(space, recipe.precision, device, search_precision)
+    add_compile(space, recipe.memory.compile, search_compile)
+    add_compression(space, recipe.memory, allow_lossy)
     for reason in space.reasons:
         log.info("space: %s", reason)
     log.info("space: %d plans in all", space.size)
     return space
 
 
-def _micro_batches(space: Space, recipe_micro: int, search: bool) -> None:
-    batch_size = space.batch_size
-    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    if space.batchnorm and not search:
-        space.fixed["micro_batch"] = recipe_micro
-        space.reasons.append(f"micro_batch pinned to the recipe's {recipe_micro}: the model has BatchNorm "
-                             f"({_layers(space.batchnorm)}), which normalises over each micro-batch, so another "
-                             f"micro_batch would change what it computes (--search-micro-batch searches {divisors})")
-        return
-    space.choices["micro_batch"] = divisors
-    whose = f"train.batch_size {batch_size}" if space.world_size == 1 else \
-        f"a rank's share {batch_size} (train.batch_size over {space.world_size} ranks)"
-    space.reasons.append(f"micro_batch in {divisors}: the divisors of {whose}, so the global "
-                         "batch stays the same; the gradient is the same only without BatchNorm and dropout")
-    if space.batchnorm:
-        space.reasons.append(f"note: micro_batch searched (--search-micro-batch) although the model has BatchNorm "
-                             f"({_layers(space.batchnorm)}): below {batch_size} it normalises over fewer samples, "
-                             "which changes its statistics and the result")
-    if space.dropout:
-        space.reasons.append(f"note: the model has dropout ({_layers(space.dropout)}): its masks are drawn per "
-                             "micro-batch, so losses differ from the whole batch's (the same in distribution)")
-
-
-def micro_batch_comment(space: Space, micro: int) -> str | None:
-    """tuned.yaml's line on what the chosen micro_batch does to the result, when it does anything."""
-    if "micro_batch" not in space.choices and space.batchnorm:
-        return (f"micro_batch {micro}: the recipe's, not searched: the model has BatchNorm, which normalises over "
-                "each micro-batch (--search-micro-batch searches it)")
-    if micro >= space.batch_size:
-        return None
-    if space.batchnorm:
-        return (f"micro_batch {micro} of batch {space.batch_size} (--search-micro-batch): BatchNorm normalises over "
-                f"{micro} samples, not {space.batch_size}: the result differs from the whole batch's")
-    if space.dropout:
-        return (f"micro_batch {micro} of batch {space.batch_size}: dropout masks are drawn per micro-batch; the "
-                "gradient is otherwise the whole batch's")
-    return (f"micro_batch {micro} of batch {space.batch_size}: the gradient is the whole batch's (no BatchNorm or "
-            "dropout layers found)")
-
-
-def _layers(names: tuple[str, ...]) -> str:
-    shown = ", ".join(names[:3])
-    return f"{len(names)} layer{'s' if len(names) != 1 else ''}: {shown}{', ...' if len(names) > 3 else ''}"
-
-
-def _checkpointing(space: Space, blocks: BlockList) -> None:
-    count = len(blocks)
-    options = checkpointing_choices(blocks)  # each policy's own, for this model's blocks
-    space.choices["checkpointing"] = options
-    space.reasons.append(f"checkpointing in {options}: {count} blocks ({blocks.container_name}); every k-th block "
-                         f"for k < {count} from {list(EVERY_K[:4])}...")
-
-
-def _adaptive(space: Space, recipe: Recipe) -> None:
-    """Text of varying length (data.split: lines): short batches may checkpoint less than long ones."""
-    if getattr(recipe.data, "split", "packed") != "lines":
-        return  # every batch is data.seq_len long: one plan fits them all
-    if recipe.memory.adaptive:
-        space.fixed["adaptive"] = [bucket.model_dump(mode="json") for bucket in recipe.memory.adaptive]
-        space.reasons.append("memory.adaptive pinned to the recipe's buckets")
-        return
-    space.fixed["short_len"] = max(1, recipe.data.seq_len // 2)
-    switchable = [c for c in space.choices["checkpointing"] if not policy_class(CHECKPOINTING, c).spans_blocks]
-    space.choices["short_checkpointing"] = ["same"] + switchable
-    space.reasons.append(f"short_checkpointing in {space.choices['short_checkpointing']}: data.split lines pads each "
-                         f"batch to its longest line, so batches up to {space.fixed['short_len']} tokens may keep "
-                         "more (memory.adaptive); probes run the longest batch of each bucket")
-
-
-def _offload(space: Space, device: Device) -> None:
-    options = offload_choices(device.kind)
-    if len(options) > 1:
-        space.choices["offload"] = options
-        space.reasons.append(f"offload in {options}: the run is on CUDA, where host memory can hold activations")
-    else:
-        space.fixed["offload"] = options[0]
-        space.reasons.append(f"offload not searched: the run is on the {device.kind}, where there is no device "
-                             "memory to free")
-
-
-def _precision(space: Space, pinned: str, device: Device, search: bool) -> None:
-    if not search:
-        space.fixed["precision"] = pinned
-        space.reasons.append(f"precision pinned to the recipe's {pinned} (pass --search-precision to search "
-                             f"{', '.join(device.precisions)})")
-        return
-    space.choices["precision"] = [p for p in PRECISIONS if p in device.precisions]
-    space.reasons.append(f"precision in {space.choices['precision']}: what {device.name} supports "
-                         "(--search-precision)")
-
-
-def _compile(space: Space, pinned: bool, search: bool) -> None:
-    if search:
-        space.choices["compile"] = [False, True]
-        space.reasons.append("compile in [False, True] (--search-compile): slower first step, often faster after")
-    else:
-        space.fixed["compile"] = pinned
-        space.reasons.append(f"compile pinned to the recipe's {pinned} (pass --search-compile to try both)")
-    if search or pinned:
-        _compile_budget(space)
-
-
-def _compile_budget(space: Space) -> None:
-    from runner.memory.torch_features import missing_budget
-
-    if missing_budget():
-        space.reasons.append(f"activation_memory_budget not searched: {missing_budget()}")
-        return
-    space.numeric["activation_memory_budget"] = FloatDistribution(0.0, 1.0, step=BUDGET_STEP)
-    space.reasons.append(f"activation_memory_budget in [0, 1] by {BUDGET_STEP} with compile: what torch.compile's "
-                         "partitioner may keep; its peak is not monotonic in it (pytorch issue 197838), so every "
-                         "value is measured, none ruled out from its neighbours")
-
-
-def _allocator(space: Space, pinned: str | None, device: Device) -> None:
-    if device.kind != "cuda":
-        if pinned is not None:
-            space.fixed["allocator"] = pinned
-        space.reasons.append(f"allocator not searched: the run is on the {device.kind}, which has no CUDA caching "
-                             "allocator to configure")
-        return
-    space.choices["allocator"] = list(dict.fromkeys([pinned or "default", *ALLOCATOR_SETTINGS]))
-    space.reasons.append(f"allocator in {space.choices['allocator']}: PYTORCH_CUDA_ALLOC_CONF per probe, set in the "
-                         "probe's environment before CUDA starts (expandable segments fragment less)")
-
-
-def _compression(space: Space, memory: MemoryPlan, allow_lossy: bool) -> None:
-    pinned, lossy = memory.compression.label(), memory.compression.lossy
-    if not allow_lossy:
-        if lossy:  # an exact plan is what a plan without the key gets: the space's fixed keys stay as they were
-            space.fixed["compression"] = pinned
-        why = "the recipe's lossy choice (memory.allow_lossy)" if lossy else "it is lossy"
-        space.reasons.append(f"compression pinned to {pinned}: {why}; --allow-lossy searches bf16/fp8 storage of "
-                             "saved activations, which changes the gradients")
-        return
-    space.choices["compression"] = compression_choices()
-    space.reasons.append(f"compression in {space.choices['compression']} (--allow-lossy): saved activations stored "
-                         "rounded; lossy, and each such plan's gradient error is measured in its probe")
-
-
-def compression_comment(record: TrialRecord) -> str | None:
-    """tuned.yaml's line on a lossy winner: what it changes, and by how much on one micro-batch."""
-    compression = MemoryPlan.model_validate(record.plan).compression
-    if not compression.lossy:
-        return None
-    policy = compression.label()
-    error = record.gradient_error
-    measured = f"relative gradient error {error:.2e} against the exact plan (one micro-batch)" if error is not None else \
-        "gradient error not measured"
-    return (f"LOSSY: memory.compression {policy} stores saved activations rounded: {measured}; set "
-            "memory.compression.policy: none for exact gradients")

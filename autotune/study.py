@@ -23,20 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
-import torch
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, Trial, TrialState
-from pydantic import ValidationError
 
-from runner.memory.apply import check_combination
-from runner.problems import InputError, KeyedError, Place, Problem
+from runner.problems import InputError, Place, Problem
 from runner.units import format_bytes
 
 from .cap import Cap
 from .records import ProbeResult, TrialRecord, read_record, store_record
 from .report import ranked_feasible
 from .space import Candidate, Space
+from .validity import invalid_reason
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +190,8 @@ class Tuner:
             self.study.enqueue_trial(params, skip_if_exists=True)
 
     def _predicted_to_fit(self, candidate: Candidate) -> bool:
+        if invalid_reason(candidate, self.space):
+            return False  # no starting point is spent on a plan told invalid (a micro-batch another strategy's)
         if candidate.plan.activation_memory_budget is not None:
             return True  # the eager estimate bounds no compiled plan under a budget: it is measured instead
         predicted = self._prediction(candidate)
@@ -200,7 +200,7 @@ class Tuner:
     def _prediction(self, candidate: Candidate) -> int | None:
         if candidate.key not in self.predicted:
             # an invalid plan is never probed: asking would only log that it is (fsdp with sqrt segments)
-            invalid = _invalid_reason(candidate, self.space)
+            invalid = invalid_reason(candidate, self.space)
             predicted = self.predict(candidate) if self.predict and not invalid else None
             if isinstance(predicted, Prediction):
                 if predicted.reason:
@@ -335,7 +335,7 @@ class Tuner:
         predicted clearly over the cap."""
         known = {"key": candidate.key, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision,
                  "label": candidate.describe(), "strategy": candidate.strategy}
-        invalid = _invalid_reason(candidate, self.space) if screen else None
+        invalid = invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return TrialRecord(**known, state="invalid", reason=invalid), UNMEASURED
         # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
@@ -365,31 +365,6 @@ class Tuner:
         if peak > self.cap.limit:
             measured.update(state="over_limit", reason=f"measured {format_bytes(peak)} > limit {self.cap.describe()}")
         return TrialRecord(**{"state": "feasible", **measured}), constraint
-
-
-def _invalid_reason(candidate: Candidate, space: Space) -> str | None:
-    """Why `candidate` cannot run, said before anything is probed (it is told infeasible, never run):
-    what the recipe's schema refuses (runner.plan.plan_problems; fsdp with fp16 or with segments that
-    span blocks), the rules the probe's child would meet, then what this device or torch lacks."""
-    if space.base is not None:
-        try:
-            candidate.recipe(space.base, None)
-        except ValidationError as err:
-            return _refusal(err)
-    try:
-        check_combination(candidate.plan, torch.device(space.device_kind))
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-def _refusal(err: ValidationError) -> str:
-    """The schema's first refusal as one line, `key: what to do`."""
-    first = err.errors(include_url=False)[0]
-    cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, KeyedError):
-        return f"{cause.key}: {cause.message}"
-    return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
 
 
 def _log_trial(number: int, candidate: Candidate, record: TrialRecord) -> None:

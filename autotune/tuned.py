@@ -27,6 +27,7 @@ from runner.yamlio import Document, dump_yaml, parse_document
 
 from .cap import Cap
 from .records import TrialRecord
+from .sharding import distributed_section
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,9 @@ def tuned_data(doc: Document, winner: TrialRecord, cap_text: str) -> dict:
     memory["max_mem"] = cap_text  # as the user typed it: `40GB` reads better than 40000000000
     data["memory"] = memory
     data["precision"] = winner.precision
-    if winner.strategy:  # tune --nproc: how the ranks share the work is part of the plan
-        data["distributed"] = {**data.get("distributed", {}), "strategy": winner.strategy}
-        if winner.strategy == "fsdp" and "sharding" not in memory:  # written out, as the other knobs are
+    if winner.strategy is not None:  # tune --nproc: how the ranks share the work is part of the plan, all of it
+        data["distributed"] = distributed_section(winner.strategy)
+        if winner.strategy.shards and "sharding" not in memory:  # written out, as the other knobs are
             from runner.plan import Sharding
 
             memory["sharding"] = Sharding().model_dump(mode="json")

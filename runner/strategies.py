@@ -54,6 +54,11 @@ class Strategy(Strict):
         """Why this strategy cannot lay out `world_size` ranks (a message about `layout_key`); None when it can."""
         return None
 
+    def shard_group(self, world_size: int) -> int:
+        """How many ranks FSDP2 splits each parameter, gradient and optimizer state over (1: none, and
+        memory.sharding's knobs change nothing)."""
+        return world_size if self.shards else 1
+
     def combination_problems(self, plan, precision: str) -> list[tuple[tuple[str, ...], str]]:
         """(recipe key path, message) for each setting this strategy cannot run with (a MemoryPlan, a precision)."""
         return []
@@ -147,6 +152,9 @@ class HybridSharded(_Sharded):
     def mesh_dims(self, world_size: int) -> dict[str, int]:
         return {"replicate": world_size // self.shard, "shard": self.shard}
 
+    def shard_group(self, world_size: int) -> int:
+        return self.shard
+
     def world_problem(self, world_size: int) -> str | None:
         if world_size % self.shard:
             return f"shard groups of {self.shard} ranks do not divide {world_size} ranks; use {_divisors_text(world_size)}"
@@ -187,6 +195,9 @@ class TensorParallel(_Sharded):
 
     def data_parallel(self, world_size: int) -> int:
         return world_size // self.tensor
+
+    def shard_group(self, world_size: int) -> int:
+        return world_size // self.tensor  # FSDP2 shards over the data-parallel dimension only
 
     def world_problem(self, world_size: int) -> str | None:
         if world_size % self.tensor:

@@ -3,7 +3,12 @@ answer-N.json per request line) without torch, faulting where FAKE_MODEL_FAULTS 
 
 FAKE_MODEL_FAULTS=STAGE:KIND[,...]: STAGE is `facts`, `ready` or the number of a request (counted
 over every child a test starts, from FAKE_MODEL_COUNTER); KIND is `hang`, `segfault`, `exit` or
-`raise` (an answer with status crash, as a Python exception in the user's forward gives)."""
+`raise` (an answer with status crash, as a Python exception in the user's forward gives).
+
+FAKE_MODEL_TENSOR=JSON: the facts' tensor_parallel (autotune/tp_facts.py). Under --nproc N a
+request is read back as the tuner's typed Candidate and answered from a formula with a time (for
+`tune --predict`): 800 MB of parameters and optimizer state split over FSDP2's group, 50 MB per
+sample of a micro-batch, and a communication cost per strategy."""
 
 import json
 import os
@@ -37,8 +42,10 @@ def act(kind: str | None, path: Path, answer: dict) -> None:
 
 def main() -> None:
     directory, facts_only = Path(sys.argv[2]), "--facts-only" in sys.argv
+    tensor = json.loads(os.environ.get("FAKE_MODEL_TENSOR", "null"))
     act(fault("facts"), directory / "facts.json", {"status": "ok", "container_name": "blocks", "blocks": ["b.0", "b.1"],
-                                                   "containers": ["b", "b"], "batchnorm": [], "dropout": []})
+                                                   "containers": ["b", "b"], "batchnorm": [], "dropout": [],
+                                                   **({"tensor_parallel": tensor} if tensor else {})})
     if facts_only:
         return
     act(fault("ready"), directory / "ready.json", {"status": "ok"})
@@ -50,9 +57,25 @@ def main() -> None:
             continue
         number = int(counter.read_text()) if counter.exists() else 0
         counter.write_text(str(number + 1))
-        peak = 1000 * request["plan"]["micro_batch"]
-        act(fault(str(number)), directory / f"answer-{request['id']}.json",
-            {"status": "ok", "peak_bytes": peak, "warnings": []})
+        nproc = int(sys.argv[sys.argv.index("--nproc") + 1]) if "--nproc" in sys.argv else 1
+        answer = ranked(request, nproc) if nproc > 1 else {"peak_bytes": 1000 * request["plan"]["micro_batch"]}
+        act(fault(str(number)), directory / f"answer-{request['id']}.json", {"status": "ok", "warnings": [], **answer})
+
+
+COMMUNICATION_S = {"ddp": 0.002, "fsdp": 0.010, "hsdp": 0.006, "tp": 0.008}
+
+
+def ranked(request: dict, nproc: int) -> dict:
+    from autotune.candidate import Candidate  # the request must read back as the tuner's typed candidate
+
+    candidate = Candidate.from_request(request)
+    plan, strategy = candidate.plan, candidate.strategy
+    micro, share = plan.micro_batch, 8 // strategy.data_parallel(nproc)
+    peak = 800_000_000 // strategy.shard_group(nproc) + 50_000_000 * micro
+    keep = plan.sharding is not None and not plan.sharding.reshard_after_forward
+    seconds = 0.001 * share / micro + COMMUNICATION_S[strategy.strategy] - 0.001 * keep
+    time = {"seconds": seconds, "samples_per_s": 8 / seconds, "mfu": 0.5, "hfu": 0.5}
+    return {"peak_bytes": peak, "time": time}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`ckrun tune --nproc N`: the sharding knob in the space, the candidate recipes it makes, how a
-probe group's ranks' results become one, and the checks made before anything starts."""
+probe group's ranks' results become one, and the checks made before anything starts (the choices'
+labels, hsdp and tp: test_tune_sharding.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from autotune.records import TrialRecord
 from autotune.rank_probe import combine
 from autotune.records import ProbeResult
 from autotune.rank_tune import check_devices, check_ranks, ranks_comment
-from autotune.sharding import describe_sharding, parse_sharding, sharding_value
+from autotune.sharding import ShardingChoice
 from autotune.space import Device, ModelFacts, build_space
-from autotune.study import _invalid_reason
+from autotune.validity import invalid_reason
 from autotune.tuned import tuned_data
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
@@ -43,7 +44,7 @@ def test_with_nproc_ddp_and_fsdp_are_searched_and_micro_batches_divide_a_ranks_s
     space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
     assert space.choices["sharding"] == ["ddp", "fsdp", "fsdp:keep"]  # CPU offload needs CUDA
     assert space.choices["micro_batch"] == [1, 2, 4]  # the divisors of 8 / 2
-    assert any("ddp and fsdp both searched" in reason for reason in space.reasons)
+    assert any("the tuner chooses how the ranks share the work" in reason for reason in space.reasons)
     gpu = build_space(_recipe("train.batch_size=8"), FACTS, GPU, nproc=2)
     assert "fsdp:cpu" in gpu.choices["sharding"]
 
@@ -64,19 +65,20 @@ def test_every_point_of_a_ranked_space_is_a_recipe_the_trainer_accepts_or_is_tol
     space = build_space(_recipe("train.batch_size=8"), FACTS, GPU, search_precision=True, nproc=nproc)
     params = data.draw(st.sampled_from(space.all_params()), label="params")
     candidate = space.candidate(params)
-    strategy, knobs = parse_sharding(params["sharding"])
-    assert candidate.strategy == strategy and sharding_value(strategy, knobs) == params["sharding"]
-    reason = _invalid_reason(candidate, space)
-    if strategy == "fsdp" and (candidate.precision == "fp16" or candidate.plan.checkpointing.spans_blocks):
-        assert reason and "distributed.strategy fsdp" in reason  # the recipe refuses it: no probe is spent
+    choice = ShardingChoice(candidate.strategy, candidate.plan.sharding)
+    assert choice.label() == params["sharding"]
+    strategy = candidate.strategy.strategy
+    reason = invalid_reason(candidate, space)
+    if candidate.strategy.shards and (candidate.precision == "fp16" or candidate.plan.checkpointing.spans_blocks):
+        assert reason and f"distributed.strategy {strategy}" in reason  # the recipe refuses it: no probe is spent
     if reason:
         return  # also a plan apply_plan refuses (offload with sqrt segments), as without --nproc
     recipe = candidate.recipe(_recipe("train.batch_size=8"), 10**9)  # told valid: the schema accepts it
     again = Recipe.model_validate_json(recipe.model_dump_json())  # what the probe child reads
-    assert again.distributed.strategy == strategy
-    assert (again.memory.sharding is not None) == bool(knobs)
+    assert again.distributed == candidate.strategy
+    assert (again.memory.sharding is not None) == (choice.knobs is not None)
     assert (8 // nproc) % again.memory.micro_batch == 0
-    assert strategy in candidate.describe()
+    assert candidate.describe().startswith(choice.strategy.label())
 
 
 def test_plans_that_differ_only_in_sharding_have_different_keys_and_labels():
@@ -84,12 +86,13 @@ def test_plans_that_differ_only_in_sharding_have_different_keys_and_labels():
     base = space.all_params()[0]
     candidates = [space.candidate({**base, "sharding": value}) for value in space.choices["sharding"]]
     assert len({c.key for c in candidates}) == len(candidates)
-    assert describe_sharding("fsdp", {"reshard_after_forward": False}) == "fsdp (reshard_after_forward false)"
+    assert ShardingChoice.from_label("fsdp:keep").describe() == "fsdp (reshard_after_forward false)"
 
 
 def test_tuned_yaml_carries_the_winners_strategy():
     doc = Document(data={"model": {}, "distributed": {"strategy": "fsdp"}}, text="", source="r.yaml")
-    winner = TrialRecord(state="feasible", plan={"micro_batch": 2, "sharding": None}, precision="fp32", strategy="ddp")
+    winner = TrialRecord(state="feasible", plan={"micro_batch": 2, "sharding": None}, precision="fp32",
+                         strategy={"strategy": "ddp"})
     assert tuned_data(doc, winner, "1GB")["distributed"] == {"strategy": "ddp"}
     assert "2 ranks" in ranks_comment(2) and ranks_comment(1) is None
 
@@ -151,7 +154,7 @@ def test_a_groups_result_names_the_rank_whose_failure_caused_the_others(kinds, c
 
 def test_a_starting_point_moves_on_to_fsdp_when_no_ddp_micro_batch_is_predicted_to_fit():
     space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
-    fits = lambda candidate: candidate.strategy == "fsdp"  # noqa: E731 - a prediction where only sharding fits
+    fits = lambda candidate: candidate.strategy.shards  # noqa: E731 - a prediction where only sharding fits
     starts = space.starting_points(_recipe(), fits)
     assert starts and all(start["sharding"] == "fsdp" and start["micro_batch"] == 4 for start in starts)
     assert all(start["sharding"] == "ddp" for start in space.starting_points(_recipe(), None))  # unpredicted: first
@@ -171,6 +174,6 @@ def test_an_invalid_plan_is_not_predicted_so_the_log_never_says_it_is_probed():
                   predict=lambda candidate: asked.append(candidate.describe()) or 1000)
     base = {**space.all_params()[0], "sharding": "fsdp"}
     invalid, valid = (space.candidate({**base, "checkpointing": policy}) for policy in ("sqrt", "full"))
-    assert _invalid_reason(invalid, space) and not _invalid_reason(valid, space)
+    assert invalid_reason(invalid, space) and not invalid_reason(valid, space)
     assert tuner._prediction(invalid) is None and tuner._prediction(valid) == 1000
     assert asked == [valid.describe()]

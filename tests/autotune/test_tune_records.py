@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from autotune.records import ProbeResult, ProbeStatus, RecordState, TrialRecord, read_record, store_record
 from autotune.study import open_study
 from runner.plan import MemoryPlan
+from runner.strategies import strategy_from_label
 
 NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=20)
 FLOATS = st.floats(min_value=0, max_value=1e12, allow_nan=False)
@@ -33,7 +34,7 @@ def _maybe(strategy):
 RECORDS = st.builds(
     TrialRecord, state=st.sampled_from(get_args(RecordState)), reason=st.text(max_size=40), label=NAMES,
     key=_maybe(NAMES), plan=_maybe(PLANS), precision=_maybe(st.sampled_from(["fp32", "bf16", "fp16"])),
-    strategy=_maybe(st.sampled_from(["ddp", "fsdp"])), predicted_peak=_maybe(BYTES), predicted_s=_maybe(FLOATS),
+    strategy=_maybe(st.sampled_from(["ddp", "fsdp", "hsdp:2", "tp:4"]).map(strategy_from_label)), predicted_peak=_maybe(BYTES), predicted_s=_maybe(FLOATS),
     unscreened=_maybe(NAMES), measured_peak=_maybe(BYTES), probe_s=_maybe(FLOATS), device=_maybe(DEVICES),
     samples_per_s=_maybe(FLOATS), step_s=_maybe(FLOATS), mfu=_maybe(FLOATS), hfu=_maybe(FLOATS),
     predicted=_maybe(st.booleans()), gradient_error=_maybe(FLOATS), runs=_maybe(st.integers(1, 9)),
