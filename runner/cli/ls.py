@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..builders.user_code import module_file
 from ..problems import EXIT_BAD_INPUT, InputError, Place, Problem
 from ..user_cache import file_digest, key_of, read_table, write_table
 from . import Command
@@ -86,21 +87,11 @@ def _count_key(model) -> str | None:
     """What a count depends on, hashed; None when it cannot be told (a python model's file not found)."""
     parts = [json.dumps(model.model_dump(mode="json"), sort_keys=True)]
     if model.source == "python":
-        source = _module_file(model.name.split(":")[0])
+        source = module_file(model.name.split(":")[0])
         if source is None:
             return None
         parts.append(file_digest(source))
     return key_of(parts, ("torch", "transformers", "torchvision"))
-
-
-def _module_file(module: str) -> Path | None:
-    """The file of `module` on sys.path, found without importing it (its package may import torch)."""
-    relative = Path(*module.split("."))
-    for root in sys.path:
-        for candidate in (Path(root or ".") / relative.with_suffix(".py"), Path(root or ".") / relative / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
 
 
 COUNTS = "parameter_counts.json"
