@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = _arguments(argv)
     rows = commands("bert_tiny" if args.quick else args.recipe, args.python_recipe, args.quick)
     runs = 1 if args.quick else args.runs
-    run = {"command": "python bench/read_only.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    run = {"command": " ".join(["python bench/read_only.py", *(argv if argv is not None else sys.argv[1:])]),
            "started": time.strftime("%Y-%m-%d %H:%M %Z"), "code": str(args.code), "runs": runs}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="ckrun-read-only-") as scratch:
