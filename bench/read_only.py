@@ -108,13 +108,14 @@ def versions() -> str:
 
 
 def code_version(code: Path) -> str:
-    """The commit measured, marked when the checkout has changes beyond it."""
+    """The commit measured, marked when the code that runs has changes beyond it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=code, capture_output=True, text=True).stdout.strip()
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return f"code at {code} (not a git checkout)"
-    return f"commit {commit}" + (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "runner", "recipes")  # the code that runs
+    return f"commit {commit}" + (" with uncommitted changes to runner/ or recipes/" if changed else "")
 
 
 def verdict(row: Command) -> str:
