@@ -53,6 +53,14 @@ def lstm_step_reaches(op: str) -> bool:
 
 
 @pytest.fixture(autouse=True)
+def _own_user_cache(monkeypatch, tmp_path_factory):
+    """ckrun keeps ls's counts, validate's passed model checks and tokenised data in the user's cache
+    (runner/user_cache.py): each test gets an empty one, so no test sees what another kept, and the
+    suite leaves nothing in the home folder. Children inherit it through the environment."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("user-cache")))
+
+
+@pytest.fixture(autouse=True)
 def _logger_levels_restored():
     """A benchmark's main() run in-process quiets ckrun's loggers (bench/tune_oracle.py sets them to
     WARNING); put them back, so a later test on the same worker still sees the INFO lines it checks."""

@@ -9,7 +9,8 @@ torchvision builder exists, that a python factory imports and takes model.config
 that eval.metrics name functions, that model.pretrained can hold the model's weights, that a
 dataset's files, split and columns are there, and that a tensor-parallel plan fits the model
 (runner/builders/tensor_plan.py). Every problem is one line at its key's line, all at
-once, beside the schema's own: a section the schema refused is not checked deeper.
+once, beside the schema's own: a section the schema refused is not checked deeper. A library
+model's pass is kept in the user's cache (check_cache.py): checking it again imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..problems import InputError, KeyedError, Problem, suggest
 from ..recipe import EvalSpec, ModelSpec, Recipe
 from ..recipe_data import Data
 from ..yamlio import Document
+from .check_cache import passed_before, remember_pass
 from .resolve import check_factory, check_kwargs, resolve_import_path, transformers_class
 
 
@@ -65,13 +67,24 @@ def user_code_problems(recipe: Recipe) -> list[KeyedError]:
 
 def model_problems(spec: ModelSpec) -> list[KeyedError]:
     """A library model's class and config (a python model's code is `user_code_problems`), and model.pretrained."""
-    checks = {"transformers": _transformers_fits, "torchvision": _torchvision_fits}
-    found = _caught("model.name", checks[spec.source], spec) if spec.source in checks else []
+    found = _library_model_problems(spec)
     if spec.pretrained is not None:
         from .pretrained import check_pretrained_dir
 
         name = None if any(p.key == "model.name" for p in found) else spec.name  # as far as the name is known
         found += _caught("model.pretrained", check_pretrained_dir, Path(spec.pretrained).expanduser(), spec.source, name)
+    return found
+
+
+def _library_model_problems(spec: ModelSpec) -> list[KeyedError]:
+    """A transformers or torchvision model's problems; a pass is kept in the user's cache (check_cache.py),
+    so the same model section is not imported and built again (seconds) by the next command."""
+    checks = {"transformers": _transformers_fits, "torchvision": _torchvision_fits}
+    if spec.source not in checks or passed_before(spec) is not None:
+        return []
+    found = _caught("model.name", checks[spec.source], spec)
+    if not found:
+        remember_pass(spec, _max_positions(spec) if spec.source == "transformers" else None)
     return found
 
 
@@ -111,15 +124,20 @@ def position_problems(recipe: Recipe) -> list[KeyedError]:
     """A sequence past a transformers model's position table would index out of range at the first step."""
     if recipe.model.source != "transformers":
         return []
-    from .model_config import max_positions
-
-    limit = max_positions(transformers_class(recipe.model.name), recipe.model.config)
+    kept = passed_before(recipe.model)  # kept with the pass that model_problems found or made
+    limit = kept["max_positions"] if kept is not None else _max_positions(recipe.model)
     for key, data in [("data", recipe.data), ("eval.data", recipe.eval.data if recipe.eval else None)]:
         seq_len = getattr(data, "seq_len", None)
         if limit is not None and seq_len is not None and seq_len > limit:
             return [KeyedError(f"{key}.seq_len", f"{seq_len} tokens exceed {recipe.model.name}'s {limit} "
                                f"positions (max_position_embeddings); give seq_len <= {limit}")]
     return []
+
+
+def _max_positions(spec: ModelSpec) -> int | None:
+    from .model_config import max_positions
+
+    return max_positions(transformers_class(spec.name), spec.config)
 
 
 # --- one check each --------------------------------------------------------------------------

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from ..problems import first_line
+from ..user_cache import cache_folder
 
 log = logging.getLogger(__name__)
 
 def user_cache_folder() -> Path:
     """$XDG_CACHE_HOME/ckrun/datasets, else ~/.cache/ckrun/datasets."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "ckrun" / "datasets"
+    return cache_folder() / "datasets"
 
 
 def files_fingerprint(paths: list[Path]) -> list:

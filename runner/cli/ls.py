@@ -10,16 +10,14 @@ module file's content. A later `ls` builds only what changed.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 
-from ..files import write_atomic
+from ..builders.user_code import module_file
 from ..problems import EXIT_BAD_INPUT, InputError, Place, Problem
+from ..user_cache import file_digest, key_of, read_table, write_table
 from . import Command
 
 
@@ -41,9 +39,9 @@ def run(args) -> int:
     from ..library import library_recipes
 
     recipes = library_recipes()
-    counts = _read_counts()
+    counts = read_table(COUNTS, _is_count)
     everything = [describe(name, path, counts) for name, path in recipes.items()]
-    _write_counts(counts)
+    write_table(COUNTS, counts)
     entries = [e for e in everything if args.family in (None, e.family)]
     if not entries:
         families = ", ".join(sorted({e.family for e in everything}))
@@ -88,52 +86,19 @@ def _built_count(recipe, path: Path) -> int | None:
 def _count_key(model) -> str | None:
     """What a count depends on, hashed; None when it cannot be told (a python model's file not found)."""
     parts = [json.dumps(model.model_dump(mode="json"), sort_keys=True)]
-    for package in ("torch", "transformers", "torchvision"):
-        try:
-            parts.append(f"{package} {metadata.version(package)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{package} none")
     if model.source == "python":
-        source = _module_file(model.name.split(":")[0])
+        source = module_file(model.name.split(":")[0])
         if source is None:
             return None
-        parts.append(hashlib.sha256(source.read_bytes()).hexdigest())
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+        parts.append(file_digest(source))
+    return key_of(parts, ("torch", "transformers", "torchvision"))
 
 
-def _module_file(module: str) -> Path | None:
-    """The file of `module` on sys.path, found without importing it (its package may import torch)."""
-    relative = Path(*module.split("."))
-    for root in sys.path:
-        for candidate in (Path(root or ".") / relative.with_suffix(".py"), Path(root or ".") / relative / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
+COUNTS = "parameter_counts.json"
 
 
-def _counts_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckrun" / "parameter_counts.json"
-
-
-def _read_counts() -> dict[str, int]:
-    """The cached counts; an unreadable or damaged cache is an empty one (it is rebuilt)."""
-    try:
-        counts = json.loads(_counts_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(counts, dict):
-        return {}
-    return {k: v for k, v in counts.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
-
-
-def _write_counts(counts: dict[str, int]) -> None:
-    """Keep the counts for the next `ls`; a cache that cannot be written only costs that `ls` time."""
-    path = _counts_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(counts, sort_keys=True))
-    except OSError:
-        pass
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _family_rank(family: str) -> int:

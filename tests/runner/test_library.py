@@ -184,12 +184,6 @@ def test_a_recipe_path_that_is_not_a_readable_file_is_one_line(tmp_path, ckrun):
         assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(monkeypatch, tmp_path_factory):
-    """`ls` keeps its counts in the user's cache: each test gets an empty one."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-
-
 def test_ls_keeps_its_counts_and_a_second_ls_imports_no_torch(ckrun, tmp_path):
     first = ls_rows(ckrun)
     code = ("import contextlib, io, sys\nfrom runner.cli import main\n"

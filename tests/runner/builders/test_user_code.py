@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import children
+
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = """model: {{source: python, name: "{module}:build"}}
 data: {{source: synthetic, image_size: 4, task: image_classification, num_classes: 3}}
@@ -134,3 +136,18 @@ def test_a_factory_that_never_returns_says_what_ckrun_waits_for(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.mark.parametrize(("source", "loads_torch"), [
+    ("import torch\n", True), ("from torch import nn\n", True), ("import os, torch.nn as nn\n", True),
+    ("import colorsys\n", False), ("def f():\n    import torch\n", False),  # maybe never imported
+    ("if False:\n    import torch\n", False), ("from .torch import x\n", False), ("import torch(\n", False),
+])
+def test_torch_is_loaded_before_the_fork_only_when_the_module_imports_it_itself(tmp_path, source, loads_torch):
+    # else the fork imports torch (seconds) and the real import after it imports torch again
+    (tmp_path / "own_code.py").write_text(source)
+    code = ("import sys\nfrom runner.builders.user_code import check_import\ncheck_import('own_code')\n"
+            "print('torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    done = children.run([sys.executable, "-c", code], cwd=tmp_path, env=env)
+    assert done.stdout.split() == [str(loads_torch)], done.stderr[-2000:]
