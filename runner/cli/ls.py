@@ -1,15 +1,17 @@
 """`ckrun ls [FAMILY]`: the recipe library with each model's parameter count.
 
-Counts are computed, never written down: every model is built on the meta device (shapes
-only, no memory), so a count cannot drift from its recipe. Building needs torch and
-transformers' modeling modules (seconds to import), so each count is kept in the user's cache
-($XDG_CACHE_HOME/ckrun/parameter_counts.json) under a key of everything it depends on: the
-model section, the versions of torch, transformers and torchvision, and for a python model its
-module file's content. A later `ls` builds only what changed.
+Counts are computed: every model is built on the meta device (shapes only, no memory). Building
+needs torch and transformers' modeling modules (seconds to import), so each count is kept in the
+user's cache ($XDG_CACHE_HOME/ckrun/parameter_counts.json) under a key of everything it depends on:
+the model section, the versions of torch, transformers and torchvision, and for a python model its
+module file's content. A later `ls` builds only what changed. The library's own counts ship with it
+(recipes/parameter_counts.json, under the same key less the versions), so a first `ls` builds
+nothing; tests/runner/test_library.py builds every library model and holds that table to them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -66,6 +68,8 @@ def describe(name: str, path: Path, counts: dict[str, int] | None = None) -> Ent
         return Entry(name, "?", None, f"(does not validate: ckrun validate {name})")
     key = _count_key(recipe.model)
     count = counts.get(key) if counts is not None and key else None
+    if count is None and key:
+        count = shipped_counts().get(_count_key(recipe.model, versioned=False))
     if count is None:
         count = _built_count(recipe, path)
         if count is not None and counts is not None and key:
@@ -83,18 +87,47 @@ def _built_count(recipe, path: Path) -> int | None:
         return None
 
 
-def _count_key(model) -> str | None:
-    """What a count depends on, hashed; None when it cannot be told (a python model's file not found)."""
+def _count_key(model, versioned: bool = True) -> str | None:
+    """What a count depends on, hashed; None when it cannot be told (a python model's file not found).
+    `versioned`: with the installed torch, transformers and torchvision (the user's cache) or without
+    (the shipped table, which the library's test holds to the versions it runs on)."""
     parts = [json.dumps(model.model_dump(mode="json"), sort_keys=True)]
     if model.source == "python":
         source = module_file(model.name.split(":")[0])
         if source is None:
             return None
         parts.append(file_digest(source))
+    if not versioned:  # nor Python's: the table is one file for every install
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
     return key_of(parts, ("torch", "transformers", "torchvision"))
 
 
 COUNTS = "parameter_counts.json"
+
+
+def shipped_counts() -> dict[str, int]:
+    """The library's counts by version-free key; empty when the table is missing or damaged (then built)."""
+    from ..library import library_root
+
+    try:
+        table = json.loads((library_root() / COUNTS).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(table, dict):
+        return {}
+    return {key: row["parameters"] for key, row in table.items()
+            if isinstance(row, dict) and _is_count(row.get("parameters"))}
+
+
+def shipped_table(recipes: dict[str, Path]) -> dict[str, dict]:
+    """What recipes/parameter_counts.json holds for `recipes`: each model's built count under its key."""
+    from ..load import load_recipe
+
+    table = {}
+    for name, path in recipes.items():
+        recipe = load_recipe(path)
+        table[_count_key(recipe.model, versioned=False)] = {"recipe": name, "parameters": _built_count(recipe, path)}
+    return dict(sorted(table.items(), key=lambda item: item[1]["recipe"]))
 
 
 def _is_count(value) -> bool:

@@ -13,6 +13,7 @@ import pytest
 import children
 
 from runner import library
+from runner.cli import ls
 from runner.cli.ls import format_count
 from runner.library import library_recipes, resolve_recipe
 from runner.problems import InputError
@@ -175,7 +176,7 @@ def test_the_wheel_carries_every_recipe(tmp_path):
     (wheel,) = tmp_path.glob("ckrun-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"recipes/{path.relative_to(ROOT / 'recipes').as_posix()}" for path in library_recipes().values()} <= names
-    assert {"recipes/__init__.py", "runner/models/classics.py"} <= names
+    assert {"recipes/__init__.py", "recipes/parameter_counts.json", "runner/models/classics.py"} <= names
 
 
 def test_a_recipe_path_that_is_not_a_readable_file_is_one_line(tmp_path, ckrun):
@@ -184,15 +185,43 @@ def test_a_recipe_path_that_is_not_a_readable_file_is_one_line(tmp_path, ckrun):
         assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
 
 
-def test_ls_keeps_its_counts_and_a_second_ls_imports_no_torch(ckrun, tmp_path):
-    first = ls_rows(ckrun)
+def _ls_in_a_child() -> tuple[str, list[str]]:
+    """(exit status and the heavy modules `ckrun ls` imported, its table's lines), in a fresh interpreter."""
     code = ("import contextlib, io, sys\nfrom runner.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()) as out: status = main(['ls'])\n"
             "print(status, sorted(m for m in ('torch', 'transformers', 'torchvision') if m in sys.modules))\n"
             "print(out.getvalue(), end='')")
     done = children.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     said, *table = done.stdout.splitlines()
-    assert said == "0 []", done.stderr[-2000:]  # every count from the cache: nothing heavy imported
+    assert said, done.stderr[-2000:]
+    return said, table
+
+
+def test_a_first_ls_imports_no_torch(tmp_path):
+    said, table = _ls_in_a_child()  # this test's user cache is new and empty: every count is the shipped one
+    assert said == "0 []" and len(table) == len(library_recipes()) + 1
+
+
+def test_the_shipped_counts_are_the_built_counts():
+    shipped = json.loads((ROOT / "recipes" / ls.COUNTS).read_text())
+    built = ls.shipped_table(library_recipes())
+    assert shipped == built, ("recipes/parameter_counts.json is stale; write this into it:\n"
+                              + json.dumps(built, indent=1))
+
+
+def test_a_damaged_shipped_table_means_building(ckrun, monkeypatch, tmp_path):
+    (tmp_path / "tiny.yaml").write_text((ROOT / "recipes" / "bert_tiny.yaml").read_text())
+    (built,) = ls.shipped_table({"tiny": tmp_path / "tiny.yaml"}).values()
+    monkeypatch.setattr(library, "library_root", lambda: tmp_path)
+    for damage in ('{"a": ', '["a list"]', '{"key": {"parameters": "4M"}}'):
+        (tmp_path / ls.COUNTS).write_text(damage)
+        assert ls_rows(ckrun)["tiny"][1] == format_count(built["parameters"])
+
+
+def test_ls_keeps_its_counts_and_a_second_ls_imports_no_torch(ckrun, tmp_path):
+    first = ls_rows(ckrun)
+    said, table = _ls_in_a_child()
+    assert said == "0 []"  # every count from the cache: nothing heavy imported
     assert {row.split()[0]: row.split(maxsplit=3)[1:] for row in table[1:]} == first
 
 
@@ -209,10 +238,14 @@ def test_a_python_models_count_follows_its_module_file(ckrun, monkeypatch, tmp_p
         assert ls_rows(ckrun)["own"][1] == count
 
 
-def test_a_damaged_count_cache_is_rebuilt(ckrun, tmp_path):
+def test_a_damaged_count_cache_is_rebuilt(ckrun, monkeypatch, tmp_path):
     cache = Path(os.environ["XDG_CACHE_HOME"]) / "ckrun" / "parameter_counts.json"
     cache.parent.mkdir(parents=True, exist_ok=True)
+    recipe = tmp_path / "three.yaml"  # not a library model: its count is built and kept in the user's cache
+    recipe.write_text((ROOT / "recipes" / "bert_tiny.yaml").read_text().replace("num_hidden_layers: 2",
+                                                                                "num_hidden_layers: 3"))
+    monkeypatch.setattr(library, "library_recipes", lambda: {"three": recipe})
     for damage in ('{"a": ', '["not", "a", "dict"]', '{"key": "335M"}'):
         cache.write_text(damage)
-        assert ls_rows(ckrun, "language")["bert_large"][1] == "335.2M"
+        assert ls_rows(ckrun)["three"][1] == "1.7M"
         assert json.loads(cache.read_text())  # written again, whole
