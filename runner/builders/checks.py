@@ -25,6 +25,7 @@ from ..load import AcrossSections, read_document, validate_document
 from ..problems import InputError, KeyedError, Problem, suggest
 from ..recipe import EvalSpec, ModelSpec, Recipe
 from ..recipe_data import Data
+from ..strategies import TensorParallel
 from ..yamlio import Document
 from .check_cache import passed_before, remember_pass
 from .resolve import check_factory, check_kwargs, resolve_import_path, transformers_class
@@ -54,9 +55,11 @@ def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool =
     if recipe.eval is not None:
         found += _section_checks("eval", recipe.eval, user_code)
     if not found:  # positions and a tensor-parallel plan: only once the model is known to build
-        from .tensor_plan import recipe_problems
+        found = position_problems(recipe)
+        if isinstance(recipe.distributed, TensorParallel):  # its check builds the model: torch only then
+            from .tensor_plan import recipe_problems
 
-        found = [*position_problems(recipe), *recipe_problems(recipe, user_code)]
+            found += recipe_problems(recipe, user_code)
     return _placed(found, doc)
 
 

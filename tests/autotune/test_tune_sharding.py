@@ -147,7 +147,7 @@ def test_a_pinned_layout_the_ranks_do_not_fit_is_refused_before_anything_starts(
     from autotune.rank_tune import check_ranks
     from runner.problems import InputError
 
-    with pytest.raises(InputError, match="3 ranks a shard group do not divide 4 ranks; use 2 or 4"):
+    with pytest.raises(InputError, match="shard groups of 3 ranks do not divide 4 ranks; use 2 or 4"):
         check_ranks(_llama("train.batch_size=12", "distributed={strategy: hsdp, shard: 3}"), "r.yaml", 4)
 
 
