@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .torch_features import storage_key
+from .torch_features import checkpoint_options, storage_key
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,13 @@ class SelectiveBlock:
         self.cached = self.cached_by_signature[signature]
 
     def context_fn(self):
-        return create_selective_checkpoint_contexts(_CallPolicy(self.cached))
+        forward, recompute = create_selective_checkpoint_contexts(_CallPolicy(self.cached))
+        # checkpoint(respect_saved_tensors_hooks=True) sets this on SAC's own mode only, and ckrun nests that
+        # mode in its buffer replay: set here, so what SAC caches passes through offload's and compression's
+        # hooks as checkpoint_options() asks (torch >= 2.14 has the attribute; older torch always bypasses)
+        if checkpoint_options() and hasattr(forward, "respect_saved_tensors_hooks"):
+            forward.respect_saved_tensors_hooks = True
+        return forward, recompute
 
     def _learn(self, forward, args: tuple, kwargs: dict) -> frozenset[OpCall]:
         watch = _OpWatch(self.save_ops)
@@ -103,7 +109,7 @@ class SelectiveBlock:
                           if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), (self.keep_state or contextlib.nullcontext)(), _no_cast_cache():
             output = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
-                                context_fn=lambda: (watch, contextlib.nullcontext()), **kwargs)
+                                context_fn=lambda: (watch, contextlib.nullcontext()), **checkpoint_options(), **kwargs)
             watch.returned(output)
             del output
         self._report(watch.refused)

@@ -185,6 +185,22 @@ def test_composes_with_checkpointing(checkpointing):
     assert 0 < error < 2e-2
 
 
+def test_selective_caching_says_whether_it_passes_through_the_hooks():
+    """torch >= 2.14 asks whether SAC's cached outputs pass through saved-tensor hooks around the
+    checkpoint, and warns when nobody said; ckrun nests SAC's mode in its own, so it says so itself:
+    what selective caches is compressed (and offloaded) like every other saved tensor."""
+    import warnings
+
+    model, x = chain(), torch.randn(16, 64)
+    counts = {}
+    for name, memory in (("alone", lossy("bf16")), ("selective", lossy("bf16", checkpointing={"policy": "selective"}))):
+        with warnings.catch_warnings(), apply_plan(model, memory, "cpu") as applied:
+            warnings.simplefilter("error", FutureWarning)
+            model(x).square().mean().backward()
+            counts[name] = applied.compression.count
+    assert counts["selective"] > 0
+
+
 def test_composes_with_offload():
     """On a block that is offloaded too, the rounded copy is what goes to the host: half the bytes."""
     model, x = chain(), torch.randn(16, 64)
