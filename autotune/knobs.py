@@ -16,8 +16,8 @@ from optuna.distributions import FloatDistribution
 
 from runner.memory.blocks import BlockList
 from runner.plan import MemoryPlan
-from runner.policies import (CHECKPOINTING, EVERY_K, checkpointing_choices, compression_choices, offload_choices,
-                             policy_class)
+from runner.choices import choice_class
+from runner.policies import CHECKPOINTING, EVERY_K, checkpointing_choices, compression_choices, offload_choices
 from runner.recipe import Recipe
 
 from .records import TrialRecord
@@ -108,7 +108,7 @@ def add_adaptive(space: Space, recipe: Recipe) -> None:
         space.reasons.append("memory.adaptive pinned to the recipe's buckets")
         return
     space.fixed["short_len"] = max(1, recipe.data.seq_len // 2)
-    switchable = [c for c in space.choices["checkpointing"] if not policy_class(CHECKPOINTING, c).spans_blocks]
+    switchable = [c for c in space.choices["checkpointing"] if not choice_class(CHECKPOINTING, c).spans_blocks]
     space.choices["short_checkpointing"] = ["same"] + switchable
     space.reasons.append(f"short_checkpointing in {space.choices['short_checkpointing']}: data.split lines pads each "
                          f"batch to its longest line, so batches up to {space.fixed['short_len']} tokens may keep "

@@ -8,15 +8,16 @@ opt-in a lossy compression carries.
 
 from __future__ import annotations
 
-from runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, from_label, policy_class
+from runner.choices import choice_class, choice_fields
+from runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD
 
 
 def parse_checkpointing(value: str) -> dict:
-    return from_label(CHECKPOINTING, value)
+    return choice_fields(CHECKPOINTING, value)
 
 
 def parse_offload(value: str) -> dict:
-    return from_label(OFFLOAD, value)
+    return choice_fields(OFFLOAD, value)
 
 
 def adaptive_buckets(values: dict) -> list[dict]:
@@ -30,5 +31,5 @@ def adaptive_buckets(values: dict) -> list[dict]:
 
 def compression_fields(label: str) -> dict:
     """A plan's compression keys: a lossy policy carries its opt-in, so tuned.yaml shows it."""
-    return {"compression": from_label(COMPRESSION, label), "allow_lossy": True} \
-        if policy_class(COMPRESSION, label).lossy else {}
+    return {"compression": choice_fields(COMPRESSION, label), "allow_lossy": True} \
+        if choice_class(COMPRESSION, label).lossy else {}

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 
 from runner.plan import Sharding
 from runner.recipe import Recipe
-from runner.strategies import (STRATEGIES, HybridSharded, SingleProcess, Strategy, TensorParallel,
-                               strategy_from_label)
+from runner.strategies import STRATEGIES, HybridSharded, SingleProcess, Strategy, TensorParallel, strategy_from_label
 
 from .tp_facts import TensorFacts
 
@@ -69,7 +68,7 @@ class ShardingChoice:
         words = [part for part in parts if part in KNOB_WORDS]
         argument = ",".join(part for part in parts if part not in KNOB_WORDS)
         knobs = Sharding(**dict(KNOB_WORDS[word] for word in words)) if words else None
-        choice = cls(_strategy(tag, argument, pinned), knobs)
+        choice = cls(strategy_from_label(tag + (f":{argument}" if argument else ""), pinned), knobs)
         if choice.label() != label:
             raise ValueError(f"{label!r} is not a sharding choice; did you mean {choice.label()!r}?")
         return choice
@@ -78,14 +77,6 @@ class ShardingChoice:
         """How a plan's label names it: `hsdp:2 (reshard_after_forward false, offload cpu)`."""
         changed = [f"{KNOB_WORDS[word][0]} {str(KNOB_WORDS[word][1]).lower()}" for word in self.words()]
         return self.strategy.label() + (f" ({', '.join(changed)})" if changed else "")
-
-
-def _strategy(tag: str, argument: str, pinned: Strategy | None) -> Strategy:
-    for cls in STRATEGIES:
-        if cls.tag() == tag:
-            fields = pinned.model_dump() if pinned is not None and pinned.strategy == tag else {}
-            return cls.model_validate({**fields, "strategy": tag, **(cls.from_argument(argument) if argument else {})})
-    raise ValueError(f"no distributed strategy is written {tag!r}; one of {', '.join(c.tag() for c in STRATEGIES)}")
 
 
 def distributed_section(strategy: Strategy) -> dict:

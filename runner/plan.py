@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import ByteSize, Field, field_validator
 
+from .choices import Strict
 from .policies import (  # noqa: F401 - the plan's vocabulary, importable from here as before
     AllBlocksOffload,
     CastCompression,
@@ -28,7 +29,6 @@ from .policies import (  # noqa: F401 - the plan's vocabulary, importable from h
     Offload,
     SelectiveCheckpointing,
     SqrtCheckpointing,
-    Strict,
 )
 
 

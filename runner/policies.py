@@ -12,17 +12,13 @@ here and its place in the union, its tests, and its line in the README.
 from __future__ import annotations
 
 import math
-from typing import Annotated, ClassVar, Literal, Protocol, get_args
+from typing import Annotated, ClassVar, Literal, Protocol
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+from pydantic import ByteSize, Field, field_validator
+
+from .choices import Choice, members
 
 EVERY_K = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # k for "checkpoint every k-th block": spread, not exhaustive
-
-
-class Strict(BaseModel):
-    """Base of every recipe section: strict types, unknown keys rejected, docstrings as help."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", use_attribute_docstrings=True, frozen=True)
 
 
 class BlockLayout(Protocol):
@@ -47,21 +43,11 @@ def short_list(indices: list[int], most: int = 6) -> str:
     return shown + (f",...,{indices[-1]}" if len(indices) > most else "")
 
 
-class Policy(Strict):
-    """What every policy class answers; `policy` is each subclass's one literal."""
+class Policy(Choice):
+    """What every policy class answers; `policy` is each subclass's literal (runner/choices.py reads
+    a tuner label back into it)."""
 
-    @classmethod
-    def tag(cls) -> str:
-        return get_args(cls.model_fields["policy"].annotation)[0]
-
-    @classmethod
-    def from_argument(cls, argument: str) -> dict:
-        """The fields a tuner label's argument (`3` of `every:3`) stands for."""
-        return {}
-
-    def label(self) -> str:
-        """The policy as one tuner choice: `every:3`, `layers:0,2,5`, `bf16`."""
-        return self.policy
+    discriminator: ClassVar[str] = "policy"
 
 
 class BlockList(Policy):
@@ -365,31 +351,12 @@ class CastCompression(CompressionPolicy):
 Compression = Annotated[NoCompression | CastCompression, Field(discriminator="policy")]
 
 
-# --- labels <-> policies -----------------------------------------------------------------------------
+# --- the tuner's labels -------------------------------------------------------------------------------
 
 
-def _members(union) -> tuple[type[Policy], ...]:
-    return get_args(get_args(union)[0])
-
-
-CHECKPOINTING: tuple[type[CheckpointingPolicy], ...] = _members(Checkpointing)
-OFFLOAD: tuple[type[OffloadPolicy], ...] = _members(Offload)
-COMPRESSION: tuple[type[CompressionPolicy], ...] = _members(Compression)
-
-
-def policy_class(kind: tuple[type[Policy], ...], label: str) -> type[Policy]:
-    """The class among `kind` whose policy a tuner choice (`every:3`) names."""
-    tag = label.partition(":")[0]
-    for cls in kind:
-        if tag in get_args(cls.model_fields["policy"].annotation):
-            return cls
-    raise ValueError(f"no policy is written {label!r}")
-
-
-def from_label(kind: tuple[type[Policy], ...], label: str) -> dict:
-    """A tuner choice (`every:3`, `layers:1,3`, `fp8`) as the recipe data of its policy."""
-    tag, _, argument = label.partition(":")
-    return {"policy": tag, **(policy_class(kind, label).from_argument(argument) if argument else {})}
+CHECKPOINTING: tuple[type[CheckpointingPolicy], ...] = members(Checkpointing)
+OFFLOAD: tuple[type[OffloadPolicy], ...] = members(Offload)
+COMPRESSION: tuple[type[CompressionPolicy], ...] = members(Compression)
 
 
 def checkpointing_choices(layout: BlockLayout) -> list[str]:

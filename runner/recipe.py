@@ -14,7 +14,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
-from .plan import MemoryPlan, Strict, plan_problems
+from .choices import Strict
+from .plan import MemoryPlan, plan_problems
 from .problems import KeyedError
 from .strategies import (  # noqa: F401 - the strategies are part of the recipe's schema
     DataParallel, Distributed, FullySharded, HybridSharded, SingleProcess, TensorParallel,

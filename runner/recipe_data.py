@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator
 
-from .plan import Strict
+from .choices import Strict
 
 Task = Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification", "image_classification"]
 

@@ -12,7 +12,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from .plan import Strict
+from .choices import Strict
 
 
 class TensorBoardSink(Strict):

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from .plan import Strict
+from .choices import Strict
 from .problems import KeyedError, suggest
 
 _Beta = Annotated[float, Field(ge=0, lt=1)]  # as torch.optim.AdamW demands

@@ -12,35 +12,24 @@ Pure data: importing this module imports neither torch nor torch.distributed.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, get_args
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from .policies import Strict
+from .choices import Choice, choice_class, choice_fields, members
 
 TensorStyle = Literal["colwise", "rowwise"]
 
 
-class Strategy(Strict):
-    """What every strategy answers; `strategy` is each subclass's one literal."""
+class Strategy(Choice):
+    """What every strategy answers; `strategy` is each subclass's one literal (runner/choices.py reads
+    a tuner label back into it)."""
 
+    discriminator: ClassVar[str] = "strategy"
     shards: ClassVar[bool] = False
     """Parameters, gradients and optimizer state split over ranks by FSDP2 (memory.sharding applies)."""
     layout_key: ClassVar[str] = "distributed.strategy"
     """The recipe key a `world_problem` is about (where the one line points)."""
-
-    @classmethod
-    def tag(cls) -> str:
-        return get_args(cls.model_fields["strategy"].annotation)[0]
-
-    @classmethod
-    def from_argument(cls, argument: str) -> dict:
-        """The fields a tuner label's argument (`2` of `hsdp:2`) stands for."""
-        return {}
-
-    def label(self) -> str:
-        """The strategy as one tuner choice: `ddp`, `fsdp`, `hsdp:2`, `tp:2`."""
-        return self.strategy
 
     def mesh_dims(self, world_size: int) -> dict[str, int]:
         """The rank layout: mesh dimension names to sizes, outermost first (their product is the world)."""
@@ -227,16 +216,15 @@ def _divisors_text(n: int) -> str:
 Distributed = Annotated[SingleProcess | DataParallel | FullySharded | HybridSharded | TensorParallel,
                         Field(discriminator="strategy")]
 
-STRATEGIES: tuple[type[Strategy], ...] = get_args(get_args(Distributed)[0])
+STRATEGIES: tuple[type[Strategy], ...] = members(Distributed)
 
 
-def strategy_from_label(label: str) -> Strategy:
-    """A tuner choice (`ddp`, `hsdp:2`, `tp:4`) as its strategy."""
-    tag, _, argument = label.partition(":")
-    for cls in STRATEGIES:
-        if cls.tag() == tag:
-            return cls(strategy=tag, **(cls.from_argument(argument) if argument else {}))
-    raise ValueError(f"no distributed strategy is written {label!r}")
+def strategy_from_label(label: str, pinned: Strategy | None = None) -> Strategy:
+    """A tuner choice (`ddp`, `hsdp:2`, `tp:4`) as its strategy; a strategy of the same kind (`pinned`,
+    the recipe's own) lends the fields no label says (tp's `plan`)."""
+    cls = choice_class(STRATEGIES, label)
+    lent = pinned.model_dump() if isinstance(pinned, cls) else {}
+    return cls.model_validate({**lent, **choice_fields(STRATEGIES, label)})
 
 
 def strategy_choices(world_size: int) -> list[str]:

@@ -14,7 +14,8 @@ from conftest import ROOT
 from runner import policies
 from runner.plan import MemoryPlan, plan_problems
 from runner.policies import (CHECKPOINTING, COMPRESSION, OFFLOAD, CheckpointingPolicy, CompressionPolicy, OffloadPolicy,
-                             checkpointing_choices, compression_choices, from_label, offload_choices, sqrt_segments)
+                             checkpointing_choices, compression_choices, offload_choices, sqrt_segments)
+from runner.choices import choice_fields
 
 
 @dataclass
@@ -80,7 +81,7 @@ def test_every_policy_class_is_in_its_union():
 def test_each_tuner_choice_reads_back_as_its_policy_and_acts_on_real_blocks(count, stacks):
     layout = Layout(count, [f"stack{i * stacks // count}" for i in range(count)])
     for label in checkpointing_choices(layout):
-        policy = MemoryPlan.model_validate({"checkpointing": from_label(CHECKPOINTING, label)}).checkpointing
+        policy = MemoryPlan.model_validate({"checkpointing": choice_fields(CHECKPOINTING, label)}).checkpointing
         assert policy.label() == label
         chosen = policy.chosen(layout)
         assert chosen == sorted(set(chosen)) and all(0 <= i < count for i in chosen)
@@ -89,7 +90,7 @@ def test_each_tuner_choice_reads_back_as_its_policy_and_acts_on_real_blocks(coun
     for label in offload_choices("cuda") + compression_choices():
         kind = OFFLOAD if label in offload_choices("cuda") else COMPRESSION
         key = "offload" if kind is OFFLOAD else "compression"
-        assert getattr(MemoryPlan.model_validate({key: from_label(kind, label), "allow_lossy": True}), key).label() == label
+        assert getattr(MemoryPlan.model_validate({key: choice_fields(kind, label), "allow_lossy": True}), key).label() == label
 
 
 @settings(max_examples=40, deadline=None)
@@ -98,7 +99,7 @@ def test_a_layer_list_names_blocks_that_exist_or_says_which_does_not(count, laye
     policy = MemoryPlan.model_validate({"checkpointing": {"policy": "layers", "layers": layers}}).checkpointing
     if max(layers) < count:
         assert policy.chosen(Layout(count)) == sorted(layers)
-        assert from_label(CHECKPOINTING, policy.label()) == {"policy": "layers", "layers": sorted(layers)}
+        assert choice_fields(CHECKPOINTING, policy.label()) == {"policy": "layers", "layers": sorted(layers)}
     else:
         with pytest.raises(ValueError, match=r"memory.checkpointing.layers: block (\d+) is out of range") as refused:
             policy.chosen(Layout(count))

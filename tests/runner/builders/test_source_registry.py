@@ -16,7 +16,7 @@ from pydantic import Field
 
 from runner.builders.data import Batch, BatchSource, Shape
 from runner.builders.sources import SOURCES
-from runner.plan import Strict
+from runner.choices import Strict
 from runner.recipe_data import Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, TextFilesData
 
 
