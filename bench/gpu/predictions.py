@@ -49,12 +49,25 @@ def predict(campaign, entries: list[dict], estimator: Estimator | None = None) -
             estimate = estimator.estimate(load_recipe(campaign.recipe_path, entry["overrides"]).memory)
             found[key] = {"peak_bytes": estimate.peak_bytes, "live_peak_bytes": estimate.live_peak_bytes,
                           "breakdown": estimate.breakdown,
-                          "predicted_step_s": {GPUS[g].name: estimate.time_on(GPUS[g]).seconds for g in TIMED_ON}}
+                          "predicted_step_s": {name: estimate.time_on(facts).seconds
+                                               for name, facts in cards(campaign).items()}}
         except Exception as err:  # an unpredictable plan is a finding, not the end of the campaign
             found[key] = {"error": one_line(err)}
         found[key]["recipe_hash"] = entry["recipe_hash"]
         print(f"predicted {key}: {found[key].get('peak_bytes', found[key].get('error'))}", flush=True)
     return found
+
+
+def cards(campaign) -> dict:
+    """{the name the plans step's versions give the device: its facts}: the GPUs this workplace lends,
+    or, in a dry run, this CPU (so that the step-time comparison runs there too)."""
+    if campaign.cuda:
+        return {GPUS[g].name: GPUS[g] for g in TIMED_ON}
+    import platform
+
+    from runner.predict.hardware import this_cpu
+
+    return {f"cpu ({platform.machine()})": this_cpu()}  # as bench/gpu/facts.py's versions() names a CPU
 
 
 def solve(campaign, none_overrides: dict[int, list[str]], estimator: Estimator | None = None) -> dict:
