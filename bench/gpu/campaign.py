@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,12 @@ EXIT_S = 5  # a step is told its limit less this: time to write its results and 
 LOG_TAIL = 3000  # characters of each step's log kept in campaign.json
 
 
+def kept() -> Path:
+    """Where each step's results are copied too: $OUT is emptied before every call, and a second call on
+    the warm machine (`call.sh tune`) still finds the first call's plans there."""
+    return Path(os.environ.get("CKRUN_CAMPAIGN_KEPT") or Path(tempfile.gettempdir()) / "ckrun-campaign-last")
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -60,7 +67,7 @@ class Step:
 def _script(name: str, *extra: str) -> Callable[[Path, float, bool], list[str]]:
     def command(out: Path, seconds: float, dry_run: bool) -> list[str]:
         return [sys.executable, str(REPO / "bench" / "gpu" / name), str(out), "--budget-s", f"{seconds:.0f}",
-                *(["--dry-run"] if dry_run else []), *(part.format(out=out) for part in extra)]
+                *(["--dry-run"] if dry_run else []), *(part.format(out=out, kept=kept()) for part in extra)]
     return command
 
 
@@ -72,13 +79,13 @@ def _cuda_tests(out: Path, seconds: float, dry_run: bool) -> list[str]:
 
 STEPS = (
     Step("facts", "device facts, memory facts and the per-op-class calibration (bf16 matmul rate first)",
-         30, 50, ("facts.json", "calibration.json"), _script("facts.py")),
-    Step("plans", "BERT-large's plans: predicted vs measured step time and peak", 45, 115,
+         30, 60, ("facts.json", "calibration.json"), _script("facts.py")),
+    Step("plans", "BERT-large's plans: predicted vs measured step time and peak", 45, 110,
          ("plans.json", "snapshot_full_mb16.json.gz"), _script("plans.py")),
     Step("knobs", "issue 33's memory knobs against the same plan without them", 40, 45, ("knobs.json",),
          _script("knobs.py")),
     Step("tune", "ckrun tune under 40 GB; P1, P2, P5 and the cap's use", 140, None, ("tune.json",),
-         _script("tune.py", "--plans", "{out}/plans.json")),
+         _script("tune.py", "--plans", "{out}/plans.json", "--plans", "{kept}/plans.json")),
     Step("cuda_tests", "pytest -m cuda", 90, None, (), _cuda_tests),
 )
 FIRST_CALL = ("facts", "plans", "knobs", "tune")  # what the first call's accounting guarantees a start
@@ -144,12 +151,21 @@ class Runner:
         else:
             entry.update(self.launch(step))
         entry["files"] = {name: (self.out / name).stat().st_size for name in step.outputs if (self.out / name).exists()}
+        self.keep(entry["files"])
         entry["ended_at"] = time.time()  # its files are older: written as it measured, not at the campaign's end
         self.record["steps"].append(entry)
         self.write()
         print(f"campaign: {step.name}: {entry['status']}" + (f" in {entry['seconds']:.0f} s" if "seconds" in entry
               else f" ({entry.get('reason')})"), flush=True)
         return entry
+
+    def keep(self, files: dict) -> None:
+        place = kept()
+        if self.out.resolve() == place.resolve():
+            return
+        place.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            shutil.copyfile(self.out / name, place / name)
 
     def skip_reason(self, step: Step) -> str | None:
         if step.name == "knobs" and not self.knobs_present():

@@ -1,6 +1,6 @@
 """Step 1 of the GPU campaign: what this GPU, driver and torch do, and the time model's calibration.
 
-    python bench/gpu/facts.py OUT_DIR [--dry-run] [--budget-s 60]
+    python bench/gpu/facts.py OUT_DIR [--dry-run] [--budget-s 55]
 
 Writes, each rewritten as soon as a part is measured (a call cut short keeps what was measured):
 - OUT_DIR/facts.json: versions and the allocator settings torch reports in effect; the CUDA context
@@ -174,7 +174,7 @@ def probe_pinned_bandwidth(mib: int = 512) -> dict:
 
 PROBES = {"context": probe_context, "cublas": probe_cublas_workspace, "attention": probe_attention_scratch,
           "bandwidth": probe_pinned_bandwidth}
-CONTEXT_S = 60  # the context probe's fresh process (importing torch, a CUDA context, a step's kernels)
+CONTEXT_S = 20  # the context probe's fresh process (importing torch, a CUDA context, a step's kernels): ~10 s
 PART_S = 10  # one in-process part (each takes seconds on an H100)
 CALIBRATION_S = 25  # every calibration row (about 10 s on an H100, allocation included)
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="toy size on the CPU: the CUDA probes report null")
-    parser.add_argument("--budget-s", type=float, default=60.0, help="this step's share of the call (default 60)")
+    parser.add_argument("--budget-s", type=float, default=55.0, help="this step's share of the call (default 55)")
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)

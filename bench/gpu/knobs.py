@@ -2,7 +2,7 @@
 optimizer step in backward, optimizer offload to the host, the loss over chunks, ...), each measured
 against the same plan without it, where this checkout has them.
 
-    python bench/gpu/knobs.py OUT_DIR [--dry-run] [--budget-s 50]
+    python bench/gpu/knobs.py OUT_DIR [--dry-run] [--budget-s 40]
     python bench/gpu/knobs.py --list            # what this checkout offers, without measuring
 
 Nothing here names a knob. A knob is a field of the recipe's memory plan (runner.plan.MemoryPlan)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--dry-run", action="store_true", help="toy size on the CPU")
-    parser.add_argument("--budget-s", type=float, default=50.0, help="this step's share of the call (default 50)")
+    parser.add_argument("--budget-s", type=float, default=40.0, help="this step's share of the call (default 40)")
     parser.add_argument("--list", action="store_true", help="print the knobs this checkout has and leave")
     args = parser.parse_args(argv)
     knobs, left = present()

@@ -1,7 +1,7 @@
 """Step 2 of the GPU campaign: memory plans of BERT-large measured, counted and predicted (the time
 model's and the memory model's calibration data).
 
-    python bench/gpu/plans.py OUT_DIR [--dry-run] [--budget-s 130] [--steps N] [--only none,full] [--predicted FILE]
+    python bench/gpu/plans.py OUT_DIR [--dry-run] [--budget-s 105] [--steps N] [--only none,full] [--predicted FILE]
     python bench/gpu/plans.py OUT_DIR --predict-only          # CPU: OUT_DIR/predicted.json
 
 Plans none / full / every 2 / selective / offload all / offload all + full / the solver's plan /
@@ -103,7 +103,7 @@ class Campaign:
 TUNE_LIMIT = int(40e9 * 0.95) - predictions.CONTEXT_GUESS  # the tune call's --max-mem 40GB, margin 0.05
 # H100, BERT-large (2026-11-22): a step of 64 samples 0.22 s, the model built in seconds: a plan with its 7 steps
 # and a counted one about 12 s
-GPU = Campaign("recipes/bert_large.yaml", ("train.device=cuda",), (16, 64), 2, 5, True, 130, 15, 150, 20, 8,
+GPU = Campaign("recipes/bert_large.yaml", ("train.device=cuda",), (16, 64), 2, 5, True, 105, 15, 150, 20, 8,
                TUNE_LIMIT)
 DRY_RUN = Campaign("recipes/bert_tiny.yaml", (*TINY, "train.device=cpu"), (4, 8), 1, 1, False, 300, 3, 3, 0, 1, None)
 

@@ -1,11 +1,11 @@
 """Step 4 of the GPU campaign: `ckrun tune` on BERT-large under 40 GB, then the tuned plan against
 what it is judged by.
 
-    python bench/gpu/tune.py OUT_DIR [--dry-run] [--budget-s 160] [--plans OUT_DIR/plans.json] [--max-mem 40GB]
+    python bench/gpu/tune.py OUT_DIR [--dry-run] [--budget-s 160] [--plans OUT_DIR/plans.json ...] [--max-mem 40GB]
 
-1. `ckrun tune recipes/bert_large.yaml --max-mem 40GB --search-compile --no-train` (compile searched;
-   its probes share inductor's disk cache), in its own process group, killed at its share of the
-   budget; `ckrun report` then writes the study's report.json if the tuner could not.
+1. `ckrun tune recipes/bert_large.yaml --max-mem 40GB --no-train` (compile not searched: `GPU`), in
+   its own process group, killed at its share of the budget; `ckrun report` then writes the study's
+   report.json if the tuner could not.
 2. The reference P1 is held to, the fastest plan with no cap: where the budget holds a second search
    (`both_searches_s`: a call of its own), the same search with the card's memory as the cap; else
    the fastest eager plan the plans step measured in this call (`--plans`), measured again here as
@@ -67,12 +67,14 @@ class Setup:
 
 # H100, BERT-large (2026-11-22): a 60-second `ckrun tune --max-mem 40GB` probed several plans; a fresh probe
 # process (torch and transformers imported, the model built, 5 steps) takes about 25 s
-GPU = Setup("recipes/bert_large.yaml", ("train.device=cuda",),
-            ("--search-compile", "--finalists", "1", "--probe-timeout", "150"), 2, 3, 25, 160, 0.45, 420, "40GB", "")
+# Compile is not searched: a cold compile (1-2 minutes) would take the short search's whole share and could not
+# be measured again in a comparison probe; the plans step measures compile where its budget leaves time.
+GPU = Setup("recipes/bert_large.yaml", ("train.device=cuda",), ("--finalists", "1", "--probe-timeout", "90"),
+            2, 3, 25, 160, 0.45, 420, "40GB", "")
 # the dry run checks the script, not the search: no model child (--no-screen), one plan per search
 DRY_RUN = Setup("recipes/bert_tiny.yaml", (*TINY, "train.device=cpu"),
-                ("--search-compile", "--finalists", "0", "--warmup-steps", "1", "--timed-steps", "1", "--trials", "1",
-                 "--no-screen"), 1, 1, 60, 900, 0.3, None, "100MB", "100GB")
+                ("--finalists", "0", "--warmup-steps", "1", "--timed-steps", "1", "--trials", "1", "--no-screen"),
+                1, 1, 60, 900, 0.3, None, "100MB", "100GB")
 LIVE: set[subprocess.Popen] = set()  # the searches and HF loops running, each its own group: the watchdog kills them
 SLACK_S = 20  # the tuner's imports before its own clock starts, and its first probe, which may end past the budget
 LOG_TAIL = 2000  # characters of a search's log kept in tune.json
@@ -170,10 +172,12 @@ def hf_candidate(setup: Setup) -> dict:
             "recipe": load_recipe(REPO / setup.recipe, list(setup.base))}
 
 
-def fastest_measured(plans_path: Path | None) -> dict | None:
+def fastest_measured(paths: list[Path] | None) -> dict | None:
     """The fastest eager plan the plans step measured (compiled ones aside: a cold compile would not
-    fit a comparison probe), as the uncapped reference where no uncapped search fits the budget."""
-    if plans_path is None or not plans_path.exists():
+    fit a comparison probe), from the first of `paths` that exists (this call's plans.json, else the
+    last call's kept on this machine), as the uncapped reference where no uncapped search fits."""
+    plans_path = next((path for path in paths or [] if path.exists()), None)
+    if plans_path is None:
         return None
     plans = json.loads(plans_path.read_text(encoding="utf-8"))
     measured = [p for p in plans.get("plans", []) if p.get("status") == "ok" and p.get("samples_per_s")
@@ -184,7 +188,7 @@ def fastest_measured(plans_path: Path | None) -> dict | None:
     recipe = load_recipe(REPO / plans["recipe"], [*best["overrides"], "memory.max_mem=null"])
     return {"name": "fastest uncapped", "role": "uncapped", "recipe": recipe,
             "source": f"the plans step's fastest eager plan ({best['key']}, {best['samples_per_s']:.1f} samples/s "
-                      "there): no budget for an uncapped search"}
+                      f"there, {plans_path}): no budget for an uncapped search"}
 
 
 # --- measuring ------------------------------------------------------------------------------------
@@ -294,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="bert_tiny on the CPU under 100MB")
     parser.add_argument("--budget-s", type=float, help=f"this step's seconds (default {GPU.budget_s:g})")
-    parser.add_argument("--plans", type=Path, help="the plans step's plans.json: the uncapped reference where no "
-                                                   "uncapped search fits")
+    parser.add_argument("--plans", type=Path, action="append", help="the plans step's plans.json: the uncapped "
+                        "reference where no uncapped search fits (several: the first that exists)")
     parser.add_argument("--max-mem", help="the cap (default 40GB; dry run 100MB)")
     parser.add_argument("--repeats", type=int, help="measurements of each candidate (default 2; dry run 1)")
     args = parser.parse_args(argv)

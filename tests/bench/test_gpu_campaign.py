@@ -37,9 +37,10 @@ def _json(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def call(tmp_path_factory) -> tuple[Path, str]:
     """The whole campaign dry, as a lent GPU's call runs it: (its $OUT, what it printed)."""
-    out = tmp_path_factory.mktemp("gpu-campaign")
+    out, kept = tmp_path_factory.mktemp("gpu-campaign"), tmp_path_factory.mktemp("kept")
     done = children.run(["bash", str(ROOT / "bench" / "gpu" / "call.sh"), "--dry-run"], cwd=ROOT,
-                        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)})
+                        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
+                             "CKRUN_CAMPAIGN_KEPT": str(kept)})
     assert done.returncode == 0, f"call.sh failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return out, done.stdout
 
@@ -157,7 +158,7 @@ def test_tune_dry_run_tunes_then_compares_with_the_plans_steps_fastest(call):
     out, _ = call
     tune = _json(out / "tune.json")
     assert tune["tune"]["exit_code"] == 0 and not tune["tune"]["timed_out"], tune["tune"]
-    assert "--search-compile" in tune["tune"]["command"] and "uncapped_tune" not in tune
+    assert "--max-mem" in tune["tune"]["command"] and "uncapped_tune" not in tune
     assert tune["tune"]["report"]["winner"] is not None and "memory:" in tune["tune"]["tuned_yaml"]
     assert tune["uncapped_reference"].startswith("the plans step's fastest eager plan")
     assert [c["role"] for c in tune["candidates"]] == ["tuned", "uncapped", "hf_full_checkpointing",
@@ -205,7 +206,8 @@ def _stand_in(name: str, usual: float, most: float | None, code: str) -> campaig
 WRITES_THEN_HANGS = "import sys, time, pathlib; pathlib.Path(sys.argv[1], '{name}.json').write_text('{{}}'); time.sleep(60)"
 
 
-def test_a_step_is_killed_at_its_share_and_one_without_its_usual_time_is_skipped(tmp_path):
+def test_a_step_is_killed_at_its_share_and_one_without_its_usual_time_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKRUN_CAMPAIGN_KEPT", str(tmp_path / "kept"))
     steps = (_stand_in("hangs", 0.1, 1.5, WRITES_THEN_HANGS.format(name="hangs")),
              _stand_in("too_long", 500, 600, "raise SystemExit('must not run')"),
              _stand_in("quick", 0.1, None, WRITES_THEN_HANGS.format(name="quick").replace("time.sleep(60)", "")))
@@ -217,6 +219,7 @@ def test_a_step_is_killed_at_its_share_and_one_without_its_usual_time_is_skipped
     assert too_long["status"] == "skipped" and "it usually takes 500 s" in too_long["reason"]
     assert quick["status"] == "done" and quick["files"] == {"quick.json": 2}
     assert _json(tmp_path / "campaign.json")["steps"] == record["steps"]
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["hangs.json", "quick.json"]  # for a second call
     assert record["next"].startswith("bash bench/gpu/call.sh hangs too_long")
 
 
@@ -234,7 +237,8 @@ steps = (campaign.Step("first", "", 0.1, 5, ("first.json",), writes), campaign.S
 campaign.run_steps(pathlib.Path({str(tmp_path)!r}), ["first", "stuck"], budget.Budget(4), False, steps)
 """
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "CKRUN_CAMPAIGN_KEPT": str(tmp_path / "kept")})
     assert done.returncode == budget.DEADLINE_EXIT, done.stderr[-2000:]
     assert time.monotonic() - started < 60
     record = _json(tmp_path / "campaign.json")
