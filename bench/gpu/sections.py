@@ -4,7 +4,7 @@ prints at its end, one line per figure."""
 
 from __future__ import annotations
 
-from bench.gpu.tables import NOT_MEASURED, figure_texts, gb, percent
+from bench.gpu.tables import NOT_MEASURED, figure_texts, gb, percent, size
 
 CLASSES = ("matmul", "conv", "attention", "memory", "optimizer")
 
@@ -94,15 +94,20 @@ def knob_rows(knobs: dict) -> list[dict]:
     return rows
 
 
+def _signed(count: int) -> str:
+    return ("+" if count >= 0 else "-") + size(abs(count))
+
+
 def _knob_line(plan: dict, base: dict | None) -> tuple[str, ...]:
     if plan.get("status") != "ok":
-        return (plan.get("status", "?") + ": " + str(plan.get("reason", "")),) + ("",) * 6
-    vs = lambda key: "" if not base or not base.get(key) else plan[key] / base[key]  # noqa: E731
-    loss = "" if not base else max(abs(a - b) for a, b in zip(plan["losses"], base["losses"], strict=False))
+        reason = str(plan.get("reason", ""))
+        return (reason if reason.startswith(plan.get("status", "?")) else f"{plan.get('status')}: {reason}",) + \
+            ("",) * 6
+    step = "" if not base else f"{plan['step_time_s'] / base['step_time_s']:.2f}x"
+    peak = "" if not base else _signed(plan["measured_peak_bytes"] - base["measured_peak_bytes"])
+    loss = "" if not base else f"{max(abs(a - b) for a, b in zip(plan['losses'], base['losses'], strict=False)):.1e}"
     predicted = plan.get("predicted_bytes", plan.get("predicted_here_bytes"))
-    return ("ok", f"{plan['step_time_s']:.3f}", "" if vs("step_time_s") == "" else f"{vs('step_time_s'):.2f}x",
-            gb(plan["measured_peak_bytes"]), "" if not base else f"{(plan['measured_peak_bytes'] - base['measured_peak_bytes']) / 1e9:+.2f}",
-            gb(predicted), "" if loss == "" else f"{loss:.1e}")
+    return ("ok", f"{plan['step_time_s']:.3f}", step, size(plan["measured_peak_bytes"]), peak, size(predicted), loss)
 
 
 def knobs_table(knobs: dict) -> str:
@@ -111,7 +116,7 @@ def knobs_table(knobs: dict) -> str:
     lines = ["## Memory knobs (issue 33)", "",
              "Each knob on the whole batch in one pass with full checkpointing, beside the same plan without it "
              "(`none`); where the recipe refuses a knob there, once more without gradient clipping.", "",
-             "| knob | status | step time (s) | vs without | measured peak (GB) | vs without (GB) | predicted (GB) | "
+             "| knob | status | step time (s) | vs without | measured peak | vs without | predicted peak | "
              "max loss diff vs without |", "|---|---|---|---|---|---|---|---|"]
     for row in knob_rows(knobs):
         lines.append(f"| {row['plan']['name']} | " + " | ".join(_knob_line(row["plan"], row["base"])) + " |")
@@ -171,6 +176,6 @@ def knobs_summary(knobs: dict | None) -> str:
         if plan.get("status") != "ok" or not base:
             parts.append(f"{plan['name']} {plan.get('status')}")
             continue
-        parts.append(f"{plan['name']} peak {(plan['measured_peak_bytes'] - base['measured_peak_bytes']) / 1e9:+.2f} GB, "
+        parts.append(f"{plan['name']} peak {_signed(plan['measured_peak_bytes'] - base['measured_peak_bytes'])}, "
                      f"step {plan['step_time_s'] / base['step_time_s']:.2f}x")
     return "; ".join(parts) or "no knob measured"

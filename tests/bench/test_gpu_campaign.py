@@ -289,6 +289,32 @@ def test_knobs_are_the_plans_new_exact_policies_and_flags():
                                                      for k in knobs.present(MemoryPlan)[0])
 
 
+def test_each_knob_is_shown_beside_the_same_plan_without_it():
+    from bench.gpu import sections
+
+    def plan(name, knob=None, **measured):
+        found = {"name": name, "knob": knob and {"label": knob}, "status": "ok", "losses": [2.0, 1.5]}
+        return {**found, **measured}
+    knobs = {"status": "measured", "left_out": [{"field": "weights", "policy": "bf16", "reason": "lossy"}], "plans": [
+        plan("none", step_time_s=1.0, measured_peak_bytes=10 * 10**9),
+        plan("loss chunked", "loss chunked", step_time_s=1.1, measured_peak_bytes=8 * 10**9, predicted_here_bytes=8 * 10**9,
+             losses=[2.0, 1.5000001]),
+        {"name": "optimizer_offload cpu", "knob": {"label": "optimizer_offload cpu"}, "status": "skipped",
+         "reason": "skipped: needs CUDA"},
+        plan("none (train.grad_clip=null)", step_time_s=1.0, measured_peak_bytes=10 * 10**9, losses=[2.0, 1.4]),
+        plan("optimizer_step in_backward (train.grad_clip=null)", "optimizer_step in_backward", step_time_s=0.9,
+             measured_peak_bytes=9 * 10**9, losses=[2.0, 1.4])]}
+    table = sections.knobs_table(knobs)
+    assert "| loss chunked | ok | 1.100 | 1.10x | 8.00 GB | -2.00 GB | 8.00 GB | 1.0e-07 |" in table
+    assert "| optimizer_offload cpu | skipped: needs CUDA |" in table
+    # held to the plan without gradient clipping, as it ran: not to the clipped `none`
+    assert "| optimizer_step in_backward (train.grad_clip=null) | ok | 0.900 | 0.90x | 9.00 GB | -1.00 GB | n/a | 0.0e+00 |" \
+        in table
+    assert "Left out: weights bf16: lossy." in table
+    assert sections.knobs_summary(knobs).startswith("loss chunked peak -2.00 GB, step 1.10x; optimizer_offload cpu skipped")
+    assert sections.knobs_summary({"status": "none present"}) == "none present in this checkout"
+
+
 # --- the pieces, fed known inputs ---------------------------------------------------------------------
 
 
