@@ -57,19 +57,22 @@ class Budget:
         """A subprocess's time limit: `wanted`, or what is left after `keep` seconds for what follows."""
         return max(1.0, min(wanted, self.left() - keep))
 
-    def arm(self, at_deadline: Callable[[], None], code: int = 124) -> threading.Thread:
+    def arm(self, at_deadline: Callable[[], None], code: int = 124) -> threading.Event:
         """At the deadline: call `at_deadline` (write what was measured), then leave with `code`
-        (124, as `timeout` does), whatever the main thread is doing."""
+        (124, as `timeout` does), whatever the main thread is doing; unless the work is done first:
+        set the returned event (`disarm`), or the process that called on would be ended later."""
+        done = threading.Event()
+
         def watch() -> None:
-            time.sleep(self.left())
+            if done.wait(self.left()):
+                return
             try:
                 at_deadline()
             finally:
                 os._exit(code)
 
-        thread = threading.Thread(target=watch, name="budget-watchdog", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=watch, name="budget-watchdog", daemon=True).start()
+        return done
 
     def record(self) -> dict:
         return {"budget_s": self.seconds, "spent_s": round(self.spent(), 1)}

@@ -19,7 +19,9 @@ before any GPU is asked for that the first call fits 9 minutes with the machine'
 What comes back. A call brings back at most 8 files from $OUT: campaign.json (the accounting, each
 step's status, time, files and log tail, the summary lines), facts.json, calibration.json,
 plans.json, snapshot_full_mb16.json.gz, knobs.json, tune.json. Each is rewritten whole as its step
-measures (a crash or a timeout loses nothing already measured); full logs stay on the machine.
+measures (a crash or a timeout loses nothing already measured); full logs stay on the machine, and
+a copy of each step's files stays there too (`kept()`: /tmp/ckrun-campaign-last, or
+$CKRUN_CAMPAIGN_KEPT), where a second call's tune finds the first call's plans.
 """
 
 from __future__ import annotations
@@ -211,13 +213,14 @@ def run_steps(out: Path, names: list[str], budget: Budget, dry_run: bool, steps:
     record = {"dry_run": dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "accounting": accounting(steps),
               "steps_asked": names, "steps": [], "nvidia_smi": _nvidia_smi(out)}
     runner = Runner(out, budget, dry_run, record)
-    budget.arm(runner.at_deadline, call.DEADLINE_EXIT)
+    watchdog = budget.arm(runner.at_deadline, call.DEADLINE_EXIT)
     runner.write()
     for step in (s for s in steps if s.name in names):
         runner.run(step)
     record["summary"] = summary(out)
     record["next"] = next_call(record)
     runner.write()
+    watchdog.set()  # done in time: a caller that goes on (a test) must not be ended at the deadline
     return record
 
 

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # toy sizes gain nothing from threads; spinning ones slow a shared 2-core box
     facts = {"dry_run": args.dry_run, "versions": None, **dict.fromkeys((*PROBES, "matmul"))}
     write = lambda **extra: write_json(args.out / "facts.json", {**facts, "budget": {**budget.record(), **extra}})  # noqa: E731
-    budget.arm(lambda: write(stopped="at the deadline, in the middle of a part"))
+    watchdog = budget.arm(lambda: write(stopped="at the deadline, in the middle of a part"))
     if cuda and budget.allows(CONTEXT_S):  # first: this process must hold no context while it is measured
         facts["context"] = run_probe_isolated("context", budget.limit(CONTEXT_S))
     facts["versions"] = versions()
@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         facts["matmul"] = {"error": f"skipped: {budget.left():.0f} s left, the calibration takes ~{CALIBRATION_S} s"}
     write()
+    watchdog.set()
     return 0
 
 

@@ -377,11 +377,12 @@ def measure_entries(campaign: Campaign, entries: list[dict], results: dict, out:
                     filename: str = "plans.json") -> dict:
     """The engine: every entry measured in order within the budget, the predictions, the conclusions,
     OUT/`filename` written after each plan and at the end (and by the watchdog at the deadline)."""
-    budget.arm(lambda: write_json(out / filename, {**results, "budget": {
+    watchdog = budget.arm(lambda: write_json(out / filename, {**results, "budget": {
         **budget.record(), "stopped": "at the deadline, in the middle of a plan"}}))
     run_campaign(campaign, entries, results, out, budget, filename)
     conclude(results, budget, predict_here(campaign, results, budget))
     write_json(out / filename, results)
+    watchdog.set()
     return results
 
 

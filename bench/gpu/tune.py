@@ -313,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ckrun-gpu-tune-"))
     results = {"versions": versions(), "dry_run": args.dry_run, "recipe": setup.recipe, "cap_text": args.max_mem,
                "cap_bytes": int(TypeAdapter(ByteSize).validate_python(args.max_mem)), "candidates": []}
-    budget.arm(lambda: at_deadline(args.out, results, budget))
+    watchdog = budget.arm(lambda: at_deadline(args.out, results, budget))
     try:
         compare(setup, args, work, results, budget)
+        watchdog.set()
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the studies' probe files: what matters is in tune.json
         results["budget"] = budget.record()

@@ -247,6 +247,25 @@ campaign.run_steps(pathlib.Path({str(tmp_path)!r}), ["first", "stuck"], budget.B
     assert "campaign summary (one line per figure):" in done.stdout
 
 
+def test_a_campaign_done_in_time_leaves_no_watchdog_behind(tmp_path):
+    """run_steps returns before its deadline: whatever runs on in that process is not ended at the
+    deadline (a watchdog left armed took the test run's worker down 30 s later)."""
+    script = f"""
+import pathlib, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from bench.gpu import budget, campaign
+quick = lambda out, seconds, dry: [sys.executable, "-c", "pass"]
+left = budget.Budget(15)  # room for a loaded machine: only a campaign that ended before its deadline tells
+campaign.run_steps(pathlib.Path({str(tmp_path)!r}), ["quick"], left, False, (campaign.Step("quick", "", 0.1, 1, (), quick),))
+if left.left() > 0:
+    time.sleep(left.left() + 1)
+    print("still here")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "CKRUN_CAMPAIGN_KEPT": str(tmp_path / "kept")})
+    assert done.returncode == 0 and "still here" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
 def test_the_campaign_refuses_a_step_it_does_not_have(tmp_path, capsys):
     assert campaign.main([str(tmp_path), "plans", "tuen"]) == 2
     assert "no step tuen" in capsys.readouterr().err
