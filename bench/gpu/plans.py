@@ -3,6 +3,7 @@ model's and the memory model's calibration data).
 
     python bench/gpu/plans.py OUT_DIR [--dry-run] [--budget-s 105] [--steps N] [--only none,full] [--predicted FILE]
     python bench/gpu/plans.py OUT_DIR --predict-only          # CPU: OUT_DIR/predicted.json
+    python bench/gpu/plans.py --repredict OUT/plans.json      # CPU, after a call: this checkout's predictions
 
 Plans none / full / every 2 / selective / offload all / offload all + full / the solver's plan /
 compile on recipes/bert_large.yaml (bf16, seq 512, batch 64), at micro-batch 16 and in one pass of
@@ -18,7 +19,8 @@ difference is the noise floor the other plans' differences are held to.
 Predictions: `--predict-only` runs the Estimator and the solver on a CPU (predictions.py); its
 output, committed as bench/gpu/predicted_bert_large.json, is what the GPU run is judged by (remake
 it when runner/predict or the recipe schema changes: a plan whose recipe hash no longer matches is
-predicted on the GPU machine's CPU at the end, if the budget leaves time). Two steps of `full` at
+predicted on the GPU machine's CPU at the end, if the budget leaves time; `--repredict` predicts a
+call's measured plans again afterwards, on any CPU, with the checkout's model). Two steps of `full` at
 micro-batch 16 are recorded with the allocator's history and replayed through ckrun's allocator
 model (snapshot.py), when the budget leaves time for it.
 
@@ -340,7 +342,7 @@ def solver_plans(campaign: Campaign, committed_path: Path | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--dry-run", action="store_true", help="toy size on the CPU: offload and snapshot skipped")
     parser.add_argument("--budget-s", type=float, help=f"this step's share of the call in seconds (default {GPU.budget_s:g})")
     parser.add_argument("--steps", type=int, help="timed steps per plan (default 5; dry run 1)")
@@ -348,7 +350,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--predict-only", action="store_true", help="only the predictions (no GPU needed)")
     parser.add_argument("--predicted", type=Path,
                         help=f"committed predictions (default bench/gpu/{COMMITTED.name}; none in a dry run)")
+    parser.add_argument("--repredict", type=Path, metavar="RESULTS",
+                        help="predict a call's measured plans (plans.json or knobs.json) again here and rewrite it")
     args = parser.parse_args(argv)
+    if args.repredict:
+        results = json.loads(args.repredict.read_text(encoding="utf-8"))
+        write_json(args.repredict, predictions.repredict(DRY_RUN if results.get("dry_run") else GPU, results))
+        print(f"{args.repredict}: {results['predictions_from']}; {tables.step_time_text(results['plans'])}")
+        return 0
+    if args.out is None:
+        parser.error("OUT_DIR is needed")
     campaign = DRY_RUN if args.dry_run else GPU
     campaign = Campaign(**{**vars(campaign), "timed_steps": args.steps or campaign.timed_steps,
                            "budget_s": args.budget_s or campaign.budget_s})

@@ -185,6 +185,48 @@ def test_tables_turn_the_calls_results_into_markdown_with_every_figure(call, tmp
     assert "| step time | predicted vs measured step time over the plans: rank correlation; error | Spearman" in markdown
 
 
+def test_a_calls_plans_are_predicted_again_afterwards_with_the_checkouts_model(call, tmp_path):
+    out, _ = call
+    copy = tmp_path / "plans.json"
+    copy.write_text((out / "plans.json").read_text(encoding="utf-8"), encoding="utf-8")
+    done = children.run([sys.executable, str(ROOT / "bench" / "gpu" / "plans.py"), "--repredict", str(copy)], cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    again, before = _json(copy), _json(out / "plans.json")
+    assert again["predictions_from"].startswith("re-predicted after the call on a CPU")
+    for old, new in zip(before["plans"], again["plans"], strict=True):
+        assert {k: new[k] for k in ("status", "step_time_s", "losses") if k in old} == \
+            {k: old[k] for k in ("status", "step_time_s", "losses") if k in old}  # the measurements stay
+        if old["status"] == "ok":
+            assert new["predicted_here_bytes"] == old["predicted_here_bytes"] and new["predicted_step_s"] > 0
+            assert "predicted_note" not in new  # the same recipe as measured
+    assert again["figures"]["P4"]["plans"] == before["figures"]["P4"]["plans"]
+
+
+def test_a_recipes_hash_leaves_out_what_is_at_its_default():
+    """So that a knob the schema gains, off by default, keeps the committed predictions valid."""
+    from bench.gpu import plans, predictions
+
+    base = [*plans.DRY_RUN.base, "memory.micro_batch=4"]
+    assert predictions.recipe_hash(plans.DRY_RUN, base) == predictions.recipe_hash(plans.DRY_RUN,
+                                                                                   [*base, "memory.compile=false"])
+    assert predictions.recipe_hash(plans.DRY_RUN, base) != predictions.recipe_hash(plans.DRY_RUN,
+                                                                                   [*base, "memory.compile=true"])
+
+
+def test_the_committed_predictions_are_for_the_recipes_the_plans_step_measures():
+    """A lent GPU's plans are judged by bench/gpu/predicted_bert_large.json: where the recipe or a plan
+    changed, remake it (`python bench/gpu/plans.py /tmp/p --predict-only`, then copy /tmp/p/predicted.json
+    over it), or the call predicts them on its own CPU only if its budget leaves time."""
+    from bench.gpu import plans
+
+    committed = _json(plans.COMMITTED)
+    entries = [e for e in plans.plan_entries(plans.GPU, None, committed["solver"]) if e.get("status") != "skipped"]
+    stale = [e["key"] for e in entries
+             if (committed["predictions"].get(e["key"]) or {}).get("recipe_hash") != e["recipe_hash"]]
+    assert not stale, f"stale committed predictions: {stale}"
+
+
 def test_tables_without_results_say_every_figure_waits():
     done = children.run([sys.executable, str(ROOT / "bench" / "gpu" / "tables.py")], cwd=ROOT,
                         env={**os.environ, "PYTHONPATH": str(ROOT)})
