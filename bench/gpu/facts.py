@@ -1,17 +1,22 @@
-"""Call 1 of the GPU campaign (4 minutes): what this GPU, driver and torch do, measured once.
+"""Step 1 of the GPU campaign: what this GPU, driver and torch do, and the time model's calibration.
 
-    python bench/gpu/facts.py OUT_DIR [--dry-run] [--budget-s 230]
+    python bench/gpu/facts.py OUT_DIR [--dry-run] [--budget-s 55]
 
-Writes OUT_DIR/facts.json: versions and the allocator settings torch reports in effect; the CUDA
-context at init and after lazy module loading; the cuBLAS workspace per stream (what the prediction
-adds per handle); the extra bytes that flash and memory-efficient attention allocate in backward
-beyond their gradients; pinned host<->device bandwidth (what offload's copies can reach); the bf16
-matrix-product rate this card reaches (MFU's peak is the datasheet's; this says how much of it a
-kernel can get); then `pytest -m cuda` with what is left of the budget (its log in
-OUT_DIR/pytest-cuda.log; no CPU suite here: CI runs that). Each probe runs in its own subprocess, so
-one process's lazily loaded kernels never count towards another's context. `--dry-run` runs the
-same code at toy size on the CPU (the CUDA parts report null) so the campaign cannot rot between
-GPU sessions.
+Writes, each rewritten as soon as a part is measured (a call cut short keeps what was measured):
+- OUT_DIR/facts.json: versions and the allocator settings torch reports in effect; the CUDA context
+  at init and after lazy module loading (in a fresh process, first, before this one starts CUDA);
+  the cuBLAS workspace per stream (what the prediction adds per handle; measured before any other
+  product here); the extra bytes flash and memory-efficient attention allocate in backward beyond
+  their gradients; pinned host<->device bandwidth; the bf16 matrix rate (from the calibration).
+- OUT_DIR/calibration.json: every per-op-class rate and its share of the datasheet peak
+  (bench/gpu/calibrate.py: products by shape and dtype, convolutions, attention per kernel family,
+  memory-bound ops, the optimizer step, host link, launch floor) and the entry they make for the time
+  model's calibration table.
+  It also holds the card's measured facts (runner.predict.hardware.measure_gpu), which
+  `python bench/gpu/calibrate.py OUT_DIR/calibration.json --facts-json gpu.json` writes out for
+  `ckrun estimate --gpu gpu.json`.
+`--dry-run` runs the same code at toy size on the CPU (the CUDA-only parts report null; gpu.json
+the device facts are this CPU's), so the campaign cannot rot between GPU sessions.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import datetime
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/gpu/facts.py` must find it too
     sys.path.insert(0, str(REPO))
 
-from bench.gpu.budget import Budget  # noqa: E402
+from bench.gpu import calibrate  # noqa: E402
+from bench.gpu.budget import Budget, write_json  # noqa: E402
 
 MiB = 1 << 20
-PROBE_S = 90  # the most one probe may take (each is seconds on an H100)
 
 
 def versions() -> dict:
@@ -168,26 +172,11 @@ def probe_pinned_bandwidth(mib: int = 512) -> dict:
     return rates
 
 
-def probe_matmul(n: int = 8192, warmup: int = 3, timed: int = 10) -> dict:
-    """bf16 [n, n] @ [n, n] on random data (zeros run faster), median of `timed` products timed with
-    events after `warmup`: the matrix rate a step's kernels can reach on this card."""
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(warmup):
-        a @ b
-    times = []
-    for _ in range(timed):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    seconds = sorted(times)[len(times) // 2]
-    return {"shape": [n, n, n], "bf16_flops_per_s": 2 * n**3 / seconds, "seconds": seconds}
-
-
 PROBES = {"context": probe_context, "cublas": probe_cublas_workspace, "attention": probe_attention_scratch,
-          "bandwidth": probe_pinned_bandwidth, "matmul": probe_matmul}
+          "bandwidth": probe_pinned_bandwidth}
+CONTEXT_S = 20  # the context probe's fresh process (importing torch, a CUDA context, a step's kernels): ~10 s
+PART_S = 10  # one in-process part (each takes seconds on an H100)
+CALIBRATION_S = 25  # every calibration row (about 10 s on an H100, allocation included)
 
 
 def run_probe_isolated(name: str, timeout_s: float) -> dict:
@@ -203,44 +192,80 @@ def run_probe_isolated(name: str, timeout_s: float) -> dict:
     return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:300]}
 
 
-def cuda_tests(out: Path, budget: Budget, dry_run: bool) -> dict:
-    """`pytest -m cuda` in what is left of the budget; the summary line and the failed tests' names."""
-    if dry_run or not torch.cuda.is_available():
-        return {"status": "not run", "reason": "dry run" if dry_run else "no CUDA GPU"}
-    limit = budget.limit(budget.left(), keep=5)
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rf"]
-    log_path = out / "pytest-cuda.log"
-    with open(log_path, "w", encoding="utf-8") as log:  # a file: what ran before a timeout is kept
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-        try:
-            status = "passed" if process.wait(timeout=limit) == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the tests' own subprocesses too
-            process.wait()
-            status = "timed out"
-    text = log_path.read_text(encoding="utf-8", errors="replace")
-    lines = text.strip().splitlines()
-    return {"status": status, "limit_s": round(limit), "summary": lines[-1] if lines else "",
-            "failed": [line.split(" ", 2)[1] for line in lines if line.startswith("FAILED ")]}
+def run_part(part) -> dict:
+    """An in-process part; its failure is its result, not the end of the step."""
+    try:
+        return part()
+    except Exception as err:  # noqa: BLE001 - reported in facts.json
+        return {"error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"}
+
+
+def device_facts(cuda: bool) -> tuple[object, str, object]:
+    """(the peaks the calibration's shares are of, what they are, this card's measured facts: this
+    CPU's in a dry run)."""
+    from runner.predict import hardware
+
+    measured = hardware.measure_gpu() if cuda else hardware.this_cpu()
+    datasheet = hardware.this_gpu() if cuda else None
+    if datasheet is not None:
+        return datasheet, f"datasheet ({datasheet.source})", measured
+    return measured, "measured here (ckrun's GPU table does not list this card)" if cuda else "this CPU, measured", \
+        measured
+
+
+def calibration(cuda: bool, out: Path, found: dict) -> dict:
+    """OUT/calibration.json, rewritten after every row; returns the headline bf16 rate for facts.json.
+    It carries the measured device facts too (`calibrate.py --facts-json gpu.json` writes them out for
+    `--gpu gpu.json`): a call brings back at most 8 files."""
+    peaks, peaks_from, measured = device_facts(cuda)
+    versions_found = found["versions"]
+    results = {"dry_run": not cuda, "versions": versions_found, "peaks_from": peaks_from,
+               "device_facts": measured.model_dump(mode="json"), "rows": [], "entry": None}
+    path = out / "calibration.json"
+    key = calibrate.applies_to(versions_found.get("device", ""), versions_found.get("capability"))
+
+    def landed(row: dict) -> None:
+        results["rows"].append(row)
+        results["entry"] = calibrate.calibration_entry(results["rows"], versions_found, key)
+        results["entry_problem"] = calibrate.check_entry(results["entry"])
+        write_json(path, results)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    calibrate.measure(calibrate.GPU if cuda else calibrate.DRY_RUN, device, peaks, landed)
+    large = next((r for r in results["rows"] if r["kernel"] == "large" and r["dtype"] == "bf16" and r.get("rate")), None)
+    return None if large is None else {"shape": large["shape"], "bf16_flops_per_s": large["rate"],
+                                       "seconds": large["seconds"], "datasheet_share": large.get("share")}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="toy size on the CPU: the CUDA probes report null")
-    parser.add_argument("--budget-s", type=float, default=230.0, help="this call's share of the GPU (default 230)")
+    parser.add_argument("--budget-s", type=float, default=55.0, help="this step's share of the call (default 55)")
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
-    facts = {"versions": versions(), "dry_run": args.dry_run}
-    for name in PROBES:
-        run = not args.dry_run and torch.cuda.is_available() and budget.allows(PROBE_S)
-        facts[name] = run_probe_isolated(name, budget.limit(PROBE_S)) if run else None
-        print(f"{name}: {facts[name]}", flush=True)
-    facts["cuda_tests"] = cuda_tests(args.out, budget, args.dry_run)
-    print(f"pytest -m cuda: {facts['cuda_tests']}", flush=True)
-    facts["budget"] = budget.record()
-    (args.out / "facts.json").write_text(json.dumps(facts, indent=1), encoding="utf-8")
+    cuda = not args.dry_run and torch.cuda.is_available()  # asks the driver; starts no context here
+    if args.dry_run:
+        torch.set_num_threads(1)  # toy sizes gain nothing from threads; spinning ones slow a shared 2-core box
+    facts = {"dry_run": args.dry_run, "versions": None, **dict.fromkeys((*PROBES, "matmul"))}
+    write = lambda **extra: write_json(args.out / "facts.json", {**facts, "budget": {**budget.record(), **extra}})  # noqa: E731
+    watchdog = budget.arm(lambda: write(stopped="at the deadline, in the middle of a part"))
+    if cuda and budget.allows(CONTEXT_S):  # first: this process must hold no context while it is measured
+        facts["context"] = run_probe_isolated("context", budget.limit(CONTEXT_S))
+    facts["versions"] = versions()
+    write()
+    for name in ("cublas", "attention", "bandwidth"):  # cuBLAS first: no product has run in this process yet
+        if cuda and budget.allows(PART_S):
+            facts[name] = run_part(PROBES[name])
+            print(f"{name}: {facts[name]}", flush=True)
+            write()
+    if budget.allows(CALIBRATION_S if cuda else 1):
+        facts["matmul"] = run_part(lambda: calibration(cuda, args.out, facts))
+        print(f"bf16 matrix rate: {facts['matmul']}", flush=True)
+    else:
+        facts["matmul"] = {"error": f"skipped: {budget.left():.0f} s left, the calibration takes ~{CALIBRATION_S} s"}
+    write()
+    watchdog.set()
     return 0
 
 

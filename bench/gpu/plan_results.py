@@ -34,6 +34,9 @@ def attach_predictions(results: dict, committed: dict | None, here: dict | None)
             entry["predicted_note"] = "the committed prediction is for another recipe or failed: not used"
         if here and key in here and "peak_bytes" in here[key]:
             entry["predicted_here_bytes"] = here[key]["peak_bytes"]
+            step = step_on(here[key].get("predicted_step_s"), card)
+            if step is not None and "predicted_step_s" not in entry:  # the committed one, where there is one
+                entry["predicted_step_s"] = step
 
 
 def step_on(predicted, card: str | None) -> float | None:

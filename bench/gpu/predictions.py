@@ -28,8 +28,11 @@ CONTEXT_GUESS = 800 * 10**6  # the CUDA context with a BERT step's kernels, H100
 
 
 def recipe_hash(campaign, overrides: list[str]) -> str:
-    """What a committed prediction must have been made for: the resolved recipe, not the override text."""
-    return hashlib.sha256(load_recipe(campaign.recipe_path, overrides).model_dump_json().encode()).hexdigest()[:16]
+    """What a committed prediction must have been made for: the resolved recipe, not the override text.
+    Fields at their defaults are left out, so that a field the schema gains (a new memory knob, off by
+    default) leaves the recipes made before it, and their predictions, as they were."""
+    recipe = load_recipe(campaign.recipe_path, overrides)
+    return hashlib.sha256(recipe.model_dump_json(exclude_defaults=True).encode()).hexdigest()[:16]
 
 
 def estimator_for(campaign) -> Estimator:
@@ -49,12 +52,25 @@ def predict(campaign, entries: list[dict], estimator: Estimator | None = None) -
             estimate = estimator.estimate(load_recipe(campaign.recipe_path, entry["overrides"]).memory)
             found[key] = {"peak_bytes": estimate.peak_bytes, "live_peak_bytes": estimate.live_peak_bytes,
                           "breakdown": estimate.breakdown,
-                          "predicted_step_s": {GPUS[g].name: estimate.time_on(GPUS[g]).seconds for g in TIMED_ON}}
+                          "predicted_step_s": {name: estimate.time_on(facts).seconds
+                                               for name, facts in cards(campaign).items()}}
         except Exception as err:  # an unpredictable plan is a finding, not the end of the campaign
             found[key] = {"error": one_line(err)}
         found[key]["recipe_hash"] = entry["recipe_hash"]
         print(f"predicted {key}: {found[key].get('peak_bytes', found[key].get('error'))}", flush=True)
     return found
+
+
+def cards(campaign) -> dict:
+    """{the name the plans step's versions give the device: its facts}: the GPUs this workplace lends,
+    or, in a dry run, this CPU (so that the step-time comparison runs there too)."""
+    if campaign.cuda:
+        return {GPUS[g].name: GPUS[g] for g in TIMED_ON}
+    import platform
+
+    from runner.predict.hardware import this_cpu
+
+    return {f"cpu ({platform.machine()})": this_cpu()}  # as bench/gpu/facts.py's versions() names a CPU
 
 
 def solve(campaign, none_overrides: dict[int, list[str]], estimator: Estimator | None = None) -> dict:
@@ -90,6 +106,37 @@ def solver_overrides(solved: dict) -> list[str] | None:
     if memory is None:
         return None
     return [f"memory.{key}={json.dumps(value)}" for key, value in memory.items()]
+
+
+STALE = ("predicted_bytes", "predicted_note", "predicted_here_bytes", "predicted_step_s", "error", "error_here")
+
+
+def repredict(campaign, results: dict) -> dict:
+    """A call's measured plans (plans.json, knobs.json) predicted again here, with this checkout's
+    model: the measurements stay the calibration data whatever the predictions were when they were
+    made. A plan whose overrides now resolve to another recipe than the one measured is marked."""
+    from bench.gpu import plan_results
+
+    for entry in results["plans"]:
+        for key in STALE:
+            entry.pop(key, None)
+        if entry["status"] == "ok" and recipe_hash(campaign, entry["overrides"]) != entry.get("recipe_hash"):
+            entry["predicted_note"] = "re-predicted for what its overrides resolve to now: not the recipe measured"
+    measured = [e for e in results["plans"] if e["status"] == "ok"]
+    plan_results.attach_predictions(results, None, predict(campaign, measured))
+    plan_results.conclude(results)
+    results["figures"] = plan_results.figures(results)
+    made = versions_here()
+    results["predictions_from"] = f"re-predicted after the call on a CPU (torch {made['torch']}, {made['date']})"
+    return results
+
+
+def versions_here() -> dict:
+    import datetime
+
+    import torch
+
+    return {"torch": torch.__version__, "date": datetime.date.today().isoformat()}
 
 
 def one_line(err: BaseException) -> str:

@@ -1,23 +1,25 @@
-"""Call 3 of the GPU campaign (8 minutes): `ckrun tune` on BERT-large under 40 GB and without a cap,
-then the tuned plan against what it is judged by.
+"""Step 4 of the GPU campaign: `ckrun tune` on BERT-large under 40 GB, then the tuned plan against
+what it is judged by.
 
-    python bench/gpu/tune.py OUT_DIR [--dry-run] [--budget-s 460] [--max-mem 40GB] [--repeats 2]
+    python bench/gpu/tune.py OUT_DIR [--dry-run] [--budget-s 160] [--plans OUT_DIR/plans.json ...] [--max-mem 40GB]
 
-1. The device, in a child (the card's memory: the "no cap" search's cap).
-2. `ckrun tune recipes/bert_large.yaml --max-mem 40GB --search-compile --no-train` (compile searched;
-   its probes share inductor's disk cache), in its own process group, killed at its share of the
-   budget; `ckrun report` then writes the study's report.json if the tuner could not.
-3. The same search with the card's own memory as the cap: the fastest plan with no cap that the
-   same search finds (not hand-picked plans).
-4. The tuned plan, that fastest uncapped plan, HF's own `gradient_checkpointing_enable()` in a plain
-   HF loop (hf_loop.py) at the same batch and precision, and ckrun's full checkpointing of the whole
-   batch in one pass, each in a fresh process, interleaved so that drift hits all alike, as many rounds
-   (up to --repeats) as the budget leaves. OUT_DIR/tune.json is rewritten after every measurement.
+1. `ckrun tune recipes/bert_large.yaml --max-mem 40GB --no-train` (compile not searched: `GPU`), in
+   its own process group, killed at its share of the budget; `ckrun report` then writes the study's
+   report.json if the tuner could not.
+2. The reference P1 is held to, the fastest plan with no cap: where the budget holds a second search
+   (`both_searches_s`: a call of its own), the same search with the card's memory as the cap; else
+   the fastest eager plan the plans step measured in this call (`--plans`), measured again here as
+   the others are. tune.json says which.
+3. The tuned plan, that reference, HF's own `gradient_checkpointing_enable()` in a plain HF loop
+   (hf_loop.py) at the same batch and precision, and ckrun's full checkpointing of the whole batch in
+   one pass, each in a fresh process, interleaved so that drift hits all alike, as many rounds (up to
+   --repeats) as the budget leaves. OUT_DIR/tune.json is rewritten after every measurement.
 
 Figures (tables.py): P1 tuned / fastest uncapped >= 0.97; P2 tuned / HF full checkpointing >= 1.25;
 P5 the 40 GB tune's wall time <= 10 minutes; the tuned plan's peak under the cap, using >= 90% of it.
-Studies go to a directory under /tmp (hundreds of probe files: too many to bring back); their
-report.json and tuned.yaml are copied to OUT_DIR. `--dry-run`: bert_tiny on the CPU under 100MB.
+Studies go to a directory under /tmp (hundreds of probe files); each study's report.json, tuned.yaml
+and the tail of its log are kept inside tune.json (a call brings back at most 8 files).
+`--dry-run`: bert_tiny on the CPU under 100MB.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from pydantic import ByteSize, TypeAdapter  # noqa: E402
 
 from autotune.probe import ProbeRunner, ProbeSettings  # noqa: E402
 from bench.gpu import tables, tune_verdict  # noqa: E402
-from bench.gpu.budget import Budget  # noqa: E402
+from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
-from bench.gpu.plans import TINY, write_json  # noqa: E402
+from bench.gpu.plans import TINY  # noqa: E402
 from runner.load import load_recipe  # noqa: E402
 
 
@@ -57,19 +59,26 @@ class Setup:
     timed_steps: int
     probe_s: float  # what one comparison probe usually takes: a round starts only with this left per candidate
     budget_s: float
-    shares: tuple[float, float]  # of the budget: the capped search, the uncapped one; the rest compares
+    search_share: float  # of the budget, for the capped search; the rest compares (and, given room, searches again)
+    both_searches_s: float | None  # a budget of at least this holds the uncapped search too; None: never
     cap: str
     uncapped_on_cpu: str  # a CPU has no card to take the cap from
 
 
-GPU = Setup("recipes/bert_large.yaml", ("train.device=cuda",),
-            ("--search-compile", "--finalists", "1", "--probe-timeout", "150"), 2, 3, 35, 460, (0.40, 0.24),
-            "40GB", "")
+# H100, BERT-large (2026-11-22): a 60-second `ckrun tune --max-mem 40GB` probed several plans; a fresh probe
+# process (torch and transformers imported, the model built, 5 steps) takes about 25 s
+# Compile is not searched: a cold compile (1-2 minutes) would take the short search's whole share and could not
+# be measured again in a comparison probe; the plans step measures compile where its budget leaves time.
+GPU = Setup("recipes/bert_large.yaml", ("train.device=cuda",), ("--finalists", "1", "--probe-timeout", "90"),
+            2, 3, 25, 160, 0.45, 420, "40GB", "")
 # the dry run checks the script, not the search: no model child (--no-screen), one plan per search
 DRY_RUN = Setup("recipes/bert_tiny.yaml", (*TINY, "train.device=cpu"),
-                ("--search-compile", "--finalists", "0", "--warmup-steps", "1", "--timed-steps", "1", "--trials", "1",
-                 "--no-screen"), 1, 1, 8, 240, (0.35, 0.3), "100MB", "100GB")
-STARTUP_S = 45  # the tuner's own start before its budget counts: the device child, the model child, the solver
+                ("--finalists", "0", "--warmup-steps", "1", "--timed-steps", "1", "--trials", "1", "--no-screen"),
+                1, 1, 60, 900, 0.3, None, "100MB", "100GB")
+LIVE: set[subprocess.Popen] = set()  # the searches and HF loops running, each its own group: the watchdog kills them
+SLACK_S = 20  # the tuner's imports before its own clock starts, and its first probe, which may end past the budget
+LOG_TAIL = 2000  # characters of a search's log kept in tune.json
+REPORT_S = 20  # `ckrun report` after a search was killed
 
 
 # --- the searches ---------------------------------------------------------------------------------
@@ -77,37 +86,58 @@ STARTUP_S = 45  # the tuner's own start before its budget counts: the device chi
 
 def run_tuner(setup: Setup, cap: str, limit_s: float, study: Path, log_path: Path) -> dict:
     """`ckrun tune ... --no-train` in its own process group, killed at `limit_s`."""
-    budget = f"{max(10, int(limit_s - STARTUP_S))}s"
+    budget = f"{max(10, int(limit_s - SLACK_S))}s"
     command = [sys.executable, "-m", "runner", "tune", setup.recipe, *setup.base, "--max-mem", cap,
                "--time-budget", budget, "--no-train", "--output", str(study), *setup.tune_flags]
     print(f"tune: {' '.join(command[1:])} (hard limit {limit_s:.0f} s)", flush=True)
     started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   cwd=REPO, start_new_session=True)
-        try:
-            code, timed_out = process.wait(timeout=limit_s), False
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # its probes watch it and take their own groups down
-            code, timed_out = process.wait(), True
-    found = {"command": command[1:], "cap": cap, "exit_code": code, "timed_out": timed_out, "limit_s": round(limit_s),
-             "seconds": round(time.monotonic() - started, 1)}
+        code = bounded(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        cwd=REPO, start_new_session=True), limit_s)
+    found = {"command": command[1:], "cap": cap, "exit_code": code, "timed_out": code is None,
+             "limit_s": round(limit_s), "seconds": round(time.monotonic() - started, 1)}
     if not (study / "report.json").exists() and (study / "study.journal").exists():
         # killed before it wrote its report: `ckrun report` writes it from the study's journal
-        subprocess.run([sys.executable, "-m", "runner", "report", str(study)], cwd=REPO, capture_output=True,
-                       timeout=60)
+        try:
+            subprocess.run([sys.executable, "-m", "runner", "report", str(study)], cwd=REPO, capture_output=True,
+                           timeout=REPORT_S)
+        except subprocess.TimeoutExpired:
+            found["report_note"] = f"`ckrun report` did not finish in {REPORT_S} s"
     return found
 
 
-def collect(study: Path, out: Path, run: dict, prefix: str) -> dict | None:
-    """Copies the study's small results to OUT (PREFIXreport.json, PREFIXtuned.yaml); returns its
-    report.json (None when there is none)."""
-    for name in ("report.json", "tuned.yaml"):
-        if (study / name).exists():
-            shutil.copyfile(study / name, out / f"{prefix}{name}")
+def bounded(process: subprocess.Popen, limit_s: float) -> int | None:
+    """The exit status of a child in its own group, or None where it was killed (its whole group) at
+    `limit_s`; the watchdog can kill it too while it runs."""
+    LIVE.add(process)
+    try:
+        return process.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        kill_group(process)  # a search's probes watch it and take their own groups down
+        process.wait()
+        return None
+    finally:
+        LIVE.discard(process)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def collect(study: Path, log_path: Path, run: dict) -> dict | None:
+    """Puts the study's report.json, tuned.yaml and the tail of its log into `run` (they travel inside
+    tune.json: a call brings back at most 8 files); returns the report (None when there is none)."""
+    log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+    run["log_tail"] = log[-LOG_TAIL:]
+    if (study / "tuned.yaml").exists():
+        run["tuned_yaml"] = (study / "tuned.yaml").read_text(encoding="utf-8")
     if not (study / "report.json").exists():
         return None
     report = json.loads((study / "report.json").read_text(encoding="utf-8"))
+    run["report"] = report
     run["trials"] = len(report.get("trials", []))
     run["winner"] = report.get("winner")
     return report
@@ -142,6 +172,25 @@ def hf_candidate(setup: Setup) -> dict:
             "recipe": load_recipe(REPO / setup.recipe, list(setup.base))}
 
 
+def fastest_measured(paths: list[Path] | None) -> dict | None:
+    """The fastest eager plan the plans step measured (compiled ones aside: a cold compile would not
+    fit a comparison probe), from the first of `paths` that exists (this call's plans.json, else the
+    last call's kept on this machine), as the uncapped reference where no uncapped search fits."""
+    plans_path = next((path for path in paths or [] if path.exists()), None)
+    if plans_path is None:
+        return None
+    plans = json.loads(plans_path.read_text(encoding="utf-8"))
+    measured = [p for p in plans.get("plans", []) if p.get("status") == "ok" and p.get("samples_per_s")
+                and p["name"] != "compile"]
+    if not measured:
+        return None
+    best = max(measured, key=lambda p: p["samples_per_s"])
+    recipe = load_recipe(REPO / plans["recipe"], [*best["overrides"], "memory.max_mem=null"])
+    return {"name": "fastest uncapped", "role": "uncapped", "recipe": recipe,
+            "source": f"the plans step's fastest eager plan ({best['key']}, {best['samples_per_s']:.1f} samples/s "
+                      f"there, {plans_path}): no budget for an uncapped search"}
+
+
 # --- measuring ------------------------------------------------------------------------------------
 
 
@@ -164,15 +213,12 @@ def measure_hf(setup: Setup, work: Path, number: int, limit_s: float) -> dict:
                "--warmup", str(setup.warmup_steps), "--timed", str(setup.timed_steps)]
     started = time.monotonic()
     with open(work / f"hf-{number}.log", "w", encoding="utf-8") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-        try:
-            process.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return {"status": "timeout", "reason": f"timed out after {limit_s:.0f} s"}
+        code = bounded(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                        start_new_session=True), limit_s)
+    if code is None:
+        return {"status": "timeout", "reason": f"timed out after {limit_s:.0f} s"}
     found = json.loads(result.read_text()) if result.exists() else \
-        {"status": "died", "reason": f"exit {process.returncode}; see {work / f'hf-{number}.log'}"}
+        {"status": "died", "reason": f"exit {code}; see {work / f'hf-{number}.log'}"}
     return {**found, "probe_s": round(time.monotonic() - started, 2)}
 
 
@@ -185,7 +231,7 @@ def measure_all(candidates: list[dict], setup: Setup, args, work: Path, results:
             results["rounds_note"] = f"{round_number} round(s): the budget had no room for another"
             break
         for candidate in candidates:
-            if not budget.allows(setup.probe_s / 2):
+            if not budget.allows(setup.probe_s):
                 candidate["runs"].append({"status": "skipped", "reason": "the call's budget ran out"})
                 continue
             result = measure(candidate, setup, work, number, budget.limit(4 * setup.probe_s, keep=5))
@@ -209,29 +255,51 @@ def card_cap(setup: Setup, work: Path, dry_run: bool) -> str:
     return str(device.get("total_bytes") or setup.uncapped_on_cpu or "80GB")
 
 
+def search(setup: Setup, args, work: Path, results: dict, cap: str, role: str, limit_s: float) -> dict | None:
+    """One `ckrun tune` under `cap`, recorded in results; its winner as a candidate (None: none)."""
+    study, log_path = work / f"study-{role}", work / f"{role}-search.log"
+    run = run_tuner(setup, cap, limit_s, study, log_path)
+    results["tune" if role == "tuned" else "uncapped_tune"] = run
+    report = collect(study, log_path, run)
+    write_json(args.out / "tune.json", results)
+    return winner_candidate(setup, study, report, cap, "tuned" if role == "tuned" else "fastest uncapped", role)
+
+
 def compare(setup: Setup, args, work: Path, results: dict, budget: Budget) -> None:
     total = budget.left()
-    searches = []
-    for index, (cap, name, role) in enumerate(((args.max_mem, "tuned", "tuned"),
-                                               (card_cap(setup, work, args.dry_run), "fastest uncapped", "uncapped"))):
-        study, prefix = work / f"study-{role}", f"{role}_"
-        run = run_tuner(setup, cap, budget.limit(setup.shares[index] * total, keep=60), study,
-                        args.out / f"{prefix}search.log")
-        results["tune" if role == "tuned" else "uncapped_tune"] = run
-        report = collect(study, args.out, run, prefix)
-        searches.append(winner_candidate(setup, study, report, cap, name, role))
+    both = setup.both_searches_s is not None and total >= setup.both_searches_s
+    tuned = search(setup, args, work, results, args.max_mem, "tuned",
+                   budget.limit(setup.search_share * total, keep=3 * setup.probe_s))
+    if both:
+        uncapped = search(setup, args, work, results, card_cap(setup, work, args.dry_run), "uncapped",
+                          budget.limit(setup.search_share * total * 0.6, keep=3 * setup.probe_s))
+    else:
+        uncapped = fastest_measured(args.plans)
+        results["uncapped_reference"] = uncapped["source"] if uncapped else \
+            "none: no budget for an uncapped search and no measured plan (--plans)"
     # in the order the figures need them, should the budget end a round early: P1, P2, then ckrun's own full
-    candidates = [c | {"runs": []} for c in [*searches, hf_candidate(setup), full_checkpointing(setup)] if c]
+    candidates = [c | {"runs": []} for c in [tuned, uncapped, hf_candidate(setup), full_checkpointing(setup)] if c]
     tune_verdict.conclude(results, candidates)
     write_json(args.out / "tune.json", results)
     measure_all(candidates, setup, args, work / "compare", results, budget)
+
+
+def at_deadline(out: Path, results: dict, budget: Budget) -> None:
+    """The watchdog's: the running search or HF loop killed with its group (a comparison probe watches
+    this process and goes with it), what was measured written."""
+    for process in list(LIVE):
+        kill_group(process)
+    write_json(out / "tune.json", {**results, "budget": {
+        **budget.record(), "stopped": "at the deadline, in the middle of a search or a measurement"}})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="bert_tiny on the CPU under 100MB")
-    parser.add_argument("--budget-s", type=float, help="this call's share of the GPU in seconds (default 460)")
+    parser.add_argument("--budget-s", type=float, help=f"this step's seconds (default {GPU.budget_s:g})")
+    parser.add_argument("--plans", type=Path, action="append", help="the plans step's plans.json: the uncapped "
+                        "reference where no uncapped search fits (several: the first that exists)")
     parser.add_argument("--max-mem", help="the cap (default 40GB; dry run 100MB)")
     parser.add_argument("--repeats", type=int, help="measurements of each candidate (default 2; dry run 1)")
     args = parser.parse_args(argv)
@@ -245,10 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ckrun-gpu-tune-"))
     results = {"versions": versions(), "dry_run": args.dry_run, "recipe": setup.recipe, "cap_text": args.max_mem,
                "cap_bytes": int(TypeAdapter(ByteSize).validate_python(args.max_mem)), "candidates": []}
+    watchdog = budget.arm(lambda: at_deadline(args.out, results, budget))
     try:
         compare(setup, args, work, results, budget)
+        watchdog.set()
     finally:
-        shutil.rmtree(work, ignore_errors=True)  # the studies' probe files: what matters is in OUT_DIR
+        shutil.rmtree(work, ignore_errors=True)  # the studies' probe files: what matters is in tune.json
         results["budget"] = budget.record()
         write_json(args.out / "tune.json", results)
     print("\n" + tables.tune_table(results))

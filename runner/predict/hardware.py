@@ -146,7 +146,8 @@ def known_names() -> list[str]:
 
 
 def load_facts(path: Path) -> DeviceFacts:
-    """Measured facts written by `bench/gpu/facts.py --facts-json` (or by hand, same fields)."""
+    """Measured facts: `python -m runner.predict.hardware OUT.json`, a GPU campaign's (`python bench/gpu/calibrate.py
+    OUT/calibration.json --facts-json FILE`), or written by hand with the same fields."""
     try:
         return DeviceFacts.model_validate(json.loads(path.read_text(encoding="utf-8")))
     except OSError as err:
