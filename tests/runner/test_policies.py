@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import ROOT
 from runner import policies
-from runner.plan import MemoryPlan, plan_problems
+from runner.plan import POLICY_FIELDS, MemoryPlan, plan_problems
 from runner.policies import (CHECKPOINTING, COMPRESSION, OFFLOAD, CheckpointingPolicy, CompressionPolicy, OffloadPolicy,
                              checkpointing_choices, compression_choices, offload_choices, sqrt_segments)
 from runner.choices import choice_fields
@@ -91,6 +91,24 @@ def test_each_tuner_choice_reads_back_as_its_policy_and_acts_on_real_blocks(coun
         kind = OFFLOAD if label in offload_choices("cuda") else COMPRESSION
         key = "offload" if kind is OFFLOAD else "compression"
         assert getattr(MemoryPlan.model_validate({key: choice_fields(kind, label), "allow_lossy": True}), key).label() == label
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 30), data=st.data())
+def test_a_policy_written_for_a_set_of_blocks_acts_on_exactly_those(count, data):
+    """What the per-block solver writes (`on_blocks`) is a plan whose policy acts on the blocks it was
+    given, and says so in its `block_action`; a class that cannot say the set answers None."""
+    chosen = data.draw(st.one_of(st.just([]), st.just(list(range(count))),
+                                 st.lists(st.integers(0, count - 1), unique=True).map(sorted)))
+    for key, classes in POLICY_FIELDS.items():
+        for cls in classes:
+            written = cls.on_blocks(chosen, count)
+            if written is None:
+                continue
+            policy = getattr(MemoryPlan.model_validate({key: written, "allow_lossy": True}), key)
+            assert type(policy) is cls and policy.block_action is not None
+            assert policy.chosen(Layout(count)) == chosen
+            assert (policy.block_action == "keep") == (not chosen)
 
 
 @settings(max_examples=40, deadline=None)
