@@ -124,7 +124,7 @@ def add_checkpointing(space: Space, asked: Asked) -> None:
 def add_adaptive(space: Space, asked: Asked) -> None:
     """Text of varying length (data.split: lines): short batches may checkpoint less than long ones."""
     recipe = asked.recipe
-    if getattr(recipe.data, "split", "packed") != "lines":
+    if not recipe.data.varying_length:
         return  # every batch is data.seq_len long: one plan fits them all
     if recipe.memory.adaptive:
         space.fixed["adaptive"] = [bucket.model_dump(mode="json") for bucket in recipe.memory.adaptive]

@@ -16,6 +16,7 @@ from runner.plan import POLICY_FIELDS, MemoryPlan, plan_problems
 from runner.policies import (CHECKPOINTING, COMPRESSION, OFFLOAD, CheckpointingPolicy, CompressionPolicy, OffloadPolicy,
                              checkpointing_choices, compression_choices, offload_choices, sqrt_segments)
 from runner.choices import choice_fields
+from runner.recipe_data import SECTIONS as DATA_SECTIONS
 
 
 @dataclass
@@ -27,26 +28,30 @@ class Layout:
         return self.count
 
 
-def _compares_name(node: ast.AST, field: str = "policy") -> bool:
+def _compares_name(node: ast.AST, field: str = "policy", names: set[str] | None = None) -> bool:
     """`x.policy == "sqrt"`, `part.policy in (...)`, `policy != "none"`: deciding by a policy's (or, with
-    field="strategy", a distributed strategy's) name."""
+    field="strategy", a distributed strategy's) name; with `names`, only by one of those (a data
+    source's, not a model's `source: transformers`)."""
     if not isinstance(node, ast.Compare):
         return False
     operands = [node.left, *node.comparators]
     named = any(isinstance(o, ast.Attribute) and o.attr == field or isinstance(o, ast.Name) and o.id == field
                 for o in operands)
-    return named and any(isinstance(o, ast.Constant) and isinstance(o.value, str) or isinstance(o, ast.Tuple)
-                         for o in operands)
+    constants = [o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)]
+    constants += [e.value for o in operands if isinstance(o, ast.Tuple | ast.List | ast.Set) for e in o.elts
+                  if isinstance(e, ast.Constant)]
+    listed = any(isinstance(o, ast.Tuple) for o in operands)
+    return named and (bool(names & set(constants)) if names is not None else bool(constants) or listed)
 
 
-def _name_comparisons(folders: tuple[str, ...], field: str, home: str) -> list[str]:
+def _name_comparisons(folders: tuple[str, ...], field: str, home: str, names: set[str] | None = None) -> list[str]:
     found = []
     for folder in folders:
         for path in (ROOT / folder).rglob("*.py"):
             if path == ROOT / home:
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if _compares_name(node, field):
+                if _compares_name(node, field, names):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
 
@@ -63,11 +68,22 @@ def test_no_runner_code_decides_by_a_distributed_strategys_name():
     assert not found, f"ask the strategy type instead: {found}"
 
 
+def test_no_code_outside_the_data_sections_decides_by_a_data_sources_name():
+    """runner/recipe_data.py's sections answer for themselves (tasks, finite, held_out, tokenised,
+    varying_length); `model.source` (transformers, torchvision, python) is another field and not checked."""
+    found = _name_comparisons(("runner", "autotune", "bench"), "source", "runner/recipe_data.py",
+                              {cls.tag() for cls in DATA_SECTIONS})
+    assert not found, f"ask the data section instead: {found}"
+
+
 def test_the_check_finds_what_it_looks_for():
     tree = ast.parse('a = x.policy == "sqrt"\nb = policy in ("full", "none")\nc = x.every == 2\nd = s.strategy != "fsdp"')
     compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
     assert [_compares_name(n) for n in compares] == [True, True, False, False]
     assert [_compares_name(n, "strategy") for n in compares] == [False, False, False, True]
+    sources = ast.parse('a = data.source != "synthetic"\nb = spec.source == "transformers"\nc = d.source in ("text", "x")')
+    compares = [n for n in ast.walk(sources) if isinstance(n, ast.Compare)]
+    assert [_compares_name(n, "source", {"synthetic", "text"}) for n in compares] == [True, False, True]
 
 
 def test_every_policy_class_is_in_its_union():
