@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from runner.builders.checks import load_checked
-from runner.cli import Command
+from runner.cli import Command, gpu_names
 from runner.library import DEFAULT_RECIPE, resolve_recipe
 from runner.located import located_errors
 from runner.lock import locked
@@ -73,8 +73,8 @@ def add_arguments(parser) -> None:
                         help="predict every plan instead of measuring it (peak and step time on --gpu, a roofline): "
                              "no GPU needed, nothing trained; tuned.yaml is marked predicted")
     parser.add_argument("--gpu", metavar="NAME",
-                        help="the GPU to predict for: h100, h100-pcie, h200, a100, a100-40gb, l4, a10, the name torch "
-                             "reports, or a facts .json measured on it (default: this machine's GPU)")
+                        help=f"the GPU to predict for: {gpu_names()}, the name torch reports, or a facts .json "
+                             "measured on it (default: this machine's GPU)")
     parser.add_argument("--resume", action="store_true", help="continue the study in DIR; finished trials are kept")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed proposes the same plans")
     parser.add_argument("--margin", type=float, default=0.05, help="fraction of the cap kept free (default 0.05)")
