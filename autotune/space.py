@@ -104,7 +104,8 @@ class Space:
     """Continuous knobs (compile's activation_memory_budget): TPE models them as numbers; the grid
     takes their steps. Nothing is pruned from a neighbour's result: each value is measured."""
     knobs: tuple[Knob, ...] = ()
-    """The table the space is built over, in order: candidates, starting points and log lines loop over it."""
+    """The table the space is built over, in order: its candidates, starting points, own and solver points
+    and tuned.yaml's notes loop over it."""
     strategies: list[Strategy] = field(default_factory=list)
     """The strategies the ranks' knob takes (none without --nproc)."""
 
