@@ -3,7 +3,8 @@
 A candidate has one serialisation, `request()` / `from_request()`: how the tuner hands it to the
 model child, which reads it back here and builds the candidate's recipe with the same `recipe()`
 as the probe's. Its strategy goes into every file as `distributed_section` writes it, and comes
-back through the recipe's schema. Light: the model child imports this, optuna stays out.
+back through the recipe's schema. Light: the model child imports this, optuna stays out. How a
+candidate reads in a log line is its knobs' to say (`autotune.knobs.describe`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from runner.plan import MemoryPlan
 from runner.recipe import Recipe
 from runner.strategies import Distributed, Strategy
 
-from .sharding import ShardingChoice, distributed_section
-
 _STRATEGY = TypeAdapter(Distributed)
+
+
+def distributed_section(strategy: Strategy) -> dict:
+    """The recipe's `distributed:` for `strategy`, as every tuner file writes it (a candidate's recipe,
+    the model child's request, a trial's record, tuned.yaml); the recipe's schema reads it back."""
+    return strategy.model_dump(mode="json", exclude_none=True)
 
 
 @dataclass(frozen=True)
@@ -59,20 +64,3 @@ class Candidate:
         distributed = request.get("distributed")
         return cls(MemoryPlan.model_validate(request["plan"]), request["precision"],
                    _STRATEGY.validate_python(distributed) if distributed else None)
-
-    def describe(self) -> str:
-        parts = [f"micro_batch {self.plan.micro_batch}", f"checkpointing {self.plan.checkpointing.label()}"]
-        if self.strategy:
-            parts.insert(0, ShardingChoice(self.strategy, self.plan.sharding).describe())
-        if self.plan.offload.moves:
-            parts.append(f"offload {self.plan.offload.label()}")
-        if self.plan.compile:
-            budget = self.plan.activation_memory_budget
-            parts.append("compile" + (f" (activation budget {budget:g})" if budget is not None else ""))
-        if self.plan.allocator is not None:
-            parts.append(f"allocator {self.plan.allocator}")
-        for bucket in self.plan.adaptive:
-            parts.append(f"up to {bucket.max_len} tokens: {bucket.checkpointing.label()}")
-        if self.plan.compression.lossy:
-            parts.append(f"compression {self.plan.compression.label()} (lossy)")
-        return ", ".join(parts + [self.precision])

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from runner.builders.checks import load_checked
-from runner.cli import Command
+from runner.cli import Command, gpu_names
 from runner.library import DEFAULT_RECIPE, resolve_recipe
 from runner.located import located_errors
 from runner.lock import locked
@@ -28,8 +28,9 @@ from .probe import ProbeRunner, ProbeSettings
 from .records import TrialRecord
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
-from .knobs import compression_comment, micro_batch_comment
-from .space import Device, ModelFacts, Space, build_space
+from .facts import Device, ModelFacts
+from .knobs import KNOBS, build_space, notes
+from .space import Space
 from .cap import Cap
 from .rank_tune import check_devices, check_ranks, rank_training, ranks_comment
 from .predicted import (CachedPredictor, local_facts, named_facts, predict_settings, predicted_device,
@@ -72,19 +73,14 @@ def add_arguments(parser) -> None:
                         help="predict every plan instead of measuring it (peak and step time on --gpu, a roofline): "
                              "no GPU needed, nothing trained; tuned.yaml is marked predicted")
     parser.add_argument("--gpu", metavar="NAME",
-                        help="the GPU to predict for: h100, h100-pcie, h200, a100, a100-40gb, l4, a10, the name torch "
-                             "reports, or a facts .json measured on it (default: this machine's GPU)")
+                        help=f"the GPU to predict for: {gpu_names()}, the name torch reports, or a facts .json "
+                             "measured on it (default: this machine's GPU)")
     parser.add_argument("--resume", action="store_true", help="continue the study in DIR; finished trials are kept")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed proposes the same plans")
     parser.add_argument("--margin", type=float, default=0.05, help="fraction of the cap kept free (default 0.05)")
-    parser.add_argument("--search-precision", action="store_true", help="search fp32/bf16/fp16 instead of the recipe's")
-    parser.add_argument("--search-compile", action="store_true", help="try torch.compile on and off")
-    parser.add_argument("--search-micro-batch", action="store_true",
-                        help="search micro_batch also for a model with BatchNorm, whose statistics then cover a "
-                             "micro-batch, not the batch (default: keep the recipe's)")
-    parser.add_argument("--allow-lossy", action="store_true",
-                        help="also search memory.compression (saved activations in bf16/fp8), which changes the "
-                             "gradients; each such plan's gradient error is measured and tuned.yaml marks it")
+    for knob in KNOBS:  # the options that open a knob the space otherwise pins
+        if knob.flag:
+            parser.add_argument(knob.flag.option, action="store_true", help=knob.flag.help)
     parser.add_argument("--finalists", type=int, default=2, metavar="K",
                         help="measure the K fastest plans until each has 3 runs, and rank them by the median "
                              "(default 2; 0 trusts one probe per plan)")
@@ -133,8 +129,8 @@ def run(args) -> int:
         try:
             with located_errors(doc):
                 facts = ModelFacts.from_json(read_facts(model, str(path)))
-            space = build_space(recipe, facts, device, args.search_precision, args.search_compile,
-                                args.search_micro_batch, args.allow_lossy, args.nproc)
+            space = build_space(recipe, facts, device, args.nproc,
+                                **{knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
             records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
         finally:
             model.stop()
@@ -152,11 +148,9 @@ def _conclude(args, records: list[TrialRecord], doc, cap: Cap, space: Space, dev
         raise NothingFits(nothing_fits(records, cap, space, device, directory))
 
     def tuned_for(record: TrialRecord):
-        share = space.share(record.strategy)  # a rank's samples under the winner's strategy
-        notes = [note for note in [micro_batch_comment(space, record.plan["micro_batch"], share),
-                                   compression_comment(record), ranks_comment(args.nproc),
-                                   predicted_note(record) if args.predict else None] if note]
-        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), notes,
+        lines = notes(space, record) + [note for note in [ranks_comment(args.nproc),
+                                                          predicted_note(record) if args.predict else None] if note]
+        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), lines,
                            f" --nproc {args.nproc}" if args.nproc > 1 else "")
 
     if args.no_train or args.predict:

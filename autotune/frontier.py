@@ -2,7 +2,7 @@
 
 The model child (which already holds the estimator, the model built once on fake tensors) runs
 `autotune.solver.frontier`: per-block costs from the estimator and a short timed run (or, with
-`timed_steps` 0, the estimator's predicted block times), then the solver. Its plans become points of the space (`space.add_proposals`), so TPE explores around them.
+`timed_steps` 0, the estimator's predicted block times), then the solver. Its plans become points of the space (`Space.add_proposals`), so TPE explores around them.
 They are computed once per study and kept in its user attributes: a resumed study gets the same
 plans, hence the same choices, even though a new timed run could rank the blocks differently.
 """
@@ -16,7 +16,8 @@ import optuna
 from runner.plan import MemoryPlan
 
 from .cap import Cap
-from .space import Device, Space, add_proposals
+from .facts import Device
+from .space import Space
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, devi
         log.info("solver: --resume: the %d plan(s) the study started with", len(stored["proposals"]))
     for line in stored["lines"]:
         log.info("solver: %s", line)
-    points = add_proposals(space, stored["proposals"])
+    points = space.add_proposals(stored["proposals"])
     if len(points) < len(stored["proposals"]):
         log.info("solver: %d plan(s) left out: they differ from a knob the space pins",
                  len(stored["proposals"]) - len(points))

@@ -25,7 +25,8 @@ from runner.units import format_bytes
 
 from .records import ProbeResult, TrialRecord
 from .search import SearchSettings
-from .space import Candidate, Device
+from .candidate import Candidate
+from .facts import Device
 from .study import Evaluate, Prediction
 
 log = logging.getLogger(__name__)

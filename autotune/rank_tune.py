@@ -17,7 +17,7 @@ from runner.problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Proble
 from runner.recipe import Recipe
 from runner.train.loop import MemoryCapExceeded, RunResult
 
-from .space import Device
+from .facts import Device
 
 
 class RanksEnded(CkrunError):

@@ -32,7 +32,8 @@ from runner.problems import InputError, Place, Problem
 from runner.recipe import Recipe
 
 from .probe import exit_words, kill_group, note_launch
-from .space import Candidate
+from .candidate import Candidate
+from .knobs import describe
 from .study import Prediction
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class ModelChild:
             self.process.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the child is gone: _await says how it ended
-        return self._await(f"answer-{number}.json", f"predicting {candidate.describe()}")
+        return self._await(f"answer-{number}.json", f"predicting {describe(candidate)}")
 
     def ask_frontier(self, frontier: dict) -> dict:
         """The solver's plans (see model_child); the same protocol and time limit as a prediction."""
@@ -193,14 +194,14 @@ class IsolatedPredictor:
             self._warn(answer.get("warnings", []))
             return Prediction(answer["peak_bytes"] + self.context_bytes, time=answer.get("time"))
         if answer["status"] == "unavailable":
-            log.info("screening: no prediction for %s (%s): it is probed", candidate.describe(), answer["reason"])
+            log.info("screening: no prediction for %s (%s): it is probed", describe(candidate), answer["reason"])
             return None
         if answer["status"] in ("died", "timeout"):
             self.faults.append(answer["reason"])
             self._ready = False  # the child is gone: the next prediction starts another
             if len(self.faults) >= MAX_FAULTS:
                 self._turn_off(f"{len(self.faults)} predictions hung or killed the model process")
-        log.warning("screening: %s: %s; the plan is probed unscreened", candidate.describe(), answer["reason"])
+        log.warning("screening: %s: %s; the plan is probed unscreened", describe(candidate), answer["reason"])
         return Prediction(None, f"unscreened: {answer['reason']}")
 
     def frontier(self, frontier: dict) -> dict:

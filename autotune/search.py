@@ -18,7 +18,8 @@ import optuna
 from .cap import Cap
 from .frontier import solver_points
 from .records import TrialRecord
-from .space import Device, Space
+from .facts import Device
+from .space import Space
 from .study import Budget, Evaluate, Tuner, trial_records
 
 log = logging.getLogger(__name__)

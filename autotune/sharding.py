@@ -18,21 +18,21 @@ space stores it as one optuna categorical string, its label, read back by `Shard
 so `fsdp`, `fsdp:keep`, `fsdp:cpu`, `fsdp:keep,cpu` (the labels of studies before hsdp and tp),
 `hsdp:2`, `hsdp:2,keep`, `tp:2,keep,cpu`. Default knobs are written as none: one label per plan.
 Only a label read back into itself is accepted, so a mistyped one fails loudly.
+
+`SHARDING` is the knob's entry in the tuner's table (autotune/knobs.py lists it first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from runner.plan import Sharding
-from runner.recipe import Recipe
 from runner.strategies import STRATEGIES, HybridSharded, SingleProcess, Strategy, TensorParallel, strategy_from_label
 
+from .candidate import Candidate
+from .facts import Device
+from .space import UNSAID, Asked, Knob, Space
 from .tp_facts import TensorFacts
-
-if TYPE_CHECKING:
-    from .space import Device, Space
 
 KNOB_WORDS = {"keep": ("reshard_after_forward", False), "cpu": ("offload", "cpu")}
 """The label's word for each memory.sharding value other than FSDP2's default, in label order."""
@@ -79,19 +79,16 @@ class ShardingChoice:
         return self.strategy.label() + (f" ({', '.join(changed)})" if changed else "")
 
 
-def distributed_section(strategy: Strategy) -> dict:
-    """The recipe's `distributed:` for `strategy`, as every tuner file writes it (a candidate's recipe,
-    the model child's request, a trial's record, tuned.yaml); the recipe's schema reads it back."""
-    return strategy.model_dump(mode="json", exclude_none=True)
-
-
 # --- the knob's choices for a recipe and a world size ------------------------------------------------
 
 
-def add_sharding(space: Space, recipe: Recipe, tensor: TensorFacts | None, device: Device, nproc: int) -> None:
-    """The `sharding` knob for `nproc` ranks: with distributed.strategy none, every strategy the world
+def add_sharding(space: Space, asked: Asked) -> None:
+    """The `sharding` knob for --nproc ranks: with distributed.strategy none, every strategy the world
     size and the model allow; else the recipe's own strategy and its knob variants. Each choice, and
-    each strategy left out, is logged with its reason."""
+    each strategy left out, is logged with its reason. One process: no knob."""
+    recipe, tensor, device, nproc = asked.recipe, asked.facts.tensor, asked.device, asked.nproc
+    if nproc == 1:
+        return
     space.world_size = nproc
     pinned = recipe.distributed
     if isinstance(pinned, SingleProcess):
@@ -110,6 +107,7 @@ def add_sharding(space: Space, recipe: Recipe, tensor: TensorFacts | None, devic
         space.choices["sharding"] = choices
         space.reasons.append(f"sharding in {choices}: {why} (`keep`: reshard_after_forward false, each block's "
                              "gathered parameters kept from forward to backward; `cpu`: FSDP2's CPU offload)")
+    space.strategies = list({strategy.label(): strategy for strategy in strategies}.values())
     space.reasons += [strategy.describe(nproc) for strategy in strategies]
     if device.kind != "cuda" and any(strategy.shards for strategy in strategies):
         space.reasons.append("FSDP's CPU offload not searched: it needs CUDA")
@@ -167,3 +165,27 @@ def _variants(strategy: Strategy, own: Sharding | None, device: Device, nproc: i
     knobs = [own, None, Sharding(reshard_after_forward=False)] + ([Sharding(offload="cpu")] if device.kind == "cuda"
                                                                  else [])
     return [ShardingChoice(strategy, k) for k in knobs]
+
+
+def _to_plan(values: dict, space: Space) -> dict:
+    if "sharding" not in values:
+        return {}
+    choice = ShardingChoice.from_label(values["sharding"], space.base.distributed if space.base else None)
+    return {"strategy": choice.strategy, **({"memory": {"sharding": choice.knobs.model_dump()}} if choice.knobs else {})}
+
+
+def _from_plan(candidate: Candidate, space: Space):
+    """A plan without a strategy (the recipe's own, a solver's) runs under the pinned one; among
+    several it cannot say which."""
+    if candidate.strategy is not None:
+        return ShardingChoice(candidate.strategy, candidate.plan.sharding).label()
+    return UNSAID if space.searched("sharding") else space.fixed.get("sharding")
+
+
+def _words(candidate: Candidate) -> str | None:
+    return ShardingChoice(candidate.strategy, candidate.plan.sharding).describe() if candidate.strategy else None
+
+
+SHARDING = Knob("sharding", add_sharding, _to_plan, _from_plan, lambda space, recipe, predicted: space.choices["sharding"],
+                _words, fits_first=True)
+"""How --nproc ranks share the work: the first of the starting points' shardings with a micro-batch that fits."""

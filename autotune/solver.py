@@ -15,17 +15,24 @@ The model of the peak is approximate (gradients and temporaries move the real pe
 is checked with the estimator and, while it is predicted over, solved again with the budget cut
 by the excess. The plan is written with the fields a recipe already has (`checkpointing: {policy:
 layers}`, `offload: {policy: layers}`), so tuned.yaml reads like a hand-written plan.
+
+What a block may be given is no list of the solver's: it is every `block_action` the plan's policy
+types declare (runner/policies.py; keep, recompute, selective, offload today), each written back by
+the classes that say they can (`on_blocks`). An action some class writes for any set of blocks is a
+per-block choice (one per plan field: a plan holds one checkpointing policy); an action that can
+only cover every block (selective) is the whole-model alternative to the per-block plan.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from runner.memory.blocks import short_list
-from runner.plan import MemoryPlan
+from runner.plan import POLICY_FIELDS, FullCheckpointing, MemoryPlan, Policy
 from runner.predict.block_costs import CostTable
 from runner.units import format_bytes
 
@@ -39,7 +46,7 @@ REFITS = 6  # solves per plan while the estimator puts the solution over the lim
 class Option:
     """One choice for one block, in integer byte units and seconds."""
 
-    choice: str  # keep | recompute | offload
+    choice: str  # keep, or an Action's name: recompute | selective | offload
     saved: int  # units the block leaves for backward
     seconds: float  # what the choice adds to a step
     transient: int = 0  # units the block holds again in backward (recompute, fetch), on top of the earlier blocks'
@@ -93,17 +100,59 @@ class Proposal:
                 "predicted_peak": self.predicted_peak, "added_s": self.added_s, "reason": self.reason}
 
 
-def block_options(table: CostTable, unit: int, offload: bool) -> list[list[Option]]:
-    """Each block's options in units of `unit` bytes (rounded up: the solution never under-counts)."""
+KEEP = "keep"  # no action: the block keeps its activations (each field's `on_blocks` of no block)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing the solver may do to a block: a `block_action` of the policy types of one plan field."""
+
+    name: str  # the cost table's column: recompute | selective | offload
+    field: str  # the plan field it is written to: checkpointing | offload
+    writers: tuple[type[Policy], ...]  # the field's classes that do it, in union order
+
+    @property
+    def recomputes(self) -> bool:
+        return any(getattr(cls, "recomputes", False) for cls in self.writers)
+
+    @property
+    def moves(self) -> bool:
+        return any(getattr(cls, "moves", False) for cls in self.writers)
+
+    def written(self, chosen: list[int], count: int) -> dict | None:
+        """The field's recipe data for this action on exactly `chosen`, by the first class that can say it."""
+        return next((fields for cls in self.writers if (fields := cls.on_blocks(chosen, count)) is not None), None)
+
+    @property
+    def per_block(self) -> bool:
+        """Some class writes it for one block and not another; else it can only cover every block."""
+        return self.written([0], 2) is not None
+
+
+def actions(offload: bool = True) -> list[Action]:
+    """Every action the plan's policy types declare, in field and union order (offload's only with
+    `offload`: moving activations to the host needs CUDA)."""
+    found = []
+    for field, classes in POLICY_FIELDS.items():
+        names = dict.fromkeys(cls.block_action for cls in classes if cls.block_action not in (None, KEEP))
+        found += [Action(name, field, tuple(cls for cls in classes if cls.block_action == name)) for name in names]
+    return [action for action in found if offload or not action.moves]
+
+
+def block_options(table: CostTable, unit: int, chosen: list[Action]) -> list[list[Option]]:
+    """Each block's options in units of `unit` bytes (rounded up: the solution never under-counts):
+    keep, then each of `chosen` that the table has costs for and that leaves fewer bytes than keeping."""
     up = lambda n: math.ceil(max(0, n) / unit)  # noqa: E731
     blocks, earlier = [], 0  # earlier: what the blocks before this one save when all are recomputed
     for cost in table.blocks:
-        options = [Option("keep", up(cost.keep_bytes), 0.0),
-                   Option("recompute", up(cost.recompute_bytes), _seconds(cost.recompute_s),
-                          up(_recompute_transient(table, cost, earlier)))]
+        options = [Option(KEEP, up(cost.keep_bytes), 0.0)]
+        for action in chosen:
+            saved, seconds = cost.of(action.name)
+            if saved is None or (action.moves and saved >= cost.keep_bytes):
+                continue  # no cost measured for it here, or nothing to move
+            held = _recompute_transient(table, cost, earlier) if action.recomputes else cost.keep_bytes
+            options.append(Option(action.name, up(saved), _seconds(seconds), up(held)))
         earlier += cost.recompute_bytes
-        if offload and cost.offload_bytes is not None and cost.moved_bytes:
-            options.append(Option("offload", up(cost.offload_bytes), _seconds(cost.offload_s), up(cost.keep_bytes)))
         blocks.append(options)
     return blocks
 
@@ -125,58 +174,65 @@ def _seconds(measured: float | None) -> float:
 
 
 def plan_for(choices: list[str], base: MemoryPlan) -> MemoryPlan:
-    """`base` with per-block choices written as the recipe's own fields."""
-    recompute = [i for i, c in enumerate(choices) if c == "recompute"]
-    offload = [i for i, c in enumerate(choices) if c == "offload"]
-    if not recompute:
-        checkpointing = {"policy": "none"}
-    elif len(recompute) == len(choices):
-        checkpointing = {"policy": "full"}
-    else:
-        checkpointing = {"policy": "layers", "layers": recompute}
-    offloading = {"policy": "layers", "layers": offload} if offload else {"policy": "none"}
-    return base.model_copy(update={"checkpointing": MemoryPlan.model_validate({"checkpointing": checkpointing}).checkpointing,
-                                   "offload": MemoryPlan.model_validate({"offload": offloading}).offload})
+    """`base` with per-block choices (keep or an action's name) written as the recipe's own fields."""
+    count, update, known = len(choices), {}, actions()
+    for field, classes in POLICY_FIELDS.items():
+        if not any(action.field == field for action in known):
+            continue  # no block action lives in this field (compression): the base's stays
+        found = [action for action in known if action.field == field and action.name in choices]
+        if len(found) > 1:
+            raise ValueError(f"{field}: one plan cannot hold both {found[0].name} and {found[1].name}")
+        chosen = [i for i, choice in enumerate(choices) if found and choice == found[0].name]
+        keep = next(cls.on_blocks([], count) for cls in classes if cls.block_action == KEEP)
+        data = found[0].written(chosen, count) if found else keep
+        update[field] = getattr(MemoryPlan.model_validate({field: data}), field)
+    return base.model_copy(update=update)
 
 
 def propose(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
             offload: bool = False) -> Proposal | None:
     """The fastest plan the estimator puts at or under `limit`, or None: the solver's per-block plan,
-    or selective checkpointing of every block where the costs say that is faster and it fits."""
-    proposal = _per_block(table, limit, predict, base, offload)
-    selective_s = sum(_seconds(b.selective_s) for b in table.blocks)
-    if proposal is not None and selective_s >= proposal.added_s:
-        return proposal
-    plan = base.model_copy(update={"checkpointing": MemoryPlan.model_validate(
-        {"checkpointing": {"policy": "selective"}}).checkpointing})
-    peak = predict(plan)
-    if peak > limit:
-        return proposal
-    return Proposal(plan, table.precision, peak, selective_s,
-                    f"micro_batch {table.micro_batch}, {table.precision}: selective checkpointing of every block "
-                    f"(+{1000 * selective_s:.1f} ms a step by the costs, less than the per-block plan's); predicted "
-                    f"{format_bytes(peak)} <= limit {format_bytes(limit)}")
+    or an action that only covers every block (selective checkpointing) where the costs say that is
+    faster and it fits."""
+    possible = actions(offload)
+    proposal = _per_block(table, limit, predict, base, [action for action in possible if action.per_block])
+    for action in possible:
+        if not action.per_block:
+            proposal = _every_block_under(action, table, limit, predict, base, proposal)
+    return proposal
 
 
 def _per_block(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
-               offload: bool) -> Proposal | None:
+               per_block: list[Action]) -> Proposal | None:
+    """The fastest solution over each pairing of per-block actions (one per plan field), else every
+    block recomputed where that is known to fit."""
+    fields = {}
+    for action in per_block:
+        fields.setdefault(action.field, []).append(action)
+    solved = [_solved(table, limit, predict, base, list(pairing)) for pairing in itertools.product(*fields.values())]
+    solved = [proposal for proposal in solved if proposal is not None]
+    return min(solved, key=lambda p: p.added_s) if solved else _every_block(table, limit, base)
+
+
+def _solved(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
+            chosen: list[Action]) -> Proposal | None:
     budget = limit - table.base_bytes
     for _ in range(REFITS):
         if budget <= 0:
             break
         unit = max(1, math.ceil(budget / RESOLUTION))
-        solved = solve(block_options(table, unit, offload), budget // unit)
+        options = block_options(table, unit, chosen)
+        solved = solve(options, budget // unit)
         if solved is None:
             break
         seconds, picks = solved
-        options = block_options(table, unit, offload)
         choices = [options[i][pick].choice for i, pick in enumerate(picks)]
         plan = plan_for(choices, base)
         peak = predict(plan)
         if peak <= limit:
             return Proposal(plan, table.precision, peak, seconds, _reason(table, choices, seconds, peak, limit))
         budget -= peak - limit + unit  # the model of the peak was short by this much: ask for less
-    return _every_block(table, limit, base)
+    return None
 
 
 def _every_block(table: CostTable, limit: int, base: MemoryPlan) -> Proposal | None:
@@ -184,16 +240,35 @@ def _every_block(table: CostTable, limit: int, base: MemoryPlan) -> Proposal | N
     (units rounded up) or its additive model can miss the one plan that is known to fit."""
     if table.full_peak > limit:
         return None
-    choices = ["recompute"] * len(table.blocks)
-    seconds = sum(_seconds(cost.recompute_s) for cost in table.blocks)
+    choices = [FullCheckpointing.block_action] * len(table.blocks)
+    seconds = sum(_seconds(cost.of(FullCheckpointing.block_action)[1]) for cost in table.blocks)
     return Proposal(plan_for(choices, base), table.precision, table.full_peak, seconds,
                     _reason(table, choices, seconds, table.full_peak, limit))
 
 
+def _every_block_under(action: Action, table: CostTable, limit: int, predict: Callable[[MemoryPlan], int],
+                       base: MemoryPlan, best: Proposal | None) -> Proposal | None:
+    """`action` on every block in place of `best`, where the costs say it is faster and it fits."""
+    costs = [cost.of(action.name) for cost in table.blocks]
+    seconds = sum(_seconds(s) for _, s in costs)
+    if best is not None and seconds >= best.added_s or any(saved is None for saved, _ in costs):
+        return best
+    plan = plan_for([action.name] * len(table.blocks), base)
+    peak = predict(plan)
+    if peak > limit:
+        return best
+    return Proposal(plan, table.precision, peak, seconds,
+                    f"micro_batch {table.micro_batch}, {table.precision}: {getattr(plan, action.field).label()} "
+                    f"{action.field} of every block (+{1000 * seconds:.1f} ms a step by the costs, less than the "
+                    f"per-block plan's); predicted {format_bytes(peak)} <= limit {format_bytes(limit)}")
+
+
 def _reason(table: CostTable, choices: list[str], seconds: float, peak: int, limit: int) -> str:
-    picked = {c: [i for i, x in enumerate(choices) if x == c] for c in ("recompute", "offload")}
-    what = "; ".join(f"{c} blocks {short_list(v)}" for c, v in picked.items() if v) or "keep every block"
-    return (f"micro_batch {table.micro_batch}, {table.precision}: {what} ({len(picked['recompute'])} of "
+    acted = [action for action in actions() if action.name in choices]
+    picked = {action.name: [i for i, x in enumerate(choices) if x == action.name] for action in acted}
+    what = "; ".join(f"{name} blocks {short_list(v)}" for name, v in picked.items()) or "keep every block"
+    recomputed = sum(len(picked[action.name]) for action in acted if action.recomputes)
+    return (f"micro_batch {table.micro_batch}, {table.precision}: {what} ({recomputed} of "
             f"{len(choices)} recomputed, +{1000 * seconds:.1f} ms a step by the costs); predicted "
             f"{format_bytes(peak)} <= limit {format_bytes(limit)}")
 

@@ -1,75 +1,89 @@
 """The search space: which memory plans are worth measuring for this recipe on this device.
 
-Every knob is one categorical parameter with string or int values, so a proposal is plain data
-that optuna stores, a resumed study reads back unchanged, and the same seed proposes again.
-Knobs the recipe pins (precision unless --search-precision, compile unless --search-compile,
-offload off the GPU, micro_batch of a model with BatchNorm unless --search-micro-batch) are left
-out of the space, and each such choice is logged with its reason. The global batch is never a
-knob: micro_batch only runs through the divisors of train.batch_size (of a rank's share under
---nproc). Each knob's choices and reasons come from autotune/knobs.py, the ranks' `sharding` knob
-from autotune/sharding.py; a point becomes a typed `Candidate` (autotune/candidate.py).
+Every knob is one categorical parameter with string or int values (or a stepped float), so a
+proposal is plain data that optuna stores, a resumed study reads back unchanged, and the same seed
+proposes again. A space is built over a table of knobs (autotune/knobs.py's `KNOBS`), one `Knob`
+record each: how it joins the space (its choices, or the value it is pinned to, and why), how a
+value becomes the candidate's plan and is read back from one, its starting values and its words in
+a log line. Everything here loops over that table; nothing names a knob. Knobs the recipe pins are
+left out of the space, and each such choice is logged with its reason. A point becomes a typed
+`Candidate` (autotune/candidate.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
-from runner.memory.blocks import Block, BlockList
 from runner.plan import MemoryPlan
 from runner.recipe import Recipe
 from runner.strategies import Strategy
 
 from .candidate import Candidate
-from .knobs import (add_adaptive, add_allocator, add_checkpointing, add_compile, add_compression, add_micro_batches,
-                    add_offload, add_precision)
-from .labels import adaptive_buckets, compression_fields, parse_checkpointing, parse_offload
-from .sharding import ShardingChoice, add_sharding
-from .tp_facts import TensorFacts
+from .facts import Device, ModelFacts
 
-log = logging.getLogger(__name__)
+UNSAID = object()
+"""What a knob's `from_plan` gives for a plan the space cannot say (the recipe's memory.adaptive
+buckets): such a plan is no point of the space."""
 
 
 @dataclass(frozen=True)
-class Device:
-    """What the probe child saw: the parent never touches CUDA itself."""
+class Flag:
+    """`ckrun tune`'s option that opens a knob the space otherwise pins (--search-precision)."""
 
-    kind: str  # "cpu" or "cuda"
+    option: str
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a space is built for: the recipe, what its model and device are, the ranks, and which
+    knobs a flag opened (by knob name)."""
+
+    recipe: Recipe
+    facts: ModelFacts
+    device: Device
+    nproc: int = 1
+    opened: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tuner knob: its whole life in the search, in one record (autotune/knobs.py holds the table)."""
+
     name: str
-    total_bytes: int  # 0 on the CPU: no card-level limit to compare a cap with
-    precisions: tuple[str, ...]  # the autocast precisions the device runs
-    torch: str
-    cuda: str | None = None
-    context_bytes: int = 0  # the CUDA context once a step's kernels are loaded; counts against a card-level cap
-    count: int = 1  # GPUs on this machine: ranks for tune --nproc
-
-    @classmethod
-    def from_json(cls, data: dict) -> Device:
-        return cls(data["kind"], data["name"], data["total_bytes"], tuple(data["precisions"]), data["torch"],
-                   data.get("cuda"), int(data.get("context_bytes") or 0), int(data.get("count") or 1))
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the space needs to know of the model, as the model child reported it (the tuner never
-    builds the user's model itself)."""
-
-    blocks: BlockList  # names and containers; the modules stay in the child
-    batchnorm: tuple[str, ...] = ()  # BatchNorm layers: they normalise over each micro-batch
-    dropout: tuple[str, ...] = ()  # dropout layers with p > 0: masks are drawn per micro-batch
-    tensor: TensorFacts | None = None  # its tensor-parallel plan (tp under --nproc); None: the child did not say
-
-    @classmethod
-    def from_json(cls, data: dict) -> ModelFacts:
-        blocks = [Block(i, name, None) for i, name in enumerate(data["blocks"])]
-        tensor = data.get("tensor_parallel")
-        return cls(BlockList(data["container_name"], blocks, list(data["containers"])),
-                   tuple(data.get("batchnorm", ())), tuple(data.get("dropout", ())),
-                   TensorFacts.from_json(tensor) if tensor else None)
+    """Its parameter in the space and in every study file (optuna's name): never renamed."""
+    add: Callable[[Space, Asked], None]
+    """Joins the space: its choices (`space.choices`, `space.numeric`) or the value it is pinned to
+    (`space.fixed`), with the reason either way (`space.reasons`)."""
+    to_plan: Callable[[dict, Space], dict]
+    """A point's values (pinned ones included) as its part of the candidate: `{"memory": {field:
+    value}}`, `{"precision": ...}` or `{"strategy": ...}`; nothing where the knob is not in the point."""
+    from_plan: Callable[[Candidate, Space], Any]
+    """The value a candidate (the recipe's own plan, a solver's plan) has, or UNSAID."""
+    start: Callable[[Space, Recipe, bool], list]
+    """Its values in the known-good starting points (given whether there are predictions)."""
+    words: Callable[[Candidate], str | None]
+    """What a log line says of it (`checkpointing every:2`), or None where it says nothing."""
+    flag: Flag | None = None
+    """The option that opens it; without it the knob is pinned to the recipe's value."""
+    fits_first: bool = False
+    """Its start values are tried in order and the first that fits is taken (micro-batch: the largest
+    predicted to fit); else each start value is a starting point of its own (checkpointing)."""
+    joins: bool = False
+    """A plan's value outside its choices joins them (the solver's per-block labels `layers:1,3`)."""
+    solver: bool = False
+    """The per-block solver's plans set it; the sampler picks it for them otherwise."""
+    note: Callable[[Space, Any], str | None] | None = None
+    """tuned.yaml's line on what the winner's value does to the result (given the space and the
+    winner's TrialRecord), or None."""
 
 
 @dataclass
@@ -89,6 +103,11 @@ class Space:
     numeric: dict[str, FloatDistribution] = field(default_factory=dict)
     """Continuous knobs (compile's activation_memory_budget): TPE models them as numbers; the grid
     takes their steps. Nothing is pruned from a neighbour's result: each value is measured."""
+    knobs: tuple[Knob, ...] = ()
+    """The table the space is built over, in order: its candidates, starting points, own and solver points
+    and tuned.yaml's notes loop over it."""
+    strategies: list[Strategy] = field(default_factory=list)
+    """The strategies the ranks' knob takes (none without --nproc)."""
 
     @property
     def size(self) -> int:
@@ -97,23 +116,18 @@ class Space:
             size *= len(values)
         return size
 
+    def searched(self, name: str) -> bool:
+        return name in self.choices or name in self.numeric
+
+    def allows(self, name: str, value: Any) -> bool:
+        """`value` is one of the searched knob `name`'s choices (or a step of its grid)."""
+        return value in (self.choices[name] if name in self.choices else grid_of(self.numeric[name]))
+
     def share(self, strategy: Strategy | None) -> int:
         """A rank's samples per step under `strategy`: the ranks of one tensor-parallel group see the same."""
         if strategy is None:
             return self.batch_size
         return self.batch_size * self.world_size // strategy.data_parallel(self.world_size)
-
-    def strategies(self) -> list[Strategy]:
-        """The strategies the `sharding` knob takes (none without --nproc)."""
-        labels = self.choices.get("sharding") or ([self.fixed["sharding"]] if "sharding" in self.fixed else [])
-        strategies = {}  # by label: a tp plan (a dict) makes a strategy unhashable
-        for label in labels:
-            strategy = self._sharding(label).strategy
-            strategies.setdefault(strategy.label(), strategy)
-        return list(strategies.values())
-
-    def _sharding(self, label: str) -> ShardingChoice:
-        return ShardingChoice.from_label(label, self.base.distributed if self.base else None)
 
     def distributions(self) -> dict[str, BaseDistribution]:
         return {**{name: CategoricalDistribution(values) for name, values in self.choices.items()}, **self.numeric}
@@ -121,18 +135,12 @@ class Space:
     def candidate(self, params: dict[str, Any]) -> Candidate:
         """The plan for optuna's `params` (searched knobs) and the pinned ones."""
         values = {**self.fixed, **params}
-        compiled = values["compile"]
-        sharding = self._sharding(values["sharding"]) if "sharding" in values else None
-        plan = MemoryPlan.model_validate({
-            "activation_memory_budget": _budget(values.get("activation_memory_budget"), compiled),
-            "allocator": None if values.get("allocator", "default") == "default" else values["allocator"],
-            "micro_batch": values["micro_batch"], "checkpointing": parse_checkpointing(values["checkpointing"]),
-            "offload": parse_offload(values["offload"]), "compile": values["compile"], "blocks": self.blocks_path,
-            "adaptive": adaptive_buckets(values),
-            **compression_fields(values.get("compression", "none")),
-            **({"sharding": sharding.knobs.model_dump()} if sharding and sharding.knobs else {}),
-        })
-        return Candidate(plan, values["precision"], sharding.strategy if sharding else None)
+        memory, parts = {"blocks": self.blocks_path}, {}
+        for knob in self.knobs:
+            part = knob.to_plan(values, self)
+            memory.update(part.pop("memory", {}))
+            parts.update(part)
+        return Candidate(MemoryPlan.model_validate(memory), parts["precision"], parts.get("strategy"))
 
     def all_params(self) -> list[dict[str, Any]]:
         """Every point, in a fixed order: the grid the benchmark compares against."""
@@ -140,34 +148,25 @@ class Space:
         return [dict(zip(grids, combo, strict=True)) for combo in itertools.product(*grids.values())]
 
     def starting_points(self, recipe: Recipe, fits: Callable[[Candidate], bool] | None = None) -> list[dict]:
-        """Known-good plans tried first: no plan, every block, every 2nd block checkpointed; each at the
-        largest micro-batch that `fits` (the prediction) accepts, else with the whole batch; in the
-        recipe's own precision and compile. A policy with no micro-batch that fits is left out. Under
-        --nproc each takes the first sharding (in the order of its choices) with a micro-batch that fits."""
-        starts = []
-        if "micro_batch" not in self.choices:
-            micro_batches = [None]  # pinned: `fixed` holds it
-        elif fits:
-            micro_batches = sorted(self.choices["micro_batch"], reverse=True)
-        else:
-            micro_batches = [self.batch_size]  # a rank's share under --nproc
-        for checkpointing in ("none", "full", "every:2"):
-            base = {"checkpointing": checkpointing, "offload": "none", "precision": recipe.precision,
-                    "compile": recipe.memory.compile, "compression": "none", "allocator": "default",
-                    "short_checkpointing": "same"}
-            base = {k: v for k, v in base.items() if k in self.choices}
-            if any(v not in self.choices[k] for k, v in base.items()):
+        """Known-good plans tried first: one per combination of the knobs' start values (no plan, every
+        block, every 2nd block checkpointed), each in the recipe's own precision and compile, at the
+        first value of the `fits_first` knobs that `fits` (the prediction) accepts: the largest
+        micro-batch, under --nproc the first sharding with one; without predictions at the whole batch.
+        A combination with a value the space lacks, or with nothing that fits, is left out."""
+        searched = [knob for knob in self.knobs if self.searched(knob.name)]
+        starts = {knob.name: knob.start(self, recipe, fits is not None) for knob in searched}
+        alternatives = {k.name: starts[k.name] for k in searched if not k.fits_first}
+        ordered = {k.name: starts[k.name] if fits else starts[k.name][:1] for k in searched if k.fits_first}
+        points = []
+        for combo in itertools.product(*alternatives.values()):
+            base = dict(zip(alternatives, combo, strict=True))
+            if not all(self.allows(name, value) for name, value in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
-            if "activation_memory_budget" in self.numeric:
-                base["activation_memory_budget"] = 1.0  # torch's default: the compiled plan as torch makes it
-            shardings = [{"sharding": s} for s in self.choices.get("sharding", [])] or [{}]
-            with_micro = [{**base, **sharding, **({"micro_batch": m} if m is not None else {})}
-                          for sharding in (shardings if fits else shardings[:1]) for m in micro_batches]
-            fitting = (p for p in with_micro if fits is None or fits(self.candidate(p)))
-            start = next(fitting, None)
+            tries = ({**base, **dict(zip(ordered, sizes, strict=True))} for sizes in itertools.product(*ordered.values()))
+            start = next((p for p in tries if fits is None or fits(self.candidate(p))), None)
             if start is not None:
-                starts.append(start)
-        return starts
+                points.append(start)
+        return points
 
     def micro_batches(self) -> list[int]:
         return self.choices.get("micro_batch") or [self.fixed["micro_batch"]]
@@ -175,78 +174,43 @@ class Space:
     def own_point(self, recipe: Recipe) -> dict | None:
         """The recipe's own plan as a point of the space (its per-block labels join the choices), or
         None where it sets something the space cannot say (a knob pinned otherwise, memory.adaptive
-        buckets, sharding)."""
-        plan = recipe.memory
-        if plan.adaptive or "sharding" in self.choices:
+        buckets)."""
+        own = Candidate(recipe.memory, recipe.precision)
+        values = {knob.name: knob.from_plan(own, self) for knob in self.knobs}
+        if any(value is UNSAID for value in values.values()):
             return None
-        values = {"micro_batch": plan.micro_batch or self.batch_size, "checkpointing": plan.checkpointing.label(),
-                  "offload": plan.offload.label(), "precision": recipe.precision, "compile": plan.compile,
-                  "allocator": plan.allocator or "default", "compression": plan.compression.label(),
-                  "short_checkpointing": "same"}
-        if any(self.fixed.get(k, v) != v for k, v in values.items() if k not in self.choices):
+        if any(name in self.fixed and self.fixed[name] != value for name, value in values.items()
+               if not self.searched(name)):
             return None
-        point = {k: v for k, v in values.items() if k in self.choices}
-        for name in ("checkpointing", "offload"):
-            if name in point and point[name] not in self.choices[name]:
-                self.choices[name].append(point[name])
-        if any(v not in self.choices[k] for k, v in point.items()):
-            return None
-        if "activation_memory_budget" in self.numeric:
-            point["activation_memory_budget"] = round(plan.activation_memory_budget if plan.activation_memory_budget
-                                                      is not None else 1.0, 1)
-        return point
+        return self._point({name: value for name, value in values.items() if self.searched(name)})
 
+    def add_proposals(self, proposals: list[dict]) -> list[dict]:
+        """The solver's plans (`Proposal.record()`s) as points of the space: their per-block labels join
+        the choices (so TPE can move from them to the rules around), and their params come back in order.
+        A proposal whose micro-batch or precision the space does not search is left out. Knobs the solver
+        does not set are left to the sampler."""
+        points = []
+        for proposal in proposals:
+            planned = Candidate(MemoryPlan.model_validate(proposal["plan"]), proposal["precision"])
+            params = {knob.name: knob.from_plan(planned, self) for knob in self.knobs if knob.solver}
+            params = {k: v for k, v in params.items() if self.searched(k) or self.fixed.get(k) != v}
+            if any(not self.searched(k) for k in params):
+                continue  # it differs from a pinned knob (offload on a CPU, another precision)
+            point = self._point(params)
+            if point is not None and point not in points:
+                points.append(point)
+        return points
 
-def _budget(value: float | None, compiled: bool) -> float | None:
-    """The budget a compiled plan runs with; TPE's 0.30000000000000004 is the grid's 0.3."""
-    return round(value, 6) if compiled and value is not None else None
+    def _point(self, values: dict[str, Any]) -> dict | None:
+        """`values` of searched knobs as a point: a joining knob's new value joins its choices first."""
+        for knob in self.knobs:
+            value = values.get(knob.name)
+            if knob.joins and knob.name in values and knob.name in self.choices and value not in self.choices[knob.name]:
+                self.choices[knob.name].append(value)
+        return values if all(self.allows(name, value) for name, value in values.items()) else None
 
 
 def grid_of(distribution: FloatDistribution) -> list[float]:
     """The values of a stepped float knob, low to high."""
     count = round((distribution.high - distribution.low) / distribution.step) + 1
     return [round(distribution.low + i * distribution.step, 6) for i in range(count)]
-
-
-def add_proposals(space: Space, proposals: list[dict]) -> list[dict]:
-    """The solver's plans (`Proposal.record()`s) as points of the space: their per-block labels join
-    the choices (so TPE can move from them to the rules around), and their params come back in order.
-    A proposal whose micro-batch or precision the space does not search is left out."""
-    points = []
-    for proposal in proposals:
-        plan = MemoryPlan.model_validate(proposal["plan"])
-        params = {"micro_batch": plan.micro_batch, "checkpointing": plan.checkpointing.label(),
-                  "offload": plan.offload.label(), "precision": proposal["precision"], "compile": plan.compile}
-        params = {k: v for k, v in params.items() if k in space.choices or space.fixed.get(k) != v}
-        if any(k not in space.choices for k in params):
-            continue  # it differs from a pinned knob (offload on a CPU, another precision)
-        for name in ("checkpointing", "offload"):
-            if name in params and params[name] not in space.choices[name]:
-                space.choices[name].append(params[name])
-        if all(params[k] in space.choices[k] for k in params) and params not in points:
-            points.append(params)
-    return points
-
-
-def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precision: bool = False,
-                search_compile: bool = False, search_micro_batch: bool = False, allow_lossy: bool = False,
-                nproc: int = 1) -> Space:
-    """The space for `recipe` on `device` (each of `nproc` ranks); every automatic choice is logged with its reason."""
-    space = Space({}, {}, device.kind, recipe.memory.blocks, batch_size=recipe.train.batch_size // nproc,
-                  batchnorm=facts.batchnorm, dropout=facts.dropout, base=recipe)
-    if nproc > 1:
-        add_sharding(space, recipe, facts.tensor, device, nproc)
-    add_micro_batches(space, recipe.memory.micro_batch or space.batch_size, search_micro_batch)
-    add_checkpointing(space, facts.blocks)
-    add_adaptive(space, recipe)
-    add_offload(space, device)
-    add_allocator(space, recipe.memory.allocator, device)
-    add_precision(space, recipe.precision, device, search_precision)
-    add_compile(space, recipe.memory.compile, search_compile)
-    add_compression(space, recipe.memory, allow_lossy)
-    for reason in space.reasons:
-        log.info("space: %s", reason)
-    log.info("space: %d plans in all", space.size)
-    return space
-
-

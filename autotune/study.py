@@ -33,7 +33,9 @@ from runner.units import format_bytes
 from .cap import Cap
 from .records import ProbeResult, TrialRecord, read_record, store_record
 from .report import ranked_feasible
-from .space import Candidate, Space
+from .candidate import Candidate
+from .knobs import describe
+from .space import Space
 from .validity import invalid_reason
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,7 @@ class Tuner:
             self.study.enqueue_trial(params, user_attrs={"proposed_by": "solver"})
         if first:
             log.info("tune: probing the solver's %d plan(s) first: %s", len(first),
-                     "; ".join(self.space.candidate(p).describe() for p in first))
+                     "; ".join(describe(self.space.candidate(p)) for p in first))
         own = self._own_plan(recipe, first)
         fits = self._predicted_to_fit if self.predict else None
         starts = self._fastest_first([p for p in self.space.starting_points(recipe, fits) if p not in first + own])
@@ -142,7 +144,7 @@ class Tuner:
         if self.predicted_time:
             how += ", the predicted fastest first"
         log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
-                 "; ".join(self.space.candidate(p).describe() for p in starts))
+                 "; ".join(describe(self.space.candidate(p)) for p in starts))
         if trials is not None and self.predict is not None:
             self._maybe_exhaustive(trials)
 
@@ -153,7 +155,7 @@ class Tuner:
         own = [point] if point is not None and point not in first else []
         own = [p for p in own if not self.predict or self._predicted_to_fit(self.space.candidate(p))]
         if own:
-            log.info("tune: the recipe's own plan first: %s", self.space.candidate(own[0]).describe())
+            log.info("tune: the recipe's own plan first: %s", describe(self.space.candidate(own[0])))
         return own
 
     def _fastest_first(self, starts: list[dict]) -> list[dict]:
@@ -334,7 +336,7 @@ class Tuner:
         """The trial's record and constraint: the candidate measured, unless it is invalid or (`screen`)
         predicted clearly over the cap."""
         known = {"key": candidate.key, "plan": candidate.plan.model_dump(mode="json"), "precision": candidate.precision,
-                 "label": candidate.describe(), "strategy": candidate.strategy}
+                 "label": describe(candidate), "strategy": candidate.strategy}
         invalid = invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return TrialRecord(**known, state="invalid", reason=invalid), UNMEASURED
@@ -346,7 +348,7 @@ class Tuner:
         if predicted is not None and predicted > self.cap.screen_above:
             reason = f"predicted {format_bytes(predicted)} > cap {format_bytes(self.cap.bytes)}; not probed"
             return TrialRecord(**known, state="screened", reason=reason), self.cap.constraint(predicted)
-        log.info("trial %d: probing %s", number, candidate.describe())
+        log.info("trial %d: probing %s", number, describe(candidate))
         return self._measured(known, self.evaluate(candidate, number))
 
     def _measured(self, known: dict, result: ProbeResult) -> tuple[TrialRecord, float]:
@@ -374,7 +376,7 @@ def _log_trial(number: int, candidate: Candidate, record: TrialRecord) -> None:
                                     f"{speed:.1f} samples/s" if speed else "",
                                     f"gradient error {record.gradient_error:.2e}" if record.gradient_error is not None
                                     else "") if x)
-    log.info("trial %d: %s: %s%s%s", number, record.state, candidate.describe(),
+    log.info("trial %d: %s: %s%s%s", number, record.state, describe(candidate),
              f" ({numbers})" if numbers else "", f" - {record.reason}" if record.reason else "")
 
 

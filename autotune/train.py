@@ -25,7 +25,8 @@ from runner.train.loop import MemoryCapExceeded, RunResult, train
 from runner.units import format_bytes
 
 from .report import summary
-from .space import Device, Space
+from .facts import Device
+from .space import Space
 from .cap import Cap
 from .records import TrialRecord
 

@@ -27,7 +27,7 @@ from runner.yamlio import Document, dump_yaml, parse_document
 
 from .cap import Cap
 from .records import TrialRecord
-from .sharding import distributed_section
+from .candidate import distributed_section
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,9 @@ from autotune.predicted import CONTEXT_BYTES
 from autotune.records import ProbeResult
 from autotune.report import ranked_feasible
 from autotune.search import SearchSettings, search
-from autotune.space import Candidate, Device, ModelFacts, build_space
+from autotune.candidate import Candidate
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space, describe
 from autotune.study import FINALIST_RUNS, Budget, Prediction, open_study
 from runner.files import write_atomic
 from runner.load import load_recipe
@@ -97,9 +99,9 @@ class Oracle:
         try:
             estimate = self.estimator.estimate(candidate.plan, candidate.precision)
         except (ValueError, EstimateUnavailable) as err:
-            return {"invalid": first_line(err), "label": candidate.describe()}
+            return {"invalid": first_line(err), "label": describe(candidate)}
         times = {name: estimate.time_on(GPUS[name]) for name in self.devices}
-        return {"peak": estimate.peak_bytes + CONTEXT_BYTES, "label": candidate.describe(),
+        return {"peak": estimate.peak_bytes + CONTEXT_BYTES, "label": describe(candidate),
                 "times": {name: {"seconds": t.seconds, "samples_per_s": t.samples_per_s} for name, t in times.items()}}
 
     def save(self) -> None:

@@ -35,7 +35,9 @@ from autotune.cap import Cap
 from autotune.child import device_info
 from autotune.probe import ProbeRunner, ProbeSettings
 from autotune.model_child import model_facts
-from autotune.space import Candidate, Device, ModelFacts, build_space
+from autotune.candidate import Candidate
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space, describe
 from autotune.study import FINALIST_RUNS
 from runner.cli import main as ckrun
 from runner.load import load_recipe
@@ -91,12 +93,12 @@ def run_grid(path: Path, overrides: list[str], flags: list[str], directory: Path
     for number, params in enumerate(space.all_params()):
         candidate = space.candidate(params)
         result = runner.probe(candidate.recipe(recipe, 10**12), number)  # no cap: measure everything
-        rows.append({"key": candidate.key, "label": candidate.describe(), "micro_batch": candidate.plan.micro_batch,
+        rows.append({"key": candidate.key, "label": describe(candidate), "micro_batch": candidate.plan.micro_batch,
                      "checkpointing": candidate.plan.checkpointing.label(), "precision": candidate.precision,
                      "status": result["status"],
                      "peak": result.get("measured_peak_bytes"), "speed": result.get("samples_per_s"),
                      "reason": result.get("reason")})
-        logging.info("grid %d/%d: %s: %s", number + 1, space.size, candidate.describe(), _row_text(rows[-1]))
+        logging.info("grid %d/%d: %s: %s", number + 1, space.size, describe(candidate), _row_text(rows[-1]))
     return rows
 
 

@@ -9,7 +9,7 @@ cannot have, in terms of what the policies are (`spans_blocks`, `moves`, `lossy`
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import ByteSize, Field, field_validator
 
@@ -27,6 +27,7 @@ from .policies import (  # noqa: F401 - the plan's vocabulary, importable from h
     NoCompression,
     NoOffload,
     Offload,
+    Policy,
     SelectiveCheckpointing,
     SqrtCheckpointing,
 )
@@ -125,6 +126,13 @@ class MemoryPlan(Strict):
 
 _SETTING = r"[A-Za-z_]+:(\[[^\]\s]*\]|[^,:\s\[\]]+)"  # roundup_power2_divisions takes a [list]
 _ALLOCATOR_SETTINGS = re.compile(rf"{_SETTING}(,{_SETTING})*")
+
+
+POLICY_FIELDS: dict[str, tuple[type[Policy], ...]] = {
+    name: get_args(field.annotation) for name, field in MemoryPlan.model_fields.items()
+    if field.discriminator == Policy.discriminator}
+"""The plan's fields that hold a policy (checkpointing, offload, compression), each with its classes
+in union order: what the per-block solver reads the policies' `block_action`s from."""
 
 
 def plan_problems(plan: MemoryPlan) -> list[tuple[tuple[str, ...], str]]:

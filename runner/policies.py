@@ -3,10 +3,12 @@
 A class is the whole policy: its recipe fields (pydantic, discriminated by `policy`), the blocks it
 acts on, how the tuner writes it as a choice (`every:3`) and reads it back, which choices it offers
 for a model, the line the log gives it, and what it is in the terms the rest of ckrun asks about
-(`recomputes`, `spans_blocks`, `caches_ops`, `moves`, `lossy`). The rules for combining policies
+(`recomputes`, `spans_blocks`, `caches_ops`, `moves`, `lossy`), and what it does to one block in
+the per-block solver's words (`block_action`, `on_blocks`). The rules for combining policies
 (runner/plan.py) read those capabilities, never a policy's name; applying a policy to a model is
-the memory layer's (runner/memory/), which asks these same methods. Adding a policy is one class
-here and its place in the union, its tests, and its line in the README.
+the memory layer's (runner/memory/), which asks these same methods; the tuner's space and solver
+(autotune/) ask them too. Adding a policy is one class here and its place in the union, its tests,
+and its line in the README.
 """
 
 from __future__ import annotations
@@ -48,6 +50,24 @@ class Policy(Choice):
     a tuner label back into it)."""
 
     discriminator: ClassVar[str] = "policy"
+    block_action: ClassVar[str | None] = None
+    """What it does to each block it covers, in the words of the per-block solver and of the cost
+    table's columns (runner/predict/block_costs.py): `keep`, `recompute`, `selective`, `offload`;
+    None: nothing a single block can be given (sqrt recomputes a segment of blocks as one)."""
+    covers: ClassVar[str | None] = None
+    """The sets of blocks it can be written for, as the per-block solver writes a plan: `none`,
+    `every`, `listed` (any non-empty set, its `layers`); None: no set the solver picks (every k-th)."""
+    tuner_starts: ClassVar[tuple[str, ...]] = ()
+    """Its labels among the tuner's known-good starting points, tried before the sampler's plans."""
+
+    @classmethod
+    def on_blocks(cls, chosen: list[int], count: int) -> dict | None:
+        """Its recipe fields acting on exactly the blocks `chosen` of a model of `count` (by `covers`);
+        None: it cannot say that set of blocks."""
+        every = bool(count) and chosen == list(range(count))
+        if cls.covers == "none" and not chosen or cls.covers == "every" and every:
+            return {cls.discriminator: cls.tag()}
+        return {cls.discriminator: cls.tag(), "layers": list(chosen)} if cls.covers == "listed" and chosen else None
 
 
 class BlockList(Policy):
@@ -55,6 +75,7 @@ class BlockList(Policy):
     `section` of the plan."""
 
     layers: list[int]
+    covers: ClassVar[str] = "listed"
 
     @field_validator("layers")
     @classmethod
@@ -119,6 +140,9 @@ class NoCheckpointing(CheckpointingPolicy):
     policy: Literal["none"] = "none"
     """Keep every activation: fastest, most memory."""
     recomputes: ClassVar[bool] = False
+    block_action: ClassVar[str] = "keep"
+    covers: ClassVar[str] = "none"
+    tuner_starts: ClassVar[tuple[str, ...]] = ("none",)
 
     def chosen(self, layout: BlockLayout) -> list[int]:
         return []
@@ -130,12 +154,17 @@ class NoCheckpointing(CheckpointingPolicy):
 class FullCheckpointing(CheckpointingPolicy):
     policy: Literal["full"]
     """Recompute every block in backward: about one extra forward of the blocks."""
+    block_action: ClassVar[str] = "recompute"
+    covers: ClassVar[str] = "every"
+    tuner_starts: ClassVar[tuple[str, ...]] = ("full",)
 
 
 class EveryKthCheckpointing(CheckpointingPolicy):
     policy: Literal["every"]
     every: int = Field(gt=0)
     """Checkpoint blocks 0, k, 2k, ...: most of the saving at a fraction of the recompute."""
+    block_action: ClassVar[str] = "recompute"
+    tuner_starts: ClassVar[tuple[str, ...]] = ("every:2",)
 
     def chosen(self, layout: BlockLayout) -> list[int]:
         return list(range(0, len(layout), self.every))
@@ -159,6 +188,7 @@ class LayerListCheckpointing(BlockList, CheckpointingPolicy):
     policy: Literal["layers"]
     layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     """Indices of the blocks to checkpoint (0-based, as `ckrun show --blocks` lists them)."""
+    block_action: ClassVar[str] = "recompute"
 
     @classmethod
     def tuner_labels(cls, layout: BlockLayout) -> list[str]:
@@ -200,6 +230,8 @@ class SelectiveCheckpointing(CheckpointingPolicy):
     )
     """aten ops whose outputs are kept; every other op in a block is recomputed in backward."""
     caches_ops: ClassVar[bool] = True
+    block_action: ClassVar[str] = "selective"
+    covers: ClassVar[str] = "every"
 
     def kept_ops(self) -> frozenset[str]:
         return frozenset(self.save_ops)
@@ -260,6 +292,9 @@ class NoOffload(OffloadPolicy):
     policy: Literal["none"] = "none"
     """Saved activations stay on the device."""
     moves: ClassVar[bool] = False
+    block_action: ClassVar[str] = "keep"
+    covers: ClassVar[str] = "none"
+    tuner_starts: ClassVar[tuple[str, ...]] = ("none",)
 
     def chosen(self, layout: BlockLayout) -> list[int]:
         return []
@@ -273,6 +308,8 @@ class AllBlocksOffload(OffloadPolicy):
     policy: Literal["all"]
     min_bytes: ByteSize = ByteSize(1 << 20)
     """Saved tensors smaller than this stay on the device (copying them costs more than it saves)."""
+    block_action: ClassVar[str] = "offload"
+    # covers no set: the solver lists the blocks it offloads (LayerListOffload), all of them included
 
 
 class LayerListOffload(BlockList, OffloadPolicy):
@@ -281,6 +318,7 @@ class LayerListOffload(BlockList, OffloadPolicy):
     """Indices of the blocks whose saved activations go to pinned host memory."""
     min_bytes: ByteSize = ByteSize(1 << 20)
     """Saved tensors smaller than this stay on the device."""
+    block_action: ClassVar[str] = "offload"
 
     @classmethod
     def tuner_labels(cls, device_kind: str) -> list[str]:
@@ -317,6 +355,7 @@ class NoCompression(CompressionPolicy):
     policy: Literal["none"] = "none"
     """Saved activations keep their dtype: exact."""
     lossy: ClassVar[bool] = False
+    tuner_starts: ClassVar[tuple[str, ...]] = ("none",)
 
 
 class CastCompression(CompressionPolicy):

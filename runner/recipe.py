@@ -20,6 +20,8 @@ from .problems import KeyedError
 from .strategies import (  # noqa: F401 - the strategies are part of the recipe's schema
     DataParallel, Distributed, FullySharded, HybridSharded, SingleProcess, TensorParallel,
 )
+from .recipe_data import SECTIONS as DATA_SECTIONS
+from .recipe_data import sources_for
 from .recipe_data import (  # noqa: F401 - the data sources are part of the recipe's schema
     PathText,
     Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, Task, TextFilesData,
@@ -205,22 +207,28 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _eval_has_held_out_data(self) -> Recipe:
-        if self.eval is not None and self.eval.data is None and self.data.source != "synthetic":
+        if self.eval is not None and self.eval.data is None and not self.data.held_out:
             raise KeyedError(("eval", "data"), f"data.source {self.data.source} has no held-out stream; name "
                                   "held-out files in eval.data (written like the data: section)")
         return self
 
     @model_validator(mode="after")
-    def _text_files_have_no_targets(self) -> Recipe:
-        """Plain text holds inputs only: seq2seq and classification would train on made-up targets."""
+    def _data_trains_the_task(self) -> Recipe:
+        """Each data section trains the tasks it says (plain text has no targets: seq2seq and
+        classification would train on made-up ones); the model's task is checked against it here,
+        not at the first step."""
         for path, data in [(("data",), self.data), (("eval", "data"), self.eval.data if self.eval else None)]:
-            task = data and (data.task or self.data.task or infer_task(self.model))
-            if data is not None and data.source == "text" and task in ("seq2seq", "sequence_classification"):
-                raise KeyedError((*path, "source"), f"text files hold no {'target texts' if task == 'seq2seq' else 'labels'} "
-                                      f"for {task}; use source: records with a JSONL or CSV file of input and target fields")
-            if data is not None and data.source == "records" and task not in (None, "seq2seq", "sequence_classification"):
-                raise KeyedError((*path, "source"), f"records train seq2seq or sequence_classification, but "
-                                      f"{self.model.name} learns {task}; use source: text, or set data.task")
+            if data is None:
+                continue
+            # the task the recipe wrote, else the model's, else the section's own default (image_folder's)
+            named = next((d.task for d in (data, self.data) if "task" in d.model_fields_set and d.task), None)
+            task = named or infer_task(self.model) or data.task
+            if task is None or task in data.tasks():
+                continue
+            whose = f"data.task is {task}" if named else f"{self.model.name} learns {task}"
+            others = " or ".join(sources_for(task)) or "synthetic"
+            raise KeyedError((*path, "source"), f"source {data.tag()} ({data.holds}) trains {' or '.join(data.tasks())}, "
+                                  f"but {whose}; use source {others}{'' if named else ', or set data.task'}")
         return self
 
     @model_validator(mode="after")
@@ -234,7 +242,7 @@ class Recipe(Strict):
                                             "sequence_classification or image_classification)"))
         held_out = self.eval.data if self.eval is not None else None
         for path, data in [(("data",), self.data), (("eval", "data"), held_out)]:
-            if self.model.source == "transformers" and getattr(data, "vocab_size", None) and data.source != "synthetic":
+            if self.model.source == "transformers" and data is not None and data.tokenised and data.vocab_size:
                 problems.append(KeyedError((*path, "vocab_size"), "a transformers model takes its vocabulary "
                                                 "from model.config.vocab_size; remove this key"))
         raise_all(problems)
@@ -242,9 +250,10 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _epochs_need_finite_data(self) -> Recipe:
-        if self.train.epochs is not None and self.data.source == "synthetic":
-            raise KeyedError(("train", "epochs"), "synthetic data never runs out, so it has no epochs; "
-                                  "give train.steps, or train on files (data.source text, records, dataset or image_folder)")
+        if self.train.epochs is not None and not self.data.finite:
+            files = [cls.tag() for cls in DATA_SECTIONS if cls.finite]
+            raise KeyedError(("train", "epochs"), f"{self.data.tag()} data never runs out, so it has no epochs; "
+                                  f"give train.steps, or train on files (data.source {', '.join(files[:-1])} or {files[-1]})")
         return self
 
     @model_validator(mode="after")

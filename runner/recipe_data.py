@@ -7,11 +7,12 @@ building batches from it is runner/builders's work.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from types import UnionType
+from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import AfterValidator, Field, field_validator
 
-from .choices import Strict
+from .choices import Choice, members
 
 Task = Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification", "image_classification"]
 
@@ -37,9 +38,46 @@ def _not_blank(path: str) -> str:
 PathText = Annotated[str, AfterValidator(_not_blank)]
 """A file or directory the recipe names: never empty."""
 
-class SyntheticData(Strict):
+class DataSection(Choice):
+    """What every data section answers, as a memory policy does (runner/policies.py): the recipe's
+    checks, the builders and the tuner ask these, never a section's `source` name (a test holds it).
+    Adding a source: its class here with these answers, its place in `Data`, and its BatchSource in
+    runner/builders/sources.py."""
+
+    discriminator: ClassVar[str] = "source"
+    finite: ClassVar[bool] = True
+    """It runs out: an epoch is its rows (train.epochs counts them)."""
+    held_out: ClassVar[bool] = False
+    """It draws held-out samples of its own (later steps of its stream), so eval needs no eval.data."""
+    tokenised: ClassVar[bool] = False
+    """Its token ids come from its tokenizer (or UTF-8 bytes), the vocabulary's source: data.vocab_size
+    is then an own model's vocabulary, which a transformers model takes from its config instead."""
+    schema_checked: ClassVar[bool] = False
+    """`ckrun validate` reads its files' schemas (splits, columns) without reading rows
+    (runner/builders/checks.py)."""
+    holds: ClassVar[str]
+    """What its samples are, for the line that refuses a task it cannot train."""
+
+    @classmethod
+    def tasks(cls) -> tuple[str, ...]:
+        """The tasks it trains: the literals of its `task` field (which may be left unset)."""
+        annotation = cls.model_fields["task"].annotation
+        literal = next((arg for arg in get_args(annotation) if arg is not type(None)), annotation) \
+            if get_origin(annotation) in (Union, UnionType) else annotation
+        return get_args(literal)
+
+    @property
+    def varying_length(self) -> bool:
+        """Its batches vary in length (padded to their longest sample), so a plan per length pays."""
+        return False
+
+
+class SyntheticData(DataSection):
     source: Literal["synthetic"] = "synthetic"
     """Random inputs of the right shapes and vocabulary, the same for the same seed and step."""
+    finite: ClassVar[bool] = False
+    held_out: ClassVar[bool] = True
+    holds: ClassVar[str] = "random inputs of any task's shapes"
     task: Task | None = None
     """What the model learns; inferred from the model class when unset."""
     seq_len: int = Field(default=128, gt=0)
@@ -58,25 +96,21 @@ class SyntheticData(Strict):
     """seq2seq: tokens per target (the decoder's length); seq_len when unset."""
 
 
-class TextFilesData(Strict):
-    source: Literal["text"]
-    """Local UTF-8 text files, tokenised and cut into fixed-length samples."""
+class TokenisedFiles(DataSection):
+    """Local files of text, tokenised by a local tokenizer or as UTF-8 bytes: text, records, dataset."""
+
+    source: str
+    """Which files and how they are read (each source's literal says)."""
     paths: list[PathText] = Field(min_length=1)
-    """Files or glob patterns."""
-    task: Task | None = None
-    """What the model learns; inferred from the model class when unset."""
+    """Files or glob patterns (for `dataset`, folders written by `save_to_disk` too), in the formats
+    the source reads."""
     seq_len: int = Field(default=128, gt=0)
-    """Tokens per sample (`split: lines`: the most; longer lines are cut)."""
-    split: Literal["packed", "lines"] = "packed"
-    """`packed`: the text is one stream cut into seq_len samples, so every batch is seq_len long.
-    `lines`: each non-empty line is a sample (no packing) and a batch is padded to its longest line,
-    padding masked out of attention and the loss: batch lengths vary, and memory.adaptive can pick
-    a plan per length."""
+    """Tokens per sample: packed text is cut into samples this long (`split: lines`: the longest a line
+    keeps); an example's input is cut or padded to it (and the padding masked out)."""
     tokenizer: PathText | None = None
     """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
     vocab_size: FileVocab = None
-    mask_prob: float = Field(default=0.15, gt=0, lt=1)
-    """Fraction of tokens masked for masked_lm."""
+    tokenised: ClassVar[bool] = True
 
     @field_validator("tokenizer")
     @classmethod
@@ -86,71 +120,70 @@ class TextFilesData(Strict):
         return tokenizer
 
 
-class RecordsData(Strict):
-    source: Literal["records"]
-    """Local JSONL or CSV files of examples, one per line or row, each an input text and its target:
-    a label (sequence_classification) or a target text (seq2seq). Nothing is downloaded."""
-    paths: list[PathText] = Field(min_length=1)
-    """Files or glob patterns: `.jsonl` (one JSON object per line) or `.csv` (a header row, then one row each)."""
+class Examples(TokenisedFiles):
+    """Files of examples, each an input text and its target: records and dataset."""
+
     input_field: str = "text"
-    """The field (JSONL key or CSV column) holding the input text."""
+    """The field (JSONL key, CSV or dataset column) holding the input text; language modelling reads
+    only this one."""
     target_field: str = "label"
-    """The field holding the target: a label name or integer id, or for seq2seq the target text."""
+    """The field holding the target: a label (name, integer id, or a dataset's ClassLabel), or for
+    seq2seq the target text."""
     labels: list[str] | None = Field(default=None, min_length=2)
-    """Label names in id order (the first is id 0). Unset: integer labels (0, 1, ...) are their own ids,
-    any other labels get ids in sorted order; either way the mapping is logged."""
-    task: Literal["sequence_classification", "seq2seq"] | None = None
-    """What the model learns; inferred from the model class when unset."""
-    seq_len: int = Field(default=128, gt=0)
-    """Input tokens per sample: longer inputs are cut, shorter ones padded (and masked out)."""
+    """Label names in id order (the first is id 0). Unset: a ClassLabel column's names, else integer
+    labels (0, 1, ...) are their own ids and any other labels get ids in sorted order; either way the
+    mapping is logged."""
     target_len: int | None = Field(default=None, gt=0)
     """seq2seq target tokens per sample, cut or padded like the input; seq_len when unset."""
-    tokenizer: PathText | None = None
-    """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
-    vocab_size: FileVocab = None
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer_dir(cls, tokenizer: str | None) -> str | None:
-        return TextFilesData._tokenizer_dir(tokenizer)
 
 
-class DatasetData(Strict):
+class TextFilesData(TokenisedFiles):
+    source: Literal["text"]
+    """Local UTF-8 text files, tokenised and cut into fixed-length samples."""
+    holds: ClassVar[str] = "plain text: no labels or target texts"
+    task: Literal["masked_lm", "causal_lm"] | None = None
+    """What the model learns; inferred from the model class when unset."""
+    split: Literal["packed", "lines"] = "packed"
+    """`packed`: the text is one stream cut into seq_len samples, so every batch is seq_len long.
+    `lines`: each non-empty line is a sample (no packing) and a batch is padded to its longest line,
+    padding masked out of attention and the loss: batch lengths vary, and memory.adaptive can pick
+    a plan per length."""
+    mask_prob: float = Field(default=0.15, gt=0, lt=1)
+    """Fraction of tokens masked for masked_lm."""
+
+    @property
+    def varying_length(self) -> bool:
+        return self.split == "lines"
+
+
+class RecordsData(Examples):
+    source: Literal["records"]
+    """Local JSONL or CSV files of examples, one per line or row, each an input text and its target:
+    a label (sequence_classification) or a target text (seq2seq). `.jsonl`: one JSON object per line;
+    `.csv`: a header row, then one row each. Nothing is downloaded."""
+    holds: ClassVar[str] = "examples of an input and a target"
+    task: Literal["sequence_classification", "seq2seq"] | None = None
+    """What the model learns; inferred from the model class when unset."""
+
+
+class DatasetData(Examples):
     source: Literal["dataset"]
     """Local data read through Hugging Face `datasets` (`pip install 'ckrun[datasets]'`): Parquet, JSONL or
     CSV files, or a folder written by `save_to_disk`. Nothing is downloaded; the tokens are cached in $XDG_CACHE_HOME/ckrun/datasets."""
-    paths: list[PathText] = Field(min_length=1)
-    """Files or glob patterns (`.parquet`, `.jsonl`/`.json`, `.csv`/`.tsv`), or folders saved by `save_to_disk`."""
+    holds: ClassVar[str] = "text columns"
+    schema_checked: ClassVar[bool] = True
     split: str | None = None
     """The split of a saved DatasetDict (`train`, `validation`, ...); unset: `train`, or its only split."""
     task: Literal["masked_lm", "causal_lm", "seq2seq", "sequence_classification"] | None = None
     """What the model learns; inferred from the model class when unset."""
-    input_field: str = "text"
-    """The column holding the input text; language modelling reads only this one, packed into seq_len samples."""
-    target_field: str = "label"
-    """The column holding the target: a label (name, integer id or ClassLabel), or for seq2seq the target text."""
-    labels: list[str] | None = Field(default=None, min_length=2)
-    """Label names in id order, as for `records`. Unset: a ClassLabel column's names, else integer labels are
-    their own ids and other labels get ids in sorted order; the mapping is logged."""
-    seq_len: int = Field(default=128, gt=0)
-    """Tokens per sample: inputs are cut or padded (classification, seq2seq), or text is packed (language modelling)."""
-    target_len: int | None = Field(default=None, gt=0)
-    """seq2seq target tokens per sample; seq_len when unset."""
-    tokenizer: PathText | None = None
-    """A local tokenizer directory; unset: UTF-8 bytes as token ids (no download needed)."""
-    vocab_size: FileVocab = None
     mask_prob: float = Field(default=0.15, gt=0, lt=1)
     """Fraction of tokens masked for masked_lm."""
 
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer_dir(cls, tokenizer: str | None) -> str | None:
-        return TextFilesData._tokenizer_dir(tokenizer)
 
-
-class ImageFolderData(Strict):
+class ImageFolderData(DataSection):
     source: Literal["image_folder"]
     """A torchvision ImageFolder: ROOT/CLASS_NAME/IMAGE files."""
+    holds: ClassVar[str] = "images in class folders"
     root: PathText
     """The folder holding one sub-folder per class."""
     image_size: int = Field(default=224, gt=0)
@@ -172,3 +205,9 @@ class ImageFolderData(Strict):
 
 
 Data = Annotated[SyntheticData | TextFilesData | RecordsData | DatasetData | ImageFolderData, Field(discriminator="source")]
+SECTIONS: tuple[type[DataSection], ...] = members(Data)
+
+
+def sources_for(task: str) -> list[str]:
+    """The sources of real data (files) that train `task`, in the union's order."""
+    return [cls.tag() for cls in SECTIONS if cls.finite and task in cls.tasks()]

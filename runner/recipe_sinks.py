@@ -8,21 +8,32 @@ validate` says which extra to install; the sinks themselves are runner/train/sin
 from __future__ import annotations
 
 import importlib.util
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from .choices import Strict
+from .choices import Strict, members
 
 
-class TensorBoardSink(Strict):
+class SinkChoice(Strict):
+    """A sink's section: told apart by its `name` (a Choice's `tags` would clash with W&B's field), naming
+    the packages it needs."""
+
+    packages: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def sink_name(cls) -> str:
+        return get_args(cls.model_fields["name"].annotation)[0]
+
+
+class TensorBoardSink(SinkChoice):
     name: Literal["tensorboard"]
     """TensorBoard event files in OUTPUT_DIR/tensorboard (`tensorboard --logdir OUTPUT_DIR`); a resumed
     run drops the events after its checkpoint, so each step is drawn once. `pip install 'ckrun[tensorboard]'`."""
     packages: ClassVar[tuple[str, ...]] = ("tensorboard",)
 
 
-class WandbSink(Strict):
+class WandbSink(SinkChoice):
     name: Literal["wandb"]
     """Weights & Biases, offline (nothing is sent): OUTPUT_DIR/wandb holds the run, `wandb sync
     OUTPUT_DIR/wandb/offline-run-*` uploads it. A resumed run keeps its W&B run id. `pip install 'ckrun[wandb]'`."""
@@ -35,7 +46,7 @@ class WandbSink(Strict):
     packages: ClassVar[tuple[str, ...]] = ("wandb",)
 
 
-class MlflowSink(Strict):
+class MlflowSink(SinkChoice):
     name: Literal["mlflow"]
     """MLflow, local: a SQLite tracking store OUTPUT_DIR/mlflow.db (`mlflow ui --backend-store-uri
     sqlite:///OUTPUT_DIR/mlflow.db`); the recipe is logged as the run's params. A resumed run continues
@@ -48,9 +59,9 @@ class MlflowSink(Strict):
     packages: ClassVar[tuple[str, ...]] = ("mlflow", "sqlalchemy", "alembic")
 
 
-SECTIONS = (TensorBoardSink, WandbSink, MlflowSink)
-SinkName = Literal[tuple(section.model_fields["name"].annotation.__args__[0] for section in SECTIONS)]  # type: ignore[valid-type]
 SinkSection = Annotated[TensorBoardSink | WandbSink | MlflowSink, Field(discriminator="name")]
+SECTIONS: tuple[type[SinkChoice], ...] = members(SinkSection)
+SinkName = Literal[tuple(section.sink_name() for section in SECTIONS)]  # type: ignore[valid-type]
 
 
 def _named(entry):

@@ -225,7 +225,3 @@ def strategy_from_label(label: str, pinned: Strategy | None = None) -> Strategy:
     cls = choice_class(STRATEGIES, label)
     lent = pinned.model_dump() if isinstance(pinned, cls) else {}
     return cls.model_validate({**lent, **choice_fields(STRATEGIES, label)})
-
-
-def strategy_choices(world_size: int) -> list[str]:
-    return [label for cls in STRATEGIES for label in cls.tuner_labels(world_size)]

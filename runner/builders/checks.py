@@ -93,7 +93,7 @@ def _library_model_problems(spec: ModelSpec) -> list[KeyedError]:
 
 def data_problems(data, key: str) -> list[KeyedError]:
     """A dataset's files, split and columns, read from their schemas (no torch, no rows read)."""
-    if data.source != "dataset":
+    if not data.schema_checked:
         return []
     from .dataset_files import check_column, check_paths, check_split
 

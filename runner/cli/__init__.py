@@ -68,6 +68,14 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides, e.g. train.steps=10")
 
 
+def gpu_names() -> str:
+    """The GPUs `--gpu` knows by a short name, for the help of the verbs that take it: read from the
+    device table (runner/predict/hardware.py) when the verb's parser is built, not written again."""
+    from ..predict.hardware import known_names
+
+    return ", ".join(name for name in known_names() if name != "cpu")
+
+
 def _plugins() -> dict[str, object]:
     """Verbs other packages add through the `ckrun.commands` entry point, not loaded yet."""
     return {entry.name: entry for entry in entry_points(group="ckrun.commands") if entry.name not in VERBS}

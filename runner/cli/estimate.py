@@ -19,7 +19,7 @@ from ..library import resolve_recipe
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
 from ..units import format_bytes
-from . import Command, add_recipe_arguments
+from . import Command, add_recipe_arguments, gpu_names
 
 
 def add_arguments(parser):
@@ -27,9 +27,9 @@ def add_arguments(parser):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="the device to predict for (default cuda: works without a GPU)")
     parser.add_argument("--gpu", metavar="NAME",
-                        help="predict the step's time on this GPU: a short name (h100, h100-pcie, h200, a100, "
-                             "a100-40gb, l4, a10), the name torch reports (\"NVIDIA A100-SXM4-40GB\"), or a facts "
-                             ".json measured on the GPU; default: this machine's GPU. `cpu`: this CPU")
+                        help=f"predict the step's time on this GPU: a short name ({gpu_names()}), the name torch "
+                             "reports (\"NVIDIA A100-SXM4-40GB\"), or a facts .json measured on the GPU; default: "
+                             "this machine's GPU. `cpu`: this CPU")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--nproc", type=int, metavar="N", help="predict one of N ranks (distributed.strategy ddp, "
                         "fsdp, hsdp or tp): its share of the batch, FSDP's shards and gathered blocks, the layers "

@@ -55,6 +55,13 @@ class BlockCost:
     offload_s: float | None = None
     """Seconds per step to move moved_bytes both ways, unhidden."""
 
+    def of(self, action: str) -> tuple[int | None, float | None]:
+        """(bytes the block leaves for backward, seconds it adds a step) under a policy whose
+        `block_action` is `action` (runner/policies.py): the columns are named after the actions, and
+        an action without its columns (offload on the CPU) has no bytes, so no solver plans it."""
+        seconds = 0.0 if action == "keep" else getattr(self, f"{action}_s", None)
+        return getattr(self, f"{action}_bytes", None), seconds
+
 
 @dataclass
 class CostTable:

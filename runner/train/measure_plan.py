@@ -64,7 +64,7 @@ def warmup_steps_for(trainer: Trainer, count: int) -> list[int]:
     """The steps whose batches the warm-up runs. For text of varying length (data.split: lines) the
     cap must hold for the longest batch of each plan bucket: those (among the first SCAN_STEPS) run
     after one step that creates the optimizer state, so each is measured in the steady state."""
-    if getattr(trainer.recipe.data, "split", "packed") != "lines":
+    if not trainer.recipe.data.varying_length:
         return list(range(count))
     from ..memory.adaptive import batch_length
 

@@ -7,30 +7,37 @@ output.dir does (status 5, everything before it kept, --resume continues). An op
 locked, a bug in its package), is one warning line naming it and the error; it gets no more
 records and training goes on, since metrics.jsonl still has every record.
 
-Adding a sink: its section in runner/recipe_sinks.py (in SECTIONS and SinkSection, naming the
-packages it needs), its class (open, write, close: output.py's `Sink`) in a module of its own here,
-one line in SINKS, its packages as an extra in pyproject.toml; tests/runner/train/test_sinks.py
-checks the registry is complete.
+A sink whose opening is slow (MLflow: its import and its SQLite store, 5-20 s; `opens_slowly`) opens
+in a thread of its own, so training does not wait for it: its records queue until it is open and
+reach it in order, a failure there is the same one warning at the next record or at the end, and
+the end waits for every queued record (saying so when it must wait).
+
+Adding a sink: its section in runner/recipe_sinks.py (in the SinkSection union, naming the packages
+it needs), its class (open, write, close: output.py's `Sink`, `takes` naming its section) in
+runner/train/trackers.py and in its TRACKERS, its packages as an extra in pyproject.toml;
+tests/runner/train/test_sinks.py checks the registry is complete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..problems import one_line
 from ..recipe import OutputSpec
 from ..recipe_sinks import SinkSection, TensorBoardSink
-from .mlflow_log import MlflowLog
 from .output import Ended, MetricsLog, RunInfo, Sink
-from .tensorboard import TensorBoardLog
-from .wandb_log import WandbLog
+from .trackers import TRACKERS
 
 log = logging.getLogger(__name__)
 
-SINKS: dict[str, type] = {"tensorboard": TensorBoardLog, "wandb": WandbLog, "mlflow": MlflowLog}
+SINKS: dict[str, type] = {tracker.takes.sink_name(): tracker for tracker in TRACKERS}
+CLOSE_WAIT_S = 300.0  # how long the end waits for a sink opening in the background to take its last records
 
 
 def chosen(output: OutputSpec) -> list[SinkSection]:
@@ -74,6 +81,8 @@ class Sinks:
         try:
             use(sink)
         except Exception as err:  # noqa: BLE001 - an optional sink's failure is its own, never the run's
+            if isinstance(err, Deferred):  # it failed in the background: say when, and what
+                what, err = err.what, err.error
             del self.optional[name]
             after = "metrics.jsonl has every record" if closing else \
                 "it gets no more records, training goes on (metrics.jsonl has every record)"
@@ -84,6 +93,75 @@ class Sinks:
                     sink.close("failed")
 
 
+class Deferred(Exception):
+    """What a sink in the background failed at (`could not start`, `failed at step 7`), raised at the
+    next call: the warning names that, not the later call that found it."""
+
+    def __init__(self, what: str, error: Exception):
+        super().__init__(what)
+        self.what, self.error = what, error
+
+
+class InBackground:
+    """A sink (`opens_slowly`) that opens, writes and closes in a thread of its own: `open` returns at
+    once, records queue in order, `close` waits for them; a failure in the thread is raised (Deferred)
+    at the next call, and the sink is let go of what it holds."""
+
+    def __init__(self, sink: Sink, name: str):
+        self.sink, self.name = sink, name
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.failure: Deferred | None = None
+        self.thread: threading.Thread | None = None
+
+    def open(self, run: RunInfo) -> None:
+        self.thread = threading.Thread(target=self._work, args=(run,), name=f"ckrun-{self.name}", daemon=True)
+        self.thread.start()
+
+    def write(self, record: dict) -> None:
+        self._raise()
+        self.queue.put(("write", copy.deepcopy(record)))  # as it is now: the loop may reuse its dicts
+
+    def close(self, ended: Ended) -> None:
+        self.queue.put(("close", ended))
+        self.thread.join(timeout=1.0)
+        if self.thread.is_alive():
+            log.info("output.sinks: waiting for %s to take the run's last records (it opens in the background, "
+                     "at most %.0f s)", self.name, CLOSE_WAIT_S)
+            self.thread.join(timeout=CLOSE_WAIT_S)
+        if self.thread.is_alive():
+            raise TimeoutError(f"still busy after {CLOSE_WAIT_S:.0f} s")
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _work(self, run: RunInfo) -> None:
+        what, opened = "could not start", False
+        try:
+            self.sink.open(run)
+            opened = True
+            while True:
+                kind, item = self.queue.get()
+                if kind == "close":
+                    what = "failed to close"
+                    self.sink.close(item)
+                    return
+                what = f"failed at step {item['step']}"
+                self.sink.write(item)
+        except Exception as err:  # noqa: BLE001 - raised at the next call, as the sink's own failure
+            self.failure = Deferred(what, err)
+            if opened and what != "failed to close":
+                with contextlib.suppress(Exception):  # let it release what it holds; the warning says what went wrong
+                    self.sink.close("failed")
+
+
+def make_sink(section: SinkSection) -> Sink:
+    """The sink of a recipe's section: in the background where its opening is slow."""
+    sink = SINKS[section.name](section)
+    return InBackground(sink, section.name) if getattr(sink, "opens_slowly", False) else sink
+
+
 @contextlib.contextmanager
 def open_sinks(trainer, out_dir: Path) -> Iterator[Sinks]:
     """The run's sinks, open for its records, closed with how the run ended ("failed" on an exception)."""
@@ -91,7 +169,7 @@ def open_sinks(trainer, out_dir: Path) -> Iterator[Sinks]:
         yield Sinks([], {})
         return
     recipe = trainer.recipe
-    sinks = Sinks([MetricsLog()], {section.name: SINKS[section.name](section) for section in chosen(recipe.output)})
+    sinks = Sinks([MetricsLog()], {section.name: make_sink(section) for section in chosen(recipe.output)})
     sinks.open(RunInfo(out_dir, recipe, trainer.source, trainer.step))
     try:
         yield sinks

@@ -3,7 +3,8 @@ batches; every point is a valid recipe or one the schema refuses for its reason,
 points use one plan for every length."""
 
 from autotune.model_child import model_facts
-from autotune.space import Device, ModelFacts, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from tune_helpers import valid_points

@@ -9,7 +9,7 @@ import torch
 
 from autotune.records import TrialRecord
 from autotune.cli_tune import _check_cap_fits
-from autotune.space import Device
+from autotune.facts import Device
 from autotune.cap import Cap
 from autotune.train import train_with_fallback
 from conftest import BERT_TINY, TINY_BERT

@@ -8,7 +8,8 @@ from autotune.cap import Cap
 from autotune.model_child import model_facts
 from autotune.report import ranked_feasible
 from autotune.records import ProbeResult
-from autotune.space import Device, ModelFacts, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space
 from autotune.study import Budget, Tuner, open_study, trial_records
 from tune_helpers import valid_points
 from conftest import BERT_TINY, TINY_BERT

@@ -4,7 +4,8 @@ the starting points stay exact, and a lossy winner's tuned.yaml says so with its
 import yaml
 
 from autotune.model_child import model_facts
-from autotune.space import Device, ModelFacts, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 

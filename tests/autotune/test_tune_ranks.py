@@ -15,7 +15,8 @@ from autotune.rank_probe import combine
 from autotune.records import ProbeResult
 from autotune.rank_tune import check_devices, check_ranks, ranks_comment
 from autotune.sharding import ShardingChoice
-from autotune.space import Device, ModelFacts, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space, describe
 from autotune.validity import invalid_reason
 from autotune.tuned import tuned_data
 from conftest import BERT_TINY, TINY_BERT
@@ -78,7 +79,7 @@ def test_every_point_of_a_ranked_space_is_a_recipe_the_trainer_accepts_or_is_tol
     assert again.distributed == candidate.strategy
     assert (again.memory.sharding is not None) == (choice.knobs is not None)
     assert (8 // nproc) % again.memory.micro_batch == 0
-    assert candidate.describe().startswith(choice.strategy.label())
+    assert describe(candidate).startswith(choice.strategy.label())
 
 
 def test_plans_that_differ_only_in_sharding_have_different_keys_and_labels():
@@ -171,9 +172,9 @@ def test_an_invalid_plan_is_not_predicted_so_the_log_never_says_it_is_probed():
     space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
     asked = []
     tuner = Tuner(optuna.create_study(direction="maximize"), space, Cap(10**9, 0.05), evaluate=None,
-                  predict=lambda candidate: asked.append(candidate.describe()) or 1000)
+                  predict=lambda candidate: asked.append(describe(candidate)) or 1000)
     base = {**space.all_params()[0], "sharding": "fsdp"}
     invalid, valid = (space.candidate({**base, "checkpointing": policy}) for policy in ("sqrt", "full"))
     assert invalid_reason(invalid, space) and not invalid_reason(valid, space)
     assert tuner._prediction(invalid) is None and tuner._prediction(valid) == 1000
-    assert asked == [valid.describe()]
+    assert asked == [describe(valid)]

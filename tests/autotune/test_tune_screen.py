@@ -9,7 +9,7 @@ import time
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from autotune.screen import MAX_FAULTS, IsolatedPredictor, ModelChild
-from autotune.space import Candidate
+from autotune.candidate import Candidate
 from autotune.study import Prediction
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from autotune.candidate import Candidate
 from autotune.records import TrialRecord, read_record, store_record
 from autotune.sharding import ShardingChoice
-from autotune.space import Device, ModelFacts, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space
 from autotune.tp_facts import TensorFacts, tensor_facts
 from autotune.validity import invalid_reason
 from conftest import BERT_TINY, ROOT, TINY_BERT

@@ -10,7 +10,8 @@ import pytest
 
 from autotune.cap import Cap
 from autotune.model_child import model_facts
-from autotune.space import Device, ModelFacts, add_proposals, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space
 from autotune.study import Budget, Tuner, open_study, trial_records
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
@@ -38,7 +39,7 @@ def _proposal(micro: int, layers: list[int]) -> dict:
 
 def test_the_solvers_plans_are_the_first_trials_and_join_the_space(tmp_path):
     recipe, space = _setting()
-    points = add_proposals(space, [_proposal(8, [1, 3]), _proposal(4, [2]), _proposal(8, [1, 3])])
+    points = space.add_proposals([_proposal(8, [1, 3]), _proposal(4, [2]), _proposal(8, [1, 3])])
     assert [p["checkpointing"] for p in points] == ["layers:1,3", "layers:2"]  # the repeat is dropped
     assert {"layers:1,3", "layers:2"} <= set(space.choices["checkpointing"])
     study, _ = open_study(tmp_path, {}, False)
@@ -55,7 +56,7 @@ def test_the_solvers_plans_are_the_first_trials_and_join_the_space(tmp_path):
 def test_a_plan_that_differs_from_a_pinned_knob_is_left_out():
     _, space = _setting()
     bf16 = {**_proposal(8, [1]), "precision": "bf16"}  # precision is pinned to the recipe's fp32
-    assert add_proposals(space, [bf16]) == []
+    assert space.add_proposals([bf16]) == []
 
 
 @pytest.mark.parametrize("trials, exhaustive", [(40, True), (3, False)])

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from autotune.model_child import model_facts
-from autotune.space import Device, ModelFacts, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space, describe
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from tune_helpers import valid_points
@@ -46,7 +47,7 @@ def test_cuda_searches_offload_and_flags_add_precision_and_compile():
 
 def test_starting_points_come_first_with_the_whole_batch():
     recipe, space = _space(4)
-    labels = [space.candidate(p).describe() for p in space.starting_points(recipe)]
+    labels = [describe(space.candidate(p)) for p in space.starting_points(recipe)]
     assert labels == ["micro_batch 12, checkpointing none, fp32", "micro_batch 12, checkpointing full, fp32",
                       "micro_batch 12, checkpointing every:2, fp32"]
 
@@ -64,7 +65,7 @@ def test_every_point_is_a_valid_recipe_or_refused_for_its_combination(device):
 def test_with_predictions_starting_points_take_the_largest_micro_batch_that_fits():
     recipe, space = _space(4)
     fits = lambda c: c.plan.micro_batch * (4 if c.plan.checkpointing.policy == "none" else 1) <= 12  # noqa: E731
-    labels = [space.candidate(p).describe() for p in space.starting_points(recipe, fits)]
+    labels = [describe(space.candidate(p)) for p in space.starting_points(recipe, fits)]
     assert labels == ["micro_batch 3, checkpointing none, fp32", "micro_batch 12, checkpointing full, fp32",
                       "micro_batch 12, checkpointing every:2, fp32"]
     assert space.starting_points(recipe, lambda c: False) == []

@@ -8,7 +8,8 @@ from optuna.trial import TrialState
 
 from autotune.cli_tune import parse_duration
 from autotune.model_child import model_facts
-from autotune.space import Device, ModelFacts, build_space
+from autotune.facts import Device, ModelFacts
+from autotune.knobs import build_space, describe
 from autotune.cap import Cap
 from autotune.records import ProbeResult
 from autotune.study import Budget, Prediction, Tuner, open_study, trial_records
@@ -141,7 +142,7 @@ class Lucky(Counting):
     def __call__(self, candidate, number):
         result = super().__call__(candidate, number)
         self.runs[candidate.key] = self.runs.get(candidate.key, 0) + 1
-        if candidate.describe() == self.lucky_label and self.runs[candidate.key] == 1:
+        if describe(candidate) == self.lucky_label and self.runs[candidate.key] == 1:
             result = result.model_copy(update={"samples_per_s": result.samples_per_s * 1.3})
         return result
 

@@ -148,3 +148,28 @@ def test_the_readme_lists_the_same_layers():
             short = module.removeprefix("runner.")
             shown = f"`{short}`" if ROOT.joinpath("runner", f"{short}.py").is_file() else f"`{short}/`"
             assert shown in item, f"README's layer {name} does not name {shown}: {item!r}"
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle of `graph` once, as the modules along it (a depth-first walk per module)."""
+    found, seen = [], set()
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            module, path = stack.pop()
+            for imported in sorted(graph.get(module, ())):
+                if imported == start and frozenset(path) not in seen:
+                    seen.add(frozenset(path))
+                    found.append(path + [start])
+                elif imported not in path and imported > start:
+                    stack.append((imported, path + [imported]))
+    return found
+
+
+def test_autotune_has_no_import_circle():
+    """The tuner's modules stand in layers too (facts, candidate, space, sharding, knobs, ...): no
+    import, not even one read only by a type checker, runs back to a module that imports it."""
+    graph = {module_name(path): {m for m in imports_of(path) if m.startswith("autotune")}
+             for path in sorted((ROOT / "autotune").rglob("*.py"))}
+    assert not _circles(graph), _circles(graph)
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 from conftest import ROOT
 from runner import policies
-from runner.plan import MemoryPlan, plan_problems
+from runner.plan import POLICY_FIELDS, MemoryPlan, plan_problems
 from runner.policies import (CHECKPOINTING, COMPRESSION, OFFLOAD, CheckpointingPolicy, CompressionPolicy, OffloadPolicy,
                              checkpointing_choices, compression_choices, offload_choices, sqrt_segments)
 from runner.choices import choice_fields
+from runner.recipe_data import SECTIONS as DATA_SECTIONS
 
 
 @dataclass
@@ -27,26 +28,30 @@ class Layout:
         return self.count
 
 
-def _compares_name(node: ast.AST, field: str = "policy") -> bool:
+def _compares_name(node: ast.AST, field: str = "policy", names: set[str] | None = None) -> bool:
     """`x.policy == "sqrt"`, `part.policy in (...)`, `policy != "none"`: deciding by a policy's (or, with
-    field="strategy", a distributed strategy's) name."""
+    field="strategy", a distributed strategy's) name; with `names`, only by one of those (a data
+    source's, not a model's `source: transformers`)."""
     if not isinstance(node, ast.Compare):
         return False
     operands = [node.left, *node.comparators]
     named = any(isinstance(o, ast.Attribute) and o.attr == field or isinstance(o, ast.Name) and o.id == field
                 for o in operands)
-    return named and any(isinstance(o, ast.Constant) and isinstance(o.value, str) or isinstance(o, ast.Tuple)
-                         for o in operands)
+    constants = [o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)]
+    constants += [e.value for o in operands if isinstance(o, ast.Tuple | ast.List | ast.Set) for e in o.elts
+                  if isinstance(e, ast.Constant)]
+    listed = any(isinstance(o, ast.Tuple) for o in operands)
+    return named and (bool(names & set(constants)) if names is not None else bool(constants) or listed)
 
 
-def _name_comparisons(folders: tuple[str, ...], field: str, home: str) -> list[str]:
+def _name_comparisons(folders: tuple[str, ...], field: str, home: str, names: set[str] | None = None) -> list[str]:
     found = []
     for folder in folders:
         for path in (ROOT / folder).rglob("*.py"):
             if path == ROOT / home:
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if _compares_name(node, field):
+                if _compares_name(node, field, names):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
 
@@ -63,11 +68,22 @@ def test_no_runner_code_decides_by_a_distributed_strategys_name():
     assert not found, f"ask the strategy type instead: {found}"
 
 
+def test_no_code_outside_the_data_sections_decides_by_a_data_sources_name():
+    """runner/recipe_data.py's sections answer for themselves (tasks, finite, held_out, tokenised,
+    varying_length); `model.source` (transformers, torchvision, python) is another field and not checked."""
+    found = _name_comparisons(("runner", "autotune", "bench"), "source", "runner/recipe_data.py",
+                              {cls.tag() for cls in DATA_SECTIONS})
+    assert not found, f"ask the data section instead: {found}"
+
+
 def test_the_check_finds_what_it_looks_for():
     tree = ast.parse('a = x.policy == "sqrt"\nb = policy in ("full", "none")\nc = x.every == 2\nd = s.strategy != "fsdp"')
     compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
     assert [_compares_name(n) for n in compares] == [True, True, False, False]
     assert [_compares_name(n, "strategy") for n in compares] == [False, False, False, True]
+    sources = ast.parse('a = data.source != "synthetic"\nb = spec.source == "transformers"\nc = d.source in ("text", "x")')
+    compares = [n for n in ast.walk(sources) if isinstance(n, ast.Compare)]
+    assert [_compares_name(n, "source", {"synthetic", "text"}) for n in compares] == [True, False, True]
 
 
 def test_every_policy_class_is_in_its_union():
@@ -91,6 +107,24 @@ def test_each_tuner_choice_reads_back_as_its_policy_and_acts_on_real_blocks(coun
         kind = OFFLOAD if label in offload_choices("cuda") else COMPRESSION
         key = "offload" if kind is OFFLOAD else "compression"
         assert getattr(MemoryPlan.model_validate({key: choice_fields(kind, label), "allow_lossy": True}), key).label() == label
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 30), data=st.data())
+def test_a_policy_written_for_a_set_of_blocks_acts_on_exactly_those(count, data):
+    """What the per-block solver writes (`on_blocks`) is a plan whose policy acts on the blocks it was
+    given, and says so in its `block_action`; a class that cannot say the set answers None."""
+    chosen = data.draw(st.one_of(st.just([]), st.just(list(range(count))),
+                                 st.lists(st.integers(0, count - 1), unique=True).map(sorted)))
+    for key, classes in POLICY_FIELDS.items():
+        for cls in classes:
+            written = cls.on_blocks(chosen, count)
+            if written is None:
+                continue
+            policy = getattr(MemoryPlan.model_validate({key: written, "allow_lossy": True}), key)
+            assert type(policy) is cls and policy.block_action is not None
+            assert policy.chosen(Layout(count)) == chosen
+            assert (policy.block_action == "keep") == (not chosen)
 
 
 @settings(max_examples=40, deadline=None)

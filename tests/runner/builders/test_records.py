@@ -99,7 +99,8 @@ def test_text_files_never_train_on_made_up_targets(tmp_path, ckrun, model, task)
     code, _, err = ckrun("validate", recipe, f"model={{source: transformers, name: {model}}}")
     assert code == 2
     [message] = err.splitlines()
-    assert message.startswith(f"{recipe}:22:3: data.source: text files hold no") and f"for {task}; use source: records" in message
+    assert message.startswith(f"{recipe}:22:3: data.source: source text (plain text: no labels or target texts) trains "
+                              f"masked_lm or causal_lm, but {model} learns {task}; use source records or dataset")
 
 
 LINES = st.one_of(

@@ -198,3 +198,15 @@ def test_help_is_still_argparse_help(capsys):
     with pytest.raises(SystemExit) as done:
         main(["tune", "--help"])
     assert done.value.code == 0 and "--max-mem SIZE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("verb", ["estimate", "tune"])
+def test_gpu_help_names_every_gpu_of_the_device_table(capsys, verb):
+    """The --gpu help is read from runner/predict/hardware.py's table, in both verbs that take it."""
+    from runner.predict.hardware import known_names
+
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
+    shown = out.rsplit("--gpu NAME", 1)[1].split(" --", 1)[0]  # the option, not the usage line
+    assert all(f"{name}," in shown or f"{name})" in shown for name in known_names() if name != "cpu"), shown

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import threading
 import typing
 from types import SimpleNamespace
 
@@ -20,8 +21,8 @@ from runner.load import load_recipe
 from runner.recipe import OutputSpec
 from runner.recipe_sinks import SECTIONS, SinkSection, TensorBoardSink
 from runner.train.output import METRICS, MetricsLog, OutputError, RunInfo
-from runner.train.sinks import SINKS, Sinks, chosen, open_sinks
-from runner.train.tensorboard import TensorBoardLog
+from runner.train.sinks import SINKS, InBackground, Sinks, chosen, make_sink, open_sinks
+from runner.train.trackers import TensorBoardLog
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -118,6 +119,63 @@ def test_a_sink_that_cannot_close_is_one_warning_and_metrics_jsonl_is_still_clos
     assert [r["step"] for r in stuck.records] == [1] and stuck.ended == "finished"
     with pytest.raises(OSError):  # closed
         os.fstat(metrics.fd)
+
+
+class Slow(Recorder):
+    """A sink whose open waits until the test lets it go (MLflow creating its store, without a clock)."""
+
+    opens_slowly = True
+
+    def __init__(self, **fail):
+        super().__init__(**fail)
+        self.go, self.thread = threading.Event(), None
+
+    def open(self, run: RunInfo) -> None:
+        self.thread = threading.current_thread()
+        assert self.go.wait(timeout=60), "the test never let the sink open"
+        super().open(run)
+
+
+def test_a_sink_that_opens_slowly_keeps_no_record_waiting_and_loses_none(tmp_path, caplog):
+    slow = Slow()
+    sinks = Sinks([MetricsLog()], {"slow": InBackground(slow, "slow")})
+    sinks.open(run_info(tmp_path))  # returns while the sink is still opening
+    for step in range(1, 4):
+        sinks.write({"step": step, "loss": 1.0 / step})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3] and slow.records == []
+    slow.go.set()
+    sinks.close("finished")
+    assert [r["step"] for r in slow.records] == [1, 2, 3] and slow.ended == "finished"
+    assert slow.thread is not threading.current_thread() and not warnings(caplog)
+
+
+@pytest.mark.parametrize("fail, said", [({"fail_open": True}, "could not start (RuntimeError: the store is locked)"),
+                                        ({"fail_write": 2}, "failed at step 2 (OSError: [Errno 28] No space left")])
+def test_a_sink_failing_in_the_background_is_the_same_one_warning(tmp_path, caplog, fail, said):
+    slow = Slow(**fail)
+    background = InBackground(slow, "slow")
+    sinks = Sinks([MetricsLog()], {"slow": background})
+    sinks.open(run_info(tmp_path))
+    slow.go.set()
+    sinks.write({"step": 1, "loss": 1.0})
+    sinks.write({"step": 2, "loss": 0.5})
+    background.thread.join(timeout=60) if fail.get("fail_open") else None
+    if "fail_write" in fail:
+        background.thread.join(timeout=60)  # it stops at the failing record
+    sinks.write({"step": 3, "loss": 0.3})  # finds the failure
+    sinks.close("finished")
+    [line] = warnings(caplog)
+    assert line.startswith(f"output.sinks: slow {said}") and "training goes on" in line, line
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert slow.ended == ("failed" if "fail_write" in fail else None)  # an opened sink lets go of what it holds
+
+
+def test_mlflow_opens_in_the_background_and_the_others_do_not():
+    from runner.recipe_sinks import MlflowSink, WandbSink
+
+    assert isinstance(make_sink(MlflowSink(name="mlflow")), InBackground)
+    assert not isinstance(make_sink(TensorBoardSink(name="tensorboard")), InBackground)
+    assert not isinstance(make_sink(WandbSink(name="wandb")), InBackground)
 
 
 def test_metrics_jsonl_failing_ends_the_run_and_the_other_sinks_close_as_failed(tmp_path, monkeypatch):

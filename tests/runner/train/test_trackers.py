@@ -123,7 +123,7 @@ def test_mlflow_holds_every_record_once_across_a_resume(resumed):
 def test_a_run_started_afresh_is_a_new_mlflow_run_and_a_resumed_one_continues_the_newest(tmp_path):
     from runner.load import load_recipe
     from runner.recipe_sinks import MlflowSink
-    from runner.train.mlflow_log import MlflowLog
+    from runner.train.trackers import MlflowLog
     from runner.train.output import RunInfo
 
     recipe, ids = load_recipe(BERT_TINY), []
@@ -137,3 +137,27 @@ def test_a_run_started_afresh_is_a_new_mlflow_run_and_a_resumed_one_continues_th
     client, runs = mlflow_run(tmp_path)
     assert {run.info.run_id: run.info.status for run in runs} == {ids[0]: "KILLED", ids[1]: "FINISHED"}
     assert sorted(m.step for m in client.get_metric_history(ids[1], "train/loss")) == [1, 3]
+
+
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'ckrun[mlflow]')")
+@mock.patch.dict(os.environ)
+def test_a_new_mlflow_store_is_a_copy_of_the_user_caches_empty_one(tmp_path):
+    """Making a store migrates its tables one by one (15 s): the first run makes one in the user cache,
+    every later new run copies it; a cache that cannot be written leaves the store made in place."""
+    from mlflow.tracking import MlflowClient
+
+    from runner.train.trackers import _new_store
+
+    made = []
+    counting = lambda **kwargs: made.append(kwargs) or MlflowClient(**kwargs)  # noqa: E731
+    _new_store(tmp_path / "a.db", counting)
+    _new_store(tmp_path / "b.db", counting)
+    assert len(made) == 1  # the template, once
+    for name in ("a.db", "b.db"):
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / name}")
+        assert client.get_experiment(client.create_experiment(name)).name == name
+
+    (tmp_path / "file").write_text("")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path / "file")  # a cache folder that cannot be made
+    _new_store(tmp_path / "c.db", counting)
+    assert not (tmp_path / "c.db").exists() and len(made) == 1  # the sink then makes it in place
