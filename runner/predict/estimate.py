@@ -124,11 +124,10 @@ class Estimator:
         with _unavailable("building the model"), self.fake_mode, self._device_behaviour():
             torch.manual_seed(recipe.train.seed)
             with weight_init_skipped():
-                self.model = self._prepare(_build_for_shapes(recipe.model))
+                self.model = self._prepare(self._build_model())
             self.model.train()
         self.routed = BalancedRouting(self.model)  # eager experts' routing, assumed (predict/routing.py); the model is its own
-        # a real batch, made outside the mode: synthetic data indexes and masks by value
-        self.batch, self.batch_only = _to_fake(stand_in_batch(recipe, self.model), self.fake_mode)
+        self.batch, self.batch_only = _to_fake(self._stand_in_batch(), self.fake_mode)
         gaps = FakeGapWatch()  # watched once, in the warm-up: a plan changes how often ops run, not which
         with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour():
             # fused AdamW on a CUDA target, as the trainer builds it (it makes no temporaries)
@@ -136,6 +135,14 @@ class Estimator:
             with gaps:
                 self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
         self.warnings = gaps.warnings()
+
+    def _build_model(self) -> torch.nn.Module:
+        """The model on fake tensors (inside the fake mode); predict/given.py copies a model it is given."""
+        return _build_for_shapes(self.recipe.model)
+
+    def _stand_in_batch(self) -> Batch:
+        """A real batch of the step's shapes, made outside the fake mode: synthetic data indexes and masks by value."""
+        return stand_in_batch(self.recipe, self.model)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The built model as the step runs it; predict/ranks.py shards it here (FSDP), before the optimizer."""
