@@ -143,6 +143,9 @@ def plan_memory(model: nn.Module | None = None, batch=None, *, max_mem: str | in
 
 def apply_memory_plan(model: nn.Module, planned: PlannedMemory, device: str | None = None) -> AppliedMemoryPlan:
     """Put `planned.plan` on `model` in place (runner/memory/apply.py, as `ckrun` does); undo with `remove()`."""
+    if not isinstance(model, nn.Module) or not isinstance(planned, PlannedMemory):
+        raise MemoryPlanError(f"apply_memory_plan takes a torch.nn.Module and what plan_memory returned; got a "
+                              f"{type(model).__name__} and a {type(planned).__name__}")
     if model in _applied:
         raise MemoryPlanError("the model already carries a ckrun plan; remove() it before applying another")
     try:

@@ -17,6 +17,7 @@ from runner.memory.apply import apply_plan
 from runner.memory.blocks import find_blocks
 from runner.plan import MemoryPlan
 from tests.runner.memory.moe_models import FAMILIES, VOCAB, moe_model
+from tests.runner.memory.test_checkpointing_generated import _differences  # what differs: losses, then tensors
 
 POLICIES = [{"policy": "full"}, {"policy": "every", "every": 2}, {"policy": "layers", "layers": [1]},
             {"policy": "sqrt"}, {"policy": "selective"}]
@@ -40,14 +41,6 @@ def _train(family: str, precision: str, checkpointing: dict | None, steps: int =
             optimizer.zero_grad()
             losses.append(loss.detach())
     return losses, grads, dict(model.named_parameters())
-
-
-def _differences(expected, actual) -> list[str]:
-    (want_losses, *want), (got_losses, *got) = expected, actual
-    found = [] if all(map(torch.equal, want_losses, got_losses)) else ["loss"]
-    for want_part, got_part in zip(want, got, strict=True):
-        found += [key for key in want_part if not torch.equal(want_part[key], got_part[key])]
-    return found
 
 
 @pytest.mark.parametrize("kernel", [GROUPED, EAGER])
