@@ -159,9 +159,14 @@ def _transformers_fits(spec: ModelSpec) -> None:
         raise KeyedError("model.config", str(err)) from None
 
 
+# transformers' public implementation switches, which every config takes (PreTrainedConfig pops them from
+# its keyword arguments, so no signature or to_dict() names them); their values are checked as the model is built
+IMPLEMENTATION_KEYWORDS = ("attn_implementation", "experts_implementation")
+
+
 def check_config_keys(config_class, given: dict) -> None:
     # transformers configs keep unknown kwargs as attributes, so a typo would be silently ignored
-    known = set(config_class().to_dict())
+    known = set(config_class().to_dict()) | set(IMPLEMENTATION_KEYWORDS)
     for base in config_class.__mro__:  # base-class settings such as num_labels reach __init__ via **kwargs
         if "__init__" in vars(base):
             known |= set(inspect.signature(base.__init__).parameters)

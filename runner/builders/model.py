@@ -15,6 +15,7 @@ from torch import nn
 
 from ..recipe import ModelSpec
 from .contract import adopt_user_model
+from .experts import settle_experts
 from .oom import describe_out_of_memory, is_out_of_memory
 from .pretrained import from_pretrained, is_checkpoint, load_state
 from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
@@ -30,6 +31,8 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Modul
         model = builders[spec.source](spec)
     if not isinstance(model, nn.Module):
         raise BuildError("model.name", f"{spec.name} returned {type(model).__name__}, not a torch.nn.Module")
+    if spec.source == "transformers":  # which expert kernel a mixture-of-experts model runs by, logged
+        settle_experts(model, spec.config, say=torch.device(device).type != "meta")
     return adopt_user_model(model, spec.name) if spec.source == "python" else model
 
 

@@ -99,12 +99,16 @@ def _trial_forward(model) -> None:
 
     Fake tensors rather than the meta device: transformers skips its value checks (`pad_token_id in
     input_ids`, an all-ones padding mask) for fake tensors, which it knows as traced ones, but calls
-    `.item()` on meta tensors, which have no values (DeBERTa-v2, BART)."""
+    `.item()` on meta tensors, which have no values (DeBERTa-v2, BART). A mixture-of-experts model's
+    grouped expert kernel runs in fp32 as it trains (experts.py: torch's fake kernel alone refuses it)."""
     if getattr(model, "main_input_name", None) != "input_ids":
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+    from .experts import GroupedMmOnFake, experts_modules
+
+    grouped = GroupedMmOnFake() if experts_modules(model) else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, grouped:
         model = model.to_empty(device="cpu")  # the meta-built weights as fake CPU tensors: nothing allocated
         tokens = fake_mode.from_tensor(torch.zeros(1, 8, dtype=torch.long))
         decoder = {"decoder_input_ids": tokens} if getattr(model.config, "is_encoder_decoder", False) else {}

@@ -49,7 +49,7 @@ def run(args) -> int:
 
         check_launch(recipe, str(path), args.nproc)
         Estimator = per_rank(args.nproc, str(path))  # noqa: N806 - stands in for the class
-    with located_errors(doc), _plan_lines_quiet():
+    with located_errors(doc), plan_lines_quiet():
         estimate = _estimate(Estimator, EstimateUnavailable, recipe, device, facts, str(path))
     seconds = time.perf_counter() - started
     if args.json:
@@ -109,9 +109,10 @@ def time_lines(step) -> list[str]:
 
 
 @contextlib.contextmanager
-def _plan_lines_quiet():
+def plan_lines_quiet():
     """The estimator applies the plan to a stand-in model; the lines a run prints for that ("checkpointing
-    2 of 2 blocks") would only repeat the recipe above the prediction. Warnings still show; -v shows all."""
+    2 of 2 blocks") would only repeat the recipe above the prediction (or, for autotune/api.py, the plan
+    it picks). Warnings still show; -v shows all."""
     logs = [logging.getLogger(name) for name in ("runner.memory", "runner.parallel")]  # the plan; FSDP's sharding
     levels = [plan_log.level for plan_log in logs]
     for plan_log in logs:

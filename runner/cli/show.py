@@ -59,11 +59,11 @@ def print_costs(recipe, source: str, as_json: bool) -> int:
 
     from ..predict.block_costs import cost_table, format_table
     from ..predict.estimate import EstimateUnavailable, Estimator
-    from .estimate import _plan_lines_quiet
+    from .estimate import plan_lines_quiet
 
     cuda = recipe.train.device == "cuda" or (recipe.train.device == "auto" and torch.cuda.is_available())
     try:
-        with _plan_lines_quiet():
+        with plan_lines_quiet():
             table = cost_table(Estimator(recipe, "cuda" if cuda else "cpu"), recipe.micro_batch, recipe.precision, 2)
     except EstimateUnavailable as err:
         raise InputError([Problem(Place(source), "model", f"per-block costs are unavailable: {err}")]) from None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..builders.experts import routing_decides_bytes
 from . import nvml
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,13 @@ class PeakMeter:
     (step 2 is the first with optimizer state, i.e. the steady state) and every `every`-th.
     A CPU step's peak depends only on shapes and plan, so the other steps report the peak measured
     for their batch's shapes and say which step it came from; their time is free of the tracker.
-    A batch of shapes not yet measured in the steady state (text of varying length) is measured."""
+    A batch of shapes not yet measured in the steady state (text of varying length) is measured.
+    The exception is a mixture-of-experts model whose experts run eagerly: its peak follows how many
+    tokens the router sends each expert, so every step is measured (runner/builders/experts.py)."""
 
     def __init__(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: int = 10):
-        self.device, self.model, self.optimizer, self.every = device, model, optimizer, every
+        self.device, self.model, self.optimizer = device, model, optimizer
+        self.every = 1 if routing_decides_bytes(model) else every
         self._steps_seen = 0
         self._by_shapes: dict[tuple, Peak] = {}  # the batch's shapes -> its steady-state peak
 

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ..builders.data import Batch
+from ..builders.experts import GroupedMmOnFake, settle_experts
 from ..builders.model import build_model
 from ..builders.optim import build_optimizer
 from ..builders.resolve import transformers_class
@@ -58,6 +59,7 @@ from .fake_gaps import FakeGapWatch, WorkspaceFill
 from .hardware import DeviceFacts
 from .real_paths import real_mask_paths
 from .roofline import OpClock, StepWork
+from .routing import BalancedRouting
 from .step_time import StepShape, StepTime, step_time
 
 CPU = torch.device("cpu")
@@ -122,10 +124,10 @@ class Estimator:
         with _unavailable("building the model"), self.fake_mode, self._device_behaviour():
             torch.manual_seed(recipe.train.seed)
             with weight_init_skipped():
-                self.model = self._prepare(_build_for_shapes(recipe.model))
+                self.model = self._prepare(self._build_model())
             self.model.train()
-        # a real batch, made outside the mode: synthetic data indexes and masks by value
-        self.batch, self.batch_only = _to_fake(stand_in_batch(recipe, self.model), self.fake_mode)
+        self.routed = BalancedRouting(self.model)  # eager experts' routing, assumed (predict/routing.py); the model is its own
+        self.batch, self.batch_only = _to_fake(self._stand_in_batch(), self.fake_mode)
         gaps = FakeGapWatch()  # watched once, in the warm-up: a plan changes how often ops run, not which
         with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour():
             # fused AdamW on a CUDA target, as the trainer builds it (it makes no temporaries)
@@ -133,6 +135,14 @@ class Estimator:
             with gaps:
                 self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
         self.warnings = gaps.warnings()
+
+    def _build_model(self) -> torch.nn.Module:
+        """The model on fake tensors (inside the fake mode); predict/given.py copies a model it is given."""
+        return _build_for_shapes(self.recipe.model)
+
+    def _stand_in_batch(self) -> Batch:
+        """A real batch of the step's shapes, made outside the fake mode: synthetic data indexes and masks by value."""
+        return stand_in_batch(self.recipe, self.model)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The built model as the step runs it; predict/ranks.py shards it here (FSDP), before the optimizer."""
@@ -158,6 +168,7 @@ class Estimator:
             finally:
                 tracker.close()
         estimate = self._result(tracker, baseline, plan, precision)
+        estimate.notes.extend(self.routed.notes())
         estimate.warnings.extend(self.warnings)
         if clock is not None:
             shape = self._shape(micro, precision)
@@ -185,6 +196,7 @@ class Estimator:
         stack = contextlib.ExitStack()
         stack.enter_context(real_mask_paths())  # the attention paths a real step takes
         stack.enter_context(WorkspaceFill())  # the bytes oneDNN's LSTM keeps, which its fake kernel leaves out
+        stack.enter_context(GroupedMmOnFake())  # mixture-of-experts' grouped kernel in fp32, which its fake kernel refuses
         if self.cuda:
             stack.enter_context(CudaOnCpu())
         return stack
@@ -307,7 +319,9 @@ def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
         return build_reading_values(lambda: build_model(spec.model_copy(update={"pretrained": None}), CPU))
     model_class = transformers_class(spec.name)
     config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
-    return model_class(config)
+    model = model_class(config)
+    settle_experts(model, spec.config, say=False)  # the kernel build_model would pick
+    return model
 
 
 def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch.Tensor]]:

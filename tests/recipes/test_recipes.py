@@ -52,6 +52,11 @@ SHRINK = {
         "model.config.num_key_value_heads=2", "model.config.intermediate_size=128", "model.config.vocab_size=512",
         "model.config.max_position_embeddings=32",
     ],
+    "MixtralForCausalLM": TEXT + [
+        "model.config.num_hidden_layers=2", "model.config.hidden_size=64", "model.config.num_attention_heads=4",
+        "model.config.num_key_value_heads=2", "model.config.intermediate_size=64", "model.config.vocab_size=512",
+        "model.config.num_local_experts=4", "model.config.max_position_embeddings=32",
+    ],
     "T5ForConditionalGeneration": TEXT + [
         "model.config.num_layers=2", "model.config.num_decoder_layers=2", "model.config.d_model=64",
         "model.config.d_kv=16", "model.config.num_heads=4", "model.config.d_ff=128", "model.config.vocab_size=512",

@@ -10,6 +10,7 @@ import torch
 
 import autotune
 import runner
+from autotune.api import MemoryPlanError
 from autotune.cli_tune import NothingFits
 from autotune.rank_tune import RanksEnded, RanksOverCap
 from runner.builders.resolve import BuildError
@@ -46,6 +47,8 @@ EXAMPLES = {
     OutputError: (OutputError(28, "cannot write m.jsonl: No space left on device"), 5,
                   ["ckrun: cannot write m.jsonl: No space left on device"]),
     RanksEnded: (RanksEnded(4), 4, []),  # each rank said why already
+    # the Python API's (autotune/api.py): raised at the caller, never a verb's ending, but one line like the rest
+    MemoryPlanError: (MemoryPlanError("nothing fits\nwithin 1 MB"), 2, ["ckrun: nothing fits within 1 MB"]),
 }
 
 

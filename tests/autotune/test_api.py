@@ -1,0 +1,196 @@
+"""The Python API (autotune/api.py): the README's two loops run as written, a plan keeps a real loop under
+its cap, `remove()` gives the model back exactly, and every bad input is one MemoryPlanError line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+from autotune.api import MemoryPlanError, PlannedMemory, apply_memory_plan, auto_checkpoint, plan_memory
+from conftest import BERT_TINY, TINY_BERT
+from runner.memory.tracker import LiveBytesTracker
+from runner.plan import MemoryPlan
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTION = (ROOT / "README.md").read_text().split("## Your own training loop", 1)[1].split("\n## ", 1)[0]
+PLAIN_LOOP, TRAINER_LOOP = re.findall(r"```python\n(.*?)```", SECTION, re.S)
+
+
+def _readme_model():
+    """The plain loop's model, optimizer and batch, as the README makes them (the block up to its plan)."""
+    namespace: dict = {}
+    exec(compile(PLAIN_LOOP.split("applied = auto_checkpoint")[0], "README.md", "exec"), namespace)
+    return namespace["model"], namespace["optimizer"], namespace["x"], namespace["y"]
+
+
+def _loop_peak(model, optimizer, x, y, steps: int = 2) -> int:
+    """The most live tensor bytes of the README's loop (the tracker `ckrun` measures CPU runs with)."""
+    tracker = LiveBytesTracker("cpu").track(model, optimizer, [x, y])
+    try:
+        for _ in range(steps):
+            with tracker:
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        tracker.close()
+    return tracker.peak_bytes
+
+
+def test_the_readme_plain_loop_runs_as_written(caplog):
+    caplog.set_level("INFO", logger="autotune")
+    namespace: dict = {}
+    exec(compile(PLAIN_LOOP, "README.md", "exec"), namespace)
+    planned = namespace["applied"].planned
+    assert planned.plan.checkpointing.recomputes and not planned.measured
+    assert "memory plan applied: checkpointing " in caplog.text
+    assert not any("forward" in vars(m) for m in namespace["model"].modules())  # removed at the end
+
+
+def test_a_predicted_plan_keeps_the_loop_under_its_cap_and_no_plan_would_not():
+    model, optimizer, x, y = _readme_model()
+    without = _loop_peak(model, optimizer, x, y)
+    with auto_checkpoint(model, (x, y), memory_budget="7MB", optimizer=optimizer) as applied:
+        with_plan = _loop_peak(model, optimizer, x, y)
+    # the estimate of this very loop, but for a few scalars of ckrun's own step (its loss sum, clipping)
+    assert 0 <= applied.planned.peak_bytes - with_plan <= 1024
+    assert with_plan <= 7e6 * 0.95 < without
+
+
+def test_the_readme_trainer_loop_runs_as_written(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    caplog.set_level("INFO", logger="autotune")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(TRAINER_LOOP, "README.md", "exec"), namespace)
+    assert "memory plan applied: checkpointing full" in caplog.text
+    assert not any("forward" in vars(m) for m in namespace["model"].modules())
+
+
+# --- undo: the model as it was --------------------------------------------------------------------
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.1))
+
+
+def _state(model: nn.Module) -> list:
+    """Everything a plan may touch: each module's own attributes and hook tables, and the configs."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_state_dict_hooks", "_load_state_dict_pre_hooks")
+    return [(name, sorted(vars(m)), [len(getattr(m, h)) for h in hooks], getattr(getattr(m, "config", None), "use_cache", None))
+            for name, m in model.named_modules()]
+
+
+def _forward_backward(model: nn.Module, ids: torch.Tensor):
+    torch.manual_seed(3)  # the same dropout masks
+    logits = model(input_ids=ids).logits
+    logits.float().logsumexp(-1).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
+checkpointings = st.one_of(st.just({"policy": "full"}), st.just({"policy": "selective"}), st.just({"policy": "sqrt"}),
+                           st.builds(lambda k: {"policy": "every", "every": k}, st.integers(1, 3)),
+                           st.builds(lambda ls: {"policy": "layers", "layers": sorted(ls)},
+                                     st.sets(st.integers(0, 2), min_size=1)))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(checkpointing=checkpointings)
+def test_remove_gives_the_model_back_exactly(checkpointing):
+    model = _bert()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    before, state = _forward_backward(model, ids), _state(model)
+    plan = MemoryPlan.model_validate({"checkpointing": checkpointing})
+    applied = apply_memory_plan(model, PlannedMemory(plan, 0, 1, False, "given"))
+    assert _state(model) != state  # the plan is on the model
+    applied.remove()
+    assert _state(model) == state
+    after = _forward_backward(model, ids)
+    assert torch.equal(before[0], after[0]) and all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+
+
+# --- one line for every bad input -----------------------------------------------------------------
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    text = str(err.value)
+    assert "\n" not in text and text, text
+    return text
+
+
+junk = st.recursive(st.none() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=6)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(batch=junk.filter(lambda b: b is not None))  # None: "give a model and an example batch"
+def test_a_batch_of_another_kind_is_one_line(batch):
+    model, *_ = _readme_model()
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(model, batch, max_mem="1GB")
+    assert _one_line(err).startswith("batch: ")
+
+
+@pytest.mark.parametrize("call,says", [
+    (lambda m, b: plan_memory(m, b, max_mem="8 gigs"), "max_mem '8 gigs' is not a size"),
+    (lambda m, b: plan_memory(m, b, max_mem="1GB", margin=0.7), "margin is a fraction"),
+    (lambda m, b: plan_memory(m, b, max_mem="1GB", device="tpu"), "device 'tpu': ckrun plans for cpu or cuda"),
+    (lambda m, b: plan_memory("model", b, max_mem="1GB"), "model is a str, not a torch.nn.Module"),
+    (lambda m, b: plan_memory(m, b, max_mem="1GB", measure=True), "measure=True needs a recipe"),
+    (lambda m, b: plan_memory(m, b, max_mem="1GB", optimizer=3), "optimizer is a int"),
+    (lambda m, b: plan_memory(m, b, max_mem="1GB", optimizer="Adamm"), "Adamm"),
+    (lambda m, b: plan_memory(m, (b[0][:, :32], b[1]), max_mem="1GB"), "cannot predict this model's memory"),
+    (lambda m, b: plan_memory(m, b, max_mem="1MB"), "nothing fits within 950.0 kB (1.0 MB cap minus 5% margin): "
+                                                     "even recomputing every block is predicted at"),
+    (lambda m, b: plan_memory(nn.Linear(64, 10), b, max_mem="10kB"), "found no repeated blocks in Linear"),
+    (lambda m, b: plan_memory(m, b, max_mem="1MB", blocks="blockz"), "has no module 'blockz' (did you mean blocks?)"),
+])
+def test_bad_input_is_one_memory_plan_error_line(call, says):
+    model, _, x, y = _readme_model()
+    with pytest.raises(MemoryPlanError) as err:
+        call(model, (x, y))
+    assert says in _one_line(err)
+
+
+def test_a_model_carries_one_plan_at_a_time():
+    model, optimizer, x, y = _readme_model()
+    with auto_checkpoint(model, (x, y), memory_budget="7MB", optimizer=optimizer) as applied:
+        with pytest.raises(MemoryPlanError, match="already carries a ckrun plan; remove"):
+            apply_memory_plan(model, applied.planned)
+        with pytest.raises(MemoryPlanError, match="already carries a ckrun plan; remove"):
+            plan_memory(model, (x, y), max_mem="7MB")
+    apply_memory_plan(model, applied.planned).remove()  # once removed, it takes another
+
+
+# --- a recipe instead of a model: predicted, or measured by `ckrun tune` -------------------------------
+
+
+def test_a_recipe_gets_the_plan_the_tuner_would_start_from(tmp_path):
+    planned = plan_memory(recipe=BERT_TINY, overrides=TINY_BERT, max_mem="2MB")
+    assert planned.plan.checkpointing.recomputes and planned.peak_bytes <= 0.95 * 2e6
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(recipe=BERT_TINY, overrides=["train.steps=0", "train.batch_size=-1"], max_mem="2MB")
+    assert "train.batch_size" in _one_line(err) and "train.steps" in str(err.value)
+
+
+def test_a_measured_plan_comes_from_ckrun_tune(tmp_path):
+    planned = plan_memory(recipe=BERT_TINY, overrides=[*TINY_BERT, f"output.dir={tmp_path / 'run'}"], max_mem="1GB",
+                          measure=True, output=tmp_path / "tune",
+                          tune_args=["--trials", "1", "--finalists", "0", "--no-solver", "--timed-steps", "1"])
+    assert planned.measured and planned.peak_bytes > 0 and (tmp_path / "tune" / "tuned.yaml").is_file()
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(recipe=BERT_TINY, overrides=TINY_BERT, max_mem="1GB", measure=True, tune_args=["--trialz"])
+    assert _one_line(err).startswith("tune_args: unrecognized arguments: --trialz")
