@@ -45,8 +45,7 @@ def max_positions(model_class, given: dict) -> int | None:
 
 def _make_config(config_class, given: dict):
     try:
-        with _quiet_transformers():
-            return config_class(**given)
+        return _serialisable_config(config_class, given)
     except Exception as err:  # transformers raises what it likes: strict-field errors, ValueError, TypeError
         text = " ".join(str(err).split())
         field = re.match(r"Validation error for field '([^']+)': \w+: (.*)", text)
@@ -54,7 +53,29 @@ def _make_config(config_class, given: dict):
             detail = re.sub(r"^Field '[^']+' ", "", field.group(2))
             raise KeyedError(("model", "config", field.group(1)), f"{config_class.__name__} {detail}") from None
         text = re.sub(r"^Class validation error for validator '[^']+': \w+: ", "", text)
-        raise KeyedError(("model", *_key_named_in(text, given)), f"{config_class.__name__}: {text}") from None
+        key = _key_named_in(text, given)
+        if key == ("config",):
+            key = _key_failing_alone(config_class, given) or key
+        raise KeyedError(("model", *key), f"{config_class.__name__}: {type(err).__name__}: {text}") from None
+
+
+def _serialisable_config(config_class, given: dict):
+    """The config, once transformers can also write it out: some values pass __init__ and fail only in
+    to_dict (a dtype of [] raised IndexError there), which every save and fingerprint calls."""
+    with _quiet_transformers():
+        config = config_class(**given)
+        config.to_dict()
+    return config
+
+
+def _key_failing_alone(config_class, given: dict) -> tuple[str, str] | None:
+    """The first given key whose value alone makes the config fail, for a message that names none."""
+    for key, value in given.items():
+        try:
+            _serialisable_config(config_class, {key: value})
+        except Exception:  # noqa: BLE001 -- any failure of this one key is the one to name
+            return ("config", key)
+    return None
 
 
 def _check_layer_counts(config_class, config, given: dict) -> None:

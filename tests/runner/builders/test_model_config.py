@@ -26,3 +26,17 @@ def test_the_cli_validates_them(tmp_path, ckrun):
                       + str(BART).replace("'", "") + "}\ndata: {source: synthetic, seq_len: 32}\n"
                       "train: {batch_size: 2, steps: 1}\noutput: {dir: runs}\n")
     assert ckrun("validate", recipe) == (0, f"{recipe}: OK\n", "")
+
+
+@pytest.mark.parametrize("value", [[], {}, [1, 2], 3.5, "no-such-dtype"])
+def test_a_config_value_transformers_takes_but_cannot_write_out_is_named(value):
+    # BertConfig(dtype=[]) is made, then to_dict() raises IndexError: every save and fingerprint calls it
+    from runner.problems import KeyedError
+
+    given = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, dtype=value)
+    try:
+        check_transformers_config(transformers.BertForMaskedLM, given)
+    except KeyedError as err:
+        assert "dtype" in " ".join(err.lines())
+    else:  # what transformers writes out without complaint is fine
+        transformers.BertConfig(**given).to_dict()
