@@ -28,6 +28,8 @@ import time
 import traceback
 from pathlib import Path
 
+from ..environment import DURATIONS, IMPORT_TIMEOUT_ENV, seconds
+
 log = logging.getLogger(__name__)
 
 NOTICE_AFTER_S = 10.0
@@ -47,10 +49,7 @@ class UserExit(BaseException):
 
 
 def import_limit_s() -> float:
-    try:
-        return max(0.1, float(os.environ.get("CKRUN_IMPORT_TIMEOUT", "120")))
-    except ValueError:
-        return 120.0
+    return max(0.1, seconds(IMPORT_TIMEOUT_ENV, DURATIONS[IMPORT_TIMEOUT_ENV]))
 
 
 def check_import(module_name: str) -> str | None:
@@ -59,6 +58,7 @@ def check_import(module_name: str) -> str | None:
     if module_name in sys.modules or not sys.platform.startswith("linux"):
         return None  # elsewhere fork is missing (Windows) or unsafe once system frameworks are loaded (macOS)
     if module_name not in _VERDICTS:
+        limit = import_limit_s()  # a bad CKRUN_IMPORT_TIMEOUT is one line before anything is forked
         _load_torch_first(module_name)
         read, write = os.pipe()
         pid = os.fork()
@@ -66,7 +66,7 @@ def check_import(module_name: str) -> str | None:
             _import_in_fork(module_name, read, write)
         os.close(write)
         try:
-            _VERDICTS[module_name] = _verdict(module_name, pid, read)
+            _VERDICTS[module_name] = _verdict(module_name, pid, read, limit)
         finally:
             os.close(read)
     return _VERDICTS[module_name]
@@ -119,8 +119,8 @@ def _import_in_fork(module_name: str, read: int, write: int) -> None:
         _REAL_EXIT(0)
 
 
-def _verdict(module_name: str, pid: int, read: int) -> str | None:
-    limit, started, said = import_limit_s(), time.monotonic(), False
+def _verdict(module_name: str, pid: int, read: int, limit: float) -> str | None:
+    started, said = time.monotonic(), False
     while True:
         waited = time.monotonic() - started
         if select.select([read], [], [], 0.2)[0] or waited >= limit:
