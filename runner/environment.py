@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 
 from .problems import InputError, Place, Problem
@@ -18,7 +19,9 @@ PLACE = Place("environment")
 
 HEARTBEAT_ENV = "CKRUN_LOCK_HEARTBEAT_S"  # how often a lock's holder touches it (runner/lock.py)
 IMPORT_TIMEOUT_ENV = "CKRUN_IMPORT_TIMEOUT"  # how long importing the user's module may take before it counts as hung
-DURATIONS = {HEARTBEAT_ENV: 5.0, IMPORT_TIMEOUT_ENV: 120.0}  # their defaults
+USER_CODE_TIMEOUT_ENV = "CKRUN_USER_CODE_TIMEOUT"  # how long one call of the user's factory or metric may take
+DURATIONS = {HEARTBEAT_ENV: 5.0, IMPORT_TIMEOUT_ENV: 120.0, USER_CODE_TIMEOUT_ENV: 900.0}  # their defaults
+CAPABILITY_ENV = "CKRUN_CUDA_CAPABILITY"  # "9.0": the card's, when the tuner hides the GPUs from its model child
 
 # torchrun's variables: when WORLD_SIZE is set, this process is one rank of a group
 TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -76,4 +79,8 @@ def check(environ: Mapping[str, str] = os.environ) -> None:
     """Every variable below runner/parallel that ckrun reads."""
     for name, default in DURATIONS.items():
         seconds(name, default, environ)
+    capability = environ.get(CAPABILITY_ENV, "").strip()
+    if capability and not re.fullmatch(r"[0-9]{1,2}\.[0-9]{1,2}", capability):
+        raise problem(CAPABILITY_ENV, f"must be a compute capability MAJOR.MINOR such as 9.0, not {capability!r}; "
+                      "unset it to read the GPU's own")
     check_torchrun(environ)
