@@ -9,7 +9,10 @@ Each of these used to end ckrun silently, or never end it; each is now one line 
   own top level imports it, so its import (seconds) is not paid in the fork and again here.
 - `os._exit` called from the main thread later (the factory, the forward) raises `UserExit`
   instead while a command runs (`exits_raised`), so the CLI can say where it was called.
-- A factory that runs long gets the same waiting line (`waiting_line`).
+- A factory or an evaluation metric that runs long gets the same waiting line, and one that never
+  returns is stopped after `CKRUN_USER_CODE_TIMEOUT` (900 s) with a line naming it (`bounded`): a
+  signal raises `Overdue` in the main thread, which ends a Python loop or a wait; native code that
+  never returns to Python is ended at its next return.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..environment import DURATIONS, IMPORT_TIMEOUT_ENV, seconds
+from ..environment import DURATIONS, IMPORT_TIMEOUT_ENV, USER_CODE_TIMEOUT_ENV, seconds
 
 log = logging.getLogger(__name__)
 
@@ -174,14 +177,58 @@ def describe_exit(err: BaseException) -> str:
     return f"ckrun: {call} was called{where(err)} while ckrun was running; it stopped there (nothing after that point ran)"
 
 
+class Overdue(BaseException):
+    """The user's code ran past CKRUN_USER_CODE_TIMEOUT (a BaseException: its own `except Exception`
+    does not swallow it). `what` says what ckrun waited for."""
+
+    def __init__(self, what: str, limit: float):
+        super().__init__(f"{what} did not return in {limit:.0f} s (an endless loop or a wait?); fix it, or raise "
+                         f"{USER_CODE_TIMEOUT_ENV} (now {limit:g} s) when it needs longer")
+        self.what, self.limit = what, limit
+
+
 @contextlib.contextmanager
-def waiting_line(what: str):
+def bounded(what: str):
+    """Run the user's code in the block: a waiting line after NOTICE_AFTER_S, Overdue at the limit.
+    The limit needs the main thread and POSIX timers; elsewhere only the line is said."""
+    limit = max(0.1, seconds(USER_CODE_TIMEOUT_ENV, DURATIONS[USER_CODE_TIMEOUT_ENV]))
+    with waiting_line(what, limit), _alarm(what, limit):
+        yield
+
+
+@contextlib.contextmanager
+def _alarm(what: str, limit: float):
+    """SIGALRM at `limit` raising Overdue; a timer already set (pytest-timeout's) is put back after, with
+    the time it had left, and one due sooner than ours is left alone."""
+    pending = signal.getitimer(signal.ITIMER_REAL)[0] if hasattr(signal, "getitimer") else 0.0
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer") or (
+            0 < pending <= limit):
+        yield
+        return
+
+    def overdue(signum, frame):
+        raise Overdue(what, limit)
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, overdue)
+    _, interval = signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if pending:
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 0.001), interval)
+
+
+@contextlib.contextmanager
+def waiting_line(what: str, limit: float | None = None):
     """A line after NOTICE_AFTER_S saying what ckrun waits for (a factory that loops forever looked like a hang)."""
     done = threading.Event()
+    ends = f"ckrun gives up at {limit:.0f} s, {USER_CODE_TIMEOUT_ENV}" if limit else "Ctrl-C stops it"
 
     def notice():
         if not done.wait(NOTICE_AFTER_S):
-            log.warning("still waiting for %s (%.0f s so far; Ctrl-C stops it)", what, NOTICE_AFTER_S)
+            log.warning("still waiting for %s (%.0f s so far; %s)", what, NOTICE_AFTER_S, ends)
     watcher = threading.Thread(target=notice, name="ckrun-waiting-line", daemon=True)
     watcher.start()
     try:
