@@ -44,6 +44,7 @@ class MlflowLog:
         for name in ("mlflow", "alembic"):  # their INFO lines (creating the store's tables) are not ckrun's
             logging.getLogger(name).setLevel(logging.WARNING)
         store = (run.out_dir / STORE).resolve()
+        _check_store(store)
         self.client = MlflowClient(tracking_uri=f"sqlite:///{store}")
         experiment = self._experiment((run.out_dir / ARTIFACTS).resolve().as_uri())
         previous = self._newest(experiment) if run.first_step else None
@@ -90,6 +91,22 @@ class MlflowLog:
         params = [Param(key, value) for key, value in _flat(recipe)]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params a call
             self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+
+def _check_store(store) -> None:
+    """SQLite's answer at once: MLflow retries a store it cannot open for two minutes, warning each time."""
+    import sqlite3
+
+    if store.exists() and not store.is_file():
+        raise OSError(f"{store} is a directory, not MLflow's SQLite store; move it, or choose another output.dir")
+    try:
+        connection = sqlite3.connect(store, timeout=10)
+        try:
+            connection.execute("PRAGMA schema_version")
+        finally:
+            connection.close()
+    except sqlite3.Error as err:
+        raise OSError(f"cannot open MLflow's store {store}: {err}") from None
 
 
 def _flat(values: dict, prefix: str = ""):
