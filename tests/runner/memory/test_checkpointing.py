@@ -291,6 +291,20 @@ def test_saved_bytes_counts_what_each_policy_keeps_on_every_torch():
         assert (kept.bytes, dropped.bytes) == (blocks * boundary + loss.nbytes, blocks * boundary), policy
 
 
+def test_full_checkpointing_of_googlenet_keeps_a_fraction_of_its_activations():
+    # its blocks were 36 inner branches, whose inputs are the Inceptions' activations: full saved 1%
+    def saved(checkpointing):
+        torch.manual_seed(0)
+        model = torchvision.models.googlenet(num_classes=10, init_weights=False, aux_logits=False)
+        apply_plan(model, plan(checkpointing), "cpu")
+        with SavedBytes(model) as kept:
+            loss = model(torch.randn(2, 3, 64, 64)).sum()
+        del loss
+        return kept.bytes
+
+    assert saved({"policy": "full"}) < 0.6 * saved(None)  # the stem before the first Inception stays
+
+
 def test_sqrt_segments_stay_inside_their_container():
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=100, d_model=64, d_ff=128, d_kv=32, num_layers=5, num_heads=2))
