@@ -19,6 +19,7 @@ from runner.cli import Command, gpu_names
 from runner.library import DEFAULT_RECIPE, resolve_recipe
 from runner.located import located_errors
 from runner.lock import locked
+from runner.parallel.slurm import check_environment
 from runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
 from runner.recipe import Recipe
 from runner.units import format_bytes
@@ -100,6 +101,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    check_environment()  # a bad variable is one line before anything is read or started
     path, overrides = _recipe_source(args.recipe, args.overrides)
     recipe, doc = load_checked(path, overrides, user_code=False)  # the user's code is checked in the model child
     cap, budget = _cap(args), _budget(args)

@@ -14,6 +14,13 @@ A live holder, or one whose state cannot be told, is refused with its record: th
 that into one located line (exit 2) before anything is written.
 On a file system without flock (ENOLCK: some NFS mounts), the record and its heartbeat are all
 there is: two runs started within a moment of each other could both pass.
+
+The lock file is one ckrun made, or nothing is written: a symbolic link at its path is never
+followed (O_NOFOLLOW, and what was opened is checked to be what was looked at), and a directory,
+FIFO, device, hard-linked file or a file holding something ckrun does not write is refused in one
+line, never emptied. A record ckrun would not write (a pid of -1 or "abc") is refused the same way,
+not judged. A run's output.dir is held whole (`whole_directory`): deleting run.lock while the run
+trains lets no second run in.
 """
 
 from __future__ import annotations
@@ -23,23 +30,37 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .environment import DURATIONS, HEARTBEAT_ENV, seconds
 from .problems import InputError, Place, Problem
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = float(os.environ.get("CKRUN_LOCK_HEARTBEAT_S", "5"))
+HEARTBEAT_S: float | None = None  # None: CKRUN_LOCK_HEARTBEAT_S, else 5 s (tests set a number)
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_MOST_PID = 1 << 30  # Linux allows 2**22 pids; a record naming more was not written by ckrun
+_RECORD_BYTES = 4096  # a record ckrun writes is a few hundred bytes
+
+
+def heartbeat_s() -> float:
+    return HEARTBEAT_S if HEARTBEAT_S is not None else seconds(HEARTBEAT_ENV, DURATIONS[HEARTBEAT_ENV])
 
 
 class LockHeld(Exception):
     """Someone else holds the lock (or may: a state that cannot be told is not taken over)."""
+
+
+class LockRefused(LockHeld):
+    """What sits at the lock's path is not a lock file ckrun made (a link, a directory, a file of the
+    user's): ckrun neither writes nor empties it. The message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -58,13 +79,18 @@ class Holder:
     @staticmethod
     def parse(text: str) -> Holder | None:
         """The record; None for an empty one, or a bare pid: the tune lock wrote only that and relied on
-        the flock alone, so a free flock says its holder is gone."""
+        the flock alone, so a free flock says its holder is gone. ValueError for anything ckrun would not
+        have written (a pid of -1 or "abc", a file of the user's): it is neither judged nor emptied."""
         if not text.strip() or text.strip().isdigit():
             return None
         try:
-            return Holder(**json.loads(text))
-        except (ValueError, TypeError):
-            return Holder("?", 0, 0.0, f"process that wrote {text.strip()[:40]!r}")  # judged by its heartbeat
+            fields = json.loads(text)
+        except ValueError:
+            fields = None
+        holder = _holder(fields) if isinstance(fields, dict) else None
+        if holder is None:
+            raise ValueError(f"it holds {text.strip()[:40]!r}, not a record ckrun writes")
+        return holder
 
     def words(self) -> str:
         return f"pid {self.pid}" + ("" if self.host == socket.gethostname() else f" on {self.host}")
@@ -92,35 +118,79 @@ class Holder:
         return None if now is None or self.ticks is None else now != self.ticks
 
 
+def _holder(fields: dict) -> Holder | None:
+    """A Holder from a record's fields when each has the type ckrun writes (unknown fields ignored: a
+    newer ckrun's), else None."""
+    def whole(value, low, high):
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    host, pid, started, what = (fields.get(key) for key in ("host", "pid", "started", "what"))
+    ticks, boot = fields.get("ticks"), fields.get("boot")
+    if not (isinstance(host, str) and host and whole(pid, 1, _MOST_PID) and isinstance(what, str)
+            and isinstance(started, int | float) and not isinstance(started, bool) and math.isfinite(started)
+            and (ticks is None or whole(ticks, -1, 1 << 62)) and (boot is None or isinstance(boot, str))):
+        return None
+    return Holder(host, pid, float(started), what, ticks, boot)
+
+
 class DirLock:
     """`with DirLock(path, "`ckrun tune`", "is running this study"):` holds `path` for the block;
-    LockHeld, saying who holds it in those words, when another does."""
+    LockHeld, saying who holds it in those words, when another does.
 
-    def __init__(self, path: Path, what: str, doing: str):
-        self.path, self.what, self.doing = Path(path), what, doing
+    `whole_directory`: the directory itself is flocked too, so deleting or replacing the lock file
+    while the holder runs lets nobody in (the holder writes its record again on its next heartbeat).
+    A run's output.dir is held so; a tune's study directory is not, because the training a tune ends
+    with may write into that same directory and take its run lock there, from the same process."""
+
+    def __init__(self, path: Path, what: str, doing: str, whole_directory: bool = False):
+        self.path, self.what, self.doing, self.whole_directory = Path(path), what, doing, whole_directory
         self._fd: int | None = None
+        self._dir_fd: int | None = None
         self._stop = threading.Event()
+        self._swap = threading.Lock()  # the heartbeat may put a new record file in place of a deleted one
 
     def acquire(self) -> None:
+        beat = heartbeat_s()  # a bad CKRUN_LOCK_HEARTBEAT_S is one line before anything is taken
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        dir_fd = fd = None
         try:
-            flocked = _flock(fd, self._held)
-            self._judge(_read(fd), fd, flocked)
+            if self.whole_directory:
+                dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                if _flock(dir_fd) is None:
+                    raise self._held(self._peek())
+            fd = _open_own(self.path)
+            flocked = _flock(fd)
+            if flocked is None:
+                raise self._held(self._peek())
+            self._judge(self._record(fd), fd, flocked)
+            _write_record(fd, self.what)
         except BaseException:
-            os.close(fd)  # closing drops the flock, if it was taken
+            for each in (fd, dir_fd):  # closing drops a flock taken
+                if each is not None:
+                    os.close(each)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(asdict(Holder.me(self.what))) + "\n").encode(), 0)
-        os.fsync(fd)
-        self._fd, self._stop = fd, threading.Event()  # a new event: an old heartbeat thread keeps its own
-        _HELD.add(fd)
-        threading.Thread(target=self._beat, args=(self._stop,), name=f"heartbeat {self.path.name}", daemon=True).start()
+        self._fd, self._dir_fd, self._stop = fd, dir_fd, threading.Event()  # a new event: an old heartbeat keeps its own
+        _HELD.update(each for each in (fd, dir_fd) if each is not None)
+        threading.Thread(target=self._beat, args=(self._stop, beat), name=f"heartbeat {self.path.name}",
+                         daemon=True).start()
 
     def _held(self, holder: Holder | None, detail: str = "") -> LockHeld:
         if holder is None:
             return LockHeld(f"another process {self.doing}{detail}")
         return LockHeld(f"another {holder.what} ({holder.words()}) {self.doing}{holder.since()}{detail}")
+
+    def _record(self, fd: int) -> Holder | None:
+        try:
+            return _read(fd)
+        except ValueError as err:
+            raise LockRefused(f"{self.path} is not a lock ckrun wrote ({err}), and ckrun does not empty a file it did "
+                              "not write: remove it if no ckrun is using the directory") from None
+
+    def _peek(self) -> Holder | None:
+        """The record of the holder that has the flock, to name it; None when it cannot be read."""
+        try:
+            return self.holder()
+        except ValueError:
+            return None
 
     def _judge(self, holder: Holder | None, fd: int, flocked: bool) -> None:
         """Refuse (LockHeld) unless the record is empty or provably left by a holder that has ended."""
@@ -140,36 +210,73 @@ class DirLock:
 
     def _judge_remote(self, holder: Holder, fd: int) -> None:
         """Another host's record: its processes cannot be seen from here, its heartbeat can."""
-        beats = _beating(fd, 3 * HEARTBEAT_S)
+        wait = 3 * heartbeat_s()
+        beats = _beating(fd, wait)
         seen = f"ckrun cannot see {holder.host}'s processes, and its heartbeat in the lock " + (
-            "beats" if beats else f"did not beat for {3 * HEARTBEAT_S:.0f} s")
+            "beats" if beats else f"did not beat for {wait:.0f} s")
         if beats:
             raise self._held(holder, f" ({seen})")
         log.warning("%s: left by %s %s (%s): it has ended; taking it over", self.path, holder.what, holder.words(),
                     seen)
 
-    def _beat(self, stop: threading.Event) -> None:
-        while not stop.wait(HEARTBEAT_S):
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass  # the directory went away: the holder's own writes will say so
+    def _beat(self, stop: threading.Event, every: float) -> None:
+        """Touch the record (through the open file: never a path that may have become a link), and see
+        that the path still names it."""
+        said = False
+        while not stop.wait(every):
+            with self._swap:
+                if self._fd is None:
+                    return
+                with contextlib.suppress(OSError, LockHeld):  # the directory went away: the holder's writes say so
+                    os.utime(self._fd)
+                    if not _names(self.path, self._fd):
+                        said = self._lost(said)
+
+    def _lost(self, said: bool) -> bool:
+        """The record file was deleted or replaced under the holder: with the directory held, write it
+        again where it is gone (a second run is refused either way); else say so, once."""
+        if self.whole_directory and not os.path.lexists(self.path):
+            fd = _open_own(self.path)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _write_record(fd, self.what)
+            _HELD.discard(self._fd)
+            os.close(self._fd)
+            self._fd = fd
+            _HELD.add(fd)
+            log.warning("%s was deleted while this run held the directory; written again (the directory stays "
+                        "locked)", self.path)
+            return said
+        if not said:
+            log.warning("%s was %s while this process held it; %s", self.path,
+                        "replaced" if os.path.lexists(self.path) else "deleted",
+                        "the directory stays locked" if self.whole_directory else
+                        "another process could now take it: do not delete a lock file in use")
+        return True
 
     def holder(self) -> Holder | None:
-        """The record in the lock file now (ours while we hold it)."""
+        """The record in the lock file now (ours while we hold it); None when there is none to read.
+        ValueError when the file holds what ckrun does not write. Never follows a link."""
         try:
-            return Holder.parse(self.path.read_text(encoding="utf-8", errors="replace"))
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return None
+        try:
+            return _read(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
-        if self._fd is None:
-            return
-        self._stop.set()
-        _HELD.discard(self._fd)
-        os.ftruncate(self._fd, 0)  # an empty record: ended cleanly, nothing to judge
-        os.close(self._fd)  # closing drops the flock; the empty file stays
-        self._fd = None
+        with self._swap:
+            if self._fd is None:
+                return
+            self._stop.set()
+            for fd in (self._fd, self._dir_fd):
+                _HELD.discard(fd)
+            os.ftruncate(self._fd, 0)  # an empty record: ended cleanly, nothing to judge (our own file, by its fd)
+            os.close(self._fd)  # closing drops the flock; the empty file stays
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+            self._fd = self._dir_fd = None
 
     def __enter__(self) -> DirLock:
         self.acquire()
@@ -202,19 +309,24 @@ def locked(path: Path, what: str, doing: str, fix: str, place: Place, key: str =
     try:
         lock.acquire()
     except LockHeld as err:
-        raise InputError([Problem(place, key, f"{err}; {fix}")]) from None
+        raise InputError([Problem(place, key, refusal_text(err, fix))]) from None
     try:
         yield lock
     finally:
         lock.release()
 
 
-def _flock(fd: int, held) -> bool:
-    """True when flocked, False when the file system has no flock; `held(holder)` raised when another holds it."""
+def refusal_text(err: LockHeld, fix: str) -> str:
+    """The line's text: who holds it and `fix`, or what sits at the lock's path and what to do with it."""
+    return str(err) if isinstance(err, LockRefused) else f"{err}; {fix}"
+
+
+def _flock(fd: int) -> bool | None:
+    """True when flocked, None when another holds it, False when the file system has no flock."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise held(_read(fd)) from None
+        return None
     except OSError as err:
         if err.errno not in _NO_FLOCK:
             raise
@@ -223,15 +335,71 @@ def _flock(fd: int, held) -> bool:
     return True
 
 
+def _open_own(path: Path) -> int:
+    """The lock file, opened for reading and writing, created when missing; LockRefused for anything else
+    at `path` (a symbolic link, which is never followed; a directory, FIFO or device; a file with other
+    names, a hard link to a file that is not ckrun's)."""
+    for _ in range(3):  # created or removed by another process between the look and the open: look again
+        try:
+            seen = os.lstat(path)
+        except FileNotFoundError:
+            seen = None
+        if seen is not None and not stat.S_ISREG(seen.st_mode):
+            raise LockRefused(_not_a_file(path, seen.st_mode))
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if seen is None else 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except (FileExistsError, FileNotFoundError):
+            continue
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise LockRefused(_not_a_file(path, stat.S_IFLNK)) from None
+            raise
+        found = os.fstat(fd)
+        if seen is not None and (found.st_ino, found.st_dev) != (seen.st_ino, seen.st_dev):
+            os.close(fd)
+            continue
+        if found.st_nlink > 1 or found.st_size > _RECORD_BYTES:
+            os.close(fd)
+            why = f"has {found.st_nlink} names (a hard link)" if found.st_nlink > 1 else f"holds {found.st_size} bytes"
+            raise LockRefused(f"{path} {why}, so it is not a lock file ckrun made, and ckrun writes into no file it did "
+                              "not make: remove it if no ckrun is using the directory")
+        return fd
+    raise LockHeld(f"{path} kept changing while ckrun opened it: another process is taking it")
+
+
+def _not_a_file(path: Path, mode: int) -> str:
+    kinds = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO",
+             stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+    kind = kinds.get(stat.S_IFMT(mode), "not a regular file")
+    return (f"{path} is {kind}, not a lock file ckrun made; ckrun follows no link and writes into nothing it did "
+            f"not make: remove or rename it")
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` (not followed) is the file open as `fd`."""
+    try:
+        at, open_ = os.lstat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (at.st_ino, at.st_dev) == (open_.st_ino, open_.st_dev)
+
+
+def _write_record(fd: int, what: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(asdict(Holder.me(what))) + "\n").encode(), 0)
+    os.fsync(fd)
+
+
 def _read(fd: int) -> Holder | None:
-    return Holder.parse(os.pread(fd, 4096, 0).decode(errors="replace"))
+    return Holder.parse(os.pread(fd, _RECORD_BYTES, 0).decode(errors="replace"))
 
 
-def _beating(fd: int, seconds: float) -> bool:
-    """Whether someone touches the file within `seconds`: its holder's heartbeat."""
-    before, deadline = os.fstat(fd).st_mtime_ns, time.monotonic() + seconds
+def _beating(fd: int, window: float) -> bool:
+    """Whether someone touches the file within `window` seconds: its holder's heartbeat."""
+    before, deadline = os.fstat(fd).st_mtime_ns, time.monotonic() + window
     while time.monotonic() < deadline:
-        time.sleep(min(0.5, seconds))
+        time.sleep(min(0.5, window))
         if os.fstat(fd).st_mtime_ns != before:
             return True
     return False

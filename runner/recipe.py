@@ -47,6 +47,9 @@ class ModelSpec(Strict):
     OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict (nothing is downloaded)."""
 
 
+LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")  # evaluated by loss and perplexity; the rest by loss and accuracy
+
+
 def infer_task(spec: ModelSpec) -> str | None:
     """The training task a model class implies, or None when the recipe must say (data.task)."""
     if spec.source == "torchvision":
@@ -246,6 +249,24 @@ class Recipe(Strict):
                 problems.append(KeyedError((*path, "vocab_size"), "a transformers model takes its vocabulary "
                                                 "from model.config.vocab_size; remove this key"))
         raise_all(problems)
+        return self
+
+    @model_validator(mode="after")
+    def _early_stopping_metric_is_reported(self) -> Recipe:
+        """A language model's evaluation reports perplexity, a classifier's accuracy, never both (and
+        eval.metrics may not take either name): the other one would be found missing only at the
+        first evaluation, after training had begun."""
+        stopping = self.eval.early_stopping if self.eval is not None else None
+        held_out = self.eval.data if self.eval is not None else None
+        task = getattr(held_out, "task", None) or self.data.task or infer_task(self.model)
+        if stopping is None or task is None:
+            return self
+        language = task in LANGUAGE_TASKS
+        missing = "accuracy" if language else "perplexity"
+        if stopping.metric == missing:
+            reported = "perplexity" if language else "accuracy"
+            raise KeyedError(("eval", "early_stopping", "metric"), f"a {task} model's evaluation reports loss and "
+                             f"{reported}, not {missing}; name one of them, or a metric eval.metrics returns")
         return self
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ model's pass is kept in the user's cache (check_cache.py): checking it again imp
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,18 +24,22 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..load import AcrossSections, read_document, validate_document
 from ..problems import InputError, KeyedError, Problem, suggest
-from ..recipe import EvalSpec, ModelSpec, Recipe
+from ..recipe import EvalSpec, ModelSpec, Recipe, infer_task
 from ..recipe_data import Data
 from ..strategies import TensorParallel
 from ..yamlio import Document
 from .check_cache import passed_before, remember_pass
-from .resolve import check_factory, check_kwargs, resolve_import_path, transformers_class
+from .data_checks import local_data_problems
+from .resolve import check_factory, check_kwargs, not_a_module, resolve_import_path, transformers_class
 
 
-def load_checked(path: str | Path, overrides: list[str] = (), user_code: bool = True) -> tuple[Recipe, Document]:
+def load_checked(path: str | Path, overrides: list[str] = (), user_code: bool = True,
+                 build_own: bool = False) -> tuple[Recipe, Document]:
     """The recipe and its document, or an InputError with every problem of the schema and of the checks
     after it. `user_code=False` imports none of the user's code (a python model's factory, eval.metrics):
-    `ckrun tune` has its model child check those (`user_code_problems`)."""
+    `ckrun tune` has its model child check those (`user_code_problems`). `build_own`: call a python
+    model's factory on the meta device too (`ckrun validate`; a run builds the model right after, and
+    a factory's side effects would happen twice)."""
     doc = read_document(path, overrides)
     try:
         recipe = validate_document(doc)
@@ -43,17 +48,21 @@ def load_checked(path: str | Path, overrides: list[str] = (), user_code: bool = 
         if isinstance(err, AcrossSections) and deeper:  # as pydantic does: a section's own problems come first
             raise InputError(deeper) from None
         raise InputError(_ordered([*err.problems, *deeper])) from None
-    problems = deep_problems(recipe, doc, user_code)
+    problems = deep_problems(recipe, doc, user_code, build_own)
     if problems:
         raise InputError(problems)
     return recipe, doc
 
 
-def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool = True) -> list[Problem]:
+def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool = True,
+                  build_own: bool = False) -> list[Problem]:
     """Every problem the checks after the schema find, at its line in `doc` (the key alone without one)."""
-    found = [*_section_checks("model", recipe.model, user_code), *_section_checks("data", recipe.data, user_code)]
+    task = recipe.data.task or infer_task(recipe.model)
+    found = [*_section_checks("model", recipe.model, user_code), *_section_checks("data", recipe.data, user_code, task)]
     if recipe.eval is not None:
-        found += _section_checks("eval", recipe.eval, user_code)
+        found += _section_checks("eval", recipe.eval, user_code, task)
+    if not found and user_code and build_own:  # on the meta device, once its factory imports and takes its config
+        found = own_model_problems(recipe)
     if not found:  # positions and a tensor-parallel plan: only once the model is known to build
         found = position_problems(recipe)
         if isinstance(recipe.distributed, TensorParallel):  # its check builds the model: torch only then
@@ -91,10 +100,13 @@ def _library_model_problems(spec: ModelSpec) -> list[KeyedError]:
     return found
 
 
-def data_problems(data, key: str) -> list[KeyedError]:
-    """A dataset's files, split and columns, read from their schemas (no torch, no rows read)."""
+def data_problems(data, key: str, task: str | None = None) -> list[KeyedError]:
+    """A dataset's files, split and columns, read from their schemas (no torch, no rows read); text,
+    records and image folders as far as their first lines tell (data_checks.py). `task`: the model's,
+    when the data section does not name one."""
+    task = getattr(data, "task", None) or task
     if not data.schema_checked:
-        return []
+        return local_data_problems(data, key, task)
     from .dataset_files import check_column, check_paths, check_split
 
     found = _caught(f"{key}.paths", check_paths, data.paths)
@@ -103,7 +115,7 @@ def data_problems(data, key: str) -> list[KeyedError]:
     found = _caught(f"{key}.split", check_split, data.paths, data.split)
     split = None if found else data.split
     for field in ("input_field", "target_field"):
-        if field == "input_field" or data.task in ("seq2seq", "sequence_classification"):
+        if field == "input_field" or task in ("seq2seq", "sequence_classification"):
             found += _caught(f"{key}.{field}", check_column, data.paths, split, getattr(data, field))
     return found
 
@@ -197,6 +209,34 @@ def _factory_fits(spec: ModelSpec) -> None:
     check_kwargs(factory, spec.config)
 
 
+def own_model_problems(recipe: Recipe) -> list[KeyedError]:
+    """A python model's factory called on the meta device (nothing allocated), when its module imports
+    torch itself (so validate imports nothing it did not): what it returns must be a module with
+    something to train, and a language model needs a vocabulary (data.vocab_size, or a config or
+    attribute of that name), as the run's build requires. What the factory raises there may be the
+    meta device's doing (a .item()), so that is left to the run."""
+    if recipe.model.source != "python" or "torch" not in sys.modules:
+        return []
+    import torch
+
+    from .contract import adopt_user_model
+    from .sources import describe_inputs
+    from .user_code import Overdue, UserExit, bounded
+
+    spec = recipe.model
+    try:
+        with torch.device("meta"), bounded(f"{spec.name} to build the model"):
+            model = resolve_import_path(spec.name)(**spec.config)
+    except Overdue as err:
+        return [KeyedError("model.name", str(err))]
+    except (Exception, SystemExit, UserExit):
+        return []
+    if not isinstance(model, torch.nn.Module):
+        return [KeyedError("model.name", not_a_module(spec.name, model))]
+    return [*_caught("model.name", adopt_user_model, model, spec.name), *_caught("data.vocab_size", describe_inputs,
+                                                                                  recipe, model)]
+
+
 def _caught(key: str, check: Callable, *args) -> list[KeyedError]:
     """The problem `check(*args)` raises, at its own key or at `key`; none when it passes."""
     try:
@@ -230,13 +270,13 @@ def _section_problems(doc: Document, known: list[Problem], user_code: bool) -> l
     return _placed(found, doc)
 
 
-def _section_checks(key: str, spec, user_code: bool) -> list[KeyedError]:
-    """The checks after the schema of one section: model, data or eval."""
+def _section_checks(key: str, spec, user_code: bool, task: str | None = None) -> list[KeyedError]:
+    """The checks after the schema of one section: model, data or eval (`task`: the model's, when known)."""
     if key == "model":
         return [*model_problems(spec), *(_factory_problems(spec) if user_code else [])]
     if key == "data":
-        return data_problems(spec, "data")
-    held_out = data_problems(spec.data, "eval.data") if spec.data is not None else []
+        return data_problems(spec, "data", task)
+    held_out = data_problems(spec.data, "eval.data", task) if spec.data is not None else []
     return held_out + (metrics_problems(spec.metrics) if user_code else [])
 
 

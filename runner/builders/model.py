@@ -18,8 +18,8 @@ from .contract import adopt_user_model
 from .experts import settle_experts
 from .oom import describe_out_of_memory, is_out_of_memory
 from .pretrained import from_pretrained, is_checkpoint, load_state
-from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
-from .user_code import UserExit, waiting_line
+from .resolve import BuildError, check_factory, check_kwargs, not_a_module, resolve_import_path, transformers_class
+from .user_code import Overdue, UserExit, bounded
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Modul
     with torch.device(device):
         model = builders[spec.source](spec)
     if not isinstance(model, nn.Module):
-        raise BuildError("model.name", f"{spec.name} returned {type(model).__name__}, not a torch.nn.Module")
+        raise BuildError("model.name", not_a_module(spec.name, model))
     if spec.source == "transformers":  # which expert kernel a mixture-of-experts model runs by, logged
         settle_experts(model, spec.config, say=torch.device(device).type != "meta")
     return adopt_user_model(model, spec.name) if spec.source == "python" else model
@@ -73,8 +73,10 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     check_factory(factory, spec.name)
     check_kwargs(factory, spec.config)
     try:
-        with waiting_line(f"{spec.name} to build the model"):
+        with bounded(f"{spec.name} to build the model"):
             model = factory(**spec.config)
+    except Overdue as err:
+        raise BuildError("model.name", str(err)) from None
     except (Exception, SystemExit, UserExit) as err:  # the user's code: one line naming it and where it raised
         if is_out_of_memory(err):
             raise _too_large(spec.name, err) from None

@@ -59,6 +59,11 @@ class BuildError(KeyedError):
     """The model or data could not be built from the recipe; `key` names the recipe key to change."""
 
 
+def not_a_module(name: str, value) -> str:
+    """What a python factory that returned `value` (None, a tuple, ...) is told."""
+    return f"{name} returned {type(value).__name__}, not a torch.nn.Module; return the model it builds"
+
+
 def check_factory(factory, name: str) -> None:
     """A BuildError unless `factory` can be called (`math:pi` names a float)."""
     if not callable(factory):

@@ -9,7 +9,10 @@ Each of these used to end ckrun silently, or never end it; each is now one line 
   own top level imports it, so its import (seconds) is not paid in the fork and again here.
 - `os._exit` called from the main thread later (the factory, the forward) raises `UserExit`
   instead while a command runs (`exits_raised`), so the CLI can say where it was called.
-- A factory that runs long gets the same waiting line (`waiting_line`).
+- A factory or an evaluation metric that runs long gets the same waiting line, and one that never
+  returns is stopped after `CKRUN_USER_CODE_TIMEOUT` (900 s) with a line naming it (`bounded`): a
+  signal raises `Overdue` in the main thread, which ends a Python loop or a wait; native code that
+  never returns to Python is ended at its next return.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+from ..environment import DURATIONS, IMPORT_TIMEOUT_ENV, USER_CODE_TIMEOUT_ENV, seconds
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +52,7 @@ class UserExit(BaseException):
 
 
 def import_limit_s() -> float:
-    try:
-        return max(0.1, float(os.environ.get("CKRUN_IMPORT_TIMEOUT", "120")))
-    except ValueError:
-        return 120.0
+    return max(0.1, seconds(IMPORT_TIMEOUT_ENV, DURATIONS[IMPORT_TIMEOUT_ENV]))
 
 
 def check_import(module_name: str) -> str | None:
@@ -59,6 +61,7 @@ def check_import(module_name: str) -> str | None:
     if module_name in sys.modules or not sys.platform.startswith("linux"):
         return None  # elsewhere fork is missing (Windows) or unsafe once system frameworks are loaded (macOS)
     if module_name not in _VERDICTS:
+        limit = import_limit_s()  # a bad CKRUN_IMPORT_TIMEOUT is one line before anything is forked
         _load_torch_first(module_name)
         read, write = os.pipe()
         pid = os.fork()
@@ -66,7 +69,7 @@ def check_import(module_name: str) -> str | None:
             _import_in_fork(module_name, read, write)
         os.close(write)
         try:
-            _VERDICTS[module_name] = _verdict(module_name, pid, read)
+            _VERDICTS[module_name] = _verdict(module_name, pid, read, limit)
         finally:
             os.close(read)
     return _VERDICTS[module_name]
@@ -119,8 +122,8 @@ def _import_in_fork(module_name: str, read: int, write: int) -> None:
         _REAL_EXIT(0)
 
 
-def _verdict(module_name: str, pid: int, read: int) -> str | None:
-    limit, started, said = import_limit_s(), time.monotonic(), False
+def _verdict(module_name: str, pid: int, read: int, limit: float) -> str | None:
+    started, said = time.monotonic(), False
     while True:
         waited = time.monotonic() - started
         if select.select([read], [], [], 0.2)[0] or waited >= limit:
@@ -174,14 +177,58 @@ def describe_exit(err: BaseException) -> str:
     return f"ckrun: {call} was called{where(err)} while ckrun was running; it stopped there (nothing after that point ran)"
 
 
+class Overdue(BaseException):
+    """The user's code ran past CKRUN_USER_CODE_TIMEOUT (a BaseException: its own `except Exception`
+    does not swallow it). `what` says what ckrun waited for."""
+
+    def __init__(self, what: str, limit: float):
+        super().__init__(f"{what} did not return in {limit:.0f} s (an endless loop or a wait?); fix it, or raise "
+                         f"{USER_CODE_TIMEOUT_ENV} (now {limit:g} s) when it needs longer")
+        self.what, self.limit = what, limit
+
+
 @contextlib.contextmanager
-def waiting_line(what: str):
+def bounded(what: str):
+    """Run the user's code in the block: a waiting line after NOTICE_AFTER_S, Overdue at the limit.
+    The limit needs the main thread and POSIX timers; elsewhere only the line is said."""
+    limit = max(0.1, seconds(USER_CODE_TIMEOUT_ENV, DURATIONS[USER_CODE_TIMEOUT_ENV]))
+    with waiting_line(what, limit), _alarm(what, limit):
+        yield
+
+
+@contextlib.contextmanager
+def _alarm(what: str, limit: float):
+    """SIGALRM at `limit` raising Overdue; a timer already set (pytest-timeout's) is put back after, with
+    the time it had left, and one due sooner than ours is left alone."""
+    pending = signal.getitimer(signal.ITIMER_REAL)[0] if hasattr(signal, "getitimer") else 0.0
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer") or (
+            0 < pending <= limit):
+        yield
+        return
+
+    def overdue(signum, frame):
+        raise Overdue(what, limit)
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, overdue)
+    _, interval = signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if pending:
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 0.001), interval)
+
+
+@contextlib.contextmanager
+def waiting_line(what: str, limit: float | None = None):
     """A line after NOTICE_AFTER_S saying what ckrun waits for (a factory that loops forever looked like a hang)."""
     done = threading.Event()
+    ends = f"ckrun gives up at {limit:.0f} s, {USER_CODE_TIMEOUT_ENV}" if limit else "Ctrl-C stops it"
 
     def notice():
         if not done.wait(NOTICE_AFTER_S):
-            log.warning("still waiting for %s (%.0f s so far; Ctrl-C stops it)", what, NOTICE_AFTER_S)
+            log.warning("still waiting for %s (%.0f s so far; %s)", what, NOTICE_AFTER_S, ends)
     watcher = threading.Thread(target=notice, name="ckrun-waiting-line", daemon=True)
     watcher.start()
     try:

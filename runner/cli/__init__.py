@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from ..builders.user_code import UserExit, describe_exit, exits_raised, stray_threads
+from ..parallel.supervise import lost_peer, peer_lost_lines
 from ..problems import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, CkrunError,
                         first_line)
 
@@ -209,6 +210,8 @@ def ending(err: BaseException, verbose: bool = False) -> tuple[int, list[str]]:
         return code, [describe_exit(err)]
     if isinstance(err, KeyboardInterrupt):  # 143 when a second SIGTERM abandoned a step
         return getattr(err, "exit_code", EXIT_INTERRUPTED), ["ckrun: interrupted"]
+    if lost_peer(err):  # another rank ended first: its line is the one that says why
+        return EXIT_INTERNAL_ERROR, peer_lost_lines()
     # a bug (ours or in user code) is one line; -v shows where
     detail = first_line(err) if str(err).strip() else "no message"
     return EXIT_INTERNAL_ERROR, [f"ckrun: internal error: {type(err).__name__}: {detail}"

@@ -55,9 +55,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from ..parallel.slurm import check_environment
     from ..train.guard import stop_line
     from ..train.loop import train
 
+    check_environment()  # a bad variable is one line before anything is read or started
     path = resolve_recipe(args.recipe)
     if args.device is not None:  # a flag for what people look for first; the override does the work
         args.overrides = [*args.overrides, f"train.device={args.device}"]

@@ -5,6 +5,15 @@ children of a user's `nn.Sequential`. They are found generically: the blocks are
 an `nn.ModuleList` / `nn.Sequential` that share one class, and when several classes qualify the
 one holding the most parameters wins. Every container of the winning class contributes, in module
 order, so T5's `encoder.block` and `decoder.block`, or ResNet's `layer1`..`layer4`, make one list.
+Two refinements (issue 32: GoogLeNet's blocks came out as 36 inner branches, so full checkpointing
+saved 1%, and Pegasus's encoder layers were never blocks):
+- a stack of another class beside the winner's (BART's and Pegasus's encoder layers beside their
+  decoder layers) joins it when it holds at least a quarter of the winner's parameters and neither
+  holds the other's members;
+- units that hold the winner's members but sit in no container (GoogLeNet's nine Inception modules,
+  plain attributes holding its branches) replace them when there are three or more of one class
+  and they hold nearly all (90%) of the winner's parameters: the outer unit is the one worth
+  recomputing. Two such units (T5's encoder and decoder stacks) are not blocks.
 `memory.blocks: "path.to.container"` overrides the guess.
 """
 
@@ -60,7 +69,7 @@ def find_blocks(model: nn.Module, explicit: str | None = None) -> BlockList:
     """The repeated blocks of `model`, or of the container at dotted path `explicit`."""
     if explicit is not None:
         return _explicit_blocks(model, explicit)
-    groups = _candidate_groups(model)
+    groups = _candidate_groups(model, in_containers=True)
     if not groups:
         raise ValueError(
             f"memory.blocks: found no repeated blocks in {type(model).__name__} (no nn.ModuleList or nn.Sequential holding 2 or "
@@ -68,34 +77,73 @@ def find_blocks(model: nn.Module, explicit: str | None = None) -> BlockList:
         )
     # the most parameters wins; on a tie the class found first (the outermost) wins
     best_class, best = max(groups.items(), key=lambda item: item[1]["params"])
-    names = [name for name, _ in best["members"]]
+    members = _outer_units(model, best)
+    if members is None:
+        members, beside = list(best["members"]), _beside(groups, best_class, best)
+        if beside:  # in module order: the encoder's layers before the decoder's
+            members = sorted(members + beside, key=_module_order(model))
+    names = [name for name, _ in members]
     containers = [name.rpartition(".")[0] for name in names]
     log.debug("blocks: %d x %s in %s, the repeated class holding the most parameters (%s); other candidates: %s",
-              len(names), best_class.__name__, ", ".join(dict.fromkeys(containers)) or "the model", f"{best['params']:,}",
+              len(names), ", ".join(sorted({type(m).__name__ for _, m in members})),
+              ", ".join(dict.fromkeys(containers)) or "the model", f"{best['params']:,}",
               ", ".join(cls.__name__ for cls in groups if cls is not best_class) or "none")
-    blocks = [Block(i, name, module) for i, (name, module) in enumerate(best["members"])]
+    blocks = [Block(i, name, module) for i, (name, module) in enumerate(members)]
     return BlockList(", ".join(dict.fromkeys(containers)), blocks, containers, model)
 
 
-def _candidate_groups(model: nn.Module) -> dict[type, dict]:
-    """Per child class: the same-class children of every container, in module order, and their parameters."""
+def _candidate_groups(model: nn.Module, in_containers: bool) -> dict[type, dict]:
+    """Per child class: the same-class children of every container (`in_containers`), or of every other
+    module (three or more, containers themselves left out), in module order, and their parameters."""
     groups: dict[type, dict] = {}
     taken: set[int] = set()  # a module counts once, even if two containers hold it
     for name, module in model.named_modules():
-        if not isinstance(module, CONTAINERS):
+        if isinstance(module, CONTAINERS) != in_containers:
             continue
         by_class = defaultdict(list)
         for child_name, child in module.named_children():
-            by_class[type(child)].append((_join(name, child_name), child))
+            if in_containers or not isinstance(child, CONTAINERS):
+                by_class[type(child)].append((_join(name, child_name), child))
         for cls, members in by_class.items():
             members = [(n, m) for n, m in members if id(m) not in taken]
-            if len(members) < 2:
+            if len(members) < (2 if in_containers else 3):
                 continue
             taken.update(id(m) for _, m in members)
             group = groups.setdefault(cls, {"members": [], "params": 0})
             group["members"] += members
             group["params"] += sum(count_parameters(m) for _, m in members)
     return groups
+
+
+def _beside(groups: dict[type, dict], best_class: type, best: dict) -> list[tuple[str, nn.Module]]:
+    """Stacks of other classes beside the winner's (an encoder's layers beside a decoder's): a quarter of its
+    parameters or more, none of them holding or held by the winner's members."""
+    chosen = list(best["members"])
+    for cls, group in sorted(groups.items(), key=lambda item: -item[1]["params"]):
+        if cls is best_class or group["params"] * 4 < best["params"]:
+            continue
+        if not any(_nested(a, b) for a, _ in group["members"] for b, _ in chosen):
+            chosen += group["members"]
+    return chosen[len(best["members"]):]
+
+
+def _outer_units(model: nn.Module, best: dict) -> list[tuple[str, nn.Module]] | None:
+    """Units outside containers that hold nearly all of the winner's parameters (GoogLeNet's Inceptions), or None."""
+    for group in _candidate_groups(model, in_containers=False).values():
+        inside = [(n, m) for n, m in best["members"] if any(n.startswith(f"{outer}.") for outer, _ in group["members"])]
+        if sum(count_parameters(m) for _, m in inside) >= 0.9 * best["params"] > 0:
+            return list(group["members"])
+    return None
+
+
+def _nested(outer: str, inner: str) -> bool:
+    """Whether `inner` names `outer` or a module inside it (or the other way round)."""
+    return inner == outer or inner.startswith(f"{outer}.") or outer.startswith(f"{inner}.") or not outer or not inner
+
+
+def _module_order(model: nn.Module):
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    return lambda member: order[member[0]]
 
 
 def _explicit_blocks(model: nn.Module, path: str) -> BlockList:

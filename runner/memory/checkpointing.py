@@ -16,20 +16,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts, noop_context_fn,
                                     set_checkpoint_early_stop)
 
 from ..plan import Checkpointing
 from .blocks import BlockList, Undo, undo_all, wrap_forward
+from .segments import apply_segments
 from .selective import SelectiveBlock, static_policy
-from .torch_features import checkpoint_options, segment_generator
+from .torch_features import checkpoint_options
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,8 @@ def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:
     chosen = policy.chosen(blocks)
     log.info("checkpointing %d of %d blocks (%s)", len(chosen), len(blocks), policy.describe(blocks))
     if policy.spans_blocks:
-        undos.append(_apply_segments(blocks, policy.regions(blocks)))
+        undos.append(apply_segments(blocks, policy.regions(blocks), lambda modules: _context_fns(modules, None).eager,
+                                    EARLY_STOP))
         return undo_all(undos)
     for region in policy.regions(blocks):
         block = blocks[region[0]]
@@ -220,148 +220,3 @@ class _BufferReplay:
                     owner._buffers[name] = tensor
                 if value is not tensor:
                     tensor.data.copy_(value)  # .data: no version bump under tensors autograd saved
-
-
-# --- sqrt: segments of consecutive blocks, each checkpointed as one unit -------------------
-#
-# Why segments and not "every ceil(sqrt(L))-th block": checkpointing single blocks keeps every
-# chosen block's input plus the full activations of every block left alone, so that gives no
-# sqrt(L) saving. checkpoint_sequential's saving comes from keeping only each segment's input and
-# recomputing the whole segment in backward. HF models call their layers in their own loop with
-# kwargs, so we cannot call a segment ourselves; instead a segment's checkpoint region opens when
-# its first block is called and closes when its last block returns, while we record each block's
-# call. The recompute replays the recorded calls, feeding each block the replayed outputs of the
-# blocks before it (matched by tensor identity), so the intermediate boundaries are not kept.
-# Code the model runs between two blocks is not replayed: if it saved tensors for backward,
-# torch's count check raises CheckpointError in backward rather than computing a wrong gradient.
-# As in checkpoint_sequential the last segment is not checkpointed: backward needs it first.
-# Segments never cross containers (T5's encoder and decoder stacks have code in between).
-
-
-def _apply_segments(blocks: BlockList, checkpointed: list[list[int]]) -> Undo:
-    """Each region, a run of blocks, checkpointed as one unit (the sqrt policy's segments)."""
-    runner = _SegmentRunner()
-    undos = []
-    for segment in checkpointed:
-        context_fn = _context_fns([blocks[i].module for i in segment], None).eager
-        for position, index in enumerate(segment):
-            undos.append(wrap_forward(blocks[index].module, runner.wrapper, segment, position, context_fn, blocks[index].name))
-    if blocks.root is not None and checkpointed:
-        handle = blocks.root.register_forward_hook(runner.after_model, always_call=True)
-        undos.append(handle.remove)
-    undos.append(runner.abandon)
-    return undo_all(undos)
-
-
-class _Ref:
-    """Stands in a recorded call for a tensor that an earlier block of the segment returned."""
-
-    def __init__(self, call: int, leaf: int):
-        self.call, self.leaf = call, leaf
-
-
-class _Recording:
-    """The calls of one segment run; the recompute replays them. Holds no intermediate boundary."""
-
-    def __init__(self, first: Callable):
-        self.calls: list[tuple[Callable, tuple, dict]] = []
-        self.first = first
-        self.produced: dict[int, tuple[weakref.ref, int, int]] = {}  # id(tensor) -> (ref, call, leaf)
-
-    def record(self, forward: Callable, args: tuple, kwargs: dict) -> bool:
-        """Record a call; False when it takes nothing an earlier block of the segment returned."""
-        found = []
-
-        def template(x):
-            hit = self.produced.get(id(x)) if isinstance(x, torch.Tensor) else None
-            if hit is None or hit[0]() is not x:
-                return x
-            found.append(hit)
-            return _Ref(hit[1], hit[2])
-        args, kwargs = tree_map(template, (args, kwargs))
-        self.calls.append((forward, args, kwargs))
-        return bool(found)
-
-    def returned(self, output) -> None:
-        call = len(self.calls)
-        for leaf, x in enumerate(tree_leaves(output)):
-            if isinstance(x, torch.Tensor):
-                self.produced[id(x)] = (weakref.ref(x), call, leaf)
-
-    def replay(self, *args, **kwargs) -> None:
-        outputs = [tree_leaves(self.first(*args, **kwargs))]
-        for forward, call_args, call_kwargs in self.calls:
-            call_args, call_kwargs = tree_map(lambda x: outputs[x.call][x.leaf] if isinstance(x, _Ref) else x,
-                                              (call_args, call_kwargs), is_leaf=lambda x: isinstance(x, _Ref))
-            outputs.append(tree_leaves(forward(*call_args, **call_kwargs)))
-
-
-class _SegmentRunner:
-    """Opens a checkpoint region at a segment's first block and closes it after its last."""
-
-    def __init__(self):
-        self.open = None  # (segment, generator, recording, next position) while a region is open
-        self.warned: set[str] = set()
-
-    def wrapper(self, forward: Callable, segment: list[int], position: int, context_fn: Callable, name: str):
-        @functools.wraps(forward)
-        def run(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            recording = self._enter(segment, position, forward, args, kwargs, context_fn, name)
-            try:
-                output = forward(*args, **kwargs)
-            except BaseException as error:
-                self.abandon(error)
-                raise
-            if recording is not None:
-                self._returned(recording, output, position == len(segment) - 1)
-            return output
-        return run
-
-    def _enter(self, segment, position, forward, args, kwargs, context_fn, name):
-        if position == 0:
-            self.abandon()  # a region left open by a forward that raised between blocks
-            recording = _Recording(forward)
-            region = segment_generator()(recording.replay, True, context_fn, "default", False, EARLY_STOP, *args,
-                                         **checkpoint_options(), **kwargs)
-            next(region)
-            self.open = [segment, region, recording, 1]
-            return recording
-        if self.open is None:
-            return None  # its segment's first block ran without grad: nothing to join
-        open_segment, _, recording, expected = self.open
-        if open_segment is not segment or expected != position:
-            self.abandon()
-            raise RuntimeError(f"memory.checkpointing: sqrt needs the blocks of a segment called one after another; "
-                               f"{name} was called out of order - use policy full or every for this model")
-        if not recording.record(forward, args, kwargs) and name not in self.warned:
-            self.warned.add(name)
-            log.warning("memory.checkpointing: sqrt: %s does not take the previous block's output, so its input is "
-                        "kept in memory too", name)
-        self.open[3] += 1
-        return recording
-
-    def _returned(self, recording: _Recording, output, last: bool) -> None:
-        recording.returned(output)
-        if last:
-            region = self.open[1]
-            self.open = None
-            next(region, None)  # runs the checkpoint's post-forward logic and ends the region
-
-    def abandon(self, error: BaseException | None = None) -> None:
-        if self.open is None:
-            return
-        region = self.open[1]
-        self.open = None
-        if error is None:
-            region.close()
-            return
-        with contextlib.suppress(BaseException):
-            region.throw(error)
-
-    def after_model(self, module, args, output) -> None:
-        if self.open is not None:
-            self.abandon()
-            raise RuntimeError("memory.checkpointing: sqrt: the model's forward ended inside a segment "
-                               "(a block was skipped) - use policy full or every for this model")

@@ -209,10 +209,19 @@ def _storage(tensor: torch.Tensor) -> int | None:
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
-    """What decides which ops a block runs: its inputs' shapes and dtypes, plain arguments, autocast."""
+    """What decides which ops a block runs: its inputs' shapes, strides and dtypes, plain arguments, autocast.
+    Strides too: nn.GRU projects a contiguous input with addmm and a strided one with clone, mm and add, so
+    a block called again on its own output (shared blocks) runs other ops than it learnt on."""
     def leaf(x):
         if isinstance(x, torch.Tensor):
-            return (tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+            return (tuple(x.shape), _strides(x), x.dtype, x.device.type, x.requires_grad)
         return x if isinstance(x, (bool, int, float, str, type(None))) else type(x).__name__
     autocast = tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
     return (tuple(leaf(x) for x in tree_leaves((args, kwargs))), tuple(sorted(kwargs)), autocast, torch.is_grad_enabled())
+
+
+def _strides(tensor: torch.Tensor) -> tuple | None:
+    try:
+        return tuple(tensor.stride())
+    except (RuntimeError, NotImplementedError):  # sparse and other layouts without strides
+        return None

@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 
+from ..environment import check_torchrun
 from ..problems import InputError, Place, Problem
 from ..recipe import Recipe, largest_divisor_at_most
 from .mesh import build_mesh, data_coordinate, node_problem
@@ -25,7 +26,6 @@ from .supervise import die_with_parent
 
 log = logging.getLogger(__name__)
 
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 TIMEOUT = timedelta(minutes=10)  # a rank that died is found by torchrun long before this
 
 
@@ -69,9 +69,7 @@ def from_environment() -> Ranks:
                  os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     if "WORLD_SIZE" not in os.environ:
         return SINGLE
-    missing = [key for key in ENV_KEYS if key not in os.environ]
-    if missing:
-        raise RuntimeError(f"torchrun environment incomplete: {', '.join(missing)} unset")
+    check_torchrun(os.environ)  # WORLD_SIZE alone, RANK=x: one line naming the variable, not an internal error
     return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
 
 

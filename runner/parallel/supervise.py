@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -29,6 +30,29 @@ log = logging.getLogger(__name__)
 LAUNCHER_ENV = "CKRUN_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
+
+
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|NCCL communicator was aborted|"
+                        r"remote process exited|has been terminated|Connection refused", re.IGNORECASE)
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err` is this rank finding another rank gone (gloo's "Connection closed by peer"): the
+    consequence of that rank's end, not a failure of this one. Only under a joined process group."""
+    if "WORLD_SIZE" not in os.environ or not isinstance(err, RuntimeError):
+        return False
+    return bool(_PEER_LOST.search(str(err))) and ("gloo" in str(err).lower() or "nccl" in str(err).lower()
+                                                   or type(err).__name__ == "DistBackendError")
+
+
+def peer_lost_lines() -> list[str]:
+    """A rank that lost a peer says nothing under ckrun's launcher, which names the rank that ended and why
+    (it said "internal error: RuntimeError: ... gloo ... Connection closed by peer" first); under a
+    torchrun of the user's, one line that points at the other rank."""
+    if os.environ.get(LAUNCHER_ENV):
+        return []
+    return [f"ckrun: rank {os.environ.get('RANK', '?')} lost its connection to another rank, which ended first; "
+            "that rank's own line (or torchrun's summary) says why"]
 
 
 def die_with_parent() -> str:

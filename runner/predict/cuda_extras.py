@@ -26,12 +26,12 @@ import re
 
 import torch
 
+from ..environment import CAPABILITY_ENV  # "9.0": the card's, when the GPUs are hidden from this process
+
 MiB = 1 << 20
 HOPPER = (9, 0)
 BLAS_HANDLES_PER_STEP = 2  # the forward's thread and autograd's backward thread
 
-
-CAPABILITY_ENV = "CKRUN_CUDA_CAPABILITY"  # "9.0": the card's, when the GPUs are hidden from this process
 
 
 def target_capability() -> tuple[tuple[int, int], bool]:

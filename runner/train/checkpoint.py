@@ -51,10 +51,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2)
         (temporary / MARKER).write_text(f"{step}\nsha256 {file_sha256(temporary / STATE_FILE)} {STATE_FILE}\n")
         _fsync_path(temporary / MARKER)
         _fsync_path(temporary)
-        if final.is_symlink():  # not this run's: the link goes, never what it points at
-            final.unlink()
-        elif final.exists():
-            shutil.rmtree(final)
+        clear_final(final)
         temporary.rename(final)
         _fsync_path(root)
     except BaseException:
@@ -62,6 +59,22 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2)
         raise
     prune(root, keep)
     return final
+
+
+def clear_final(final: Path) -> None:
+    """Make room for a checkpoint at `final`: an earlier complete one (marked) goes; a link goes, never
+    what it points at; anything else there is not ckrun's and is renamed aside, never deleted."""
+    if final.is_symlink():
+        final.unlink()
+    elif (final / MARKER).is_file():
+        shutil.rmtree(final)
+    elif os.path.lexists(final):
+        aside, number = final.with_name(f"{final.name}.not-a-checkpoint"), 1
+        while os.path.lexists(aside):
+            number += 1
+            aside = final.with_name(f"{final.name}.not-a-checkpoint-{number}")
+        final.rename(aside)
+        log.warning("%s was not a checkpoint ckrun wrote: kept as %s", final, aside.name)
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:

@@ -35,7 +35,8 @@ import torch
 from ..checkpoint_files import MARKER, CheckpointError
 from ..parallel.ranks import Ranks, any_rank, barrier
 from ..files import save_torch
-from .checkpoint import _fsync_path, checkpoint_dir, complete_checkpoints, prune, restore_rng_state, rng_state
+from .checkpoint import (_fsync_path, checkpoint_dir, clear_final, complete_checkpoints, prune, restore_rng_state,
+                         rng_state)
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,7 @@ def _complete(ranks: Ranks, flight: InFlight) -> None:
     barrier(ranks)  # every rank's shards are on disk: only now may the checkpoint look complete
     if ranks.is_main:
         _mark_complete(flight.temporary, flight.step)
-        if flight.final.exists():
-            shutil.rmtree(flight.final)
+        clear_final(flight.final)
         flight.temporary.rename(flight.final)
         _fsync_path(flight.root)
         prune(flight.root, flight.keep)

@@ -8,6 +8,7 @@ stops where the uninterrupted run would have.
 from __future__ import annotations
 
 import logging
+import math
 
 from ..builders.resolve import BuildError
 
@@ -26,6 +27,8 @@ class EarlyStop:
     def observe(self, record: dict) -> str | None:
         """Take one evaluation record ({"step", "eval": {...}}); the reason to stop, or None."""
         values = record["eval"]
+        if self.metric == "perplexity" and "perplexity" not in values and "loss" in values:
+            values = {**values, "perplexity": math.inf}  # a loss past exp's range: no improvement, not a failure
         if self.metric not in values:
             raise BuildError("eval.early_stopping.metric", f"the evaluation reports {', '.join(values)}, not "
                                                            f"{self.metric!r}; name one of them")

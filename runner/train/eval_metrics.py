@@ -18,6 +18,7 @@ import torch
 from ..builders.contract import where_raised
 from ..builders.data import IGNORE
 from ..builders.resolve import BuildError, resolve_import_path
+from ..builders.user_code import Overdue, bounded
 
 RESERVED = ("loss", "perplexity", "accuracy", "samples", "time_s")  # the evaluation's own names
 
@@ -38,8 +39,9 @@ class Metrics:
         self.labels.append(labels[labelled].cpu())
 
     def compute(self) -> dict[str, float]:
-        """Every metric of the predictions gathered since the last call; a metric that raises or
-        returns something else than numbers is one line naming it (a BuildError on eval.metrics)."""
+        """Every metric of the predictions gathered since the last call; a metric that raises, never
+        returns (CKRUN_USER_CODE_TIMEOUT) or returns something else than numbers is one line naming it
+        (a BuildError on eval.metrics)."""
         if not self.functions:
             return {}
         predictions, labels = torch.cat(self.predictions), torch.cat(self.labels)
@@ -47,7 +49,10 @@ class Metrics:
         found: dict[str, float] = {}
         for index, (path, name, function) in enumerate(self.functions):
             try:
-                value = function(predictions, labels)
+                with bounded(f"the evaluation metric {path}"):
+                    value = function(predictions, labels)
+            except Overdue as err:
+                raise BuildError(f"eval.metrics.{index}", str(err)) from None
             except Exception as err:  # noqa: BLE001 - user code: one line naming it and where it raised
                 raise BuildError(f"eval.metrics.{index}", f"{path} raised {type(err).__name__}: "
                                  f"{' '.join(str(err).split())[:200]}{where_raised(err)}") from None

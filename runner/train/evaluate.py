@@ -19,7 +19,7 @@ import torch
 
 from ..builders.resolve import BuildError
 from ..builders.sources import build_data
-from ..recipe import infer_task
+from ..recipe import LANGUAGE_TASKS, infer_task
 from .checkpoint import restore_rng_state, rng_state
 from .eval_metrics import Metrics
 from .step import call_model, label_count, loss_sum, predict_only_at
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 # they are batches of the same distribution that training never sees
 HELD_OUT_STEP = 1 << 40
 SYNTHETIC_BATCHES = 4  # synthetic data never ends: eval.batches unset evaluates this many
-LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")
 
 
 @contextlib.contextmanager

@@ -9,6 +9,9 @@ request (once the step in flight has finished), so a run never ends without its 
   python models, and beside either the run's resolved recipe.yaml (and its tokenizer, when the
   data had one), so that `model.pretrained: OUTPUT_DIR/model` rebuilds exactly this model.
 The export is written to a temporary directory and renamed into place: a reader never sees half.
+Only an earlier export of ckrun's is ever replaced (`is_export`): a run refuses at its start an
+OUTPUT_DIR/model that is not one, and one that appeared during the run is left as it is, the
+export going to a free name beside it (model-2, ...).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import secrets
 from pathlib import Path
 
 from torch import nn
@@ -27,10 +31,9 @@ from ..yamlio import dump_yaml
 from .checkpoint import checkpoint_dir, complete_checkpoints, save_checkpoint
 from .ranked import full_weights, save_state
 from .dcp_checkpoint import finish_saving
+from .output import EXPORT_HEADER, MODEL_DIR, is_export
 
 log = logging.getLogger(__name__)
-
-MODEL_DIR = "model"
 
 
 def finish_run(trainer, out_dir: Path) -> Path:
@@ -57,14 +60,15 @@ def save_final_checkpoint(trainer, root: Path) -> Path:
 
 def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, weights: dict | None = None) -> Path:
     """Write `model` as a loadable directory, replacing any earlier export there; `weights`, when
-    given, is its whole state dict (a sharded model's own holds only this rank's shards)."""
-    temporary = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir(parents=True)
+    given, is its whole state dict (a sharded model's own holds only this rank's shards). A directory
+    there that is not an earlier export is kept, and the export goes to a free name beside it."""
+    directory = _own_name(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    temporary = _fresh(directory, "tmp")
     try:
         _write_weights(model, recipe, temporary, weights)
         _write_tokenizer(recipe, temporary)
-        header = (f"# exported by ckrun after step {step}: the recipe that trained these weights.\n"
+        header = (f"{EXPORT_HEADER} {step}: the recipe that trained these weights.\n"
                   f"# start a run from them with model.pretrained={directory}\n")
         (temporary / EXPORT_RECIPE).write_text(header + dump_yaml(recipe.model_dump(mode="json")), encoding="utf-8")
         _replace(directory, temporary)
@@ -118,11 +122,36 @@ def _write_tokenizer(recipe: Recipe, directory: Path) -> None:
     AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True).save_pretrained(str(directory))
 
 
+def _own_name(directory: Path) -> Path:
+    """`directory` when it is free or an earlier export, else the first free or exported `directory-N`."""
+    candidate, number = directory, 1
+    while os.path.lexists(candidate) and not is_export(candidate):
+        number += 1
+        candidate = directory.with_name(f"{directory.name}-{number}")
+    if candidate != directory:
+        log.warning("%s is not a model ckrun exported (it appeared during the run): left as it is; the model is "
+                    "exported to %s", directory, candidate)
+    return candidate
+
+
+def _fresh(directory: Path, kind: str) -> Path:
+    """A new empty directory beside `directory` (made here, so nothing of anyone else's is removed
+    or written into), with the permissions a plain mkdir gives."""
+    while True:
+        candidate = directory.with_name(f".{directory.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+
+
 def _replace(directory: Path, temporary: Path) -> None:
-    """Rename `temporary` to `directory`; an earlier export is moved aside first, then deleted."""
-    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
-    if directory.exists():
-        directory.rename(old)
+    """Rename `temporary` to `directory`; an earlier export (and only that) is moved aside first, then deleted."""
+    old = None
+    if os.path.lexists(directory):
+        old = _fresh(directory, "old")
+        directory.rename(old)  # onto the empty directory just made: a name no one else has
     temporary.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

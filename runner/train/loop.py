@@ -346,7 +346,11 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
                 watch.check(record)
                 _note(result, record)
                 progress.update(record)
-                result.stopped_early = evaluations.after_step(sinks)
+                try:
+                    result.stopped_early = evaluations.after_step(sinks)
+                except BaseException as err:
+                    _keep_before_failed_eval(trainer, out_dir, watch, err)
+                    raise
                 if every and trainer.step % every == 0 and watch.finite(trainer.step):
                     _save(trainer, out_dir)
                 elif trainer.saving is not None:
@@ -367,6 +371,21 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
     if result.skipped_steps:
         log.info("fp16: %d of %d steps were skipped by the loss scaler", result.skipped_steps, len(result.losses))
     return result
+
+
+def _keep_before_failed_eval(trainer: Trainer, out_dir: Path, watch: LossWatch, err: BaseException) -> None:
+    """An evaluation that failed (a metric that raised, returned no number, never returned or ended the
+    process) does not take the training so far with it: this step's state is saved before the run ends,
+    so metrics.jsonl stays and --resume continues once the metric is fixed. One process only: a group's
+    save is a collective, and a rank whose metric failed cannot know that the others' did too."""
+    if isinstance(err, KeyboardInterrupt) or trainer.ranks.joined or not watch.finite(trainer.step):
+        return
+    log.warning("the evaluation after step %d failed; saving the training so far first (--resume continues from "
+                "it once the evaluation is fixed)", trainer.step)
+    try:
+        save_state(trainer, out_dir / "checkpoints", save_checkpoint, wait=True)
+    except Exception as save_err:  # noqa: BLE001 - the evaluation's error is the one to report
+        log.warning("could not save step %d: %s", trainer.step, save_err)
 
 
 def _save(trainer: Trainer, out_dir: Path, finish_only: bool = False) -> None:

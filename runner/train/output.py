@@ -28,6 +28,8 @@ from .checkpoint import complete_checkpoints
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+MODEL_DIR = "model"  # the export (runner/train/export.py)
+EXPORT_HEADER = "# exported by ckrun after step"  # the first line of the recipe.yaml every export carries
 SET_ASIDE = "metrics.previous.jsonl"  # the metrics of an attempt that left nothing to resume from
 _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 
@@ -72,6 +74,26 @@ def _check_output_dir(out_dir: Path, resume: bool, source: str) -> None:
     if holds_run(out_dir) and not resume:
         raise InputError([Problem(Place(source), "output.dir", f"{out_dir} already holds a run; pass --resume to "
                                   f"continue it, or choose another directory with output.dir=...")])
+    export = out_dir / MODEL_DIR
+    if os.path.lexists(export) and not is_export(export):  # found now: the run's end would have to keep it
+        raise InputError([Problem(Place(source), "output.dir", f"{export} is not a model ckrun exported, and the "
+                                  "run exports its model there; move it, or choose another directory with "
+                                  "output.dir=...")])
+
+
+def is_export(directory: Path) -> bool:
+    """Whether `directory` is a model ckrun exported (a real directory whose recipe.yaml starts with
+    ckrun's header), which a later export of the same run may replace; anything else is the user's."""
+    from ..builders.pretrained import EXPORT_RECIPE
+
+    recipe = directory / EXPORT_RECIPE
+    if directory.is_symlink() or not directory.is_dir() or recipe.is_symlink() or not recipe.is_file():
+        return False
+    try:
+        with recipe.open("rb") as file:
+            return file.read(len(EXPORT_HEADER)) == EXPORT_HEADER.encode()
+    except OSError:
+        return False
 
 
 def holds_run(out_dir: Path) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..parallel.launch import check_launch, launch
 from ..parallel.ranks import Ranks, any_rank
 from ..parallel.slurm import allocation_hint, srun_step
-from ..lock import DirLock, LockHeld
+from ..lock import DirLock, LockHeld, refusal_text
 from ..problems import InputError, Place, Problem
 from .output import prepare_output
 from .resume import check_before_ranks
@@ -52,13 +52,14 @@ def own_output(out_dir: Path, ranks: Ranks, source: str):
 
 
 def _refused(refusal: LockHeld, source: str) -> InputError:
-    return InputError([Problem(Place(source), "output.dir", f"{refusal}; {FIX}")])
+    return InputError([Problem(Place(source), "output.dir", refusal_text(refusal, FIX))])
 
 
 def _take(out_dir: Path) -> tuple[DirLock | None, LockHeld | None]:
-    """(the lock, None), or (None, why another holds it). A directory that cannot hold a lock file
-    (a file in its place, no permission) is left to prepare_output, which names the problem."""
-    lock = DirLock(out_dir / LOCK_FILE, WHAT, _doing(out_dir))
+    """(the lock, None), or (None, why another holds it or why what sits at run.lock is not taken). A
+    directory that cannot hold a lock file (a file in its place, no permission) is left to
+    prepare_output, which names the problem."""
+    lock = DirLock(out_dir / LOCK_FILE, WHAT, _doing(out_dir), whole_directory=True)
     try:
         lock.acquire()
     except LockHeld as err:

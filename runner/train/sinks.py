@@ -5,7 +5,9 @@ When one fails. metrics.jsonl is the run's record, so its failure ends the run a
 output.dir does (status 5, everything before it kept, --resume continues). An optional sink
 (TensorBoard, W&B, MLflow) that raises, when it opens, writes or closes (its disk full, its store
 locked, a bug in its package), is one warning line naming it and the error; it gets no more
-records and training goes on, since metrics.jsonl still has every record.
+records and training goes on, since metrics.jsonl still has every record. So is one whose own
+background thread fails (TensorBoard's writer thread on a read-only mount printed a 42-line
+traceback): the threads a sink starts are its own, and their failure is said the same way.
 
 A sink whose opening is slow (MLflow: its import and its SQLite store, 5-20 s; `opens_slowly`) opens
 in a thread of its own, so training does not wait for it: its records queue until it is open and
@@ -55,12 +57,18 @@ class Sinks:
     def __init__(self, required: list[Sink], optional: dict[str, Sink]):
         self.required, self.optional = required, optional
         self.ended: Ended = "finished"  # the loop says "stopped" when a signal ended it early
+        self.threads: dict[threading.Thread, str] = {}  # a thread an optional sink started -> its name
+        self.failed: set[str] = set()  # sinks whose own thread failed: said once, then left alone
+        self.opening: tuple[str, set[threading.Thread]] | None = None  # the sink opening now, and the threads before
 
     def open(self, run: RunInfo) -> None:
         for sink in self.required:
             sink.open(run)
         for name in list(self.optional):
+            self.opening = (name, set(threading.enumerate()))
             self._guarded(name, "could not start", lambda sink: sink.open(run))
+            self.threads.update(dict.fromkeys(set(threading.enumerate()) - self.opening[1], name))
+            self.opening = None
 
     def write(self, record: dict) -> None:
         for sink in self.required:
@@ -76,11 +84,35 @@ class Sinks:
             for sink in self.required:
                 sink.close(ended)
 
+    def thread_failed(self, args) -> bool:
+        """threading.excepthook's call for a thread a sink started: one warning line; False for other threads."""
+        name = self.threads.get(args.thread)
+        if name is None and self.opening is not None and args.thread not in self.opening[1]:
+            name = self.opening[0]  # started by the sink being opened, which may not have returned yet
+        if name is None:
+            return False
+        if name not in self.failed and name in self.optional:  # else its failure was said already
+            self.failed.add(name)
+            log.warning("output.sinks: %s failed in its writer thread (%s: %s); it gets no more records, training "
+                        "goes on (metrics.jsonl has every record)", name, args.exc_type.__name__,
+                        one_line(str(args.exc_value))[:300] or "no message")
+        return True
+
     def _guarded(self, name: str, what: str, use, closing: bool = False) -> None:
-        sink = self.optional[name]
+        sink = self.optional.get(name)
+        if sink is None:
+            return
+        if name in self.failed:  # its own thread failed, and its hook said so
+            if closing:
+                with contextlib.suppress(Exception):  # let it release what it holds
+                    use(sink)
+            return
         try:
             use(sink)
         except Exception as err:  # noqa: BLE001 - an optional sink's failure is its own, never the run's
+            if name in self.failed:  # its thread's failure, said by the hook meanwhile
+                return
+            self.failed.add(name)
             if isinstance(err, Deferred):  # it failed in the background: say when, and what
                 what, err = err.what, err.error
             del self.optional[name]
@@ -170,10 +202,26 @@ def open_sinks(trainer, out_dir: Path) -> Iterator[Sinks]:
         return
     recipe = trainer.recipe
     sinks = Sinks([MetricsLog()], {section.name: make_sink(section) for section in chosen(recipe.output)})
-    sinks.open(RunInfo(out_dir, recipe, trainer.source, trainer.step))
+    with _sink_threads_said(sinks):
+        sinks.open(RunInfo(out_dir, recipe, trainer.source, trainer.step))
+        try:
+            yield sinks
+        except BaseException:
+            sinks.close("failed")
+            raise
+        sinks.close(sinks.ended)
+
+
+@contextlib.contextmanager
+def _sink_threads_said(sinks: Sinks):
+    """While the sinks are open, a failure in a thread one of them started is its one warning line."""
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if not sinks.thread_failed(args):
+            previous(args)
+    threading.excepthook = hook
     try:
-        yield sinks
-    except BaseException:
-        sinks.close("failed")
-        raise
-    sinks.close(sinks.ended)
+        yield
+    finally:
+        threading.excepthook = previous

@@ -148,6 +148,7 @@ class MlflowLog:
         store = (run.out_dir / self.store_file).resolve()
         if not store.exists():
             _new_store(store, MlflowClient)
+        _check_store(store)
         self.client = MlflowClient(tracking_uri=f"sqlite:///{store}")
         experiment = self._experiment((run.out_dir / self.artifacts).resolve().as_uri())
         previous = self._newest(experiment) if run.first_step else None
@@ -211,6 +212,20 @@ def _new_store(path: Path, client) -> None:
         _copy_store(template, path)
     except (OSError, sqlite3.Error) as err:
         log.debug("mlflow: no store from the user cache (%s); making one in place", err)
+
+
+def _check_store(store: Path) -> None:
+    """SQLite's answer at once: MLflow retries a store it cannot open for two minutes, warning each time."""
+    if store.exists() and not store.is_file():
+        raise OSError(f"{store} is a directory, not MLflow's SQLite store; move it, or choose another output.dir")
+    try:
+        connection = sqlite3.connect(store, timeout=10)
+        try:
+            connection.execute("PRAGMA schema_version")
+        finally:
+            connection.close()
+    except sqlite3.Error as err:
+        raise OSError(f"cannot open MLflow's store {store}: {err}") from None
 
 
 def _copy_store(source: Path, target: Path) -> None:

@@ -14,9 +14,11 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import runner.lock as lock_module
-from runner.lock import DirLock, Holder, LockHeld
+from runner.lock import DirLock, Holder, LockHeld, LockRefused
+from runner.problems import InputError
 
 HOLD = """
 import sys, time
@@ -110,7 +112,10 @@ def test_the_holder_beats_while_it_holds(tmp_path, monkeypatch):
 
 def test_records_old_and_foreign():
     assert Holder.parse("") is None and Holder.parse("1234\n") is None  # the tune lock's old record: flock alone
-    assert Holder.parse("not json").host == "?"
+    with pytest.raises(ValueError, match="not a record ckrun writes"):
+        Holder.parse("not json")
+    newer = {"host": "h", "pid": 7, "started": 1.0, "what": "w", "added_later": 1}
+    assert Holder.parse(json.dumps(newer)) == Holder("h", 7, 1.0, "w")  # a newer ckrun's fields are ignored
 
 
 def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
@@ -130,3 +135,90 @@ def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_pa
             pass
     finally:
         os.killpg(held.pid, 9)
+
+
+# --- what sits at the lock's path is ckrun's, or nothing is written (issue 32) ----------------------
+
+
+def _refused(tmp_path, match: str) -> None:
+    with pytest.raises(LockRefused, match=match):
+        DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it", whole_directory=True).acquire()
+
+
+def test_a_symbolic_link_is_never_followed(tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's data\n")
+    (tmp_path / "run.lock").symlink_to(precious)
+    _refused(tmp_path, r"run.lock is a symbolic link, not a lock file ckrun made; .* remove or rename it$")
+    assert precious.read_text() == "the user's data\n"
+    (tmp_path / "run.lock").unlink()
+    (tmp_path / "run.lock").symlink_to(tmp_path / "nowhere")  # dangling: creating it would write outside
+    _refused(tmp_path, "is a symbolic link")
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "FIFO"])
+def test_a_directory_or_fifo_is_refused(tmp_path, kind):
+    make = {"directory": os.mkdir, "FIFO": os.mkfifo}[kind]
+    make(tmp_path / "run.lock")
+    _refused(tmp_path, f"run.lock is a {kind}, not a lock file ckrun made")
+
+
+def test_a_hard_link_or_a_file_of_the_users_is_never_emptied(tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's data\n")
+    os.link(precious, tmp_path / "run.lock")
+    _refused(tmp_path, r"run.lock has 2 names \(a hard link\)")
+    (tmp_path / "run.lock").unlink()
+    (tmp_path / "run.lock").write_text("the user's notes\n")
+    _refused(tmp_path, r"is not a lock ckrun wrote \(it holds \"the user's notes\", .*remove it if no ckrun")
+    assert precious.read_text() == "the user's data\n"
+    assert (tmp_path / "run.lock").read_text() == "the user's notes\n"
+
+
+@given(pid=st.one_of(st.integers(), st.text(max_size=5), st.floats(), st.none(), st.booleans(), st.lists(st.integers())),
+       host=st.one_of(st.text(max_size=8), st.integers(), st.none()))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_record_is_judged_or_refused_in_words(tmp_path, monkeypatch, pid, host):
+    # pid -1 used to signal every process (alive: blocked forever), "abc" was an internal error
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)  # another host's record waits 3 heartbeats
+    record = json.dumps({"host": host, "pid": pid, "started": time.time(), "what": "`ckrun` run"})
+    (tmp_path / "run.lock").write_text(record)
+    lock = DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it", whole_directory=True)
+    try:
+        lock.acquire()
+    except LockRefused as err:
+        assert "is not a lock ckrun wrote" in str(err) and (tmp_path / "run.lock").read_text() == record
+    except LockHeld as err:
+        assert "another `ckrun` run (pid" in str(err)
+    else:
+        lock.release()
+        assert isinstance(pid, int) and pid > 0 and isinstance(host, str) and host
+
+
+def test_a_bad_heartbeat_variable_is_one_line(tmp_path, monkeypatch):
+    for value in ("abc", "nan", "-1", "0", "inf"):
+        monkeypatch.setenv("CKRUN_LOCK_HEARTBEAT_S", value)
+        with pytest.raises(InputError) as error:
+            _lock(tmp_path).acquire()
+        assert str(error.value) == (f"environment: CKRUN_LOCK_HEARTBEAT_S: must be a number of seconds above 0, not "
+                                    f"{value!r}; set one, or unset it for the default 5")
+        assert not (tmp_path / "run.lock").exists()
+
+
+def test_deleting_the_lock_file_lets_no_second_holder_in(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.1)
+    caplog.set_level(logging.WARNING, logger="runner.lock")
+    with DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it", whole_directory=True):
+        (tmp_path / "run.lock").unlink()
+        with pytest.raises(LockHeld, match="^another process is training into it$"):
+            DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it", whole_directory=True).acquire()
+        assert not (tmp_path / "run.lock").exists()  # the refused one created nothing
+        deadline = time.monotonic() + 10
+        while "written again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "was deleted while this run held the directory; written again" in caplog.text
+        with pytest.raises(LockHeld, match=rf"another `ckrun` run \(pid {os.getpid()}\) is training into it"):
+            DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it", whole_directory=True).acquire()
+    with DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it", whole_directory=True):
+        pass  # released: free again

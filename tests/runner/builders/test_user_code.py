@@ -108,10 +108,10 @@ def test_an_import_that_crashes_or_hangs_is_refused_in_one_line(user_folder, ckr
         assert f"model.name: importing '{module}' " + _expected("import", fault, 0) in err, err
 
 
-def _ckrun_process(recipe: Path, notice_s: float = 10.0) -> subprocess.Popen:
+def _ckrun_process(recipe: Path, notice_s: float = 10.0, **environ: str) -> subprocess.Popen:
     program = (f"import runner.builders.user_code as u; u.NOTICE_AFTER_S = {notice_s}; "
                "from runner.cli import entry; entry()")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(recipe.parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(recipe.parent)]), **environ}
     return subprocess.Popen([sys.executable, "-c", program, "run", str(recipe)], stderr=subprocess.PIPE, text=True,
                             env=env)
 
@@ -136,6 +136,20 @@ def test_a_factory_that_never_returns_says_what_ckrun_waits_for(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_factory_that_never_returns_is_ended_in_one_line_naming_it(tmp_path):
+    # it waited forever, saying only that it waited
+    module = _model_module(tmp_path, "factory", "hang")
+    process = _ckrun_process(_recipe(tmp_path, module), notice_s=0.5, CKRUN_USER_CODE_TIMEOUT="2")
+    try:
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 2, stderr
+    assert stderr.splitlines()[-1].endswith(f"model.name: {module}:build to build the model did not return in 2 s (an "
+                                            "endless loop or a wait?); fix it, or raise CKRUN_USER_CODE_TIMEOUT (now 2 "
+                                            "s) when it needs longer"), stderr
 
 
 @pytest.mark.parametrize(("source", "loads_torch"), [

@@ -92,3 +92,21 @@ def test_what_is_not_ours_ends_as_before():
     assert ending(SystemExit(3))[0] == 3
     assert ending(ValueError("boom\nmore")) == (1, ["ckrun: internal error: ValueError: boom "
                                                     "(run with -v for the traceback)"])
+
+
+GLOO_LOST = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                         "[127.0.0.1]:40137")
+
+
+def test_a_rank_that_lost_its_peer_leaves_the_line_to_the_launcher(monkeypatch):
+    # a killed rank's surviving peer printed "internal error: RuntimeError: ... gloo ... Connection closed by
+    # peer" before the launcher's line naming the rank that was killed
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("CKRUN_LAUNCHER_PID", "12345")
+    assert ending(GLOO_LOST) == (1, [])  # status 1: the launcher counts it as a consequence, not the cause
+    monkeypatch.delenv("CKRUN_LAUNCHER_PID")  # a torchrun of the user's: one line pointing at the other rank
+    assert ending(GLOO_LOST) == (1, ["ckrun: rank 1 lost its connection to another rank, which ended first; that "
+                                     "rank's own line (or torchrun's summary) says why"])
+    monkeypatch.delenv("WORLD_SIZE")  # one process: no peer to lose, so a bug of ours
+    assert ending(GLOO_LOST)[1][0].startswith("ckrun: internal error: RuntimeError: ")

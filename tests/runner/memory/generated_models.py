@@ -6,6 +6,10 @@ that have broken checkpointing before: RNNs (GRU's cell writes its matmul output
 unsafe aliases), in-place activations after a matmul or convolution, BatchNorm, weights tied
 between blocks, buffers that the forward changes and reads, dropout, RReLU (an op that writes into
 a tensor it saved: a recompute stopped early never writes it).
+
+Between two blocks the model's own loop may run code of its own (`BETWEEN`): noise drawn from the
+RNG, a module of another class that saves tensors (Swin's PatchMerging), LayerDrop (a coin drawn,
+then the block skipped), a block called a second time. sqrt's segments span that code.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from torch import nn
 WIDTH = 8
 LAYERS = ("gru", "lstm", "rnn", "linear_relu_", "conv_silu_", "batchnorm", "ema_buffer", "dropout",
           "residual_add_", "tied", "mm_view_add_", "rrelu")
+
+
+BETWEEN = ("none", "noise", "module", "layerdrop", "repeat")
 
 
 class Block(nn.Module):
@@ -68,13 +75,27 @@ def _run(name: str, part: nn.Module, x: torch.Tensor, block: Block) -> torch.Ten
 
 
 class Stack(nn.Module):
-    def __init__(self, blocks: list[list[str]], vocab: int = 11):
+    def __init__(self, blocks: list[list[str]], vocab: int = 11, between: list[str] | None = None):
         super().__init__()
         self.embed = nn.Embedding(vocab, WIDTH)
         shared = nn.Linear(WIDTH, WIDTH)
         self.blocks = nn.Sequential(*[Block(layers, shared) for layers in blocks])
+        self.between = list(between or ["none"] * len(blocks))
+        self.mids = nn.ModuleDict({str(i): nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.GELU())
+                                   for i, kind in enumerate(self.between) if kind == "module"})
         self.head = nn.Linear(WIDTH, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied input and output embeddings
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(ids)))
+        x = self.embed(ids)
+        for index, (block, kind) in enumerate(zip(self.blocks, self.between, strict=True)):
+            if kind == "layerdrop" and self.training and torch.rand([]) < 0.5:
+                continue  # as Pegasus and BART: the coin drawn between blocks, the block skipped
+            x = block(x)
+            if kind == "noise":
+                x = x + 0.01 * torch.randn_like(x)
+            elif kind == "module":
+                x = self.mids[str(index)](x)
+            elif kind == "repeat":
+                x = block(x)
+        return self.head(x)

@@ -44,6 +44,14 @@ CASES = {
                                                              for _ in range(3)], nn.Linear(16, 2)),
                    "", ["1", "2", "3"]),
     "user_modulelist": (UserModel, "stages", ["stages.0", "stages.1", "stages.2"]),
+    # issue 32: the encoder's layers are another class than the decoder's, and were never blocks
+    "pegasus": (lambda: transformers.PegasusForConditionalGeneration(transformers.PegasusConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64)), "model.encoder.layers, model.decoder.layers",
+        ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1"]),
+    # issue 32: the Inceptions sit in no container; their 36 inner branches were the blocks (full saved 1%)
+    "googlenet": (lambda: torchvision.models.googlenet(init_weights=False, aux_logits=False), "",
+                  [f"inception{name}" for name in ("3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b")]),
 }
 
 

@@ -67,6 +67,28 @@ def resnet():
     return model, lambda m: nn.functional.cross_entropy(m(images), labels)
 
 
+def swin():
+    # torchvision's swin_v2_t at a tiny width: PatchMergingV2 runs between the stages the finder takes as
+    # blocks (the stem and 4 stages: sqrt's first segment, [stem, stage 1, stage 2], spans one)
+    from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformer, SwinTransformerBlockV2
+    model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2, 2, 2], num_heads=[2, 2, 2, 2], window_size=[4, 4],
+                            stochastic_depth_prob=0.2, num_classes=10, block=SwinTransformerBlockV2,
+                            downsample_layer=PatchMergingV2)
+    images, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    return model, lambda m: nn.functional.cross_entropy(m(images), labels)
+
+
+def pegasus():
+    # LayerDrop: a coin drawn between layers, the layer skipped (0.5, so 3 steps skip some and run others)
+    config = transformers.PegasusConfig(vocab_size=100, d_model=32, encoder_layers=4, decoder_layers=4,
+                                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                        decoder_ffn_dim=64, max_position_embeddings=32, encoder_layerdrop=0.5,
+                                        decoder_layerdrop=0.5, pad_token_id=0, decoder_start_token_id=0)
+    model = transformers.PegasusForConditionalGeneration(config)
+    ids = torch.randint(1, 100, (2, 16))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     # tiny models: thread start-up and spinning cost more than the math, badly so on a busy machine
@@ -76,7 +98,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-MODELS = {"bert": bert, "gpt2": gpt2, "t5": t5, "vit": vit, "resnet": resnet}
+MODELS = {"bert": bert, "gpt2": gpt2, "t5": t5, "vit": vit, "resnet": resnet, "swin": swin, "pegasus": pegasus}
 POLICIES = {
     "full": {"policy": "full"},
     "every2": {"policy": "every", "every": 2},
@@ -126,7 +148,7 @@ def assert_identical(expected, actual):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", ["bert", "gpt2", "vit", "resnet", "t5"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit", "resnet", "t5", "swin", "pegasus"])
 def test_every_policy_is_exact(name, policy):
     # all policies are bit-identical on CPU: the recompute replays the same ops on the same inputs
     # with the RNG restored, and selective only replaces recomputed values by the saved ones
@@ -269,6 +291,20 @@ def test_saved_bytes_counts_what_each_policy_keeps_on_every_torch():
         assert (kept.bytes, dropped.bytes) == (blocks * boundary + loss.nbytes, blocks * boundary), policy
 
 
+def test_full_checkpointing_of_googlenet_keeps_a_fraction_of_its_activations():
+    # its blocks were 36 inner branches, whose inputs are the Inceptions' activations: full saved 1%
+    def saved(checkpointing):
+        torch.manual_seed(0)
+        model = torchvision.models.googlenet(num_classes=10, init_weights=False, aux_logits=False)
+        apply_plan(model, plan(checkpointing), "cpu")
+        with SavedBytes(model) as kept:
+            loss = model(torch.randn(2, 3, 64, 64)).sum()
+        del loss
+        return kept.bytes
+
+    assert saved({"policy": "full"}) < 0.6 * saved(None)  # the stem before the first Inception stays
+
+
 def test_sqrt_segments_stay_inside_their_container():
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=100, d_model=64, d_ff=128, d_kv=32, num_layers=5, num_heads=2))
@@ -276,20 +312,29 @@ def test_sqrt_segments_stay_inside_their_container():
     assert sqrt_segments(blocks) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]  # 3 per segment, split per stack
 
 
-def test_sqrt_refuses_a_forward_that_skips_a_block():
+def test_sqrt_is_exact_when_the_forward_skips_a_block_or_ends_inside_a_segment():
+    # a skipped block ends its region and starts another; the region open when the forward ends is closed there
     class Skipping(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = chain(4)
+            self.layers = chain(9)
 
         def forward(self, x):
-            return self.layers[2](self.layers[0](x))  # leaves segment [0, 1] open
+            for index in (0, 2, 1, 4, 5):  # 1 skipped then called out of order, segment [3, 4, 5] entered at 4
+                x = self.layers[index](x)
+            return x
 
-    model = Skipping()
-    apply_plan(model, plan({"policy": "sqrt"}), "cpu")
-    with pytest.raises(RuntimeError, match="skipped"):
-        model(torch.randn(2, 64))
-    model.layers(torch.randn(2, 64)).sum().backward()  # the abandoned region left no hooks behind
+    def gradients(checkpointing):
+        torch.manual_seed(0)
+        model = Skipping()
+        with apply_plan(model, plan(checkpointing), "cpu"):
+            model(torch.randn(2, 64)).sum().backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    assert all(map(torch.equal, gradients(None), gradients({"policy": "sqrt"})))
+    chain(2)(torch.randn(2, 64, requires_grad=True)).sum().backward()  # no hooks left behind
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private: where this torch has it
+    assert top is None or top(False) is None
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -65,7 +65,8 @@ def test_an_srun_task_becomes_a_rank_of_one_group_at_the_first_host():
     {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "8", "SLURM_PROCID": "0"},  # the batch script itself: no step started
     _step_env(SLURM_JOB_NAME="interactive"),  # a shell from `srun --pty`, as Lightning leaves it
     _step_env(WORLD_SIZE="2"),  # torchrun under srun: torchrun's variables win
-    _step_env(SLURM_STEP_NUM_TASKS="1"),  # a one-task step: one process
+    _step_env(SLURM_STEP_NUM_TASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_NUM_NODES="1",
+              SLURM_STEP_NODELIST="gpu07"),  # a one-task step: one process
 ])
 def test_processes_that_are_not_ranks_of_a_step_are_left_alone(environ):
     before = dict(environ)

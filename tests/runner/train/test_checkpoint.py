@@ -35,6 +35,17 @@ def test_a_directory_without_its_marker_is_never_picked(tmp_path):
     assert load_latest(root, torch.device("cpu"))["step"] == 5
 
 
+def test_a_directory_of_a_checkpoints_name_that_ckrun_did_not_write_is_kept(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-00000009").mkdir(parents=True)
+    (root / "step-00000009" / "notes.txt").write_text("the user's\n")  # used to be deleted by the save of step 9
+    save_checkpoint(root, 9, {"step": 9})
+    assert (root / "step-00000009.not-a-checkpoint" / "notes.txt").read_text() == "the user's\n"
+    assert load_latest(root, torch.device("cpu"))["step"] == 9
+    save_checkpoint(root, 9, {"step": 9, "again": 1})  # its own earlier save of the step is replaced
+    assert load_latest(root, torch.device("cpu"))["again"] == 1
+
+
 def test_loading_refuses_pickled_code(tmp_path):
     root = tmp_path / "checkpoints"
     save_checkpoint(root, 1, {"step": 1, "evil": torch.nn.Linear(2, 2)})  # a module object is pickled code

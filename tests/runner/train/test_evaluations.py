@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -27,6 +28,25 @@ def broken(predictions, labels):
 
 def words(predictions, labels):
     return "high"
+
+def nan(predictions, labels):
+    return float("nan")
+
+def many(predictions, labels):
+    return torch.zeros(1000)
+
+def leaves(predictions, labels):
+    import sys
+    sys.exit(0)
+
+def quits(predictions, labels):
+    import os
+    os._exit(0)
+
+def hangs(predictions, labels):
+    import time
+    while True:
+        time.sleep(0.05)
 '''
 
 
@@ -67,6 +87,32 @@ def test_a_metric_that_fails_is_one_line_naming_it(records, ckrun, metric, line)
     run, folder = records
     code, _, err = ckrun(*run, _eval(folder, f", metrics: ['{metric}']"), f"output.dir={folder / 'run'}")
     assert code == 2 and line in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("metric, line", [
+    ("broken", "eval.metrics.0: my_metrics:broken raised ZeroDivisionError"),
+    ("nan", "eval.metrics.0: my_metrics:nan returned 'nan' for 'nan'; return a finite number"),
+    ("many", "eval.metrics.0: my_metrics:many returned 'tensor([0., 0., 0.,"),
+    ("leaves", "ckrun: sys.exit(0) was called at my_metrics.py:"),
+    ("quits", "ckrun: os._exit(0) was called at my_metrics.py:"),
+    ("hangs", "eval.metrics.0: the evaluation metric my_metrics:hangs did not return in 1 s (an endless loop or a "
+              "wait?); fix it, or raise CKRUN_USER_CODE_TIMEOUT"),
+])
+def test_a_failing_metric_keeps_the_training_so_far(records, ckrun, monkeypatch, metric, line):
+    # the run ended in one line, but the checkpoint due at that step was never written and metrics.jsonl was
+    # moved aside as an attempt with nothing to resume; a metric that hung hung the run silently
+    monkeypatch.setenv("CKRUN_USER_CODE_TIMEOUT", "1")
+    run, folder = records
+    out = folder / "run"
+    code, _, err = ckrun(*run, "train.steps=4", "output.checkpoint_every=2",
+                         _eval(folder, f", every: 2, batches: 1, metrics: ['my_metrics:{metric}']"), f"output.dir={out}")
+    lines = [text for text in err.splitlines() if not re.match(r"[WI]\d{4} ", text)]  # torch's import-time log
+    assert code == 2 and line in err and len(lines) == 1, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert (out / "checkpoints" / "step-00000002" / "COMPLETE").is_file()
+    fixed = [*run, "train.steps=4", "output.checkpoint_every=2", _eval(folder, ", every: 2, batches: 1"), f"output.dir={out}"]
+    assert ckrun(*fixed, "--resume")[0] == 0
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4]
 
 
 def test_a_metric_path_that_does_not_resolve_is_found_by_validate(records, ckrun):
@@ -118,6 +164,12 @@ def test_early_stopping_needs_evaluations_and_a_metric_they_report(ckrun):
     code, _, err = ckrun("validate", BERT_TINY, *TINY_BERT, "eval={every: 2, early_stopping: {metric: f1}}")
     assert code == 2 and "eval.early_stopping.metric: the evaluation reports loss and perplexity or accuracy, " \
                          "not 'f1'" in err, err
+    # found by validate, not after the first training steps and evaluation
+    code, _, err = ckrun("validate", BERT_TINY, *TINY_BERT, "eval={every: 2, early_stopping: {metric: accuracy}}")
+    assert code == 2 and "eval.early_stopping.metric: a masked_lm model's evaluation reports loss and perplexity, " \
+                         "not accuracy; name one of them, or a metric eval.metrics returns" in err, err
+    code, _, err = ckrun("validate", BERT_TINY, *CLASSIFIER, "eval={every: 2, early_stopping: {metric: perplexity}}")
+    assert code == 2 and "a sequence_classification model's evaluation reports loss and accuracy, not perplexity" in err
 
 
 def test_a_ctrl_c_stop_evaluates_the_weights_it_leaves(tmp_path, ckrun, monkeypatch):
@@ -132,3 +184,13 @@ def test_a_ctrl_c_stop_evaluates_the_weights_it_leaves(tmp_path, ckrun, monkeypa
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=8", "eval={every: 2, batches: 1}", f"output.dir={tmp_path}")
     assert code == 130, err
     assert [r["step"] for r in read_metrics(tmp_path) if "eval" in r] == [2, 3]
+
+
+def test_early_stopping_on_perplexity_when_the_loss_is_past_exps_range():
+    from runner.recipe import EarlyStopping
+    from runner.train.early_stop import EarlyStop
+
+    early = EarlyStop(EarlyStopping(metric="perplexity", patience=1))
+    assert early.observe({"step": 1, "eval": {"loss": 2.0, "perplexity": 7.4}}) is None
+    # the evaluation leaves perplexity out past loss 700: no improvement, not "the evaluation reports loss"
+    assert "has not improved" in early.observe({"step": 2, "eval": {"loss": 800.0}})

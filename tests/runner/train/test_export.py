@@ -146,3 +146,36 @@ def test_weights_of_another_shape_are_one_line_at_build(exports, ckrun, tmp_path
                          "train.steps=1", f"output.dir={tmp_path / 'run'}")
     assert code == 2 and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and "model.pretrained: " in err and message in err, err
+
+
+def test_a_model_folder_of_the_users_is_refused_at_the_start_and_never_deleted(tmp_path, ckrun):
+    # the export used to replace OUTPUT_DIR/model whatever it held, when the directory held no earlier run
+    out = tmp_path / "run"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "notes.txt").write_text("the user's\n")
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={out}")
+    assert code == 2 and err.strip().endswith(f"output.dir: {out / 'model'} is not a model ckrun exported, and the run "
+                                              "exports its model there; move it, or choose another directory with "
+                                              "output.dir=..."), err
+    assert (out / "model" / "notes.txt").read_text() == "the user's\n"
+    (out / "model" / "notes.txt").unlink()
+    (out / "model").rmdir()
+    (out / "model").symlink_to(tmp_path)  # a link out of the run: refused the same, not followed
+    assert ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={out}")[0] == 2
+
+
+def test_a_model_folder_that_appears_during_the_run_is_kept(tmp_path, caplog):
+    from runner.train.export import export_model
+
+    recipe = load_recipe(BERT_TINY, TINY_BERT)
+    model = build_model(recipe.model)
+    earlier = export_model(model, recipe, tmp_path / "model", step=1)  # ckrun's own: replaced by the next export
+    assert export_model(model, recipe, tmp_path / "model", step=2) == earlier
+    assert (earlier / "recipe.yaml").read_text().startswith("# exported by ckrun after step 2")
+    (tmp_path / "model").rename(tmp_path / "elsewhere")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "notes.txt").write_text("the user's\n")
+    assert export_model(model, recipe, tmp_path / "model", step=3) == tmp_path / "model-2"
+    assert (tmp_path / "model" / "notes.txt").read_text() == "the user's\n"
+    assert "is not a model ckrun exported (it appeared during the run): left as it is" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "model", "model-2"]  # no temporary left

@@ -5,6 +5,7 @@ to exit 0, writing every step twice into metrics.jsonl)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -40,3 +41,20 @@ def test_a_second_run_on_a_directory_in_use_is_one_line_and_writes_nothing(ckrun
     finally:
         first.kill()
         first.wait()
+
+
+def test_what_sits_at_run_lock_is_refused_in_one_line_and_left_alone(ckrun, tmp_path):
+    # a directory named run.lock used to be "training without the lock"; a link to a file, that file emptied
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's data\n")
+    for name, make in [("dir", lambda lock: lock.mkdir()), ("link", lambda lock: lock.symlink_to(precious))]:
+        out = tmp_path / name
+        out.mkdir()
+        make(out / "run.lock")
+        code, _, err = ckrun(BERT_TINY, *TINY_BERT, f"output.dir={out}")
+        lines = [line for line in err.splitlines() if not re.match(r"[WI]\d{4} ", line)]  # torch's import-time log
+        assert code == 2 and len(lines) == 1, err
+        kind = "a directory" if name == "dir" else "a symbolic link"
+        assert f"output.dir: {out / 'run.lock'} is {kind}, not a lock file ckrun made;" in err
+        assert sorted(p.name for p in out.iterdir()) == ["run.lock"]
+    assert precious.read_text() == "the user's data\n"

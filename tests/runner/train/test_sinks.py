@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import threading
+import time
 import typing
 from types import SimpleNamespace
 
@@ -79,7 +80,7 @@ def run_info(tmp_path, first_step: int = 0) -> RunInfo:
 
 
 def warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("runner")]
 
 
 def test_an_optional_sink_that_fails_is_one_warning_and_the_others_go_on(tmp_path, caplog):
@@ -232,6 +233,41 @@ def test_tensorboard_failing_mid_run_is_one_warning(tmp_path, ckrun, caplog, mon
     assert warnings(caplog) == ["output.sinks: tensorboard failed at step 3 (OSError: [Errno 28] No space left on "
                                 "device); it gets no more records, training goes on (metrics.jsonl has every record)"]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed (pip install 'ckrun[tensorboard]')")
+def test_tensorboard_whose_writer_thread_fails_is_one_warning(tmp_path, ckrun, caplog, monkeypatch):
+    # a read-only mount: the event writer's own thread raised, and Python printed its 42-line traceback
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    real_write, calls = RecordWriter.write, []
+
+    def read_only_after_the_first_events(self, data):
+        calls.append(data)
+        if len(calls) > 3:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        real_write(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", read_only_after_the_first_events)
+    out = tmp_path / "run"
+    code, _, err = ckrun(*RUN, "output.tensorboard=true", f"output.dir={out}")
+    assert code == 0 and "Traceback" not in err, err
+    [line] = warnings(caplog)  # the thread's failure, or the main thread's next write finding it: said once
+    assert line.startswith("output.sinks: tensorboard failed ") and "(OSError: [Errno 30] Read-only file system); it " \
+        "gets no more records, training goes on (metrics.jsonl has every record)" in line, line
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_an_mlflow_store_that_is_a_directory_is_one_warning_at_once(tmp_path, ckrun, caplog):
+    # MLflow retried it for two minutes, 36 lines of warnings
+    needs_packages("mlflow")
+    out = tmp_path / "run"
+    (out / "mlflow.db").mkdir(parents=True)
+    started = time.monotonic()
+    code, _, err = ckrun(*RUN, "output.sinks=[mlflow]", f"output.dir={out}")
+    assert code == 0 and time.monotonic() - started < 60, err
+    [line] = warnings(caplog)
+    assert line.startswith("output.sinks: mlflow could not start (OSError: ") and "mlflow.db is a directory" in line
 
 
 @pytest.mark.parametrize("sink, package", [("wandb", "wandb"), ("mlflow", "mlflow"),
