@@ -32,6 +32,9 @@ BLAS_HANDLES_PER_STEP = 2  # the forward's thread and autograd's backward thread
 
 
 CAPABILITY_ENV = "CKRUN_CUDA_CAPABILITY"  # "9.0": the card's, when the GPUs are hidden from this process
+# The CUDA context, which counts against the card: measured on an H100 with torch 2.11 once BERT-large's
+# kernels had loaded (docs/benchmarks.md), as autotune/predicted.py's CONTEXT_BYTES; taken for any GPU.
+CUDA_CONTEXT_BYTES = 804_000_000
 
 
 def target_capability() -> tuple[tuple[int, int], bool]:
