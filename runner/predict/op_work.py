@@ -10,6 +10,17 @@
 - A distributed tensor (tensor parallelism's split layers, FSDP's sharded parameters in the
   optimizer's step and clipping) is counted by its local shard: a rank computes and moves only its
   piece, while the op is dispatched with the global shapes.
+- Bytes: what the op reads and writes once, except batch normalisation in training, whose statistics
+  span the whole batch: CUDA reads its input once to reduce and again to normalise, and in backward
+  reads the gradient and the input once to reduce and again to write the input's gradient
+  (aten/src/ATen/native/cuda/Normalization.cuh: batch_norm_collect_statistics then
+  batch_norm_elementwise; batch_norm_backward_reduce then batch_norm_backward_elemt).
+- A convolution in channels-first memory (NCHW, PyTorch's default) on tensor cores also pays cuDNN's
+  transposes into and out of the channels-last layout its kernels run in: each of its 4-D tensors
+  read and written once more (`layout_bytes`, priced only where the convolution runs on tensor cores).
+  "Every time a convolution operation is called by a layer like torch.nn.Conv2D, the cuDNN library
+  performs a transpose to convert the tensor into NHWC format" (MosaicML Composer, Channels Last,
+  https://docs.mosaicml.com/projects/composer/en/stable/method_cards/channels_last.html).
 """
 
 from __future__ import annotations
@@ -35,6 +46,9 @@ _ATTENTION = {  # op -> kernel family
     "_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_cudnn_attention_backward": "cudnn",
 }
 _OPTIMIZER_PREFIXES = ("_fused_adam", "_fused_sgd", "_fused_adagrad", "_foreach_")
+# ops that read some of their inputs twice (module docstring): op -> how many leading tensor inputs
+_TWO_PASS = {"native_batch_norm": 1, "_native_batch_norm_legit": 1, "cudnn_batch_norm": 1,
+             "native_batch_norm_backward": 2, "cudnn_batch_norm_backward": 2}
 
 
 @functools.cache
@@ -65,14 +79,35 @@ def local(tree):
                            else t, tree)
 
 
+def layout_bytes(func, args, out) -> int:
+    """What a channels-first convolution's transposes move (module docstring); 0 for anything else."""
+    if func._overloadpacket.__name__ not in _CONVOLUTIONS:
+        return 0
+    tensors = [t for t in pytree.tree_leaves((local(args), local(out))) if isinstance(t, torch.Tensor) and t.dim() == 4]
+    if not tensors or tensors[0].is_contiguous(memory_format=torch.channels_last):
+        return 0
+    return 2 * sum(map(_num_bytes(), tensors))
+
+
 def measure(func, args, kwargs, out) -> tuple[float, str, int, tuple[int, int, int] | None]:
     """(FLOPs, compute dtype, bytes read and written, a product's (batch, rows, columns) or None) of one op."""
     args, kwargs, out = local(args), local(kwargs), local(out)
     flat_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     flat_out = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     nbytes = sum(map(_num_bytes(), flat_in)) + sum(map(_num_bytes(), flat_out)) + _mutated_bytes(func, args, flat_out)
+    nbytes += sum(map(_num_bytes(), flat_in[:_second_pass(func, args, kwargs)]))
     dtype = next((_COMPUTE_DTYPES[t.dtype] for t in flat_out or flat_in if t.dtype in _COMPUTE_DTYPES), "fp32")
     return _flops(func, args, kwargs, out), dtype, nbytes, _product_outputs(func, flat_out)
+
+
+def _second_pass(func, args, kwargs) -> int:
+    """How many leading tensor inputs the op reads twice (module docstring): batch norm in training only."""
+    inputs = _TWO_PASS.get(func._overloadpacket.__name__, 0)
+    if inputs and not func._overloadpacket.__name__.endswith("_backward"):
+        names = [argument.name for argument in func._schema.arguments]
+        if "training" in names and not _argument(names, args, kwargs, "training"):
+            return 0
+    return inputs
 
 
 def _flops(func, args, kwargs, out) -> float:

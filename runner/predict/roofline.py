@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory.selective import learning
 from .device_facts import DeviceFacts
-from .op_work import measure, op_class
+from .op_work import layout_bytes, measure, op_class
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class OpWork:
     op_class: str = "memory"  # efficiency.OP_CLASSES
     family: str = ""  # an attention kernel's family (flash, efficient, cudnn)
     outputs: tuple[int, int, int] | None = None  # a product's (batch, rows, columns)
+    layout_bytes: int = 0  # a channels-first convolution's transposes, paid on tensor cores (op_work)
 
 
 @dataclass
@@ -156,7 +157,9 @@ def _op_pricer(work: StepWork, facts: DeviceFacts):
     def seconds(op: OpWork) -> float:
         compute, traffic = rates(op.op_class, op.dtype, op.family)
         flops_s = op.flops / (compute * facts.wave_share(op.outputs, op.flops)) if op.flops else 0.0
-        return max(flops_s, op.nbytes / traffic, moded_floor if op.moded else floor)
+        tensor_cores = ampere and (op.dtype != "fp32" or tf32.get(op.op_class))
+        nbytes = op.nbytes + (op.layout_bytes if tensor_cores else 0)
+        return max(flops_s, nbytes / traffic, moded_floor if op.moded else floor)
     return seconds
 
 
@@ -249,7 +252,7 @@ class OpClock(TorchDispatchMode):
         moded = self.block in self.moded_blocks and phase in ("forward", "recompute", "learn")
         kind_of_kernel, family = op_class(name, phase)
         self.work.ops.append(OpWork(kind, phase, self._block(phase), flops, dtype, nbytes, moded, kind_of_kernel,
-                                    family, outputs))
+                                    family, outputs, layout_bytes(func, args, out)))
 
 
 def _ring_bytes(name: str, args, out) -> float:

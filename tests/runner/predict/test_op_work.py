@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from runner.predict.cuda_model import CudaOnCpu
+from runner.predict.op_work import measure
 from runner.predict.roofline import OpClock
 
 
@@ -62,3 +63,50 @@ def test_a_distributed_tensor_is_counted_by_its_shard():
     product, update = clock.work.ops
     assert product.flops == 2 * 8 * 64 * 256 / 4 and product.outputs == (1, 8, 64)
     assert update.nbytes == 2 * 4 * 64 * 256 / 4  # read and written: the shard
+
+
+def test_batch_norm_in_training_reads_its_input_twice():
+    """Its statistics span the batch: one pass to reduce, one to normalise (forward), the gradient and the
+    input twice in backward. In evaluation the running statistics need no reducing pass."""
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        x, grad = torch.empty(8, 16, 32, 32), torch.empty(8, 16, 32, 32)
+        weight, mean, var = torch.ones(16), torch.zeros(16), torch.ones(16)
+        cases, outs = {}, {}
+        for training in (True, False):
+            args = (x, weight, None, mean, var, training, 0.1, 1e-5)
+            outs[training] = aten.native_batch_norm.default(*args)
+            cases[training] = measure(aten.native_batch_norm.default, args, {}, outs[training])[2]
+        saved = outs[True][1], outs[True][2]
+        args = (grad, x, weight, mean, var, *saved, True, 1e-5, [True, True, True])
+        backward = measure(aten.native_batch_norm_backward.default, args, {},
+                           aten.native_batch_norm_backward.default(*args))[2]
+    activation = 4 * x.numel()
+    assert activation <= cases[True] - cases[False] < activation + 1024  # the input once more (and the statistics)
+    assert cases[False] < 2.1 * activation
+    assert 5 * activation <= backward < 5.1 * activation  # gradient and input twice, the input's gradient written
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_channels_first_convolution_pays_cudnns_transposes_on_tensor_cores(channels_last):
+    """cuDNN's tensor-core convolutions run channels-last: a channels-first (NCHW) call reads and writes
+    each of its tensors once more to transpose them, a channels-last one does not; in plain fp32 (no
+    tensor cores) nothing is transposed."""
+    from runner.predict.hardware import DeviceFacts
+    from runner.predict.roofline import price
+
+    facts = DeviceFacts(name="gpu", matmul_tflops={"fp32": 1e6, "tf32": 1e6, "bf16": 1e6, "fp16": 1e6},
+                        memory_gbs=1.0, capability=(8, 0), memory_efficiency=1.0, launch_us=0.0)
+    with FakeTensorMode():
+        x, weight = torch.empty(8, 16, 32, 32), torch.empty(32, 16, 3, 3)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with OpClock(tf32=False) as plain:
+            out = F.conv2d(x, weight, padding=1)
+        with OpClock(tf32=True) as tensor_cores:
+            F.conv2d(x, weight, padding=1)
+    moved = 2 * 4 * (x.numel() + weight.numel() + out.numel())
+    assert plain.work.ops[0].layout_bytes == (0 if channels_last else moved)
+    seconds = [price(clock.work, facts).seconds[("first", "forward")] for clock in (plain, tensor_cores)]
+    assert seconds[0] == pytest.approx(plain.work.ops[0].nbytes / 1e9)
+    assert seconds[1] == pytest.approx(seconds[0] + (0 if channels_last else moved / 1e9))
