@@ -110,3 +110,16 @@ def test_a_13b_fsdp_run_on_64_ranks_prices_the_optimizer_step_on_the_shard(ckrun
     assert 12.5e9 / 64 < parameters_on_rank < 13.5e9 / 64
     shard_at_full_bandwidth = 28 * parameters_on_rank / 2039e9
     assert shard_at_full_bandwidth <= record["time"]["update_s"] < 4 * shard_at_full_bandwidth
+
+
+def test_fsdp_gathered_parameters_are_freed_after_each_block():
+    """FSDP2 frees a block's gathered parameters by resizing their storage to 0 (no aten op): counted as
+    freed, each extra fully checkpointed block adds its shards of parameters, gradients and AdamW state (8
+    bytes a parameter on each of 2 ranks) and its small checkpoint input, not its whole bf16 copy too."""
+    recipe = LLAMA.replace("hidden_size: 64, intermediate_size: 128", "hidden_size: 256, intermediate_size: 512")
+    recipe += "memory: {checkpointing: {policy: full}}\ndistributed: {strategy: fsdp}\n"
+    peaks = {layers: per_rank(2)(recipe_from_text(recipe.replace("num_hidden_layers: 2", f"num_hidden_layers: {layers}")),
+                                 "cuda").estimate().live_peak_bytes for layers in (2, 6)}
+    layer_parameters = 4 * 256 * 256 + 3 * 256 * 512 + 2 * 256
+    per_block = (peaks[6] - peaks[2]) / 4
+    assert 8 * layer_parameters <= per_block < 8 * layer_parameters + 2 * layer_parameters / 2
