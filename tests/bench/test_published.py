@@ -72,3 +72,14 @@ def test_the_quick_run_goes_through_ckrun_estimate(tmp_path):
     assert set(record["results"]) == {"quick-bert", "quick-llama"}
     for result in record["results"].values():
         assert result["predicted"] > 0 and result["seconds"] > 0 and result["breakdown"]
+
+
+def test_recorded_predictions_are_read_back_against_the_current_setups(tmp_path):
+    from dataclasses import asdict
+
+    setup = published.SETUPS[0]
+    result = published.Result(setup, 123.0, 0.5, 7.0, 60.0, "", {"activations": 1.0})
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"results": {setup.key: {**asdict(result), "setup": asdict(setup)}}}))
+    back = published.recorded(path, published.SETUPS)
+    assert list(back) == [setup.key] and back[setup.key] == result
