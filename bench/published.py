@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,9 @@ class Overhead:
     source: str
     quote: str
     mismatch: str = ""
+    per_layer: bool = False
+    """The source times a layer's forward and backward: the added time over the base step's forward and
+    backward, not over its whole step (the optimizer's step and the like are no layer's)."""
 
 
 DLE_RUN_SUB = "https://github.com/NVIDIA/DeepLearningExamples/blob/master/PyTorch/LanguageModeling/BERT/run.sub"
@@ -171,10 +175,10 @@ TABLE4 = ("| Baseline no recompute | 7.7 | 11.9 | 19.6 | - | ... | Baseline with
 OVERHEADS: tuple[Overhead, ...] = (
     Overhead("full, 22B GPT layer", "gpt22b-none", "gpt22b-full", 0.39, KORTHIKANTI, TABLE4,
              "the paper's 39 % includes tensor parallelism's all-reduces, which its backward overlaps with the "
-             "weight gradients ('as opposed to the expected 33%'); ckrun's one-GPU step has none"),
+             "weight gradients ('as opposed to the expected 33%'); ckrun's one-GPU step has none", per_layer=True),
     Overhead("selective, 22B GPT layer", "gpt22b-none", "gpt22b-selective", 0.07, KORTHIKANTI, TABLE4,
              "Megatron's selective recomputes the unfused attention core (QK^T, softmax, dropout, attention over "
-             "V); ckrun's recomputes the flash attention kernel and the pointwise ops"),
+             "V); ckrun's recomputes the flash attention kernel and the pointwise ops", per_layer=True),
     Overhead("every 2nd layer, Llama 2 13B", "llama2-13b-none", "llama2-13b-every2", 2162 / 1914 - 1, TITAN,
              "| 13B | 2 | no | 2162 | 61.1% | ... | 13B | 2 | selective layer | 1914 | 54.1% |"),
     Overhead("selective, Llama 2 13B", "llama2-13b-none", "llama2-13b-selective", 2162 / 1904 - 1, TITAN,
@@ -197,6 +201,8 @@ class Result:
     predicted: float | None
     seconds: float | None = None
     """The predicted step time."""
+    compute_s: float | None = None
+    """Its forward and backward."""
     peak_gib: float | None = None
     estimate_s: float = 0.0
     error: str = ""
@@ -219,8 +225,8 @@ def predict(setup: Setup) -> Result:
     step = record["time"]
     ranks = setup.nproc or 1
     rate = step["tokens_per_s"] if setup.unit == "tokens/s" else step["samples_per_s"]
-    return Result(setup, rate / ranks, step["seconds"], record["peak_bytes"] / 2**30, took,
-                  breakdown={k: round(v / 2**30, 2) for k, v in record["breakdown"].items()})
+    return Result(setup, rate / ranks, step["seconds"], step["forward_s"] + step["backward_s"],
+                  record["peak_bytes"] / 2**30, took, breakdown={k: round(v / 2**30, 2) for k, v in record["breakdown"].items()})
 
 
 def predict_all(setups) -> dict[str, Result]:
@@ -235,9 +241,9 @@ def predict_all(setups) -> dict[str, Result]:
 def recorded(path: Path, setups) -> dict[str, Result]:
     """A run's predictions read back, attached to the setups as they are now (sources, notes)."""
     rows = json.loads(path.read_text(encoding="utf-8"))["results"]
-    return {setup.key: Result(setup, rows[setup.key]["predicted"], rows[setup.key]["seconds"],
-                              rows[setup.key]["peak_gib"], rows[setup.key]["estimate_s"], rows[setup.key]["error"],
-                              rows[setup.key]["breakdown"]) for setup in setups if setup.key in rows}
+    fields = ("predicted", "seconds", "compute_s", "peak_gib", "estimate_s", "error", "breakdown")
+    return {setup.key: Result(setup, *(rows[setup.key].get(name) for name in fields))
+            for setup in setups if setup.key in rows}
 
 
 def summary(results: dict[str, Result], overheads: tuple[Overhead, ...]) -> dict:
@@ -255,7 +261,10 @@ def summary(results: dict[str, Result], overheads: tuple[Overhead, ...]) -> dict
            if len(faithful) > 2 else None, "overheads": []}
     for overhead in overheads:
         base, plan = results.get(overhead.base), results.get(overhead.plan)
-        predicted = plan.seconds / base.seconds - 1 if base and plan and base.seconds and plan.seconds else None
+        predicted = None
+        if base and plan and base.seconds and plan.seconds:
+            over = base.compute_s if overhead.per_layer else base.seconds
+            predicted = (plan.seconds - base.seconds) / over if over else None
         out["overheads"].append({"name": overhead.name, "published": overhead.published, "predicted": predicted,
                                  "points": None if predicted is None else 100 * (predicted - overhead.published),
                                  "mismatch": overhead.mismatch})
@@ -306,7 +315,7 @@ def table(results: dict[str, Result], figures: dict, facts_lines: list[str], ver
     lines += ["", "Sources of the overheads: " + "; ".join(sorted({f"[{_host(o.source)}]({o.source}): `{o.quote}`"
                                                                     for o in OVERHEADS})), "",
               "## Commands", "", "```"]
-    lines += [" ".join(r.setup.command()) for r in results.values()]
+    lines += [shlex.join(r.setup.command()) for r in results.values()]
     lines += ["```", "", "## Devices", "", *facts_lines]
     return "\n".join(lines) + "\n"
 

@@ -46,11 +46,13 @@ class DeviceFacts(BaseModel):
     """Share of `memory_gbs` every kernel reaches where `efficiency` is unset."""
     launch_us: float = Field(5.0, ge=0)
     """The least an op costs: eager dispatch plus kernel launch, microseconds."""
-    python_mode_us: float = Field(50.0, ge=0)
+    python_mode_us: float = Field(26.0, ge=0)
     """What an op adds on the host when a Python dispatch mode handles it (selective checkpointing's
-    cache, in forward and recompute), microseconds. Default from the H100 run of 2026-11-22: selective
-    at micro-batch 16 took 0.118 s more than none, of which its recompute explains about 0.01 s,
-    over about 2,000 ops run under the mode."""
+    cache, in forward and recompute), microseconds; a kernel that outlasts it hides it (the op's
+    floor). From the H100 run of 2026-11-22: BERT-large's selective at micro-batch 16 took 0.118 s
+    more than no plan, which this model reproduces at 26 us (its recompute alone: 0.037 s; 5,184 ops
+    run under the mode, 4 micro-batches of 1,296). An earlier count of about 2,000 ops, with the mode's
+    cost taken as additive, had made it 50 us."""
     source: str = ""
     """Where the figures come from."""
 

@@ -51,9 +51,11 @@ def test_the_headline_is_the_faithful_setups_median_and_the_overheads_are_step_t
         _result("a", 100, 110, 1.0), _result("b", 200, 180, 1.0), _result("c", 400, 500, 1.0),
         _result("d", 50, 200, 1.0, mismatch="another kernel"))}
     base, plan = _result("base", 0, 1, 2.0), _result("plan", 0, 1, 2.5)  # overheads only: no throughput row
+    base.compute_s = 1.25  # the rest of its step is no layer's (the optimizer's step)
     results.update({"base": base, "plan": plan})
     overhead = published.Overhead("x", "base", "plan", 0.2, published.TITAN, "row")
-    figures = published.summary(results, (overhead,))
+    per_layer = published.Overhead("y", "base", "plan", 0.4, published.KORTHIKANTI, "row", per_layer=True)
+    figures = published.summary(results, (overhead, per_layer))
     assert figures["faithful"] == 3 and figures["setups"] == 4
     assert figures["median_abs_error"] == pytest.approx(0.1)  # of +10 %, -10 %, +25 %
     assert figures["worst_abs_error"] == pytest.approx(0.25)
@@ -61,6 +63,7 @@ def test_the_headline_is_the_faithful_setups_median_and_the_overheads_are_step_t
     assert figures["spearman_faithful"] == pytest.approx(1.0) and figures["spearman_all"] == pytest.approx(0.4)
     assert figures["overheads"][0]["predicted"] == pytest.approx(0.25)
     assert figures["overheads"][0]["points"] == pytest.approx(5.0)
+    assert figures["overheads"][1]["predicted"] == pytest.approx(0.4)  # 0.5 s more over 1.25 s of layers
     text = published.table(results, figures, ["- gpu"], "versions", 60.0)
     assert "| d |" in text and "no: another kernel" in text and "+5.0 points" in text
 
@@ -78,7 +81,7 @@ def test_recorded_predictions_are_read_back_against_the_current_setups(tmp_path)
     from dataclasses import asdict
 
     setup = published.SETUPS[0]
-    result = published.Result(setup, 123.0, 0.5, 7.0, 60.0, "", {"activations": 1.0})
+    result = published.Result(setup, 123.0, 0.5, 0.4, 7.0, 60.0, "", {"activations": 1.0})
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"results": {setup.key: {**asdict(result), "setup": asdict(setup)}}}))
     back = published.recorded(path, published.SETUPS)
