@@ -187,6 +187,12 @@ class Recipe(Strict):
     train: TrainSpec
     precision: Precision = "fp32"
     """`fp32`, `bf16` (autocast) or `fp16` (autocast with a GradScaler)."""
+    tf32: bool | None = None
+    """TF32 tensor cores for fp32 math on Ampere and newer GPUs, as HF Trainer's `tf32`. `true`: fp32
+    matrix products and cuDNN convolutions run in TF32 (a 10-bit mantissa, about 8x an A100's plain fp32
+    rate); `false`: both in full fp32. Unset: torch's defaults, left alone: products in full fp32 (matmul
+    precision "highest" since torch 1.12) and convolutions in TF32 (cuDNN's allow_tf32 is true by
+    default). Matters with precision fp32 and for the ops autocast keeps in fp32; no effect on a CPU."""
     memory: MemoryPlan = Field(default_factory=MemoryPlan)
     """The memory plan: micro-batching, checkpointing, offload, compile, cap."""
     output: OutputSpec = Field(default_factory=OutputSpec)

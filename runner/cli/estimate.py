@@ -100,10 +100,13 @@ def time_lines(step) -> list[str]:
     parts = ", ".join(f"{name} {1000 * value:.1f} ms" for name, value in (
         ("forward", step.forward_s), ("backward", step.backward_s), ("recompute", step.recompute_s),
         ("update", step.update_s), ("offload", step.offload_s), ("collectives", step.comm_s)) if value)
+    kernels = ", ".join(f"{name} {1000 * value:.1f} ms" for name, value in step.by_class.items() if value)
+    first = (f"  the first step also runs selective checkpointing's learning forward: {1000 * step.first_step_extra_s:.1f}"
+             " ms once" if step.first_step_extra_s else "")
     return [f"step time {1000 * step.seconds:.1f} ms on {step.device}: {rate}",
             f"  MFU {100 * step.mfu:.1f}%, HFU {100 * step.hfu:.1f}% ({step.model_flops / 1e12:.2f} TFLOP of the model, "
             f"{step.flops / 1e12:.2f} run, a step)",
-            f"  {parts}",
+            f"  {parts}", *([f"  by kernel: {kernels}"] if kernels else []), *([first] if first else []),
             "  (a roofline of the step's ops: an ordering of plans and a first number, not a promise; "
             "README: calibrating it on a GPU)"]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable
 
@@ -36,6 +37,13 @@ log = logging.getLogger(__name__)
 
 OpCall = tuple[object, int]  # (the aten overload, its occurrence in one forward of the block)
 _MOST_SIGNATURES = 64  # input signatures remembered per block; more (every length of varying text) start over
+_learning = threading.local()
+
+
+def learning() -> bool:
+    """True while a block runs its one-off learning forward (module docstring): a step-time model
+    counts those ops once, for the first step, not in every step."""
+    return getattr(_learning, "depth", 0) > 0
 
 
 def op_name(func) -> str:
@@ -107,11 +115,16 @@ class SelectiveBlock:
         watch = _OpWatch(self.save_ops)
         devices = sorted({t.device.index or 0 for t in tree_leaves((args, kwargs))
                           if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-        with torch.random.fork_rng(devices=devices), (self.keep_state or contextlib.nullcontext)(), _no_cast_cache():
-            output = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
-                                context_fn=lambda: (watch, contextlib.nullcontext()), **checkpoint_options(), **kwargs)
-            watch.returned(output)
-            del output
+        _learning.depth = getattr(_learning, "depth", 0) + 1
+        try:
+            with torch.random.fork_rng(devices=devices), (self.keep_state or contextlib.nullcontext)(), _no_cast_cache():
+                output = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
+                                    context_fn=lambda: (watch, contextlib.nullcontext()), **checkpoint_options(),
+                                    **kwargs)
+                watch.returned(output)
+                del output
+        finally:
+            _learning.depth -= 1
         self._report(watch.refused)
         return watch.safe()
 

@@ -23,6 +23,11 @@ Categories, and how each is decided (honest, not exact for attribution; the tota
 - `activations`: everything else created inside the region: saved activations, recomputed
   activations, forward/backward temporaries, activation gradients, optimizer-step temporaries.
 
+Storages resized in place are followed too: `UntypedStorage.resize_` is no aten op, so while a
+tracker is open it is wrapped to report the new size. FSDP2 frees a block's gathered parameters that
+way (`free_storage`: resize to 0 after the forward, back before the backward); unseen, every block's
+gathered parameters would stay counted for the whole step, the whole model in bf16 on every rank.
+
 Not seen: memory that kernels allocate internally without returning it (workspaces), work done
 inside a `torch.compile`d region (the mode is suspended there), tensors created outside the
 region that were never registered (until an op returns them, e.g. an in-place op).
@@ -131,6 +136,20 @@ class LiveBytesTracker(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._see(tensor, category, relabel=True)
 
+    def __enter__(self):
+        if not _OPEN:
+            torch.UntypedStorage.resize_ = _reported_resize
+        _OPEN.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _OPEN.remove(self)
+            if not _OPEN:
+                _restore_storage_resize()
+
     def close(self) -> None:
         """Remove the hooks and forget every storage (the totals and peaks stay readable)."""
         for handle in self._hooks:
@@ -199,14 +218,21 @@ class LiveBytesTracker(TorchDispatchMode):
         if record is None:
             self._add(storage, tensor.device, category)
             return
-        nbytes = storage.nbytes()
-        if nbytes != record.nbytes:  # resized in place (resize_): new memory replaces the old
-            self._on(record.device).add(record.category, nbytes - record.nbytes)
-            if self.events is not None:
-                self.events += [(id(storage), -record.nbytes, record.device), (id(storage), nbytes, record.device)]
-            record.nbytes = nbytes
+        self._resized(storage)
         if relabel and record.category != category:
             self._relabel(record, category)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """A known storage whose size changed in place (resize_): new memory replaces the old."""
+        record = self._live.get(id(storage))
+        nbytes = storage.nbytes()
+        if record is None or nbytes == record.nbytes:
+            return
+        self._on(record.device).add(record.category, nbytes - record.nbytes)
+        if self.events is not None:
+            self.events += [event for event in ((id(storage), -record.nbytes, record.device),
+                                                (id(storage), nbytes, record.device)) if event[1]]
+        record.nbytes = nbytes
 
     def _add(self, storage: torch.UntypedStorage, device: torch.device, category: str) -> None:
         key = id(storage)
@@ -245,6 +271,26 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
         self.count_existing(_state_tensors(optimizer), "optimizer_state")
+
+
+_OPEN: list[LiveBytesTracker] = []  # trackers entered and not yet left, innermost last
+_STORAGE_RESIZE = torch.UntypedStorage.resize_
+_OWN_RESIZE = "resize_" in vars(torch.UntypedStorage)  # else inherited from torch._C.StorageBase
+
+
+def _restore_storage_resize() -> None:
+    if _OWN_RESIZE:
+        torch.UntypedStorage.resize_ = _STORAGE_RESIZE
+    else:
+        del torch.UntypedStorage.resize_
+
+
+def _reported_resize(storage, size):
+    """`UntypedStorage.resize_` that tells every open tracker (module docstring)."""
+    result = _STORAGE_RESIZE(storage, size)
+    for tracker in _OPEN:
+        tracker._resized(storage)
+    return result
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

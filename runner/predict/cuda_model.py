@@ -176,13 +176,22 @@ class CachingAllocatorModel:
       empty_cache), so reserved bytes only grow, and their maximum is the reserved peak;
     - with `expandable=True` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) each pool is one
       segment that maps more pages at its end (2 MiB small, 20 MiB large) when nothing fits,
-      growing its free tail block rather than reserving a new segment.
-    Not modelled: max_split_size / garbage-collection settings, the release of cached segments and
-    retry that happens only when a cudaMalloc fails near the card's limit.
+      growing its free tail block rather than reserving a new segment;
+    - with a `capacity` (the card less its CUDA context, or a cap's memory fraction): a new segment
+      that would pass it first makes the allocator release every cached segment no block of which is
+      in use (expandable: unmap each pool's free tail) and retry, as `release_cached_blocks` does
+      after a failed cudaMalloc; `releases` counts those, `over_capacity` says a retry still failed
+      (the step runs out of memory). Without a capacity, segments are never returned and the reserved
+      bytes only grow: on a card too small for them the allocator would have released and retried.
+    Not modelled: max_split_size / garbage-collection settings.
     """
 
-    def __init__(self, expandable: bool = False):
+    def __init__(self, expandable: bool = False, capacity: int | None = None):
         self.expandable = expandable
+        self.capacity = capacity
+        self.releases = 0
+        self.over_capacity = False
+        self.peak_reserved = 0
         self._grown: dict[bool, int] = {}  # expandable: small pool? -> its one segment
         self._last_block: dict[int, _Block] = {}  # expandable segment -> its block at the highest offset
         self._mapped: dict[int, int] = {}  # expandable segment -> bytes mapped
@@ -246,8 +255,9 @@ class CachingAllocatorModel:
             segment_size = LARGE_SEGMENT
         else:
             segment_size = -(-size // ROUND_LARGE) * ROUND_LARGE
+        self._make_room(segment_size)
         self._segment_small.append(small)
-        self.reserved += segment_size
+        self._grow(segment_size)
         block = _Block(len(self._segment_small) - 1, 0, segment_size)
         self._list(small, block)
         return self._take(small, size)
@@ -263,7 +273,12 @@ class CachingAllocatorModel:
         has_free_tail = tail is not None and tail.free
         page = SMALL_SEGMENT if small else LARGE_SEGMENT
         grow = -(-(size - (tail.size if has_free_tail else 0)) // page) * page
-        self.reserved += grow
+        if self.capacity is not None and self.reserved + grow > self.capacity:
+            self._make_room(grow, keep=tail if has_free_tail else None)
+            tail = self._last_block.get(segment)
+            has_free_tail = tail is not None and tail.free
+            grow = -(-(size - (tail.size if has_free_tail else 0)) // page) * page
+        self._grow(grow)
         if has_free_tail:
             self._unlist(small, tail)
             tail.size += grow
@@ -276,6 +291,32 @@ class CachingAllocatorModel:
         self._mapped[segment] += grow
         self._list(small, block)
         return self._take(small, size)
+
+    def _grow(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def _make_room(self, nbytes: int, keep: _Block | None = None) -> None:
+        """Past the capacity: release what no live block uses, then see whether `nbytes` more fits."""
+        if self.capacity is None or self.reserved + nbytes <= self.capacity:
+            return
+        self.releases += 1
+        for small in (True, False):
+            for _size, segment, offset in list(self._free[small]):
+                block = self._blocks[(segment, offset)]
+                if block is keep:
+                    continue
+                if self.expandable and block.next is None:  # a pool's free tail: unmapped
+                    self._unlist(small, block)
+                    self._last_block[segment] = block.prev
+                    if block.prev is not None:
+                        block.prev.next = None
+                    self._mapped[segment] -= block.size
+                    self.reserved -= block.size
+                elif not self.expandable and block.prev is None and block.next is None:  # a whole segment
+                    self._unlist(small, block)
+                    self.reserved -= block.size
+        self.over_capacity |= self.reserved + nbytes > self.capacity
 
     def _merge(self, block: _Block, neighbour: _Block) -> _Block:
         first, second = (neighbour, block) if neighbour.offset < block.offset else (block, neighbour)
@@ -300,11 +341,11 @@ class CachingAllocatorModel:
 
 
 def replay(events, device: torch.device, baseline: int, repeats: int = 2, kept: tuple[int, ...] = (),
-           expandable: bool = False) -> CachingAllocatorModel:
+           expandable: bool = False, capacity: int | None = None) -> CachingAllocatorModel:
     """Run `events[:baseline]` once (what exists before the step), then allocations that stay from the
     first step on (`kept`: cuBLAS workspaces), then the step's events `repeats` times (the second
     step already finds the first step's cached segments)."""
-    model = CachingAllocatorModel(expandable)
+    model = CachingAllocatorModel(expandable, capacity)
     steps = [e for e in events[baseline:] if e[2] == device]
     workspaces = [(-1 - i, nbytes, device) for i, nbytes in enumerate(kept)]  # keys no tensor has
     for key, nbytes, _device in [e for e in events[:baseline] if e[2] == device] + workspaces + steps * repeats:
@@ -313,3 +354,22 @@ def replay(events, device: torch.device, baseline: int, repeats: int = 2, kept: 
         else:
             model.free(key)
     return model
+
+
+def replay_within(events, device: torch.device, baseline: int, capacity: int | None,
+                  **settings) -> tuple[CachingAllocatorModel, str]:
+    """The allocator on a card whose allocator may hold `capacity` bytes (None: no limit), and a note when
+    that limit shaped the result: a step whose cache outgrows the card releases it and retries (so what
+    fits after a release is what it reserves), and a step that does not fit even then is reported with
+    its unlimited reserve, which a cap check rejects."""
+    unlimited = replay(events, device, baseline, **settings)
+    if capacity is None or unlimited.peak_reserved <= capacity:
+        return unlimited, ""
+    limited = replay(events, device, baseline, capacity=capacity, **settings)
+    if limited.over_capacity:
+        return unlimited, (f"more than the {capacity / 2**30:.1f} GiB the card leaves the allocator, even after "
+                           "releasing every cached segment: the step runs out of memory there")
+    return limited, (f"reaches the {capacity / 2**30:.1f} GiB the card leaves the allocator, which then releases its "
+                     f"cached segments and retries ({limited.releases} times in two steps; each release synchronises "
+                     f"the device) and fits; without that limit it would reserve {unlimited.peak_reserved / 2**30:.1f} "
+                     "GiB")

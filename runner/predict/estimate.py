@@ -53,10 +53,11 @@ from ..recipe import ModelSpec, Precision as PrecisionName, Recipe
 from ..train.step import Precision, label_count, run_step
 from ..problems import CkrunError, KeyedError
 from ..units import format_bytes
-from .cuda_extras import BLAS_HANDLES_PER_STEP, allocator_settings, cublas_workspace_bytes, target_capability
-from .cuda_model import CudaOnCpu, in_cuda_mode, replay
+from .cuda_extras import (BLAS_HANDLES_PER_STEP, CUDA_CONTEXT_BYTES, allocator_settings, cublas_workspace_bytes,
+                          target_capability)
+from .cuda_model import CudaOnCpu, in_cuda_mode, replay_within
 from .fake_gaps import FakeGapWatch, WorkspaceFill
-from .hardware import DeviceFacts
+from .device_facts import DeviceFacts
 from .real_paths import real_mask_paths
 from .roofline import OpClock, StepWork
 from .routing import BalancedRouting
@@ -157,7 +158,7 @@ class Estimator:
         micro = _micro_batch(plan, self.recipe.train.batch_size)
         check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
         tracker = LiveBytesTracker(CPU, record_events=self.cuda)
-        clock = OpClock(self.world_size, moded_blocks=self._moded_blocks(plan)) if self.facts else None
+        clock = OpClock(self.world_size, self.recipe.tf32, self._moded_blocks(plan)) if self.facts else None
         with self.fake_mode, self._device_behaviour(), self._applied(plan, clock):
             tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
@@ -190,7 +191,8 @@ class Estimator:
         return StepShape(micro_batches=self.recipe.train.batch_size // micro_batch,
                          samples=self.recipe.train.batch_size, precision=precision, world_size=self.world_size,
                          tokens_per_sample=int(tokens.shape[1]) if tokens is not None and tokens.dim() > 1 else None,
-                         ddp_gradient_bytes=self.ddp_gradient_bytes, data_parallel=self.data_parallel)
+                         ddp_gradient_bytes=self.ddp_gradient_bytes, data_parallel=self.data_parallel,
+                         tf32=self.recipe.tf32)
 
     def _device_behaviour(self):
         stack = contextlib.ExitStack()
@@ -264,23 +266,34 @@ class Estimator:
             capability, measured = self.facts.capability, True
         workspace = cublas_workspace_bytes(capability)
         expandable, ignored = allocator_settings(plan.allocator)
-        allocator = replay(tracker.events, CPU, baseline, kept=(workspace,) * BLAS_HANDLES_PER_STEP,
-                           expandable=expandable)
+        allocator, limited = replay_within(tracker.events, CPU, baseline, self._allocator_capacity(plan),
+                                           kept=(workspace,) * BLAS_HANDLES_PER_STEP, expandable=expandable)
+        reserved = allocator.peak_reserved
         breakdown["cublas_workspaces"] = workspace * BLAS_HANDLES_PER_STEP
-        breakdown["allocator_cache"] = allocator.reserved - live - breakdown["cublas_workspaces"]
+        breakdown["allocator_cache"] = reserved - live - breakdown["cublas_workspaces"]
         gpu = f"sm{capability[0]}{capability[1]}" + ("" if measured else " (assumed: no GPU here)")
         if self.facts is not None and self.facts.capability == capability:
             gpu = f"sm{capability[0]}{capability[1]}, {self.facts.name}"
         notes.append(f"CUDA caching allocator model{' with expandable segments' if expandable else ''}: "
-                     f"{format_bytes(allocator.reserved)} reserved for {format_bytes(live)} of live tensors and "
+                     f"{format_bytes(reserved)} reserved for {format_bytes(live)} of live tensors and "
                      f"{BLAS_HANDLES_PER_STEP} cuBLAS workspaces of {format_bytes(workspace)} ({gpu}); the CUDA "
                      f"context (~0.8 GB on an H100 once a step's kernels are loaded) is not included")
+        if limited:
+            notes.append(f"the step {limited}")
         if ignored:
             notes.append(f"PYTORCH_CUDA_ALLOC_CONF settings not modelled: {', '.join(ignored)}")
         host = tracker.peak_by_device.get(str(HOST), 0)
         if host:
             notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")
-        return Estimate(allocator.reserved, breakdown, notes, live, "cuda")
+        return Estimate(reserved, breakdown, notes, live, "cuda")
+
+    def _allocator_capacity(self, plan: MemoryPlan) -> int | None:
+        """What the allocator may hold: the named card's memory or the plan's cap, whichever is less, less
+        the CUDA context (as runner/train/memory_cap.py limits it); None when neither is known."""
+        limits = [int(plan.max_mem)] if plan.max_mem is not None else []
+        if self.facts is not None and self.facts.memory_bytes:
+            limits.append(self.facts.memory_bytes)
+        return min(limits) - CUDA_CONTEXT_BYTES if limits else None
 
 
 # --- building on fake tensors --------------------------------------------------------------------

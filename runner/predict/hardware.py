@@ -1,10 +1,10 @@
-"""What the time model needs to know about a device: peak FLOP/s, memory bandwidth, links.
+"""A device's facts by name, from a facts file, or measured here.
 
 `resolve_device("h100")`, `resolve_device("NVIDIA H100 80GB HBM3")` or a JSON file of measured
 facts gives a `DeviceFacts`; `this_cpu()` measures the CPU this runs on.
 
-Where the figures come from. ckrun keeps its own small table of the GPUs it names (dense
-datasheet figures, each with its source) rather than reading torch's
+Where the figures come from. ckrun keeps its own table of the GPUs it names (runner/predict/gpus.py:
+dense datasheet figures, each row with its source and the reported names it answers to) rather than reading torch's
 `torch._inductor.analysis.device_info` at run time, because that table changes under us: torch
 2.11 lists the H100's bf16 peak with 2:4 sparsity (1979 TFLOP/s, twice the dense 989) and its
 tf32 as 156; torch 2.15 marks the sparsity but then also halves the H100's fp32; both give the L4
@@ -13,109 +13,29 @@ predicted 2x apart on two installs. A test checks this table against torch's whe
 its figures dense, and a GPU ckrun does not list is read from torch's table where that torch has
 one (`datasheet_tops(..., device_name=)`, torch 2.15 and later), with a note.
 
-The achievable share of a peak is a field (`matmul_efficiency`, `memory_efficiency`): on an H100
-here an 8192^3 bf16 product ran at 798 TFLOP/s (81 % of 989) and a copy at 3.0 TB/s (90 % of
-3.35), while a transformer's smaller products reach less. A calibrated file (`bench/gpu/facts.py`
-measures one) gives achieved figures with efficiencies of 1.
+The achievable share of each peak comes per class of kernel from the calibration table
+(runner/predict/efficiency.py, calibration.json: literature figures until a GPU campaign measures
+a card). A measured facts file (`python -m runner.predict.hardware OUT.json`, or
+`bench/gpu/facts.py`) gives achieved figures with efficiencies of 1.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..problems import CkrunError
+from .device_facts import MiB, DeviceFacts
+from .gpus import GPUS, row_for_name
 
-Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
-MiB = 1 << 20
-
-
-class DeviceFacts(BaseModel):
-    """One device's figures for the roofline time model."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    """The name torch reports (`torch.cuda.get_device_name()`), or `cpu (...)`."""
-    kind: Literal["cuda", "cpu"] = "cuda"
-    matmul_tflops: dict[Dtype, float]
-    """Dense peak TFLOP/s of matrix products per compute dtype (tf32: fp32 inputs on tensor cores)."""
-    memory_gbs: float = Field(gt=0)
-    """Device memory bandwidth, GB/s."""
-    memory_bytes: int = 0
-    """The card's memory as the driver reports it (0: unknown, or a CPU)."""
-    host_gbs: float = 0.0
-    """Pinned host <-> device copies, GB/s each way: what activation offload moves over."""
-    peer_gbs: float = 0.0
-    """GPU <-> GPU, GB/s each way (NVLink, else PCIe): what collectives move over."""
-    capability: tuple[int, int] | None = None
-    """CUDA compute capability (sizes the cuBLAS workspace the memory estimate counts)."""
-    matmul_efficiency: float = Field(0.7, gt=0, le=1)
-    """Share of `matmul_tflops` an eager training step's products reach."""
-    memory_efficiency: float = Field(0.75, gt=0, le=1)
-    """Share of `memory_gbs` its elementwise and normalisation kernels reach."""
-    launch_us: float = Field(5.0, ge=0)
-    """The least an op costs: eager dispatch plus kernel launch, microseconds."""
-    python_mode_us: float = Field(50.0, ge=0)
-    """What an op adds on the host when a Python dispatch mode handles it (selective checkpointing's
-    cache, in forward and recompute), microseconds. Default from the H100 run of 2026-11-22: selective
-    at micro-batch 16 took 0.118 s more than none, of which its recompute explains about 0.01 s,
-    over about 2,000 ops run under the mode."""
-    source: str = ""
-    """Where the figures come from."""
-
-    def matmul_flops(self, dtype: Dtype) -> float:
-        """Achievable FLOP/s of a matrix product computed in `dtype`."""
-        peak = self.matmul_tflops.get(dtype) or self.matmul_tflops.get("fp32") or min(self.matmul_tflops.values())
-        return peak * 1e12 * self.matmul_efficiency
-
-    def peak_flops(self, dtype: Dtype) -> float:
-        """The datasheet peak MFU and HFU are stated against."""
-        return (self.matmul_tflops.get(dtype) or self.matmul_tflops["fp32"]) * 1e12
-
-    def bandwidth(self) -> float:
-        """Achievable device-memory bytes per second."""
-        return self.memory_gbs * 1e9 * self.memory_efficiency
-
-
-def _gpu(name: str, fp32: float, tf32: float, half: float, memory_gbs: float, memory_mib: int, host_gbs: float,
-         peer_gbs: float, capability: tuple[int, int], source: str) -> DeviceFacts:
-    return DeviceFacts(name=name, matmul_tflops={"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half},
-                       memory_gbs=memory_gbs, memory_bytes=memory_mib * MiB, host_gbs=host_gbs, peer_gbs=peer_gbs,
-                       capability=capability, source=source)
-
-
-# Dense figures from each vendor datasheet (tensor-core rows without sparsity). Memory: what
-# nvidia-smi shows for the card. Host links: pinned copies as measured here on an H100 (55 GB/s,
-# PCIe 5 x16), PCIe 4 x16 cards at about 25 GB/s. Peer: NVLink per direction, else PCIe.
-GPUS: dict[str, DeviceFacts] = {
-    "h100": _gpu("NVIDIA H100 80GB HBM3", 67, 494.7, 989.4, 3350, 81559, 55, 450, (9, 0),
-                 "NVIDIA H100 SXM5 datasheet (dense); memory as nvidia-smi showed on the H100 lent here"),
-    "h100-pcie": _gpu("NVIDIA H100 PCIe", 51, 378, 756, 2000, 81559, 55, 300, (9, 0),
-                      "NVIDIA H100 PCIe datasheet (dense)"),
-    "h200": _gpu("NVIDIA H200", 67, 494.7, 989.4, 4800, 143771, 55, 450, (9, 0),
-                 "NVIDIA H200 SXM datasheet (dense); memory as nvidia-smi showed on the H200 lent here"),
-    "a100": _gpu("NVIDIA A100-SXM4-80GB", 19.5, 156, 312, 2039, 81920, 25, 300, (8, 0),
-                 "NVIDIA A100 80GB SXM datasheet (dense)"),
-    "a100-40gb": _gpu("NVIDIA A100-SXM4-40GB", 19.5, 156, 312, 1555, 40960, 25, 300, (8, 0),
-                      "NVIDIA A100 40GB SXM datasheet (dense)"),
-    "l4": _gpu("NVIDIA L4", 30.3, 60, 121, 300, 23034, 25, 25, (8, 9),
-               "NVIDIA L4 datasheet (dense: half its sparse 120/242 TFLOP/s)"),
-    "a10": _gpu("NVIDIA A10", 31.2, 62.5, 125, 600, 23028, 25, 25, (8, 6), "NVIDIA A10 datasheet (dense)"),
-}
-# Names torch reports, matched after upper-casing and dropping everything but letters and digits.
-_REPORTED = [
-    (r"H100.*(PCIE)", "h100-pcie"), (r"H100", "h100"), (r"H200", "h200"), (r"GH200", "h200"),
-    (r"A100.*40GB", "a100-40gb"), (r"A100", "a100"), (r"^(NVIDIA)?L4$", "l4"), (r"^(NVIDIA)?A10$", "a10"),
-]
+__all__ = ["GPUS", "DeviceFacts", "UnknownDevice", "known_names", "load_facts", "resolve_device", "this_cpu",
+           "this_gpu", "measure_gpu"]
 
 
 class UnknownDevice(CkrunError, ValueError):
@@ -131,10 +51,9 @@ def resolve_device(name: str) -> DeviceFacts:
         return load_facts(Path(text))
     if text.lower() in GPUS:
         return GPUS[text.lower()]
-    squeezed = re.sub(r"[^A-Z0-9]", "", text.upper())
-    for pattern, key in _REPORTED:
-        if re.search(pattern, squeezed.removeprefix("NVIDIA") if pattern.startswith("^") else squeezed):
-            return GPUS[key]
+    row = row_for_name(text)
+    if row is not None:
+        return row.facts
     found = _from_torch_table(text)
     if found is not None:
         return found

@@ -33,7 +33,7 @@ from ..parallel.wrap import place_on_mesh
 from ..recipe import Recipe
 from ..units import format_bytes
 from .estimate import Estimate, EstimateUnavailable, Estimator
-from .hardware import DeviceFacts
+from .device_facts import DeviceFacts
 
 
 def per_rank(nproc: int, source: str = "<recipe>"):

@@ -1,19 +1,24 @@
 """The work of each op of a fake training step, and its time on a named device: a roofline.
 
 `OpClock` is a dispatch mode stacked beside the memory tracker in the estimator's one fake step.
-It records each aten op's work (`StepWork`): its FLOPs (torch's own formulas,
-`torch.utils.flop_counter.flop_registry`: products, convolutions, attention), the bytes it reads
-and writes (`get_num_bytes` of torch's runtime estimation: broadcast dimensions read once) and
-its compute dtype. `price(work, facts)` then gives each op the longest of
-- its FLOPs at the device's matmul rate for that dtype,
-- its bytes at the device's memory bandwidth,
+It records each aten op's work (`StepWork`, measured by `op_work`): its class of kernel (product,
+convolution, fused attention, the optimizer's step, or memory-bound), its FLOPs (torch's own
+formulas, causal attention counted as the share of the score matrix it computes), the bytes it
+reads and writes (`get_num_bytes` of torch's runtime estimation: broadcast dimensions read once),
+its compute dtype and, for a product, its output's shape. `price(work, facts)` then gives each op
+the longest of
+- its FLOPs at the share of the device's matrix peak its class reaches in that dtype (fp32
+  products and convolutions at the TF32 rate where the recipe's `tf32` lets them), a product
+  further slowed by wave quantisation (`DeviceFacts.wave_share`),
+- its bytes at the share of the device's bandwidth its class reaches,
 - the device's per-op floor (eager dispatch and kernel launch, plus the Python dispatch mode's
   cost where selective checkpointing's cache handles the op), which small ops never beat.
-Views and tensor creation cost nothing. Copies between the device and the host (activation
-offload: the estimate's host is the meta device) go to a copy stream at the host link's rate, and
-collectives (FSDP's all-gathers and reduce-scatters on the fake process group) to a comm stream at
-the peer link's rate (ring: (N-1)/N of the bytes). `step_time.assemble` overlaps those streams
-with compute. The work does not depend on the device, so one fake step can be priced on many.
+The shares come from the calibration table (runner/predict/efficiency.py). Views and tensor
+creation cost nothing. Copies between the device and the host (activation offload: the estimate's
+host is the meta device) go to a copy stream at the host link's rate, and collectives (FSDP's
+all-gathers and reduce-scatters on the fake process group) to a comm stream at the peer link's
+rate (ring: (N-1)/N of the bytes). `step_time.assemble` overlaps those streams with compute. The
+work does not depend on the device, so one fake step can be priced on many.
 
 This is torch's own roofline (`torch.distributed._tools.runtime_estimator.RuntimeEstimator`'s
 "operator-level-cost-model") rebuilt from the same parts, because RuntimeEstimator itself cannot
@@ -22,9 +27,11 @@ has no `gpu_type` at all on torch 2.11, prints to stdout on exit, and its `flops
 half the FLOPs against a FLOP/s peak, which would put MFU above 100 %.
 
 Every op is attributed to a phase (forward, backward, recompute, update: what runs after a
-micro-batch's backward, which after the last one is clipping and the optimizer), to a micro-batch
-(the first, or the last seen: "repeat") and, inside a repeated block, to that block, so the step
-can be extrapolated from its first two micro-batches and offload overlapped per block.
+micro-batch's backward, which after the last one is clipping and the optimizer; learn: selective
+checkpointing's one-off forward that learns which ops a block may cache, which only the first step
+of a run pays), to a micro-batch (the first, or the last seen: "repeat") and, inside a repeated
+block, to that block, so the step can be extrapolated from its first two micro-batches and offload
+overlapped per block.
 """
 
 from __future__ import annotations
@@ -37,39 +44,35 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
-from .hardware import DeviceFacts
+from ..memory.selective import learning
+from .device_facts import DeviceFacts
+from .op_work import layout_bytes, measure, op_class
 
 log = logging.getLogger(__name__)
 
-_COMPUTE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # no kernel: allocation, aliasing (views whose schema does not say so), metadata
 _FREE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                    "detach", "alias", "_local_scalar_dense", "set_", "resize_", "_unsafe_view", "_reshape_alias"})
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _PRICED = frozenset({"aten", "fsdp", *_COLLECTIVE_NAMESPACES})  # fsdp: FSDP2's copy-in/out kernels
 AFTER_BLOCKS = -1  # the block field of a forward op after the last block (the head, the loss)
-
-
-@functools.cache
-def _num_bytes():
-    try:  # torch's own: a broadcast (stride 0) dimension is read once
-        from torch.utils._runtime_estimation import get_num_bytes
-        return get_num_bytes
-    except ImportError:
-        return lambda t: t.numel() * t.element_size()
+STEP_PHASES = ("forward", "backward", "recompute")  # and "update"; "learn" runs in the first step only
 
 
 @dataclass(frozen=True)
 class OpWork:
     kind: str  # "first" or "repeat" (the last micro-batch seen)
-    phase: str  # forward | backward | recompute | update
+    phase: str  # forward | backward | recompute | update | learn
     block: int | None  # the repeated block it ran in; AFTER_BLOCKS after them; None elsewhere
     flops: float
     dtype: str  # fp32 | bf16 | fp16: the rate its FLOPs run at
     nbytes: int
     moded: bool  # handled by a Python dispatch mode (selective checkpointing's cache)
+    op_class: str = "memory"  # efficiency.OP_CLASSES
+    family: str = ""  # an attention kernel's family (flash, efficient, cudnn)
+    outputs: tuple[int, int, int] | None = None  # a product's (batch, rows, columns)
+    layout_bytes: int = 0  # a channels-first convolution's transposes, paid on tensor cores (op_work)
 
 
 @dataclass
@@ -83,7 +86,10 @@ class StepWork:
     """(kind, phase, ring bytes: what one rank sends, (n-1)/n of the gathered bytes over its group of n) of
     each collective."""
     world_size: int = 1
-    tf32: bool = False
+    matmul_tf32: bool = False
+    """fp32 products on TF32 tensor cores (torch's default: no; the recipe's `tf32: true`)."""
+    conv_tf32: bool = True
+    """fp32 convolutions on TF32 tensor cores (cuDNN's default in torch: yes; the recipe's `tf32: false`)."""
 
     def forget_repeat(self) -> None:
         """A later micro-batch starts: "repeat" holds only the last one (the step's update runs after it)."""
@@ -104,20 +110,21 @@ class Ledger:
     block_to_host: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     to_host: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     comm_s: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    class_seconds: dict[str, dict[tuple[str, str], float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    """The `seconds` table of each class of kernel (efficiency.OP_CLASSES) alone."""
     outside_blocks_forward_s: float = 0.0
     """Forward seconds of the first micro-batch after its last block (head, loss)."""
 
 
 def price(work: StepWork, facts: DeviceFacts) -> Ledger:
     """The step's work on `facts`: each op the slowest of compute, memory traffic and its floor."""
-    ledger, bandwidth = Ledger(), facts.bandwidth()
-    floor, moded_floor = facts.launch_us * 1e-6, (facts.launch_us + facts.python_mode_us) * 1e-6
-    rates = {dtype: facts.matmul_flops("tf32" if dtype == "fp32" and work.tf32 else dtype)
-             for dtype in ("fp32", "bf16", "fp16")}
+    ledger = Ledger()
+    seconds_of = _op_pricer(work, facts)
     for op in work.ops:
-        seconds = max(op.flops / rates[op.dtype] if op.flops else 0.0, op.nbytes / bandwidth,
-                      moded_floor if op.moded else floor)
+        seconds = seconds_of(op)
         ledger.seconds[(op.kind, op.phase)] += seconds
+        ledger.class_seconds[op.op_class][(op.kind, op.phase)] += seconds
         ledger.flops[(op.kind, op.phase)] += op.flops
         if op.kind == "first":
             _file_block(ledger, op, seconds)
@@ -129,6 +136,31 @@ def price(work: StepWork, facts: DeviceFacts) -> Ledger:
         for kind, phase, nbytes in work.collectives:
             ledger.comm_s[(kind, phase)] += nbytes / (facts.peer_gbs * 1e9)
     return ledger
+
+
+def _op_pricer(work: StepWork, facts: DeviceFacts):
+    """seconds(op) on `facts`: rates looked up once per (class, dtype, family), not per op."""
+    floor, moded_floor = facts.launch_us * 1e-6, (facts.launch_us + facts.python_mode_us) * 1e-6
+    tf32 = {"matmul": work.matmul_tf32, "conv": work.conv_tf32}
+    ampere = facts.kind == "cuda" and (facts.capability or (0, 0)) >= (8, 0)
+
+    @functools.cache
+    def rates(kind: str, dtype: str, family: str) -> tuple[float, float]:
+        if kind == "attention" and dtype == "fp32" and ampere:
+            # the memory-efficient kernel's fp32 products are CUTLASS's 3xTF32 on tensor cores, whatever the
+            # tf32 settings (torch's mem_eff_attention gemm_kernel_utils.h: OpMultiplyAddFastF32, sm80+):
+            # three TF32 products for each
+            return facts.compute_rate(kind, "tf32", family) / 3, facts.traffic_rate(kind)
+        rate_dtype = "tf32" if dtype == "fp32" and tf32.get(kind) else dtype
+        return facts.compute_rate(kind, rate_dtype, family), facts.traffic_rate(kind)
+
+    def seconds(op: OpWork) -> float:
+        compute, traffic = rates(op.op_class, op.dtype, op.family)
+        flops_s = op.flops / (compute * facts.wave_share(op.outputs, op.flops)) if op.flops else 0.0
+        tensor_cores = ampere and (op.dtype != "fp32" or tf32.get(op.op_class))
+        nbytes = op.nbytes + (op.layout_bytes if tensor_cores else 0)
+        return max(flops_s, nbytes / traffic, moded_floor if op.moded else floor)
+    return seconds
 
 
 def _file_block(ledger: Ledger, op: OpWork, seconds: float) -> None:
@@ -147,9 +179,10 @@ class OpClock(TorchDispatchMode):
     begins, and `in_block(index)` around each repeated block's forward (installed inside any
     checkpoint, so a recompute in backward is seen as one)."""
 
-    def __init__(self, world_size: int = 1, tf32: bool = False, moded_blocks: frozenset[int] = frozenset()):
+    def __init__(self, world_size: int = 1, tf32: bool | None = None, moded_blocks: frozenset[int] = frozenset()):
+        """`tf32`: the recipe's key (None: torch's defaults, products in full fp32, convolutions in TF32)."""
         super().__init__()
-        self.work = StepWork(world_size=world_size, tf32=tf32)
+        self.work = StepWork(world_size=world_size, matmul_tf32=bool(tf32), conv_tf32=tf32 is not False)
         self.moded_blocks = moded_blocks  # blocks whose forward and recompute run under a Python mode
         self.micro = 0
         self.block: int | None = None
@@ -178,6 +211,8 @@ class OpClock(TorchDispatchMode):
 
     def _where(self) -> tuple[str, str]:
         kind = "first" if self.micro <= 1 else "repeat"
+        if learning():
+            return kind, "learn"
         if torch._C._current_graph_task_id() != -1:
             self.backward_seen = True
             return kind, "recompute" if self.block is not None else "backward"
@@ -213,20 +248,11 @@ class OpClock(TorchDispatchMode):
             if moved > 0:  # what comes back in backward is what went out: priced both ways from this
                 self.work.to_host.append((kind, self._block(phase), moved))
             return
-        flops, dtype, nbytes = _work(func, args, kwargs, out)
-        moded = self.block in self.moded_blocks and phase in ("forward", "recompute")
-        self.work.ops.append(OpWork(kind, phase, self._block(phase), flops, dtype, nbytes, moded))
-
-
-def _work(func, args, kwargs, out) -> tuple[float, str, int]:
-    """(FLOPs, compute dtype, bytes read and written) of one op."""
-    flat_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    flat_out = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    nbytes = sum(map(_num_bytes(), flat_in)) + sum(map(_num_bytes(), flat_out)) + _mutated_bytes(func, args, flat_out)
-    counter = flop_registry.get(func._overloadpacket)
-    flops = float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
-    dtype = next((_COMPUTE_DTYPES[t.dtype] for t in flat_out or flat_in if t.dtype in _COMPUTE_DTYPES), "fp32")
-    return flops, dtype, nbytes
+        flops, dtype, nbytes, outputs = measure(func, args, kwargs, out)
+        moded = self.block in self.moded_blocks and phase in ("forward", "recompute", "learn")
+        kind_of_kernel, family = op_class(name, phase)
+        self.work.ops.append(OpWork(kind, phase, self._block(phase), flops, dtype, nbytes, moded, kind_of_kernel,
+                                    family, outputs, layout_bytes(func, args, out)))
 
 
 def _ring_bytes(name: str, args, out) -> float:
@@ -264,16 +290,3 @@ def _host_copy_bytes(args, out) -> int:
         return 0
     nbytes = target.numel() * target.element_size()
     return nbytes if target.device.type == "meta" else -nbytes
-
-
-def _mutated_bytes(func, args, outputs: list[torch.Tensor]) -> int:
-    """Writes an op makes into its arguments without returning them (fused optimizers, foreach ops)."""
-    returned = {id(t) for t in outputs}
-    written = 0
-    for argument, value in zip(func._schema.arguments, args, strict=False):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        for tensor in pytree.tree_leaves(value):
-            if isinstance(tensor, torch.Tensor) and id(tensor) not in returned:
-                written += _num_bytes()(tensor)
-    return written

@@ -12,15 +12,18 @@ plus what the side streams cannot hide:
 - collectives: FSDP's all-gathers behind the forward, its reduce-scatters behind the backward, and
   DDP's gradient all-reduce behind the last micro-batch's backward; only the excess shows.
 MFU counts the model's FLOPs (a recompute does not count), HFU every FLOP the device runs, both
-against the datasheet peak of the precision's matrix rate.
+against the datasheet peak of the precision's matrix rate (fp32 with `tf32: true`: the TF32 rate).
+Under tensor parallelism both count a rank's own share of the FLOPs, against one device's peak.
+What only a run's first step does (selective checkpointing's learning forward, once per block and
+input shape) is `first_step_extra_s`, outside the step's time, FLOPs, MFU and HFU.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .hardware import DeviceFacts
-from .roofline import Ledger, StepWork, price
+from .device_facts import DeviceFacts
+from .roofline import STEP_PHASES, Ledger, StepWork, price
 
 LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")
 
@@ -58,6 +61,12 @@ class StepTime:
     tokens_per_s: float | None
     blocks: list[BlockTime] = field(default_factory=list)
     source: str = ""
+    first_step_extra_s: float = 0.0
+    """What a run's first step takes beyond `seconds` (selective checkpointing learning, once, which
+    ops of each block it may cache)."""
+    by_class: dict[str, float] = field(default_factory=dict)
+    """Compute seconds of the step by class of kernel (products, convolutions, attention, memory-bound,
+    the optimizer's step): where the time goes; they add up to `seconds` less offload and collectives."""
 
     def record(self) -> dict:
         data = asdict(self)
@@ -78,6 +87,8 @@ class StepShape:
     data_parallel: int | None = None
     """Groups of ranks that see different samples (the step's samples are one group's); None: world_size.
     Tensor parallelism's groups share samples, so they count once."""
+    tf32: bool | None = None
+    """The recipe's `tf32`: with fp32, MFU is stated against the TF32 peak when products run in TF32."""
 
 
 def step_time(work: StepWork, shape: StepShape, facts: DeviceFacts) -> StepTime:
@@ -87,9 +98,9 @@ def step_time(work: StepWork, shape: StepShape, facts: DeviceFacts) -> StepTime:
 
 def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
     n = shape.micro_batches
-    phase = {name: _extrapolated(ledger.seconds, name, n) for name in ("forward", "backward", "recompute")}
+    phase = {name: _extrapolated(ledger.seconds, name, n) for name in STEP_PHASES}
     update = _tails(ledger.seconds, n)
-    flops = sum(_extrapolated(ledger.flops, name, n) for name in ("forward", "backward", "recompute"))
+    flops = sum(_extrapolated(ledger.flops, name, n) for name in STEP_PHASES)
     flops += _tails(ledger.flops, n)
     recompute_flops = _extrapolated(ledger.flops, "recompute", n)
     offload = n * _offload_exposed(ledger, facts, phase["forward"] / n, (phase["backward"] + phase["recompute"]) / n)
@@ -105,7 +116,13 @@ def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
         model_flops=flops - recompute_flops, mfu=(flops - recompute_flops) / seconds / peak if seconds else 0.0,
         hfu=flops / seconds / peak if seconds else 0.0, samples_per_s=samples_per_s,
         tokens_per_s=samples_per_s * shape.tokens_per_sample if shape.tokens_per_sample else None,
-        blocks=blocks, source=facts.source)
+        blocks=blocks, source=facts.source,
+        first_step_extra_s=ledger.seconds[("first", "learn")] + ledger.seconds[("repeat", "learn")],
+        by_class={name: _step_seconds(table, n) for name, table in sorted(ledger.class_seconds.items())})
+
+
+def _step_seconds(table: dict, micro_batches: int) -> float:
+    return sum(_extrapolated(table, name, micro_batches) for name in STEP_PHASES) + _tails(table, micro_batches)
 
 
 def _extrapolated(table: dict, phase: str, micro_batches: int) -> float:
@@ -121,7 +138,9 @@ def _tails(table: dict, micro_batches: int) -> float:
 
 
 def _matmul_dtype(shape: StepShape) -> str:
-    return shape.precision if shape.precision in ("bf16", "fp16") else "fp32"
+    if shape.precision in ("bf16", "fp16"):
+        return shape.precision
+    return "tf32" if shape.tf32 else "fp32"
 
 
 def _offload_exposed(ledger: Ledger, facts: DeviceFacts, forward_s: float, backward_s: float) -> float:

@@ -43,7 +43,7 @@ from .resume import resume as resume_from_checkpoint
 from .ranked import process_group_scope, rank_share, save_state, stop_agreed
 from .dcp_checkpoint import finish_saving, load_full_into_shards
 from .sinks import open_sinks
-from .step import make_precision, run_step
+from .step import make_precision, run_step, set_fp32_math
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
 
@@ -93,6 +93,8 @@ class Trainer:
         self.ranks = join_group(recipe, source) if ranks is None else ranks
         self.device = pick_device(recipe, source)
         self.precision = make_precision(recipe.precision, self.device, source)
+        if self.device.type == "cuda":
+            log.info(set_fp32_math(recipe.tf32))
         torch.manual_seed(recipe.train.seed)
         self.limited_at_context = None  # the CUDA context the allocator limit was set for
         self.out_of_memory_reason = ""  # what the allocator said when a step ran out

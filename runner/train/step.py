@@ -48,6 +48,22 @@ def make_precision(name: str, device: torch.device, source: str = "<recipe>") ->
     return Precision(name, device.type)
 
 
+def set_fp32_math(tf32: bool | None) -> str:
+    """The recipe's `tf32` applied to torch's fp32 math (None: torch's defaults left alone); the log line.
+
+    Through the settings every torch since 1.12 reads (`set_float32_matmul_precision`,
+    `torch.backends.cudnn.allow_tf32`): torch 2.9's per-backend `fp32_precision` API makes the older
+    readers raise once it is used, and user code or libraries may still read them."""
+    if tf32 is None:
+        return ("tf32: unset, torch's defaults: fp32 matrix products in full fp32, cuDNN convolutions in TF32 "
+                f"(matmul precision {torch.get_float32_matmul_precision()!r}, cudnn.allow_tf32 "
+                f"{torch.backends.cudnn.allow_tf32})")
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
+    return ("tf32: fp32 matrix products and convolutions on TF32 tensor cores (Ampere and newer)" if tf32 else
+            "tf32: false, fp32 matrix products and convolutions in full fp32")
+
+
 @contextlib.contextmanager
 def predict_only_at(model: nn.Module, positions: torch.Tensor | None):
     """Masked LM: feed the output projection only the masked positions ("sparse prediction").

@@ -96,3 +96,43 @@ def test_expandable_segments_grow_a_free_tail_instead_of_reserving_a_new_segment
         allocator.alloc(2, 50 << 20)  # the freed 30 MiB is too small
     assert classic.reserved == (30 + 50) << 20  # a second segment
     assert expandable.reserved == 60 << 20  # the free tail (40 MiB mapped) grows by one 20 MiB page
+
+
+@settings(max_examples=60, deadline=None)
+@given(expandable=st.booleans(), capacity_mib=st.integers(1, 200), operations=st.lists(
+    st.tuples(st.booleans(), st.integers(0, 11), st.sampled_from([512, 700_000, 1 << 20, 3 << 20, 15 << 20,
+                                                                     40 << 20])), max_size=60))
+def test_a_card_too_small_for_the_cache_releases_it_and_retries(expandable, capacity_mib, operations):
+    """With a capacity the allocator gives cached segments back when a new one would not fit, as torch's
+    does after a failed cudaMalloc: the books still balance, the reserve never passes the capacity unless
+    the live blocks themselves cannot fit (then it says so), and it never reserves more than without."""
+    capacity = capacity_mib << 20
+    limited, unlimited, live = CachingAllocatorModel(expandable, capacity), CachingAllocatorModel(expandable), {}
+    for allocate, key, nbytes in operations:
+        for allocator in (limited, unlimited):
+            if allocate and key not in live:
+                allocator.alloc(key, nbytes)
+            elif not allocate and key in live:
+                allocator.free(key)
+        if allocate and key not in live:
+            live[key] = nbytes
+        elif not allocate and key in live:
+            del live[key]
+        _check_bookkeeping(limited, live)
+        if not limited.over_capacity:
+            assert limited.reserved <= capacity
+    assert limited.peak_reserved <= max(unlimited.peak_reserved, capacity)
+    if limited.peak_reserved < unlimited.peak_reserved:
+        assert limited.releases > 0
+    if unlimited.peak_allocated > capacity:
+        assert limited.over_capacity
+
+
+def test_a_release_makes_room_for_a_segment_the_cache_would_have_pushed_past_the_card():
+    unlimited, limited = CachingAllocatorModel(), CachingAllocatorModel(capacity=60 << 20)
+    for allocator in (unlimited, limited):
+        allocator.alloc(1, 30 << 20)
+        allocator.free(1)
+        allocator.alloc(2, 50 << 20)  # the cached 30 MiB segment is too small for it
+    assert unlimited.peak_reserved == 80 << 20
+    assert limited.peak_reserved == 50 << 20 and limited.releases == 1 and not limited.over_capacity

@@ -210,3 +210,19 @@ def test_seq2seq_targets_are_target_len_long_in_training_and_in_the_estimate():
         peaks[target_len] = trainer.train_step()["peak_mem_bytes"]
         assert estimate_peak(recipe, "cpu").peak_bytes == peaks[target_len]
     assert peaks[24] > peaks[4]
+
+
+def test_a_card_too_small_for_the_step_is_predicted_with_its_unlimited_reserve(monkeypatch):
+    """A cap (or card) the allocator outgrows: a step whose live tensors cannot fit even after releasing the
+    cache keeps its unlimited reserve, which a cap check rejects, and says it runs out of memory; a card with
+    room changes nothing. (What fits after a release: tests/runner/predict/test_cuda_extras.py.)"""
+    import runner.predict.estimate as estimate_module
+
+    monkeypatch.setattr(estimate_module, "CUDA_CONTEXT_BYTES", 0)  # the tiny step is far below a real context
+    estimator = Estimator(recipe_from_text(TINY_BERT), "cuda")
+    free = estimator.estimate(MemoryPlan())
+    roomy = estimator.estimate(MemoryPlan(max_mem=10 * free.peak_bytes))
+    assert roomy.peak_bytes == free.peak_bytes and roomy.notes == free.notes
+    too_small = estimator.estimate(MemoryPlan(max_mem=free.live_peak_bytes // 2))
+    assert too_small.peak_bytes == free.peak_bytes
+    assert any("runs out of memory" in note for note in too_small.notes)

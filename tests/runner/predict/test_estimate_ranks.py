@@ -10,6 +10,10 @@ import json
 import pytest
 
 from conftest import ROOT
+from runner.load import recipe_from_text
+from runner.predict.estimate import Estimator
+from runner.predict.hardware import DeviceFacts
+from runner.predict.per_rank import per_rank
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",
@@ -53,3 +57,79 @@ def test_ddp_rank_holds_the_whole_model_and_gradient_buckets(ckrun):
 def test_a_batch_that_does_not_split_is_one_line(ckrun):
     code, _, err = ckrun("estimate", STACK, *TINY, "distributed.strategy=fsdp", "--nproc", "3")
     assert code == 2 and err.count("\n") == 1 and "does not split over 3 ranks" in err
+
+
+FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 1.0, "tf32": 1.0, "bf16": 4.0, "fp16": 4.0},
+                    memory_gbs=100.0, peer_gbs=50.0, capability=(9, 0), matmul_efficiency=1.0, memory_efficiency=1.0)
+LLAMA = """
+model:
+  source: transformers
+  name: LlamaForCausalLM
+  config: {vocab_size: 256, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,
+           num_key_value_heads: 4, max_position_embeddings: 64, tie_word_embeddings: false}
+data: {source: synthetic, seq_len: 32}
+train: {batch_size: 8, steps: 2, device: cpu}
+precision: bf16
+"""
+
+
+def _of_class(estimate, op_class: str, what: str = "flops") -> float:
+    return sum(getattr(op, what) for op in estimate.work.ops if op.op_class == op_class)
+
+
+@pytest.fixture(scope="module")
+def whole_llama():
+    """One process's step at the batch one data-parallel group takes below (4 samples)."""
+    return Estimator(recipe_from_text(LLAMA.replace("batch_size: 8", "batch_size: 4")), "cuda", FACTS).estimate()
+
+
+def test_a_fsdp_rank_steps_the_optimizer_on_its_shard(whole_llama):
+    """FSDP's optimizer step and clipping run on each rank's shard of parameters, gradients and moments,
+    though they reach the clock as DTensors of the whole shape: a rank of 4 moves a quarter of the bytes
+    (less AdamW's step counters and learning rate, which every rank keeps whole)."""
+    whole = Estimator(recipe_from_text(LLAMA.replace("batch_size: 8", "batch_size: 2")), "cuda", FACTS).estimate()
+    rank = per_rank(4)(recipe_from_text(LLAMA + "distributed: {strategy: fsdp}\n"), "cuda", FACTS).estimate()
+    moved, whole_moved = _of_class(rank, "optimizer", "nbytes"), _of_class(whole, "optimizer", "nbytes")
+    assert moved == pytest.approx(whole_moved / 4, rel=1e-3)
+    assert rank.time.update_s < whole.time.update_s
+
+
+def test_a_tensor_parallel_rank_counts_its_share_of_the_flops(whole_llama):
+    """tp: 2 on 4 ranks: each rank runs half of every split product (Llama's plan splits the attention and
+    MLP projections; the output head stays whole) on its group's 4 samples, and half of the attention
+    heads; MFU is that share over one device's peak, as ddp's is its whole model over one device."""
+    rank = per_rank(4)(recipe_from_text(LLAMA + "distributed: {strategy: tp, tensor: 2}\n"), "cuda", FACTS).estimate()
+    head = 3 * 2 * (4 * 32) * 64 * 256  # the output head's product, forward and two in backward
+    assert _of_class(rank, "matmul") == (_of_class(whole_llama, "matmul") - head) / 2 + head
+    assert _of_class(rank, "attention") == _of_class(whole_llama, "attention") / 2
+    assert rank.time.mfu == pytest.approx(rank.time.model_flops / rank.time.seconds / 4e12)
+
+
+@pytest.mark.slow
+def test_a_13b_fsdp_run_on_64_ranks_prices_the_optimizer_step_on_the_shard(ckrun):
+    """`ckrun estimate --gpu a100 --nproc 64` of Llama 2 13B (torchtitan's setup): fused AdamW reads a
+    parameter, its gradient and two moments and writes three of them back (28 bytes a parameter in fp32),
+    and a rank does so for its 1/64th only. Bounds from the rank's own parameter bytes and the datasheet
+    bandwidth: no faster than that traffic at the full 2039 GB/s, and far from the whole model's 64 times
+    as much (clipping and the efficiencies add at most a few times the traffic, never 64)."""
+    code, out, err = ckrun("estimate", str(ROOT / "bench" / "published" / "llama2_13b.yaml"), "--gpu", "a100",
+                           "--json", "--nproc", "64")
+    assert code == 0, err
+    record = json.loads(out)
+    parameters_on_rank = record["breakdown"]["parameters"] / 4  # fp32 shards
+    assert 12.5e9 / 64 < parameters_on_rank < 13.5e9 / 64
+    shard_at_full_bandwidth = 28 * parameters_on_rank / 2039e9
+    assert shard_at_full_bandwidth <= record["time"]["update_s"] < 4 * shard_at_full_bandwidth
+
+
+def test_fsdp_gathered_parameters_are_freed_after_each_block():
+    """FSDP2 frees a block's gathered parameters by resizing their storage to 0 (no aten op): counted as
+    freed, each extra fully checkpointed block adds its shards of parameters, gradients and AdamW state (8
+    bytes a parameter on each of 2 ranks) and its small checkpoint input, not its whole bf16 copy too."""
+    recipe = LLAMA.replace("hidden_size: 64, intermediate_size: 128", "hidden_size: 256, intermediate_size: 512")
+    recipe += "memory: {checkpointing: {policy: full}}\ndistributed: {strategy: fsdp}\n"
+    peaks = {layers: per_rank(2)(recipe_from_text(recipe.replace("num_hidden_layers: 2", f"num_hidden_layers: {layers}")),
+                                 "cuda").estimate().live_peak_bytes for layers in (2, 6)}
+    layer_parameters = 4 * 256 * 256 + 3 * 256 * 512 + 2 * 256
+    per_block = (peaks[6] - peaks[2]) / 4
+    assert 8 * layer_parameters <= per_block < 8 * layer_parameters + 2 * layer_parameters / 2

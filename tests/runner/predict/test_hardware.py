@@ -7,21 +7,58 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from runner.predict.gpus import ROWS, row_for_name
 from runner.predict.hardware import GPUS, DeviceFacts, UnknownDevice, known_names, resolve_device
 
 
 @pytest.mark.parametrize("name, key", [
     ("h100", "h100"), ("H100", "h100"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"),
-    ("NVIDIA H200", "h200"), ("a100", "a100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100 80GB PCIe", "a100"),
-    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("A100-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
-    ("l4", "l4"), ("NVIDIA L4", "l4"), ("NVIDIA A10", "a10"),
+    ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"),
+    ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA GH200 144G HBM3e", "gh200-144gb"), ("a100", "a100"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100 80GB PCIe", "a100-pcie"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("A100-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"), ("NVIDIA B200", "b200"),
+    ("l4", "l4"), ("NVIDIA L4", "l4"), ("NVIDIA L40S", "l40s"), ("NVIDIA L40", "l40"), ("NVIDIA A10", "a10"),
+    ("NVIDIA A40", "a40"),
 ])
 def test_short_and_reported_names_resolve(name, key):
     assert resolve_device(name) == GPUS[key]
 
 
-@pytest.mark.parametrize("name", ["h300", "NVIDIA L40S", "", "l"])
+def test_every_row_answers_to_its_own_reported_name_first():
+    """Rows are tried in order: a plain row listed before its variant (H100 before H100 NVL) would take
+    the variant's cards. Each row's own name must reach it, and each key must be a --gpu name."""
+    for row in ROWS:
+        assert row_for_name(row.facts.name) is row, f"{row.facts.name} resolves to {row_for_name(row.facts.name).key}"
+        assert row.key in known_names() and GPUS[row.key] is row.facts
+
+
+@settings(max_examples=60, deadline=None)
+@given(row=st.sampled_from(ROWS), data=st.data())
+def test_a_reported_name_resolves_whatever_its_case_and_separators(row, data):
+    """Drivers and tools write one card's name with other separators and case ("A100-SXM4-80GB",
+    "a100 sxm4 80gb"): only letters and digits decide."""
+    separators = st.sampled_from(["", " ", "-", "_"])
+    words = row.facts.name.replace("-", " ").split()
+    spelled = "".join(data.draw(st.sampled_from([w.lower(), w.upper(), w])) + data.draw(separators) for w in words)
+    assert resolve_device(spelled) == row.facts
+
+
+def test_the_links_a_card_has():
+    """GH200: its NVLink-C2C host link (900 GB/s both ways) is what offload runs over; PCIe cards, an
+    NVL's bridged pairs included, run a ring over more than two cards at PCIe rate (no NVLink peer)."""
+    assert GPUS["gh200"].host_gbs == GPUS["gh200-144gb"].host_gbs == 450 > 8 * GPUS["h200"].host_gbs
+    assert GPUS["gh200"].memory_bytes < GPUS["h200"].memory_bytes
+    for key in ("a100-pcie", "a100-pcie-40gb", "h100-pcie", "h100-nvl", "h200-nvl", "l40s", "l4"):
+        assert GPUS[key].peer_gbs <= 64, key  # PCIe 4 or 5 x16, one way
+    for key in ("a100", "h100", "h200", "b200"):
+        assert GPUS[key].peer_gbs >= 300, key
+    assert GPUS["h100-nvl"].memory_gbs == 3900 and GPUS["h100-nvl"].memory_bytes == 94 * 10**9
+
+
+@pytest.mark.parametrize("name", ["h300", "NVIDIA RTX 6000 Ada", "", "l"])
 def test_an_unknown_name_lists_the_known_ones(name):
     with pytest.raises(UnknownDevice) as err:
         resolve_device(name)
@@ -31,8 +68,9 @@ def test_an_unknown_name_lists_the_known_ones(name):
 def test_the_table_holds_dense_figures():
     for facts in GPUS.values():
         assert facts.matmul_tflops["bf16"] == facts.matmul_tflops["fp16"]
-        assert facts.matmul_tflops["fp32"] < facts.matmul_tflops["tf32"] < facts.matmul_tflops["bf16"]
-        assert facts.memory_bytes > 20 * 2**30 and facts.capability >= (8, 0)
+        assert facts.matmul_tflops["fp32"] <= facts.matmul_tflops["tf32"] < facts.matmul_tflops["bf16"]
+        assert facts.memory_bytes > 20 * 2**30 and facts.capability >= (8, 0) and facts.sms > 0
+        assert facts.efficiency is not None and "calibration" in facts.source
     assert GPUS["h100"].matmul_tflops["bf16"] == pytest.approx(989.4)  # not the sparse 1979
     assert GPUS["l4"].memory_gbs == 300  # torch's table (2.11, 2.15) gives the H100's 3350
 
@@ -64,7 +102,7 @@ def test_a_facts_file_round_trips_and_a_bad_one_is_one_line(tmp_path):
 
 def test_this_cpu_is_measured():
     facts = resolve_device("cpu")
-    assert facts.kind == "cpu" and facts.matmul_flops("fp32") > 0 and facts.bandwidth() > 0
+    assert facts.kind == "cpu" and facts.compute_rate("matmul", "fp32") > 0 and facts.traffic_rate("memory") > 0
     assert isinstance(facts, DeviceFacts) and facts.source.startswith("measured")
 
 

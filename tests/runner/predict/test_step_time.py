@@ -14,8 +14,9 @@ from runner.load import recipe_from_text
 from runner.plan import MemoryPlan
 from runner.predict import estimate as estimate_module
 from runner.predict.estimate import Estimator
+from runner.predict.efficiency import Efficiency
 from runner.predict.hardware import DeviceFacts
-from runner.predict.roofline import OpClock, price
+from runner.predict.roofline import OpClock, StepWork, price
 
 # round numbers: 1 TFLOP/s for every dtype, 100 GB/s, no efficiency loss, a 10 us floor per op
 FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 1.0, "tf32": 1.0, "bf16": 4.0, "fp16": 4.0},
@@ -189,3 +190,92 @@ def test_one_step_priced_on_another_device_is_that_devices_estimate():
 
 def test_no_facts_no_time():
     assert Estimator(recipe_from_text(TINY_BERT), "cpu").estimate().time is None
+
+
+def test_selectives_learning_forward_is_priced_once_outside_the_step(estimator):
+    """Selective checkpointing runs each block's forward once more, in the first step only, to learn
+    which ops it may cache (runner/memory/selective.py). That is no part of every step: the step's
+    FLOPs and MFU are those of no plan plus its recompute, and the learning forward (here: the blocks'
+    forward of one micro-batch, fp32 with no mode cost) is the first step's extra."""
+    for micro_batch in (8, 2):
+        none = estimator.estimate(_plan("none", micro_batch)).time
+        selective = estimator.estimate(_plan("selective", micro_batch)).time
+        assert selective.model_flops == none.model_flops
+        assert selective.mfu <= none.mfu
+        one_micro_batch = sum(block.forward_s for block in none.blocks) / (8 // micro_batch)
+        assert selective.first_step_extra_s == pytest.approx(one_micro_batch)
+        assert none.first_step_extra_s == 0.0
+
+
+EFFICIENT = FACTS.model_copy(update={"sms": 4, "efficiency": Efficiency(
+    matmul={"fp32": 0.5, "tf32": 0.5, "bf16": 0.5, "fp16": 0.5}, conv={"fp32": 0.25, "tf32": 0.25, "bf16": 0.25},
+    attention={"flash": 0.125, "efficient": 0.0625, "cudnn": 0.125}, memory=0.5, optimizer=0.25, tile=128)})
+
+
+def test_each_class_of_kernel_is_priced_at_its_own_share():
+    """Products at the matmul share slowed by wave quantisation (4 SMs: 6 tiles of 128 x 128 take two
+    waves of 4, 3/4 busy), convolutions at theirs, attention at its family's, elementwise bytes at the
+    memory share and the optimizer's at its own."""
+    with FakeTensorMode():
+        a, b = torch.empty(384, 512, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
+        full = torch.empty(256, 512, dtype=torch.bfloat16)
+        image, weight = torch.empty(1, 8, 16, 16), torch.empty(8, 8, 3, 3)
+        q = torch.empty(1, 2, 64, 32, dtype=torch.bfloat16)
+        big = torch.empty(1 << 20)
+        with OpClock() as clock:
+            a @ b
+            full @ b
+            torch.nn.functional.conv2d(image, weight, padding=1)
+            torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False, False)
+            big + big
+    ledger = price(clock.work, EFFICIENT)
+    product, whole_waves, conv, attention, add = clock.work.ops
+    slowest = lambda op, compute_s, share=0.5: max(compute_s, op.nbytes / (100e9 * share), 10e-6)  # noqa: E731
+    expected = (slowest(product, 2 * 384 * 512 * 256 / (4e12 * 0.5 * 0.75))
+                + slowest(whole_waves, 2 * 256 * 512 * 256 / (4e12 * 0.5))
+                + slowest(conv, 2 * 8 * 8 * 9 * 16 * 16 / (1e12 * 0.25))
+                + slowest(attention, attention.flops / (4e12 * 0.125)) + slowest(add, 0.0))
+    assert [op.op_class for op in clock.work.ops] == ["matmul", "matmul", "conv", "attention", "memory"]
+    assert attention.family == "flash" and attention.flops == 4 * 2 * 64 * 64 * 32
+    assert add.nbytes == 3 * 4 * (1 << 20) and product.outputs == (1, 384, 256)
+    assert ledger.seconds[("first", "forward")] == pytest.approx(expected)
+
+
+def test_the_optimizer_step_is_priced_at_its_own_share(estimator):
+    step_work = estimator.estimate(_plan("none")).work
+    update = [op for op in step_work.ops if op.phase == "update" and op.op_class == "optimizer"]
+    assert update, "the optimizer's kernels are classed as such"
+    slow = EFFICIENT.model_copy(update={"efficiency": EFFICIENT.efficiency.model_copy(update={"optimizer": 0.01})})
+    update_s = lambda facts: sum(s for (_, phase), s in price(step_work, facts).seconds.items()  # noqa: E731
+                                 if phase == "update")
+    assert update_s(slow) > update_s(EFFICIENT) > 0
+
+
+@pytest.mark.parametrize("tf32, products, convolutions", [(None, "fp32", "tf32"), (True, "tf32", "tf32"),
+                                                           (False, "fp32", "fp32")])
+def test_fp32_products_and_convolutions_run_at_the_rate_the_tf32_key_gives(tf32, products, convolutions):
+    """The recipe's `tf32`: unset keeps torch's defaults (products in full fp32, cuDNN convolutions in
+    TF32), true puts both on TF32 tensor cores, false neither."""
+    rates = FACTS.model_copy(update={"matmul_tflops": {"fp32": 1.0, "tf32": 8.0, "bf16": 16.0, "fp16": 16.0}})
+    with FakeTensorMode():
+        a = torch.empty(1024, 1024)
+        image, weight = torch.empty(4, 64, 32, 32), torch.empty(64, 64, 3, 3)
+        with OpClock(tf32=tf32) as clock:
+            a @ a
+            torch.nn.functional.conv2d(image, weight, padding=1)
+    product, convolution = (price(StepWork(ops=[op], matmul_tf32=clock.work.matmul_tf32,
+                                           conv_tf32=clock.work.conv_tf32), rates).seconds[("first", "forward")]
+                            for op in clock.work.ops)
+    rate = {"fp32": 1e12, "tf32": 8e12}
+    assert product == pytest.approx(2 * 1024**3 / rate[products])
+    assert convolution == pytest.approx(max(2 * 4 * 64 * 64 * 9 * 32 * 32 / rate[convolutions],
+                                            clock.work.ops[1].nbytes / 100e9))
+
+
+def test_a_tf32_recipe_states_mfu_against_the_tf32_peak():
+    rates = FACTS.model_copy(update={"matmul_tflops": {"fp32": 1.0, "tf32": 8.0, "bf16": 16.0, "fp16": 16.0},
+                                     "memory_gbs": 1e6, "launch_us": 0.0})  # the tiny model's products decide
+    plain = Estimator(recipe_from_text(TINY_BERT), "cuda", rates).estimate(_plan("none")).time
+    tf32 = Estimator(recipe_from_text(TINY_BERT + "tf32: true\n"), "cuda", rates).estimate(_plan("none")).time
+    assert tf32.seconds < plain.seconds and tf32.model_flops == plain.model_flops
+    assert tf32.mfu == pytest.approx(tf32.model_flops / tf32.seconds / 8e12)
