@@ -40,8 +40,9 @@ MODEL_DIR = "model"
 INPUTS = "inputs.json"  # how to feed the model and read its outputs outside ckrun (model_inputs)
 
 
-def finish_run(trainer, out_dir: Path) -> Path:
-    """Save the trainer's state as the final checkpoint and export its model; returns the export."""
+def finish_run(trainer, out_dir: Path, best=None) -> Path:
+    """Save the trainer's state as the final checkpoint and export its model; returns the export.
+    `best` (runner/train/best.py): with eval.best.restore, the export is the best evaluation's weights."""
     save_final_checkpoint(trainer, out_dir / "checkpoints")
     weights = full_weights(trainer)  # FSDP: gathered on rank 0, a collective every rank joins
     if not trainer.ranks.is_main:
@@ -49,6 +50,10 @@ def finish_run(trainer, out_dir: Path) -> Path:
     exported = export_model(trainer.model, trainer.recipe, out_dir / MODEL_DIR, trainer.step, weights,
                             getattr(trainer.data, "label_ids", None))
     log.info("model exported to %s (start another run from it with model.pretrained=%s)", exported, exported)
+    if best is not None:
+        best.restore(exported)
+    elif trainer.recipe.eval is not None and trainer.recipe.eval.early_stopping is not None:
+        log.info("the export holds the last step's weights; eval.best: {restore: true} exports the best evaluation's")
     return exported
 
 

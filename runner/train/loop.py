@@ -361,7 +361,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
         result.stopped_by = stop.signum
     if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
         try:
-            finish_run(trainer, out_dir)
+            finish_run(trainer, out_dir, evaluations.best)
         except OSError as err:
             raise write_failure(err, out_dir / "model", trainer.source) from None
     if result.skipped_steps:
