@@ -10,7 +10,7 @@ from fractions import Fraction
 import torch
 from torch import nn
 
-from ..recipe import CosineSchedule, Recipe, TorchOptimizer, TrainSpec
+from ..recipe import Recipe, TorchOptimizer, TrainSpec
 from ..recipe_train import EIGHT_BIT
 from .resolve import BuildError
 
@@ -73,22 +73,25 @@ def total_steps(recipe: Recipe, data) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """`steps`: the run's length (total_steps), which a decaying schedule decays over."""
+    """transformers' get_scheduler, the Trainer's own schedules and not a copy of their formulas; `steps`:
+    the run's length (total_steps), which a decaying schedule decays over."""
+    from transformers import get_scheduler
+
     schedule = train.scheduler
-    if schedule.name not in ("constant", "cosine"):
-        return _transformers_schedule(optimizer, schedule, steps)
-    warmup = schedule.warmup_steps
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)  # never exactly 0: a zero first step wastes a batch
-        if not isinstance(schedule, CosineSchedule):
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        floor = schedule.min_lr_ratio
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    warmup = schedule.warmup(steps)
+    if schedule.warmup_ratio is not None:
+        log.info("warm-up: %d steps (train.scheduler.warmup_ratio %g of %d steps, rounded up)", warmup,
+                 schedule.warmup_ratio, steps)
+    decay = getattr(schedule, "decay_steps", 0)
+    if decay and warmup + decay > steps:  # the stable phase would be negative
+        raise BuildError("train.scheduler.decay_steps", f"warm-up ({warmup}) and decay ({decay}) steps "
+                         f"are more than the run's {steps} steps; shorten them or train longer")
+    name, kwargs = _transformers_name(schedule, warmup)
+    try:
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=steps,
+                             scheduler_specific_kwargs=kwargs)
+    except ValueError as err:  # polynomial: end_lr above the optimizer's rate
+        raise BuildError("train.scheduler", f"{schedule.name}: {' '.join(str(err).split())[:200]}") from None
 
 
 # the recipe's names for transformers' scheduler arguments
@@ -97,17 +100,10 @@ _SCHEDULE_ARGUMENTS = {"polynomial": {"power": "power", "end_lr": "lr_end"}, "co
                                                "min_lr_ratio": "min_lr_ratio"}}
 
 
-def _transformers_schedule(optimizer: torch.optim.Optimizer, schedule, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """transformers' get_scheduler: the Trainer's own schedules, not a copy of their formulas."""
-    from transformers import get_scheduler
-
-    decay = getattr(schedule, "decay_steps", 0)
-    if decay and schedule.warmup_steps + decay > steps:  # the stable phase would be negative
-        raise BuildError("train.scheduler.decay_steps", f"warm-up ({schedule.warmup_steps}) and decay ({decay}) steps "
-                         f"are more than the run's {steps} steps; shorten them or train longer")
-    kwargs = {theirs: getattr(schedule, ours) for ours, theirs in _SCHEDULE_ARGUMENTS.get(schedule.name, {}).items()}
-    try:
-        return get_scheduler(schedule.name, optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=steps,
-                             scheduler_specific_kwargs=kwargs)
-    except ValueError as err:  # polynomial: end_lr above the optimizer's rate
-        raise BuildError("train.scheduler", f"{schedule.name}: {' '.join(str(err).split())[:200]}") from None
+def _transformers_name(schedule, warmup: int) -> tuple[str, dict]:
+    """transformers' name for the recipe's schedule, and its specific arguments."""
+    if schedule.name == "constant":
+        return ("constant_with_warmup" if warmup else "constant"), {}
+    if schedule.name == "cosine" and schedule.min_lr_ratio:
+        return "cosine_with_min_lr", {"min_lr_rate": schedule.min_lr_ratio}
+    return schedule.name, {theirs: getattr(schedule, ours) for ours, theirs in _SCHEDULE_ARGUMENTS.get(schedule.name, {}).items()}
