@@ -26,6 +26,9 @@ class TokenizerFacts:
 def tokenizer_facts(directory: str | Path) -> TokenizerFacts:
     """The size and special ids of the tokenizer saved in `directory`; a ValueError when none loads."""
     folder = Path(directory).expanduser()
+    if not any(folder.glob("*")):
+        raise ValueError(f"{directory} is empty; give a directory saved by tokenizer.save_pretrained, or made by "
+                         "`ckrun tokenizer`")
     facts = _from_json(folder)
     return facts if facts is not None else _from_transformers(folder)
 
