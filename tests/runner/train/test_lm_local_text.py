@@ -72,3 +72,21 @@ def test_transformers_loads_it_without_a_warning_and_generate_stops_at_the_end_t
     new = out[0, prompt["input_ids"].shape[1]:].tolist()
     assert new[-1] == tokenizer.eos_token_id and len(new) < 20, tokenizer.decode(new)
     assert tokenizer.decode(new, skip_special_tokens=True) == " sat on the mat"
+
+
+def test_the_readmes_recipe_for_it_validates(trained, tmp_path, monkeypatch, ckrun):
+    import re
+    import shutil
+
+    from conftest import ROOT
+
+    section = (ROOT / "README.md").read_text().split("### A language model on your own text", 1)[1].split("\n## ", 1)[0]
+    (recipe,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    for part in ("train", "valid"):
+        (tmp_path / "corpus" / part).mkdir(parents=True)
+        (tmp_path / "corpus" / part / "a.txt").write_text("\n".join(LINES) + "\n")
+    shutil.copytree(trained / "tok", tmp_path / "tok")
+    (tmp_path / "lm.yaml").write_text(recipe.replace("vocab_size: 8192", "vocab_size: 300"))  # this tokenizer's size
+    monkeypatch.chdir(tmp_path)
+    code, out, err = ckrun("validate", "lm.yaml")
+    assert code == 0 and out.endswith("lm.yaml: OK\n"), err
