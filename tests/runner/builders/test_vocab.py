@@ -117,3 +117,30 @@ def test_a_python_models_own_vocabulary_is_held_to_the_tokenizer_when_built(toke
     code, _, err = ckrun(str(recipe))
     assert code == 2 and f"data.tokenizer: the model's vocabulary has 100 ids but the tokenizer {folder} has " \
                          f"{facts.size} tokens" in err, err
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.integers(2, 70_000), model=st.integers(2, 70_000), eos=st.integers(0, 70_000), sets_eos=st.booleans())
+def test_every_size_and_id_pair_gets_its_verdict(tokens, model, eos, sets_eos):
+    """An error exactly when the model is smaller than the tokenizer (or sets an id outside it), a
+    warning exactly when it is larger than the tokenizer rounded up to a multiple of 128."""
+    from types import SimpleNamespace
+    from unittest.mock import patch
+
+    from runner.builders import vocab
+    from runner.builders.tokenizer_facts import TokenizerFacts
+
+    given_config = {"eos_token_id": eos} if sets_eos else {}
+    recipe = SimpleNamespace(data=SimpleNamespace(tokenizer="tok", vocab_size=None), eval=None,
+                             model=SimpleNamespace(config=given_config))
+    facts = TokenizerFacts(tokens, {"eos": 0})
+    warned = []
+    with patch.object(vocab, "tokenizer_facts", lambda _: facts), \
+            patch.object(vocab.log, "warning", lambda *args: warned.append(args)):
+        found = vocab.vocab_problems(recipe, {"size": model, "width": 64, "tied": True, "special": {}})
+    keys = [problem.key for problem in found]
+    assert ("model.config.vocab_size" in keys) == (model < tokens)
+    assert ("model.config.eos_token_id" in keys) == (sets_eos and eos >= tokens)
+    too_large = model > -(-tokens // 128) * 128
+    assert any("rows are never used" in args[0] for args in warned) == too_large
+    assert any("generation would" in args[0] for args in warned) == (sets_eos and 0 < eos < tokens)
