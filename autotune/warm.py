@@ -264,6 +264,7 @@ def _become(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _search_python_path(request["env"].get("PYTHONPATH", ""))
         argv = list(request["argv"])
         if "--parent" in argv:  # its parent is this server, which lives exactly as long as the tuner
             argv[argv.index("--parent") + 1] = str(os.getppid())
@@ -278,6 +279,17 @@ def _become(request: dict, fds: list[int]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _search_python_path(value: str) -> None:
+    """The request's PYTHONPATH on sys.path, where a fresh interpreter puts it (after the script's
+    folder, before the standard library): the server read its own when it started, and the tuner
+    may have added folders since (a recipe's folder for the user's code)."""
+    missing = [entry for entry in value.split(os.pathsep)
+               if entry and entry not in sys.path and os.path.abspath(entry) not in sys.path]
+    if missing:
+        sys.path[1:1] = missing
+        importlib.invalidate_caches()
 
 
 if __name__ == "__main__":
