@@ -60,9 +60,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trials", type=int, default=20,
                         help="most new plans to measure; the finalists' re-runs come on top (default 20)")
     parser.add_argument("--time-budget", metavar="DURATION",
-                        help="wall-clock budget of the search from the start (the model's facts, the solver, probes "
-                             "and the finalists' re-runs; the winner's training aside): no probe starts that would "
-                             "end past it, the first excepted: 90s, 10m, 1h")
+                        help="wall-clock budget of the search from the process's start (its imports, the model's "
+                             "facts, the solver, probes and the finalists' re-runs; the winner's training aside): no "
+                             "probe starts that would end past it, the first excepted; the solver and whole-space "
+                             "predictions get a quarter of it: 90s, 10m, 1h")
     parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
                         help="tune for N ranks on this machine (torchrun): the cap holds per rank, each probe is a "
