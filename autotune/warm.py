@@ -72,7 +72,18 @@ class Forked:
         self.server, self.pid, self.stdin = server, pid, stdin
 
     def exited(self) -> bool:
-        return self.server.code(self.pid) is not None
+        """Ended (the server said so), or gone since the server died: its watch then killed it."""
+        if self.server.code(self.pid) is not None:
+            return True
+        if self.server.alive:
+            return False
+        try:
+            os.kill(self.pid, 0)  # reparented when the server died; whoever adopted it reaps it
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # the pid is someone else's now: ours is gone
+            return True
+        return False
 
     def reap(self) -> int:
         """Its status; call after killing its group. A server gone meanwhile cannot say: -9, as killed."""

@@ -99,3 +99,14 @@ def test_the_children_of_a_stopped_server_are_reaped_and_none_is_left(server, tm
     server.stop()
     time.sleep(0.1)
     assert not survivors(pids)
+
+
+def test_a_server_that_dies_under_a_running_child_is_noticed(server, tmp_path):
+    """The child's --parent watch takes it down with the server; the tuner sees it gone, not a timeout."""
+    out = tmp_path / "seen.json"
+    child = start_child("warm_target", [str(out), "--parent", "0", "--sleep", "600"], tmp_path / "child.log", _env(),
+                        server)
+    wait_for(out.exists)
+    os.kill(server.process.pid, signal.SIGKILL)
+    assert _finish(child, timeout=30) == -9  # no status from a dead server: counted as killed
+    assert not survivors([child.pid])
