@@ -167,7 +167,7 @@ def _warm_server(recipe: Recipe, nproc: int, directory: Path) -> WarmServer | No
     on_cpu = recipe.train.device == "cpu" or not torch.cuda.is_available()  # counts devices, starts no CUDA
     if not warm_enough("cpu" if on_cpu else "cuda", nproc):
         return None
-    server = WarmServer(directory / "probes", preload_for(recipe.model.source))
+    server = WarmServer(directory / "probes", preload_for(recipe.model))
     server.start()
     return server
 

@@ -16,6 +16,7 @@ probe's caches are configured at import, and torchrun starts --nproc ranks itsel
 cannot start or dies is logged once and the children start cold, as before.
 
     python -m autotune.warm FD MODULE [MODULE ...]   # FD: its end of a SOCK_SEQPACKET pair; MODULEs preloaded
+                                                     # (MODULE:NAME also gets NAME from it)
 
 Messages are JSON, one per packet. Tuner -> server: {"module", "argv", "env", "cwd"} with the
 child's log and (optionally) stdin as passed descriptors. Server -> tuner: {"started": PID} for each
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 PACKET = 1 << 20  # a request's environment and arguments fit in far less
 START_TIMEOUT_S = 300.0  # the server's imports on a very busy machine; then children start cold
 PRELOAD = ("torch", "runner.train.measure_plan", "runner.predict.estimate", "autotune.child", "autotune.model_child")
-SOURCE_MODULES = {"transformers": ("transformers",), "torchvision": ("torchvision",)}
+SOURCE_MODULES = {"torchvision": ("torchvision.models",)}
 
 
 def warm_enough(device_kind: str, nproc: int, compile_: bool = False) -> bool:
@@ -209,9 +210,12 @@ def start_child(module: str, argv: list[str], log_path: Path, env: dict[str, str
     return Cold(process)
 
 
-def preload_for(source: str) -> list[str]:
-    """What a model of `source` imports: the server imports it before forking."""
-    return [*SOURCE_MODULES.get(source, ()), *PRELOAD]
+def preload_for(spec) -> list[str]:
+    """What the recipe's model imports (`module` or `module:attribute`, whose getting imports more:
+    transformers' top level is lazy, its modeling modules are where the seconds go), then the trainer."""
+    model = [f"transformers:{spec.name}"] if spec.source == "transformers" else \
+        list(SOURCE_MODULES.get(spec.source, ()))
+    return [*model, *PRELOAD]
 
 
 # --- the server -------------------------------------------------------------------------------------
@@ -220,8 +224,11 @@ def preload_for(source: str) -> list[str]:
 def serve(fd: int, modules: list[str]) -> None:
     channel = socket.socket(fileno=fd)
     for name in modules:
+        module, _, attribute = name.partition(":")
         try:
-            importlib.import_module(name)
+            imported = importlib.import_module(module)
+            if attribute:
+                getattr(imported, attribute)
         except Exception:  # a child importing it again will say what is wrong, in its own log
             traceback.print_exc()
     selector = selectors.DefaultSelector()

@@ -44,11 +44,14 @@ def one_run(train: bool) -> dict:
         process = subprocess.Popen([sys.executable, "-m", "runner", *COMMAND, *([] if train else ["--no-train"])],
                                    cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
-        tuned_at = None
+        tuned_at, said = None, []
         for line in process.stdout:  # the search ends where tuned.yaml is written or training starts
+            said = [*said[-30:], line]
             if tuned_at is None and (" train: " in line or "tune: wrote" in line):
                 tuned_at = time.monotonic() - started
         code = process.wait()
+        if code:
+            print(f"ckrun exited with status {code}; its last lines:\n{''.join(said)}", file=sys.stderr)
         wall = time.monotonic() - started
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         study = Path(folder) / "runs" / "bert_tiny" / "tune"

@@ -110,3 +110,20 @@ def test_a_server_that_dies_under_a_running_child_is_noticed(server, tmp_path):
     os.kill(server.process.pid, signal.SIGKILL)
     assert _finish(child, timeout=30) == -9  # no status from a dead server: counted as killed
     assert not survivors([child.pid])
+
+
+def test_a_preload_that_fails_leaves_the_server_serving(tmp_path):
+    """MODULE:NAME gets NAME too (transformers' modeling modules load on that); one that cannot be
+    imported is the children's to report, in their own logs, not the server's end."""
+    from autotune.warm import preload_for
+    from runner.recipe import ModelSpec
+
+    assert preload_for(ModelSpec(source="transformers", name="BertForMaskedLM"))[0] == "transformers:BertForMaskedLM"
+    warm = WarmServer(tmp_path, ["json:dumps", "no_such_module_anywhere", "json:no_such_name"])
+    warm.start()
+    try:
+        child = start_child("warm_target", [str(tmp_path / "seen.json")], tmp_path / "c.log", _env(), warm)
+        assert _finish(child) == 0 and warm.alive
+        assert json.loads((tmp_path / "seen.json").read_text())["ppid"] == warm.process.pid
+    finally:
+        warm.stop()
