@@ -83,3 +83,17 @@ def test_every_legend_entry_of_the_plot_is_drawn_in_view(tmp_path, monkeypatch, 
             xs = list(handle.get_xdata())
             assert label in ("cap", "limit (cap - margin)") or len(xs) > 1, label
         assert xs and all(left <= x <= right for x in xs), label
+
+
+def test_a_budget_that_stopped_before_a_fitting_plan_does_not_say_nothing_fits(tmp_path):
+    """The first probe went over the cap and the time budget ended the search: plans never measured
+    may fit, so the line says the budget stopped it, not "nothing fits"."""
+    from autotune.train import nothing_fits
+
+    over = TrialRecord(state="over_cap", number=0, key="a", label="micro_batch 16, checkpointing none, fp32",
+                       plan={"micro_batch": 16}, precision="fp32", measured_peak=104_700_000)
+    skipped = [TrialRecord(state="skipped", number=n, reason="queued") for n in (1, 2)]
+    line = nothing_fits([over, *skipped], Cap(100_000_000, 0.05), None, None, tmp_path)
+    assert line.startswith("no plan measured fits within 95.0 MB (100.0 MB cap minus 5% margin), but 2 queued plan(s) "
+                           "were never measured: the time budget stopped the search")
+    assert "nothing fits" not in line and "smallest peak seen was 104.7 MB" in line
