@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..builders.resolve import BuildError
 from ..files import write_atomic
+from ..parallel.ranks import any_rank
 from .ranked import full_weights
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class BestKept:
                                                  f"{self.spec.metric!r}; name one of them")
         entry = {"step": record["step"], "value": float(values[self.spec.metric])}
         ranked = self._ranked([e for e in self.kept if e["step"] != entry["step"]] + [entry])
-        if entry not in ranked[: self.spec.keep]:
+        # every rank evaluated the same batches; any_rank keeps the gathering below a collective all join
+        if not any_rank(entry in ranked[: self.spec.keep], trainer.ranks):
             return
         weights = full_weights(trainer)  # a collective under FSDP: every rank takes part
         if trainer.ranks.is_main:
