@@ -37,9 +37,10 @@ from .rank_tune import check_devices, check_ranks, rank_training, ranks_comment
 from .predicted import (CachedPredictor, local_facts, named_facts, predict_settings, predicted_device,
                         predicted_note, predicted_probe, ranked_lines)
 from .search import SearchSettings, search
-from .study import Budget, open_study
+from .study import Budget, open_study, process_started
 from .train import nothing_fits, train_with_fallback
 from .tuned import write_tuned
+from .warm import WarmServer, preload_for, warm_enough
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trials", type=int, default=20,
                         help="most new plans to measure; the finalists' re-runs come on top (default 20)")
     parser.add_argument("--time-budget", metavar="DURATION",
-                        help="wall-clock budget of the search from the start (the model's facts, the solver, probes "
-                             "and the finalists' re-runs; the winner's training aside): no probe starts that would "
-                             "end past it, the first excepted: 90s, 10m, 1h")
+                        help="wall-clock budget of the search from the process's start (its imports, the model's "
+                             "facts, the solver, probes and the finalists' re-runs; the winner's training aside): no "
+                             "probe starts that would end past it, the first excepted; the solver and whole-space "
+                             "predictions get a quarter of it: 90s, 10m, 1h")
     parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
                         help="tune for N ranks on this machine (torchrun): the cap holds per rank, each probe is a "
@@ -115,31 +117,57 @@ def run(args) -> int:
                 "wait for it to finish, or give this one --output ANOTHER_DIR", Place(str(directory))):
         if not args.no_train and not args.predict:
             _check_training_output(recipe, args.resume, str(path))  # before the search, not an hour later
-        settings = ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps, args.nproc)
-        runner = ProbeRunner(directory, settings)
-        if args.predict and gpu is None:  # predict for this machine's GPU, named by its device child
-            gpu = local_facts(args, _device(runner, recipe))
-        device = predicted_device(gpu, args.nproc) if args.predict else _device(runner, recipe)
-        gpu = gpu or local_facts(args, device)
-        _check_cap_fits(cap, device, args.max_mem)
-        if cap.meaning(device.kind):
-            log.info(cap.meaning(device.kind))
-        check_devices(device, args.nproc)
-        # the user's model runs only in this child: the tuner never builds it or runs its forward
-        model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen,
-                           nproc=args.nproc, time_facts=gpu)
+        warm = _warm_server(recipe, args.nproc, directory)  # importing in the background from now on
         try:
-            with located_errors(doc):
-                facts = ModelFacts.from_json(read_facts(model, str(path)))
-            space = build_space(recipe, facts, device, args.nproc,
-                                **{knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
-            records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
+            records, space, device, config, screening = _tuned_search(args, path, recipe, doc, cap, budget, gpu,
+                                                                      directory, warm)
         finally:
-            model.stop()
+            if warm is not None:
+                warm.stop()  # before training: its imports hold half a gigabyte
         print(publish(directory, records, config, screening))
         if args.predict and ranked_feasible(records):
             print(ranked_lines(ranked_feasible(records)))
         return _conclude(args, records, doc, cap, space, device, directory, str(path), overrides)
+
+
+def _tuned_search(args, path: Path, recipe: Recipe, doc, cap: Cap, budget: Budget, gpu, directory: Path,
+                  warm: WarmServer | None) -> tuple[list[TrialRecord], Space, Device, dict, dict]:
+    """The device, the model's facts, the space, then the search: (records, space, device, config, screening)."""
+    settings = ProbeSettings(args.probe_timeout, args.warmup_steps, args.timed_steps, args.nproc)
+    runner = ProbeRunner(directory, settings, warm)
+    if args.predict and gpu is None:  # predict for this machine's GPU, named by its device child
+        gpu = local_facts(args, _device(runner, recipe))
+    device = predicted_device(gpu, args.nproc) if args.predict else _device(runner, recipe)
+    gpu = gpu or local_facts(args, device)
+    _check_cap_fits(cap, device, args.max_mem)
+    if cap.meaning(device.kind):
+        log.info(cap.meaning(device.kind))
+    check_devices(device, args.nproc)
+    # the user's model runs only in this child: the tuner never builds it or runs its forward
+    model = ModelChild(recipe, runner.directory, device.kind, args.probe_timeout, screen=not args.no_screen,
+                       nproc=args.nproc, time_facts=gpu, warm=warm)
+    try:
+        with located_errors(doc):
+            facts = ModelFacts.from_json(read_facts(model, str(path)))
+        space = build_space(recipe, facts, device, args.nproc,
+                            **{knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
+        records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
+    finally:
+        model.stop()
+    return records, space, device, config, screening
+
+
+def _warm_server(recipe: Recipe, nproc: int, directory: Path) -> WarmServer | None:
+    """A server that forks the probes and the model child with torch imported (autotune/warm.py): on a
+    CPU, where imports are most of a small model's probe; None where children must start cold."""
+    import torch
+
+    on_cpu = recipe.train.device == "cpu" or not torch.cuda.is_available()  # counts devices, starts no CUDA
+    if not warm_enough("cpu" if on_cpu else "cuda", nproc):
+        return None
+    server = WarmServer(directory / "probes", preload_for(recipe.model))
+    server.start()
+    return server
 
 
 def _conclude(args, records: list[TrialRecord], doc, cap: Cap, space: Space, device: Device, directory: Path,
@@ -152,7 +180,7 @@ def _conclude(args, records: list[TrialRecord], doc, cap: Cap, space: Space, dev
     def tuned_for(record: TrialRecord):
         lines = notes(space, record) + [note for note in [ranks_comment(args.nproc),
                                                           predicted_note(record) if args.predict else None] if note]
-        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, len(records), lines,
+        return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, records, lines,
                            f" --nproc {args.nproc}" if args.nproc > 1 else "")
 
     if args.no_train or args.predict:
@@ -226,7 +254,7 @@ def _budget(args) -> Budget:
         raise _bad("--finalists", f"cannot be negative but got {args.finalists}")
     if args.probe_timeout <= 0 or args.warmup_steps < 0 or args.timed_steps < 1:
         raise _bad("--probe-timeout/--warmup-steps/--timed-steps", "need a positive timeout, warm-up >= 0, timed >= 1")
-    return Budget(args.trials, parse_duration(args.time_budget) if args.time_budget else None)
+    return Budget(args.trials, parse_duration(args.time_budget) if args.time_budget else None, process_started())
 
 
 def parse_duration(text: str) -> float:

@@ -10,6 +10,7 @@ plans, hence the same choices, even though a new timed run could rank the blocks
 from __future__ import annotations
 
 import logging
+import time
 
 import optuna
 
@@ -18,19 +19,32 @@ from runner.plan import MemoryPlan
 from .cap import Cap
 from .facts import Device
 from .space import Space
+from .study import PRE_PROBE_SHARE, Budget
 
 log = logging.getLogger(__name__)
 
+TIMED_BUDGET_S = 600.0  # a --time-budget under this predicts block times instead of timing them
 TIMED_STEPS = 1  # real steps (after a warm-up) that time each block's recompute: ranking, not benchmarking
 
 
 def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, device: Device, predictor,
-                  off_reason: str | None = None, timed_steps: int | None = None) -> list[dict]:
+                  off_reason: str | None = None, timed_steps: int | None = None, budget: Budget | None = None) -> list[dict]:
     """The solver's plans as params of `space` (whose choices grow by their per-block labels).
-    `timed_steps` 0: block times from the predictor's time model instead of a real run."""
+    `timed_steps` 0: block times from the predictor's time model instead of a real run. Under a time
+    budget the solver gets what is left of its share before the first probe, and under
+    TIMED_BUDGET_S it predicts the block times instead of timing them (that run costs a probe's time)."""
     stored = study.user_attrs.get("solver")
     if fresh:
-        stored = _solve(space, cap, device, predictor, off_reason, TIMED_STEPS if timed_steps is None else timed_steps)
+        timed_steps = TIMED_STEPS if timed_steps is None else timed_steps
+        seconds = budget.before_probes_left() if budget is not None else None
+        if seconds is not None and seconds <= 0:
+            off_reason = off_reason or (f"the {PRE_PROBE_SHARE:.0%} of --time-budget {budget.time_s:g} s that may "
+                                        f"pass before the first probe is spent")
+        elif seconds is not None and timed_steps and budget.time_s < TIMED_BUDGET_S:
+            log.info("solver: block times predicted, not timed: --time-budget %g s is under %g s, and timing the "
+                     "blocks takes about a probe", budget.time_s, TIMED_BUDGET_S)
+            timed_steps = 0
+        stored = _solve(space, cap, device, predictor, off_reason, timed_steps, seconds)
         study.set_user_attr("solver", stored)
     elif stored is None:  # new choices now would clash with the distributions its trials were told with
         log.info("solver: --resume: the study started without the solver's plans, so it goes on without them")
@@ -46,7 +60,8 @@ def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, devi
     return points
 
 
-def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | None, timed_steps: int) -> dict:
+def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | None, timed_steps: int,
+           seconds: float | None = None) -> dict:
     if off_reason or predictor is None:
         return {"proposals": [], "lines": [f"off ({off_reason or 'no estimator'}): no per-block plans"]}
     precisions = space.choices.get("precision") or [space.fixed["precision"]]
@@ -54,8 +69,10 @@ def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | 
     request = {"pairs": [[m, p] for p in precisions for m in space.micro_batches()],
                # predictions leave out the CUDA context, which a card-level cap includes
                "limit": cap.limit - device.context_bytes, "offload": "offload" in space.choices,
-               "timed_steps": timed_steps,
-               "base": MemoryPlan(blocks=space.blocks_path, compile=compile_).model_dump(mode="json")}
+               "timed_steps": timed_steps, "context": device.context_bytes,
+               "base": MemoryPlan(blocks=space.blocks_path, compile=compile_).model_dump(mode="json"),
+               # monotonic time is the machine's: the child stops there, its estimator's warm-up counted
+               "deadline": None if seconds is None else time.monotonic() + seconds}
     answer = predictor.frontier(request)
     if answer.get("status") != "ok":
         return {"proposals": [], "lines": [f"no per-block plans: {answer.get('reason', answer.get('status'))}"]}

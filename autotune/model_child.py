@@ -19,7 +19,8 @@ Protocol (files are written atomically; the tuner waits for each with a timeout)
    runner/predict/per_rank.py); with --time-facts (a device's
    `runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
    it (`StepTime.record()`). End of input ends the child. A request with `"frontier": {"pairs":
-   [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan}}`
+   [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan},
+   "context": BYTES (added back in its lines), "deadline": T (time.monotonic() to stop at, or null)}`
    instead asks for the solver's per-block plans (`autotune.solver.frontier`, which times blocks in a
    short real run): answered with `proposals` (Proposal records) and `lines` (its reasons).
 Every answer has a `status` ("ok", "bad_input", "unavailable" or "crash") and, unless ok, a
@@ -33,6 +34,7 @@ import argparse
 import functools
 import json
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -160,7 +162,8 @@ def _frontier(estimator, request: dict) -> dict:
     asked = request["frontier"]
     proposals, lines = frontier(estimator, [tuple(pair) for pair in asked["pairs"]], int(asked["limit"]),
                                 MemoryPlan.model_validate(asked["base"]), bool(asked["offload"]),
-                                int(asked["timed_steps"]))
+                                int(asked["timed_steps"]), int(asked.get("context", 0)),
+                                None if asked.get("deadline") is None else asked["deadline"] - time.monotonic())
     return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
 
 

@@ -133,7 +133,7 @@ def predict_settings(args) -> SearchSettings:
     if args.finalists:
         log.info("tune: --predict: no plan is measured twice (predictions do not vary), so --finalists is unused")
     return SearchSettings(args.seed, 0, "--nproc: the solver plans the blocks of one process" if args.nproc > 1
-                          else ("--no-solver" if args.no_solver else None), timed_steps=0)
+                          else ("--no-solver" if args.no_solver else None), timed_steps=0, predicted=True)
 
 
 def ranked_lines(ranked: list[TrialRecord]) -> str:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from runner.memory.allocator import allocator_env
 from runner.recipe import Recipe
 
 from .records import ProbeResult
+from .warm import Cold, Forked, WarmServer, start_child
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,11 @@ class ProbeSettings:
 class ProbeRunner:
     """Runs probes for one study; each gets DIR/probes/trial-N.{recipe.json,result.json,log}."""
 
-    def __init__(self, directory: Path, settings: ProbeSettings):
+    def __init__(self, directory: Path, settings: ProbeSettings, warm: WarmServer | None = None):
         self.directory = directory / "probes"
         self.directory.mkdir(parents=True, exist_ok=True)
         self.settings = settings
+        self.warm = warm  # forks CPU probes from a process that has imported torch already (autotune/warm.py)
 
     def probe(self, recipe: Recipe, trial: int) -> ProbeResult:
         stem = self.directory / f"trial-{trial}"
@@ -79,13 +80,13 @@ class ProbeRunner:
                                               ("recipe.json", "result.json", "log"))
         write_atomic(recipe_path, recipe.model_dump_json(indent=1))
         result_path.unlink(missing_ok=True)  # a result left by a killed tuner must not be read as this one's
-        command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.child"), what, str(recipe_path),
-                   str(result_path), "--parent", str(os.getpid()), *extra]
-        with open(log_path, "w", encoding="utf-8") as log_file:
-            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, env=child_env(recipe))
-            note_launch(self.directory, what, trial, process.pid)
-            code = _wait(process, timeout_s)
+        argv = [what, str(recipe_path), str(result_path), "--parent", str(os.getpid()), *extra]
+        log_path.write_text("", encoding="utf-8")
+        # only a CPU tune has a warm server; a compiled probe or a group of ranks starts cold even there
+        warm = self.warm if self.settings.nproc == 1 and not recipe.memory.compile else None
+        process = start_child(os.environ.get(CHILD_ENV, "autotune.child"), argv, log_path, child_env(recipe), warm)
+        note_launch(self.directory, what, trial, process.pid)
+        code = _wait(process, timeout_s)
         if trial is not None and (code is None or code < 0):
             kill_ranks(self.directory, trial)  # torchrun put each rank in a session of its own
         return _result(result_path, log_path, code, timeout_s)
@@ -159,25 +160,25 @@ def _groups_running(groups: set[int]) -> bool:
     return False
 
 
-def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
+def _wait(process: Cold | Forked, timeout_s: float) -> int | None:
     """The exit status, or None when the probe ran out of time; the process group is gone either way."""
     exited = False
     try:
-        exited = _wait_unreaped(process.pid, timeout_s)
+        exited = _wait_unreaped(process, timeout_s)
     finally:
         # on exit, timeout or Ctrl-C alike, and before reaping: an unreaped leader keeps its pid, so the
         # group id still names only this probe's processes (compile workers, a hung grandchild)
         kill_group(process.pid)
-        code = process.wait()
+        code = process.reap()
     return code if exited else None
 
 
-def _wait_unreaped(pid: int, timeout_s: float) -> bool:
+def _wait_unreaped(process: Cold | Forked, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+    while not process.exited():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.1)
+        time.sleep(0.02)
     return True
 
 

@@ -77,6 +77,50 @@ def winner_reason(records: list[TrialRecord], limit: int) -> str:
     return why
 
 
+def run_speeds(records: list[TrialRecord], plan: TrialRecord) -> list[float]:
+    """The throughput of every run of `plan`'s plan (its first probe and the finalists' re-runs)."""
+    return [r.samples_per_s for r in records
+            if r.key == plan.key and r.state != "duplicate" and r.samples_per_s and r.measured_peak]
+
+
+def caveats(records: list[TrialRecord]) -> list[str]:
+    """What the winner's reader must know before trusting it: that one plan only was measured (nothing
+    was compared), or that the runner-up is within the measurement noise of the winner (the ranking
+    between them is a coin toss on this evidence). Predictions do not vary: they get neither."""
+    ranked, measured = ranked_feasible(records), plans(records)
+    if not ranked or ranked[0].predicted:
+        return []
+    if len(measured) < 2:
+        return [f"ONLY ONE PLAN WAS MEASURED (trial {ranked[0].number}): nothing was compared, so it is a plan that "
+                f"fits, not the fastest; {_untried(records)}"]
+    if len(ranked) < 2:
+        return []
+    best, second = ranked[0], ranked[1]
+    fast, slow = run_speeds(records, best), run_speeds(records, second)
+    gap = best.samples_per_s / second.samples_per_s - 1
+    described = (f"trial {best.number} {_spread(fast)} against trial {second.number} {_spread(slow)} samples/s")
+    if len(fast) > 1 and len(slow) > 1:
+        if max(slow) < min(fast):
+            return []
+        return [f"WITHIN THE NOISE: {described}: their runs overlap, so the {gap:.0%} between the medians does not "
+                f"rank them; either plan is as good on this evidence"]
+    return [f"NOT CONFIRMED: {described}: {gap:.0%} apart on {'one run' if len(fast) == 1 else 'runs'} of the winner "
+            f"and {'one' if len(slow) == 1 else len(slow)} of the runner-up, which no re-run checked (one CPU probe "
+            f"can vary 2-3x on a busy machine); more --time-budget re-runs the finalists"]
+
+
+def _spread(speeds: list[float]) -> str:
+    if len(speeds) == 1:
+        return f"{speeds[0]:.2f} (1 run)"
+    return f"{statistics.median(speeds):.2f} (median of {len(speeds)} runs, {min(speeds):.2f}-{max(speeds):.2f})"
+
+
+def _untried(records: list[TrialRecord]) -> str:
+    skipped = sum(r.state == "skipped" for r in records)
+    why = f"{skipped} queued plan(s) were skipped when the time budget ran out; " if skipped else ""
+    return f"{why}a longer --time-budget (or none) measures and compares more"
+
+
 def summary(records: list[TrialRecord]) -> str:
     counts: dict[str, int] = {}
     for record in records:
@@ -97,6 +141,7 @@ def format_table(records: list[TrialRecord], cap: int, limit: int) -> str:
         lines.append(f"  {mark:1} {plan.number:>5}  {format_bytes(plan.measured_peak):>9}  "
                      f"{plan.samples_per_s:>9.2f}  {plan.runs:>4}  {fits:<4}  {plan.label}")
     lines.append(f"winner: {winner_reason(records, limit)}" if ranked else f"no winner: {winner_reason(records, limit)}")
+    lines += [f"warning: {caveat}" for caveat in caveats(records)]
     return "\n".join(lines)
 
 
@@ -107,6 +152,7 @@ def write_report(directory: Path, records: list[TrialRecord], config: dict, scre
     report = {"cap_bytes": config["cap"], "margin": config["margin"], "limit_bytes": _limit(config),
               "winner": ranked[0].number if ranked else None, "ranked_feasible": [r.number for r in ranked],
               "pareto_front": [r.number for r in pareto_front(records)], "screening": screening,
+              "caveats": caveats(records),
               "trials": [r.as_data() for r in records]}
     path = directory / "report.json"
     write_atomic(path, json.dumps(report, indent=1, default=str))
@@ -132,10 +178,13 @@ def plot(directory: Path, records: list[TrialRecord], config: dict) -> Path:
         ax.scatter([r.measured_peak / 1e6 for r in group], [r.samples_per_s for r in group], label=label,
                    marker=marker, color=color)
     front = pareto_front(records)
-    ax.step([r.measured_peak / 1e6 for r in front], [r.samples_per_s for r in front], where="post",
-            color="grey", linewidth=1, label="Pareto front")
+    if len(front) > 1:  # a front of one plan is no line: its legend entry would name nothing drawn
+        ax.step([r.measured_peak / 1e6 for r in front], [r.samples_per_s for r in front], where="post",
+                color="grey", linewidth=1, label="Pareto front")
     ax.axvline(config["cap"] / 1e6, color="black", linestyle="--", linewidth=1, label="cap")
     ax.axvline(_limit(config) / 1e6, color="black", linestyle=":", linewidth=1, label="limit (cap - margin)")
+    peaks = [p.measured_peak / 1e6 for p in measured] + [config["cap"] / 1e6, _limit(config) / 1e6]
+    ax.set_xlim(0.95 * min(peaks), 1.05 * max(peaks))  # the cap and the limit in view with every plan
     ranked = ranked_feasible(records)
     if ranked:
         best = ranked[0]
@@ -143,7 +192,8 @@ def plot(directory: Path, records: list[TrialRecord], config: dict) -> Path:
                    edgecolors="black", zorder=3, label=f"winner (trial {best.number})")
     ax.set_xlabel("measured peak memory (MB)")
     ax.set_ylabel("samples/s")
-    ax.set_title("ckrun tune: plans measured")
+    ax.set_title(f"ckrun tune: {len(measured)} plan(s) {'predicted' if measured[0].predicted else 'measured'}"
+                 + (" - ONE PLAN: nothing compared" if len(measured) == 1 and not measured[0].predicted else ""))
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = directory / "pareto.png"

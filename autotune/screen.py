@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from .probe import exit_words, kill_group, note_launch
 from .candidate import Candidate
 from .knobs import describe
 from .study import Prediction
+from .warm import Cold, Forked, WarmServer, start_child
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +46,14 @@ class ModelChild:
     """One model child at a time for a tune; its files go to DIR/probes/model/, its output to model.log."""
 
     def __init__(self, recipe: Recipe, probes: Path, device_kind: str, timeout_s: float, screen: bool, nproc: int = 1,
-                 time_facts=None):
+                 time_facts=None, warm: WarmServer | None = None):
+        self.warm = warm  # a CPU tune's warm server forks this child (autotune/warm.py)
         self.recipe, self.probes, self.device_kind, self.nproc = recipe, probes, device_kind, nproc
         self.timeout_s, self.screen = timeout_s, screen
         self.time_facts = time_facts  # runner.predict.hardware.DeviceFacts: predictions carry step times
         self.directory = probes / "model"
         self.log_path = self.directory / "model.log"
-        self.process: subprocess.Popen | None = None
+        self.process: Cold | Forked | None = None
         self.requests = 0  # answer numbers go on across restarts: an old answer is never read as a new one
 
     @property
@@ -72,12 +72,11 @@ class ModelChild:
         if self.time_facts is not None:
             write_atomic(self.directory / "time_facts.json", self.time_facts.model_dump_json(indent=1))
             timing = ["--time-facts", str(self.directory / "time_facts.json")]
-        command = [sys.executable, "-m", os.environ.get(CHILD_ENV, "autotune.model_child"), str(recipe_path),
-                   str(self.directory), "--parent", str(os.getpid()), "--device", self.device_kind, "--nproc",
-                   str(self.nproc), *([] if self.screen else ["--facts-only"]), *timing]
-        with open(self.log_path, "a", encoding="utf-8") as log_file:
-            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
-                                            start_new_session=True, text=True, env=self.environment(gpu))
+        argv = [str(recipe_path), str(self.directory), "--parent", str(os.getpid()), "--device", self.device_kind,
+                "--nproc", str(self.nproc), *([] if self.screen else ["--facts-only"]), *timing]
+        warm = self.warm if not gpu else None
+        self.process = start_child(os.environ.get(CHILD_ENV, "autotune.model_child"), argv, self.log_path,
+                                   self.environment(gpu), warm, requests=True)
         note_launch(self.probes, "model", None, self.process.pid)
 
     def environment(self, gpu: bool) -> dict[str, str]:
@@ -129,7 +128,7 @@ class ModelChild:
             return None
         process, self.process = self.process, None
         kill_group(process.pid)  # before reaping: the group id names only this child's processes
-        code = process.wait()
+        code = process.reap()
         try:
             process.stdin.close()
         except OSError:
@@ -140,12 +139,12 @@ class ModelChild:
         """The answer in `name`, or a `timeout` / `died` answer after which the child is gone."""
         path, deadline = self.directory / name, time.monotonic() + self.timeout_s
         while not path.exists():
-            ended = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            if ended is not None and not path.exists():  # exited: an answer written just before counts
+            ended = self.process.exited()
+            if ended and not path.exists():  # exited: an answer written just before counts
                 code = self.stop()
                 return {"status": "died", "reason": f"the model process {exit_words(code)} while {doing}; "
                                                     f"see {self.log_path}"}
-            if ended is None and time.monotonic() > deadline:
+            if not ended and time.monotonic() > deadline:
                 self.stop()
                 return {"status": "timeout", "reason": f"{doing} timed out after {self.timeout_s:g} s and was "
                                                        f"killed (--probe-timeout); see {self.log_path}"}

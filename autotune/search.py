@@ -31,20 +31,25 @@ class SearchSettings:
     finalists: int = 2  # plans measured again until each has FINALIST_RUNS runs; 0 for deterministic answers
     solver_off: str | None = None  # why the solver proposes nothing, or None
     timed_steps: int | None = None  # the solver's real block timing (None: its default; 0: predicted times)
+    predicted: bool = False  # tune --predict: predictions answer the probes, and the log says so
 
 
 def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, device: Device, budget: Budget,
            evaluate: Evaluate, predictor=None, settings: SearchSettings = SearchSettings()) -> list[TrialRecord]:
     """Run the search on `study` and return every trial as a record (`study.trial_records`)."""
     off = settings.solver_off or (None if predictor is not None else "no predictions")
-    first = solver_points(study, fresh, space, cap, device, predictor, off, settings.timed_steps)
-    tuner = Tuner(study, space, cap, evaluate, predictor, settings.seed)
+    first = solver_points(study, fresh, space, cap, device, predictor, off, settings.timed_steps, budget)
+    tuner = Tuner(study, space, cap, evaluate, predictor, settings.seed, settings.predicted)
     if fresh:
-        tuner.start(recipe, first, budget.trials)
+        tuner.start(recipe, first, budget.trials, budget)
     else:
         log.info("tune: --resume: %d trials already in the study are kept, not run again", len(study.trials))
     tuner.run(budget)
     tuner.confirm(settings.finalists, budget)
-    log.info("tune: searched for %.0f s%s, %d plans measured", time.monotonic() - budget.started,
-             f" of --time-budget {budget.time_s:g} s" if budget.time_s else "", tuner.probes)
+    spent = time.monotonic() - budget.started
+    over = budget.time_s is not None and spent > budget.time_s
+    log.log(logging.WARNING if over or tuner.probes < 2 else logging.INFO, "tune: searched for %.0f s%s, %d plans %s%s",
+            spent, f" of --time-budget {budget.time_s:g} s" if budget.time_s else "", tuner.probes,
+            "predicted" if settings.predicted else "measured",
+            f" (over the budget by {spent - budget.time_s:.0f} s: see the lines above)" if over else "")
     return trial_records(study)

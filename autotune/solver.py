@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -190,32 +191,33 @@ def plan_for(choices: list[str], base: MemoryPlan) -> MemoryPlan:
 
 
 def propose(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
-            offload: bool = False) -> Proposal | None:
+            offload: bool = False, context: int = 0) -> Proposal | None:
     """The fastest plan the estimator puts at or under `limit`, or None: the solver's per-block plan,
     or an action that only covers every block (selective checkpointing) where the costs say that is
     faster and it fits."""
     possible = actions(offload)
-    proposal = _per_block(table, limit, predict, base, [action for action in possible if action.per_block])
+    proposal = _per_block(table, limit, predict, base, [action for action in possible if action.per_block], context)
     for action in possible:
         if not action.per_block:
-            proposal = _every_block_under(action, table, limit, predict, base, proposal)
+            proposal = _every_block_under(action, table, limit, predict, base, proposal, context)
     return proposal
 
 
 def _per_block(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
-               per_block: list[Action]) -> Proposal | None:
+               per_block: list[Action], context: int = 0) -> Proposal | None:
     """The fastest solution over each pairing of per-block actions (one per plan field), else every
     block recomputed where that is known to fit."""
     fields = {}
     for action in per_block:
         fields.setdefault(action.field, []).append(action)
-    solved = [_solved(table, limit, predict, base, list(pairing)) for pairing in itertools.product(*fields.values())]
+    solved = [_solved(table, limit, predict, base, list(pairing), context)
+              for pairing in itertools.product(*fields.values())]
     solved = [proposal for proposal in solved if proposal is not None]
-    return min(solved, key=lambda p: p.added_s) if solved else _every_block(table, limit, base)
+    return min(solved, key=lambda p: p.added_s) if solved else _every_block(table, limit, base, context)
 
 
 def _solved(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], base: MemoryPlan,
-            chosen: list[Action]) -> Proposal | None:
+            chosen: list[Action], context: int = 0) -> Proposal | None:
     budget = limit - table.base_bytes
     for _ in range(REFITS):
         if budget <= 0:
@@ -230,12 +232,12 @@ def _solved(table: CostTable, limit: int, predict: Callable[[MemoryPlan], int], 
         plan = plan_for(choices, base)
         peak = predict(plan)
         if peak <= limit:
-            return Proposal(plan, table.precision, peak, seconds, _reason(table, choices, seconds, peak, limit))
+            return Proposal(plan, table.precision, peak, seconds, _reason(table, choices, seconds, peak, limit, context))
         budget -= peak - limit + unit  # the model of the peak was short by this much: ask for less
     return None
 
 
-def _every_block(table: CostTable, limit: int, base: MemoryPlan) -> Proposal | None:
+def _every_block(table: CostTable, limit: int, base: MemoryPlan, context: int = 0) -> Proposal | None:
     """Every block recomputed, when the estimator put that under the limit: the programme's rounding
     (units rounded up) or its additive model can miss the one plan that is known to fit."""
     if table.full_peak > limit:
@@ -243,11 +245,11 @@ def _every_block(table: CostTable, limit: int, base: MemoryPlan) -> Proposal | N
     choices = [FullCheckpointing.block_action] * len(table.blocks)
     seconds = sum(_seconds(cost.of(FullCheckpointing.block_action)[1]) for cost in table.blocks)
     return Proposal(plan_for(choices, base), table.precision, table.full_peak, seconds,
-                    _reason(table, choices, seconds, table.full_peak, limit))
+                    _reason(table, choices, seconds, table.full_peak, limit, context))
 
 
 def _every_block_under(action: Action, table: CostTable, limit: int, predict: Callable[[MemoryPlan], int],
-                       base: MemoryPlan, best: Proposal | None) -> Proposal | None:
+                       base: MemoryPlan, best: Proposal | None, context: int = 0) -> Proposal | None:
     """`action` on every block in place of `best`, where the costs say it is faster and it fits."""
     costs = [cost.of(action.name) for cost in table.blocks]
     seconds = sum(_seconds(s) for _, s in costs)
@@ -260,52 +262,67 @@ def _every_block_under(action: Action, table: CostTable, limit: int, predict: Ca
     return Proposal(plan, table.precision, peak, seconds,
                     f"micro_batch {table.micro_batch}, {table.precision}: {getattr(plan, action.field).label()} "
                     f"{action.field} of every block (+{1000 * seconds:.1f} ms a step by the costs, less than the "
-                    f"per-block plan's); predicted {format_bytes(peak)} <= limit {format_bytes(limit)}")
+                    f"per-block plan's); {_within(peak, limit, context)}")
 
 
-def _reason(table: CostTable, choices: list[str], seconds: float, peak: int, limit: int) -> str:
+def _reason(table: CostTable, choices: list[str], seconds: float, peak: int, limit: int, context: int = 0) -> str:
     acted = [action for action in actions() if action.name in choices]
     picked = {action.name: [i for i, x in enumerate(choices) if x == action.name] for action in acted}
     what = "; ".join(f"{name} blocks {short_list(v)}" for name, v in picked.items()) or "keep every block"
     recomputed = sum(len(picked[action.name]) for action in acted if action.recomputes)
     return (f"micro_batch {table.micro_batch}, {table.precision}: {what} ({recomputed} of "
-            f"{len(choices)} recomputed, +{1000 * seconds:.1f} ms a step by the costs); predicted "
-            f"{format_bytes(peak)} <= limit {format_bytes(limit)}")
+            f"{len(choices)} recomputed, +{1000 * seconds:.1f} ms a step by the costs); {_within(peak, limit, context)}")
+
+
+def _within(peak: int, limit: int, context: int) -> str:
+    """A predicted peak against the limit, in the numbers the tune's header uses: a card-level cap counts
+    the CUDA context, which the estimator's peaks leave out."""
+    if not context:
+        return f"predicted {format_bytes(peak)} <= limit {format_bytes(limit)}"
+    return (f"predicted {format_bytes(peak + context)} (the CUDA context's {format_bytes(context)} included) <= "
+            f"limit {format_bytes(limit + context)}")
 
 
 # --- the frontier: one proposal per micro-batch and precision ---------------------------------------
 
 
 def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPlan, offload: bool = False,
-             timed_steps: int = 1) -> tuple[list[Proposal], list[str]]:
+             timed_steps: int = 1, context: int = 0, seconds: float | None = None) -> tuple[list[Proposal], list[str]]:
     """The solver's plan for each (micro_batch, precision) that needs one, with a line per decision.
 
     Per precision the micro-batches go from the largest down and stop at the first where keeping
     every block is predicted to fit (smaller ones only run slower); a pair where even recomputing
-    every block is predicted over the limit (and no offload) gets no plan."""
+    every block is predicted over the limit (and no offload) gets no plan. `limit` is for the
+    estimator's peaks, which leave out the `context` a card-level cap counts: the lines add it back.
+    With `seconds`, pairs not reached within them get no plan (a --time-budget's share)."""
     from runner.predict.block_costs import cost_table
 
+    deadline = None if seconds is None else time.monotonic() + seconds
+    show = lambda n: format_bytes(n + context)  # noqa: E731
     proposals, lines = [], []
     for precision in dict.fromkeys(p for _, p in pairs):
         for micro in sorted((m for m, p in pairs if p == precision), reverse=True):
+            if deadline is not None and time.monotonic() > deadline:
+                lines.append(f"micro_batch {micro}, {precision} and below: not solved, the time budget's share "
+                             f"before the first probe ({seconds:.0f} s left when the solver started) is spent")
+                break
             at = base.model_copy(update={"micro_batch": micro})
             predict = lambda plan, precision=precision: estimator.estimate(plan, precision).peak_bytes  # noqa: E731
             kept = predict(at.model_copy(update={"checkpointing": MemoryPlan().checkpointing}))
             if kept <= limit:
                 lines.append(f"micro_batch {micro}, {precision}: keeping every block is predicted to fit "
-                             f"({format_bytes(kept)}); no solver plan needed here or below")
+                             f"({show(kept)}); no solver plan needed here or below")
                 break
             table = cost_table(estimator, micro, precision, timed_steps)
             if table.full_peak > limit and not offload:
                 lines.append(f"micro_batch {micro}, {precision}: even recomputing every block is predicted over "
-                             f"the limit ({format_bytes(table.full_peak)}); no plan")
+                             f"the limit ({show(table.full_peak)}); no plan")
                 continue
-            proposal = propose(table, limit, predict, at, offload)
+            proposal = propose(table, limit, predict, at, offload, context)
             if proposal is None:
                 lines.append(f"micro_batch {micro}, {precision}: the solver found no plan the estimator puts "
-                             f"under {format_bytes(limit)}")
+                             f"under {show(limit)}")
                 continue
             proposals.append(proposal)
             lines.append(proposal.reason)
     return proposals, lines
-

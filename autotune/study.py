@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +46,10 @@ STARTUP_TRIALS = 5  # trials (starting points included) before TPE models the sp
 CONVERGED_AFTER = 10  # proposals in a row of already-measured plans that end the search
 FINALIST_RUNS = 3  # runs of each finalist: the median of three ignores one outlier, of two it is the mean
 UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad as a plan twice the cap
+# Under --time-budget, what runs before the first probe (imports, the model's facts, predictions of
+# the starting points, the solver) may use this share of it; predictions past it are left to the
+# search, which makes them one plan at a time. A quarter leaves a 40 s budget room for 2-4 CPU probes.
+PRE_PROBE_SHARE = 0.25
 UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
 
 Evaluate = Callable[[Candidate, int], ProbeResult]  # (candidate, trial number) -> what the probe reported
@@ -67,11 +72,24 @@ class Prediction:
 Predict = Callable[[Candidate], "int | Prediction | None"]  # predicted peak bytes; None: no prediction possible
 
 
+def process_started() -> float:
+    """When this process started, on the `time.monotonic()` clock: `ckrun tune`'s own imports count
+    against its budget too. Linux's /proc gives it; elsewhere, now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])  # both count from boot
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    return time.monotonic() - min(max(age, 0.0), 60.0)  # a bound, should a clock disagree
+
+
 @dataclass(frozen=True)
 class Budget:
-    """What the search may spend: new plans measured, and wall-clock seconds from `started` (the
-    start of `ckrun tune`: the model's facts, predictions and the solver count, the winner's
-    training does not). No probe starts that is expected to end past the time budget."""
+    """What the search may spend: new plans measured, and wall-clock seconds from `started` (for
+    `ckrun tune`, its process's start: its imports, the model's facts, predictions and the solver
+    count, the winner's training does not). No probe starts that is expected to end past the time
+    budget, the first excepted; before it, predictions and the solver may use `PRE_PROBE_SHARE` of it."""
 
     trials: int = 20  # probes, i.e. measurements; screened and repeated proposals cost none
     time_s: float | None = None
@@ -79,6 +97,10 @@ class Budget:
 
     def time_left(self) -> float | None:
         return None if self.time_s is None else self.time_s - (time.monotonic() - self.started)
+
+    def before_probes_left(self) -> float | None:
+        """Seconds left of the share of the budget that the work before the first probe may use."""
+        return None if self.time_s is None else PRE_PROBE_SHARE * self.time_s - (time.monotonic() - self.started)
 
 
 def open_study(directory: Path, config: dict, resume: bool) -> tuple[optuna.Study, bool]:
@@ -108,8 +130,10 @@ class Tuner:
     optuna; a plan proposed again reuses its measurement instead of being probed twice."""
 
     def __init__(self, study: optuna.Study, space: Space, cap: Cap, evaluate: Evaluate,
-                 predict: Predict | None = None, seed: int = 0):
+                 predict: Predict | None = None, seed: int = 0, predicted: bool = False):
         self.study, self.space, self.cap, self.seed = study, space, cap, seed
+        self.predicted_search = predicted  # tune --predict: predictions answer, and the log never says "probing"
+        self.doing = "predicting" if predicted else "probing"
         self.evaluate, self.predict = evaluate, predict
         self.first_of: dict[str, FrozenTrial] = {}  # plan key -> the trial that evaluated it
         for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -120,17 +144,23 @@ class Tuner:
         self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
         self.predicted_time: dict[str, dict] = {}  # plan key -> its predicted StepTime record, when timed
         self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
+        self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
 
-    def start(self, recipe, first: list[dict] | None = None, trials: int | None = None) -> None:
+    def start(self, recipe, first: list[dict] | None = None, trials: int | None = None,
+              budget: Budget | None = None) -> None:
         """Queue `first` (the solver's plans), the recipe's own plan, then the starting points; with
         predictions, each at the largest micro-batch predicted to fit, the predicted fastest first.
         A small space is predicted whole, and searched exhaustively when no more plans are predicted
-        to fit than `trials` allows."""
+        to fit than `trials` allows. Under a time budget, that whole-space prediction stops when the
+        share before the first probe is spent (`Budget.before_probes_left`); the starting points
+        (a few predictions, each a fraction of a probe) are always predicted: a probe of a plan far
+        over the cap would cost more."""
+        self.budget = budget
         first = list(first or [])
         for params in first:
             self.study.enqueue_trial(params, user_attrs={"proposed_by": "solver"})
         if first:
-            log.info("tune: probing the solver's %d plan(s) first: %s", len(first),
+            log.info("tune: %s the solver's %d plan(s) first: %s", self.doing, len(first),
                      "; ".join(describe(self.space.candidate(p)) for p in first))
         own = self._own_plan(recipe, first)
         fits = self._predicted_to_fit if self.predict else None
@@ -179,6 +209,10 @@ class Tuner:
             return
         every, fitting = self.space.all_params(), []
         for params in every:  # stops at the first plan over the budget: then TPE samples, as usual
+            if self._no_time_to_predict():
+                log.info("tune: no exhaustive search: %s before all %d plans were predicted, so TPE samples "
+                         "them, each predicted as it comes", self._no_time_to_predict(), len(every))
+                return
             peak = self._prediction(self.space.candidate(params))
             if peak is None or peak <= self.cap.screen_above:
                 fitting.append(params)
@@ -198,6 +232,14 @@ class Tuner:
             return True  # the eager estimate bounds no compiled plan under a budget: it is measured instead
         predicted = self._prediction(candidate)
         return predicted is None or predicted <= self.cap.limit
+
+    def _no_time_to_predict(self) -> str | None:
+        """Why no more predictions may run before the first probe: the time budget's share for them is spent."""
+        left = self.budget.before_probes_left() if self.budget is not None and self.probes == 0 else None
+        if left is None or left > 0:
+            return None
+        return (f"the {PRE_PROBE_SHARE:.0%} of --time-budget {self.budget.time_s:g} s that may pass before the first "
+                f"probe is spent")
 
     def _prediction(self, candidate: Candidate) -> int | None:
         if candidate.key not in self.predicted:
@@ -231,7 +273,7 @@ class Tuner:
 
     def _stop_reason(self, budget: Budget) -> str | None:
         if self.probes >= budget.trials:
-            return f"{self.probes} plans measured (--trials {budget.trials})"
+            return f"{self.probes} plans {'predicted' if self.predicted_search else 'measured'} (--trials {budget.trials})"
         if len(self.first_of) >= self.space.size:
             return f"every plan in the space ({self.space.size}) has been tried"
         if self.duplicates_in_a_row >= CONVERGED_AFTER:
@@ -323,7 +365,7 @@ class Tuner:
         store_record(trial, record)
         told = self.study.tell(trial, record.samples_per_s or 0.0)
         self.first_of.setdefault(candidate.key, told)
-        _log_trial(trial.number, candidate, record)
+        _log_trial(trial.number, candidate, record, self.predicted_search)
 
     def _tell_duplicate(self, trial: Trial, earlier: FrozenTrial) -> None:
         self.duplicates_in_a_row += 1
@@ -348,7 +390,7 @@ class Tuner:
         if predicted is not None and predicted > self.cap.screen_above:
             reason = f"predicted {format_bytes(predicted)} > cap {format_bytes(self.cap.bytes)}; not probed"
             return TrialRecord(**known, state="screened", reason=reason), self.cap.constraint(predicted)
-        log.info("trial %d: probing %s", number, describe(candidate))
+        log.info("trial %d: %s %s", number, self.doing, describe(candidate))
         return self._measured(known, self.evaluate(candidate, number))
 
     def _measured(self, known: dict, result: ProbeResult) -> tuple[TrialRecord, float]:
@@ -369,15 +411,22 @@ class Tuner:
         return TrialRecord(**{"state": "feasible", **measured}), constraint
 
 
-def _log_trial(number: int, candidate: Candidate, record: TrialRecord) -> None:
+def _log_trial(number: int, candidate: Candidate, record: TrialRecord, predicted: bool = False) -> None:
+    """`trial N: STATE: plan (numbers)`; under --predict the words say predicted, never measured."""
     peak = record.measured_peak or record.predicted_peak
     speed = record.samples_per_s
-    numbers = ", ".join(x for x in (f"peak {format_bytes(peak)}" if peak else "",
-                                    f"{speed:.1f} samples/s" if speed else "",
+    how = "predicted " if predicted or not record.measured_peak else ""
+    numbers = ", ".join(x for x in (f"{how}peak {format_bytes(peak)}" if peak else "",
+                                    f"{how}{speed:.1f} samples/s" if speed else "",
                                     f"gradient error {record.gradient_error:.2e}" if record.gradient_error is not None
                                     else "") if x)
-    log.info("trial %d: %s: %s%s%s", number, record.state, describe(candidate),
+    state = PREDICTED_WORDS.get(record.state, record.state) if predicted else record.state
+    log.info("trial %d: %s: %s%s%s", number, state, describe(candidate),
              f" ({numbers})" if numbers else "", f" - {record.reason}" if record.reason else "")
+
+
+PREDICTED_WORDS = {"feasible": "predicted to fit", "over_limit": "predicted over the limit",
+                   "unavailable": "no prediction"}
 
 
 def trial_records(study: optuna.Study) -> list[TrialRecord]:

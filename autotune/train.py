@@ -93,12 +93,16 @@ def nothing_fits(records: list[TrialRecord], cap: Cap, space: Space, device: Dev
         return (f"no plan could be measured within {cap.describe()}: {len(broken)} probe(s) failed before measuring "
                 f"a peak, e.g. trial {broken[0].number} ({broken[0].label}): {reason}"
                 + ("" if log_path in reason else f"; see {log_path}"))
+    skipped = sum(r.state == "skipped" for r in records)
+    if skipped:  # the budget stopped the search: "nothing fits" would be said of plans never tried
+        head = (f"no plan measured fits within {cap.describe()}, but {skipped} queued plan(s) were never measured: "
+                f"the time budget stopped the search (a longer --time-budget, or none, measures them)")
     for peak_of, verb in ((lambda r: r.measured_peak, "seen"), (lambda r: r.predicted_peak, "predicted")):
         seen = [r for r in records if peak_of(r) and r.state != "duplicate"]
         if seen:
             smallest = min(seen, key=peak_of)
             return (f"{head}: the smallest peak {verb} was {format_bytes(peak_of(smallest))} "
-                    f"(trial {smallest.number}: {smallest.label}); {_knob(smallest, space, device)}")
+                    f"(trial {smallest.number}: {smallest.label})" + ("" if skipped else f"; {_knob(smallest, space, device)}"))
     return f"{head}: no probe measured a peak ({summary(records)}); see {directory / 'probes'}/*.log"
 
 

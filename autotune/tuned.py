@@ -28,6 +28,7 @@ from runner.yamlio import Document, dump_yaml, parse_document
 from .cap import Cap
 from .records import TrialRecord
 from .candidate import distributed_section
+from .report import caveats, plans, summary
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +158,8 @@ def _between_sections(line: str) -> bool:
     return line.strip() in ("", "...") or line.lstrip().startswith("#")
 
 
-def provenance(winner: TrialRecord, cap: Cap, source: str, overrides: list[str], path: Path, trials: int,
-               notes: list[str] = (), flags: str = "") -> str:
+def provenance(winner: TrialRecord, cap: Cap, source: str, overrides: list[str], path: Path,
+               records: list[TrialRecord], notes: list[str] = (), flags: str = "") -> str:
     device = winner.device or {}
     total = device.get("device_total_bytes")
     versions = f"torch {device.get('torch')}" + (f", CUDA {device['cuda']}" if device.get("cuda") else "")
@@ -171,18 +172,26 @@ def provenance(winner: TrialRecord, cap: Cap, source: str, overrides: list[str],
         f"within {cap.describe()}, "
         f"{winner.samples_per_s:.2f} samples/s" + (f" (median of {winner.runs} runs)" if winner.runs > 1 else ""),
         f"  plan:       {winner.label}",
-        f"  chosen:     trial {winner.number} of {trials}; the study, report.json and pareto.png are in {path.parent}",
+        f"  chosen:     {_chosen(winner, records)}; the study, report.json and pareto.png are in {path.parent}",
+        *(f"  WARNING:    {caveat}" for caveat in caveats(records)),
         *(f"  note:       {note}" for note in notes),
     ]
     return "".join(f"# {line}\n" for line in lines if line) + "\n"
 
 
+def _chosen(winner: TrialRecord, records: list[TrialRecord]) -> str:
+    """Which trial, and among how many plans it was chosen: `measured` counts plans, not re-runs."""
+    how = "predicted" if winner.predicted else "measured"
+    return (f"trial {winner.number}, the fastest that fits of {len(plans(records))} plan(s) {how} "
+            f"({len(records)} trials: {summary(records)})")
+
+
 def write_tuned(directory: Path, doc: Document, winner: TrialRecord, cap: Cap, cap_text: str,
-                source: str, overrides: list[str], trials: int, notes: list[str] = (),
+                source: str, overrides: list[str], records: list[TrialRecord], notes: list[str] = (),
                 flags: str = "") -> tuple[Path, Recipe]:
     """`flags`: what `ckrun tuned.yaml` needs besides the file (` --nproc 2`), shown in the comment."""
     path = directory / "tuned.yaml"
-    text = (provenance(winner, cap, source, overrides, path, trials, notes, flags)
+    text = (provenance(winner, cap, source, overrides, path, records, notes, flags)
             + tuned_text(doc, tuned_data(doc, winner, cap_text)))
     recipe = recipe_from_text(text, str(path))  # an InputError here is a tuner bug: better now than at training
     write_atomic(path, text)

@@ -145,6 +145,22 @@ class EarlyStopping(Strict):
     """Whether smaller or larger is better; unset: max for accuracy, min for everything else."""
 
 
+class BestWeights(Strict):
+    """Keep the weights of the `keep` best evaluations by `metric` in OUTPUT_DIR/best/step-N (each a
+    loadable export, as Lightning's ModelCheckpoint keeps its top k), and with `restore`, export the
+    best of them as OUTPUT_DIR/model at the end (as the Trainer's load_best_model_at_end). The last
+    step's full training state stays in checkpoints/, so --resume continues from it."""
+
+    metric: str = "loss"
+    """`loss`, `perplexity`, `accuracy` or a name eval.metrics returns."""
+    mode: Literal["min", "max"] | None = None
+    """Whether smaller or larger is better; unset: max for accuracy, min for everything else."""
+    keep: int = Field(default=1, gt=0)
+    """How many of the best evaluations' weights to keep (top k)."""
+    restore: bool = True
+    """Export the best evaluation's weights at the end instead of the last step's."""
+
+
 class EvalSpec(Strict):
     """Held-out evaluation: loss, and perplexity (language models) or accuracy (classification)."""
 
@@ -163,6 +179,20 @@ class EvalSpec(Strict):
     number (recorded under the function's name) or a dict of named numbers."""
     early_stopping: EarlyStopping | None = None
     """End the run when an evaluation metric stops improving; needs eval.every."""
+    best: BestWeights | None = None
+    """Keep the best evaluations' weights, and export the best at the end; needs eval.every."""
+
+    @model_validator(mode="after")
+    def _best_needs_evaluations(self) -> EvalSpec:
+        if self.best is None:
+            return self
+        if not self.every:
+            raise KeyedError(("eval", "every"), "eval.best needs evaluations during the run; set eval.every to "
+                             "the steps between them")
+        if self.best.metric not in ("loss", "perplexity", "accuracy") and not self.metrics:
+            raise KeyedError(("eval", "best", "metric"), f"the evaluation reports loss and perplexity or accuracy, "
+                             f"not {self.best.metric!r}; name one, or add eval.metrics")
+        return self
 
     @model_validator(mode="after")
     def _early_stopping_needs_evaluations(self) -> EvalSpec:

@@ -3,14 +3,16 @@
 `adamw` and `sgd` are ckrun's own settings (fused AdamW on CUDA); any other `torch.optim` class
 is named as torch spells it, its arguments written beside the name as in torchtune's configs,
 and checked against the class when the recipe is validated. 8-bit and paged AdamW come from
-bitsandbytes when it is installed. Schedules beyond constant and cosine are transformers' own
-(`get_scheduler`), so a recipe's `linear` is the Trainer's `linear`.
+bitsandbytes when it is installed. Every schedule is transformers' own (`get_scheduler`), so a
+recipe's `cosine` and `linear` are the Trainer's, warm-up included (linear from 0: the first step's
+rate is 0), and `warmup_ratio` is the Trainer's too.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -126,53 +128,68 @@ Optimizer = Annotated[AdamW | SGD | EightBitAdamW | TorchOptimizer, Field(discri
 # --- learning-rate schedules ------------------------------------------------------------------
 
 
-class ConstantSchedule(Strict):
-    name: Literal["constant"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0 before the constant rate."""
-
-
-class CosineSchedule(Strict):
-    name: Literal["cosine"]
-    warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from 0, then cosine decay over the remaining steps."""
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-    """The final learning rate as a fraction of the peak."""
-
-
 HFWarmup = Annotated[int, Field(ge=0, description="Steps of linear warm-up from 0, as transformers counts them "
                                                    "(the first step's rate is 0).")]
 
 
-class LinearSchedule(Strict):
+class _Warmup(Strict):
+    """What every schedule shares: its name and its warm-up, in steps or as a share of the run."""
+
+    name: str
+    warmup_steps: HFWarmup = 0
+    warmup_ratio: float | None = Field(default=None, ge=0, le=1)
+    """The warm-up as a fraction of the run's steps (rounded up, as the Trainer's warmup_ratio); instead
+    of warmup_steps."""
+
+    @model_validator(mode="after")
+    def _one_warmup(self):
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise KeyedError(("train", "scheduler", "warmup_ratio"), "give train.scheduler.warmup_steps or "
+                             "train.scheduler.warmup_ratio, not both")
+        return self
+
+    def warmup(self, steps: int) -> int:
+        """Warm-up steps in a run of `steps`."""
+        return math.ceil(self.warmup_ratio * steps) if self.warmup_ratio is not None else self.warmup_steps
+
+
+class ConstantSchedule(_Warmup):
+    name: Literal["constant"] = "constant"
+    """transformers' `constant` (`constant_with_warmup` with a warm-up): the rate held after the warm-up."""
+
+
+class CosineSchedule(_Warmup):
+    name: Literal["cosine"]
+    """transformers' `cosine` (`cosine_with_min_lr` with min_lr_ratio): warm-up, then half a cosine down."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """The final learning rate as a fraction of the peak."""
+
+
+class LinearSchedule(_Warmup):
     name: Literal["linear"]
     """transformers' `linear` (the Trainer's default): warm-up, then a straight line to 0 at the last step."""
-    warmup_steps: HFWarmup = 0
 
 
-class PolynomialSchedule(Strict):
+class PolynomialSchedule(_Warmup):
     name: Literal["polynomial"]
     """transformers' `polynomial`: warm-up, then (1 - progress) ** power from the peak down to end_lr."""
-    warmup_steps: HFWarmup = 0
     power: float = Field(default=1.0, gt=0)
     """1 is a straight line; 2 falls fast, then levels out."""
     end_lr: float = Field(default=1e-7, ge=0)
     """The rate at the last step (absolute, below train.optimizer.lr)."""
 
 
-class CosineRestartsSchedule(Strict):
+class CosineRestartsSchedule(_Warmup):
     name: Literal["cosine_with_restarts"]
     """transformers' `cosine_with_restarts`: warm-up, then `cycles` cosine decays to 0, each restarting at the peak."""
-    warmup_steps: HFWarmup = 0
     cycles: int = Field(default=1, gt=0)
     """How many decays (hard restarts) the steps after warm-up are cut into."""
 
 
-class WarmupStableDecaySchedule(Strict):
+class WarmupStableDecaySchedule(_Warmup):
     name: Literal["warmup_stable_decay"]
     """transformers' `warmup_stable_decay` (WSD): warm-up, the peak rate held, then a decay over the
     last `decay_steps` steps."""
-    warmup_steps: HFWarmup = 0
     decay_steps: int = Field(gt=0)
     """Steps of the final decay; the stable phase is whatever the run's steps leave between."""
     decay_type: Literal["cosine", "linear", "1-sqrt"] = "cosine"

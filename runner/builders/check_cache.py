@@ -7,7 +7,7 @@ a torchvision name needs torchvision imported. What that finds depends on nothin
 section's source, name and config, the installed torch, transformers, torchvision and
 huggingface_hub (whose validators check a config's fields), Python, and ckrun's own check code,
 so a pass is kept under a hash of exactly those, with the position table's length that
-`position_problems` reads. Only a pass is kept: a config that fails is checked afresh each time,
+`position_problems` reads and the vocabulary (size, width, special ids) that `vocab_problems` reads. Only a pass is kept: a config that fails is checked afresh each time,
 so its message always comes from the code installed now. model.pretrained (files on disk) and
 python models (the user's code) are not kept: they are checked every time.
 """
@@ -22,21 +22,22 @@ from ..user_cache import file_digest, key_of, read_table, write_table
 TABLE = "model_checks.json"
 CACHED_SOURCES = ("transformers", "torchvision")
 # ckrun's code that decides a pass: a change to it (a new check) must not meet passes it never made
-_CHECK_CODE = ("checks.py", "model_config.py", "resolve.py", "check_cache.py")
+_CHECK_CODE = ("checks.py", "model_config.py", "resolve.py", "check_cache.py", "vocab.py")
 _PACKAGES = ("torch", "transformers", "torchvision", "huggingface_hub")
 
 
 def passed_before(spec) -> dict | None:
-    """What a pass of this model section recorded ({"max_positions": int | None}); None if none is kept."""
+    """What a pass of this model section recorded ({"max_positions": int | None, "vocab": dict | None});
+    None if none is kept."""
     key = _key(spec)
     return read_table(TABLE, _is_pass).get(key) if key else None
 
 
-def remember_pass(spec, max_positions: int | None) -> None:
+def remember_pass(spec, max_positions: int | None, vocab: dict | None = None) -> None:
     key = _key(spec)
     if key:
         table = read_table(TABLE, _is_pass)
-        table[key] = {"max_positions": max_positions}
+        table[key] = {"max_positions": max_positions, "vocab": vocab}
         write_table(TABLE, table)
 
 
@@ -53,7 +54,10 @@ def _key(spec) -> str | None:
 
 
 def _is_pass(value) -> bool:
-    if not isinstance(value, dict) or set(value) != {"max_positions"}:
+    if not isinstance(value, dict) or set(value) != {"max_positions", "vocab"}:
         return False
-    limit = value["max_positions"]
+    limit, vocab = value["max_positions"], value["vocab"]
+    if vocab is not None and not (isinstance(vocab, dict) and isinstance(vocab.get("size"), int)
+                                  and isinstance(vocab.get("special"), dict)):
+        return False
     return limit is None or (isinstance(limit, int) and not isinstance(limit, bool))

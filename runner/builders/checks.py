@@ -63,8 +63,8 @@ def deep_problems(recipe: Recipe, doc: Document | None = None, user_code: bool =
         found += _section_checks("eval", recipe.eval, user_code, task)
     if not found and user_code and build_own:  # on the meta device, once its factory imports and takes its config
         found = own_model_problems(recipe)
-    if not found:  # positions and a tensor-parallel plan: only once the model is known to build
-        found = position_problems(recipe)
+    if not found:  # positions, vocabulary and a tensor-parallel plan: only once the model is known to build
+        found = position_problems(recipe) + tokenizer_problems(recipe)
         if isinstance(recipe.distributed, TensorParallel):  # its check builds the model: torch only then
             from .tensor_plan import recipe_problems
 
@@ -96,7 +96,8 @@ def _library_model_problems(spec: ModelSpec) -> list[KeyedError]:
         return []
     found = _caught("model.name", checks[spec.source], spec)
     if not found:
-        remember_pass(spec, _max_positions(spec) if spec.source == "transformers" else None)
+        transformers = spec.source == "transformers"
+        remember_pass(spec, _max_positions(spec) if transformers else None, _vocab(spec) if transformers else None)
     return found
 
 
@@ -147,6 +148,25 @@ def position_problems(recipe: Recipe) -> list[KeyedError]:
             return [KeyedError(f"{key}.seq_len", f"{seq_len} tokens exceed {recipe.model.name}'s {limit} "
                                f"positions (max_position_embeddings); give seq_len <= {limit}")]
     return []
+
+
+def tokenizer_problems(recipe: Recipe) -> list[KeyedError]:
+    """data.tokenizer against the model's vocabulary and special ids (runner/builders/vocab.py)."""
+    if not any(getattr(d, "tokenizer", None) for d in (recipe.data, recipe.eval.data if recipe.eval else None)):
+        return []
+    from .vocab import vocab_problems
+
+    vocab = None
+    if recipe.model.source == "transformers":
+        kept = passed_before(recipe.model)
+        vocab = kept["vocab"] if kept is not None else _vocab(recipe.model)
+    return vocab_problems(recipe, vocab)
+
+
+def _vocab(spec: ModelSpec) -> dict | None:
+    from .vocab import model_vocab
+
+    return model_vocab(transformers_class(spec.name), spec.config)
 
 
 def _max_positions(spec: ModelSpec) -> int | None:

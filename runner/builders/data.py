@@ -223,12 +223,13 @@ class TextFilesSource(TextSource):
         return files
 
     def _tokens(self, files: list[Path]) -> torch.Tensor:
-        text = "\n".join(_read_text(f) for f in files)
-        if not text.strip():
+        texts = [_read_text(f) for f in files]
+        if not "".join(texts).strip():
             raise BuildError("data.paths", f"the text files hold no text ({', '.join(str(f) for f in files[:3])}"
                              f"{' ...' if len(files) > 3 else ''}); give files with text in them")
-        if self.tokenizer is not None:
-            return torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
+        if self.tokenizer is not None:  # each file a document, ended by the end token (GPT-2's <|endoftext|>)
+            return torch.cat([self._tokens_of(text) for text in texts if text.strip()])
+        text = "\n".join(texts)
         raw = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
         return (raw + 2) % self.shape.vocab_size  # ids 0 and 1 stay free for padding and [MASK]
 
@@ -255,8 +256,14 @@ class TextFilesSource(TextSource):
         return [self._tokens_of(line)[: self.data.seq_len] for line in lines]
 
     def _tokens_of(self, text: str) -> torch.Tensor:
+        """A document's (or, split: lines, a line's) ids; with a tokenizer that has an end token, ended by
+        it, as GPT-2's training text was, so that a causal LM learns where text ends and `generate` stops."""
         if self.tokenizer is not None:
-            return torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
+            ids = self.tokenizer(text)["input_ids"]
+            end = getattr(self.tokenizer, "eos_token_id", None)
+            if self.shape.task == "causal_lm" and end is not None and (not ids or ids[-1] != end):
+                ids = [*ids, end]
+            return torch.tensor(ids, dtype=torch.long)
         return (torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long() + 2) % self.shape.vocab_size
 
     def global_batch(self, step: int) -> Batch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -10,7 +11,7 @@ from fractions import Fraction
 import torch
 from torch import nn
 
-from ..recipe import CosineSchedule, Recipe, TorchOptimizer, TrainSpec
+from ..recipe import Recipe, TorchOptimizer, TrainSpec
 from ..recipe_train import EIGHT_BIT
 from .resolve import BuildError
 
@@ -73,41 +74,54 @@ def total_steps(recipe: Recipe, data) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """`steps`: the run's length (total_steps), which a decaying schedule decays over."""
+    """The Trainer's schedules: `constant` and `cosine` by transformers' own formulas (written here, since
+    importing transformers.optimization pulls in the Trainer's helpers and peft: seconds, for any
+    model; tests/runner/builders/test_optim.py holds them equal to transformers' functions), the
+    rest from transformers' get_scheduler. `steps`: the run's length, which a decaying schedule decays over."""
     schedule = train.scheduler
-    if schedule.name not in ("constant", "cosine"):
-        return _transformers_schedule(optimizer, schedule, steps)
-    warmup = schedule.warmup_steps
+    warmup = schedule.warmup(steps)
+    if schedule.warmup_ratio is not None:
+        log.info("warm-up: %d steps (train.scheduler.warmup_ratio %g of %d steps, rounded up)", warmup,
+                 schedule.warmup_ratio, steps)
+    if schedule.name in ("constant", "cosine"):
+        floor = getattr(schedule, "min_lr_ratio", 0.0)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+            _transformers_factor, warmup=warmup, steps=steps, floor=floor, decays=schedule.name == "cosine"))
+    return _transformers_schedule(optimizer, schedule, warmup, steps)
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)  # never exactly 0: a zero first step wastes a batch
-        if not isinstance(schedule, CosineSchedule):
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        floor = schedule.min_lr_ratio
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def _transformers_factor(step: int, *, warmup: int, steps: int, floor: float, decays: bool) -> float:
+    """transformers' get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup and
+    get_cosine_with_min_lr_schedule_with_warmup (num_cycles 0.5, min_lr_rate `floor`), operation for
+    operation: the warm-up rises from 0 (the first step's rate is 0), then holds or follows half a cosine."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if not decays:
+        return 1.0
+    progress = float(step - warmup) / float(max(1, steps - warmup))
+    factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+    factor = factor * (1 - floor) + floor
+    return max(0, factor)
+
+
+def _transformers_schedule(optimizer: torch.optim.Optimizer, schedule, warmup: int,
+                           steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' get_scheduler, the Trainer's own schedules and not a copy of their formulas."""
+    from transformers import get_scheduler
+
+    decay = getattr(schedule, "decay_steps", 0)
+    if decay and warmup + decay > steps:  # the stable phase would be negative
+        raise BuildError("train.scheduler.decay_steps", f"warm-up ({warmup}) and decay ({decay}) steps "
+                         f"are more than the run's {steps} steps; shorten them or train longer")
+    kwargs = {theirs: getattr(schedule, ours) for ours, theirs in _SCHEDULE_ARGUMENTS.get(schedule.name, {}).items()}
+    try:
+        return get_scheduler(schedule.name, optimizer, num_warmup_steps=warmup, num_training_steps=steps,
+                             scheduler_specific_kwargs=kwargs)
+    except ValueError as err:  # polynomial: end_lr above the optimizer's rate
+        raise BuildError("train.scheduler", f"{schedule.name}: {' '.join(str(err).split())[:200]}") from None
 
 
 # the recipe's names for transformers' scheduler arguments
 _SCHEDULE_ARGUMENTS = {"polynomial": {"power": "power", "end_lr": "lr_end"}, "cosine_with_restarts": {"cycles": "num_cycles"},
                        "warmup_stable_decay": {"decay_steps": "num_decay_steps", "decay_type": "decay_type",
                                                "min_lr_ratio": "min_lr_ratio"}}
-
-
-def _transformers_schedule(optimizer: torch.optim.Optimizer, schedule, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """transformers' get_scheduler: the Trainer's own schedules, not a copy of their formulas."""
-    from transformers import get_scheduler
-
-    decay = getattr(schedule, "decay_steps", 0)
-    if decay and schedule.warmup_steps + decay > steps:  # the stable phase would be negative
-        raise BuildError("train.scheduler.decay_steps", f"warm-up ({schedule.warmup_steps}) and decay ({decay}) steps "
-                         f"are more than the run's {steps} steps; shorten them or train longer")
-    kwargs = {theirs: getattr(schedule, ours) for ours, theirs in _SCHEDULE_ARGUMENTS.get(schedule.name, {}).items()}
-    try:
-        return get_scheduler(schedule.name, optimizer, num_warmup_steps=schedule.warmup_steps, num_training_steps=steps,
-                             scheduler_specific_kwargs=kwargs)
-    except ValueError as err:  # polynomial: end_lr above the optimizer's rate
-        raise BuildError("train.scheduler", f"{schedule.name}: {' '.join(str(err).split())[:200]}") from None

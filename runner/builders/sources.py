@@ -17,6 +17,7 @@ from .data import Batch, BatchSource, ImageFolderSource, Shape, SyntheticSource,
 from .hf_dataset import DatasetSource
 from .records import RecordsSource
 from .resolve import BuildError
+from .vocab import check_built_vocab
 
 SOURCES: dict[str, type[BatchSource]] = {
     "synthetic": SyntheticSource,
@@ -48,6 +49,8 @@ def describe_inputs(recipe: Recipe, model: torch.nn.Module) -> Shape:
     if task != "image_classification" and not vocab:
         raise BuildError("data.vocab_size", f"{spec.name} has no vocab_size (no config or attribute of that name); "
                                             "set data.vocab_size to the token ids its embedding takes")
+    if task != "image_classification":
+        check_built_vocab(data, int(vocab))  # a tokenizer past the embedding: one line, not an IndexError
     start = getattr(config, "decoder_start_token_id", None) or 0
     return Shape(task, spec.source == "transformers", int(vocab), int(classes), int(image), int(channels), int(start))
 

@@ -21,6 +21,7 @@ import ast
 import contextlib
 import faulthandler
 import importlib
+import importlib.util
 import logging
 import os
 import select
@@ -96,13 +97,35 @@ def _imports_torch(source: Path) -> bool:
 
 
 def module_file(module: str) -> Path | None:
-    """The file of `module` on sys.path, found without importing it or its packages (their code may
-    import torch, or hang: that is for the fork to find)."""
-    relative = Path(*module.split("."))
+    """The file of `module`, found without importing it or its packages (their code may import torch,
+    or hang: that is for the fork to find): on sys.path, else under where the finders put its
+    top-level package. An editable install (`pip install -e .`) is found that way: setuptools' finder
+    is on sys.meta_path, and the package's folder is on no sys.path entry."""
+    parts = module.split(".")
+    relative = Path(*parts)
     for root in sys.path:
-        for candidate in (Path(root or ".") / relative.with_suffix(".py"), Path(root or ".") / relative / "__init__.py"):
-            if candidate.is_file():
-                return candidate
+        found = _file_in(Path(root or "."), relative)
+        if found is not None:
+            return found
+    try:  # a top-level name: the finders locate it, nothing is imported
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if len(parts) == 1:
+        return Path(spec.origin) if spec.origin and Path(spec.origin).is_file() else None
+    for location in spec.submodule_search_locations or []:
+        found = _file_in(Path(location), Path(*parts[1:]))
+        if found is not None:
+            return found
+    return None
+
+
+def _file_in(root: Path, relative: Path) -> Path | None:
+    for candidate in (root / relative.with_suffix(".py"), root / relative / "__init__.py"):
+        if candidate.is_file():
+            return candidate
     return None
 
 

@@ -47,6 +47,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "ls": ("runner.cli.ls", "list the recipe library: name, family, parameter count, description"),
     "cp": ("runner.cli.cp", "copy a library recipe (with its comments) to a file you can edit"),
     "schema": ("runner.cli.schema", "print the recipe's JSON Schema, for completion and checks in an editor"),
+    "tokenizer": ("runner.cli.tokenizer", "train a byte-level BPE tokenizer (GPT-2's kind) on local text for data.tokenizer"),
 }
 
 

@@ -1,4 +1,5 @@
-"""A run's curves: metrics.jsonl drawn against step (loss, evaluation, throughput, memory) to a PNG.
+"""A run's curves: metrics.jsonl drawn against step (loss, evaluation, learning rate, gradient norm,
+throughput, memory) to a PNG.
 
 `ckrun report RUN_DIR` calls `report_run`; it reads the file as `--resume` does (a partial last
 line from a kill is skipped, and counted), so it works on a run that is still going.
@@ -57,12 +58,14 @@ def plot_run(path: Path, steps: list[dict], evals: list[dict], title: str) -> Pa
     matplotlib.use("Agg")  # files only: works without a display, also under a test runner
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    fig, axes = plt.subplots(3, 2, figsize=(10, 9), sharex=True)
     _loss(axes[0][0], steps, evals)
     _eval_metric(axes[0][1], evals)
-    _series(axes[1][0], steps, "samples_per_s", 1, "samples/s", "throughput")
-    _series(axes[1][1], steps, "peak_mem_bytes", 1e6, "MB", "peak memory per step")
-    for ax in axes[1]:
+    _series(axes[1][0], steps, "lr", 1, "learning rate", "learning rate (the schedule)")
+    _grad_norm(axes[1][1], steps)
+    _series(axes[2][0], steps, "samples_per_s", 1, "samples/s", "throughput")
+    _series(axes[2][1], steps, "peak_mem_bytes", 1e6, "MB", "peak memory per step")
+    for ax in axes[2]:
         ax.set_xlabel("step")
     fig.suptitle(f"ckrun run: {title}")
     fig.tight_layout()
@@ -96,6 +99,19 @@ def _eval_metric(ax, evals: list[dict]) -> None:
         if name == "perplexity":
             ax.set_yscale("log")
     ax.set_title(f"eval {name or ''}".strip())
+
+
+def _grad_norm(ax, steps: list[dict]) -> None:
+    """The gradient norm before clipping (train.grad_clip computes it), log scale: spikes are the news."""
+    xs, ys = _points(steps, lambda r: r.get("grad_norm"))
+    if not xs:
+        ax.text(0.5, 0.5, "no gradient norm in this run\n(train.grad_clip measures it)", ha="center", va="center",
+                transform=ax.transAxes, color="grey")
+    else:
+        ax.plot(xs, ys, linewidth=1, color="tab:purple")
+        if min(ys) > 0:
+            ax.set_yscale("log")
+    ax.set_title("gradient norm (before clipping)")
 
 
 def _series(ax, steps: list[dict], key: str, scale: float, unit: str, title: str) -> None:

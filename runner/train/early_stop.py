@@ -1,6 +1,8 @@
 """Early stopping (`eval.early_stopping`): end the run when an evaluation metric stops improving.
 
-Patience counts evaluations, as HF's EarlyStoppingCallback does. The history is the evaluation
+Patience counts evaluations, as HF's EarlyStoppingCallback does: an evaluation improves on the best
+seen by more than `min_delta`, or it counts against patience; a smaller improvement still becomes
+the best (as the Trainer's best_metric does), so the reason names the best value there was. The history is the evaluation
 records in metrics.jsonl, so a resumed run picks up the count where its checkpoint left it and
 stops where the uninterrupted run would have.
 """
@@ -33,15 +35,18 @@ class EarlyStop:
             raise BuildError("eval.early_stopping.metric", f"the evaluation reports {', '.join(values)}, not "
                                                            f"{self.metric!r}; name one of them")
         value = values[self.metric]
-        change = (value - self.best) if self.best is not None else None
-        if change is None or (change if self.larger_is_better else -change) > self.spec.min_delta:
-            self.best, self.best_step, self.waited = value, record["step"], 0
+        gain = None if self.best is None else (value - self.best if self.larger_is_better else self.best - value)
+        if gain is None or gain > 0:  # the best is the best seen, as the Trainer's best_metric: a message never
+            self.best, self.best_step = value, record["step"]  # names a "best" worse than the last value
+        if gain is None or gain > self.spec.min_delta:
+            self.waited = 0
             return None
         self.waited += 1
         if self.waited < self.spec.patience:
             return None
-        return (f"eval {self.metric} has not improved by more than {self.spec.min_delta:g} for {self.waited} "
-                f"evaluations (best {self.best:.4g} at step {self.best_step})")
+        last = "" if self.best_step == record["step"] else f"; step {record['step']}: {value:.4g}"
+        return (f"eval {self.metric} has not improved by more than {self.spec.min_delta:g} over its best for "
+                f"{self.waited} evaluations (best {self.best:.4g} at step {self.best_step}{last})")
 
     def replay(self, records: list[dict]) -> str | None:
         """The evaluations a resumed run already made, in order; the reason to stop if they already say so."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from .best import BestKept
 from .early_stop import EarlyStop
 from .evaluate import make_evaluator
 from .output import METRICS, read_metrics_lines
@@ -21,6 +22,7 @@ class Evaluations:
         self.evaluator = make_evaluator(trainer)
         spec = trainer.recipe.eval
         self.early = EarlyStop(spec.early_stopping) if spec is not None and spec.early_stopping else None
+        self.best = BestKept(spec.best, out_dir, trainer.step) if spec is not None and spec.best else None
 
     def stopped_already(self) -> str | None:
         """After a resume: the evaluations before the checkpoint, replayed into early stopping, so the
@@ -40,6 +42,8 @@ class Evaluations:
         if self.evaluator is None or not self.evaluator.due(self.trainer.step):
             return None
         record = self._evaluate(sinks)
+        if self.best is not None:
+            self.best.observe(record, self.trainer)
         reason = self.early.observe(record) if self.early is not None else None
         if reason and self.trainer.step < self.trainer.total_steps:
             log.info("early stopping after step %d of %d: %s", self.trainer.step, self.trainer.total_steps, reason)
@@ -50,7 +54,9 @@ class Evaluations:
         """A stopped run's last whole step, evaluated unless it just was."""
         if self.evaluator is not None and self.trainer.step > 0 and self.evaluator.last_step != self.trainer.step:
             log.info("eval of the weights the stop leaves (step %d)", self.trainer.step)
-            self._evaluate(sinks)
+            record = self._evaluate(sinks)
+            if self.best is not None:
+                self.best.observe(record, self.trainer)
 
     def _evaluate(self, sinks) -> dict:
         record = self.evaluator.run()

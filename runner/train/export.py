@@ -6,8 +6,11 @@ request (once the step in flight has finished), so a run never ends without its 
   `output.checkpoint_every` is, so `--resume` with more `train.steps` continues from it;
 - `OUTPUT_DIR/model/` holds the model alone: `save_pretrained` output (config.json +
   model.safetensors) for transformers models, a model.safetensors state dict for torchvision and
-  python models, and beside either the run's resolved recipe.yaml (and its tokenizer, when the
-  data had one), so that `model.pretrained: OUTPUT_DIR/model` rebuilds exactly this model.
+  python models, and beside either the run's resolved recipe.yaml (with the label names the data
+  used, and its tokenizer, when the data had one), so that `model.pretrained: OUTPUT_DIR/model`
+  rebuilds exactly this model, and inputs.json: how text becomes ids (the tokenizer, or UTF-8 bytes
+  + 2) and what each class id means, for using it outside ckrun. A transformers model trained on a
+  tokenizer carries that tokenizer's bos, eos and pad ids in config.json and generation_config.json.
 The export is written to a temporary directory and renamed into place: a reader never sees half.
 Only an earlier export of ckrun's is ever replaced (`is_export`): a run refuses at its start an
 OUTPUT_DIR/model that is not one, and one that appeared during the run is left as it is, the
@@ -16,6 +19,7 @@ export going to a free name beside it (model-2, ...).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,9 +28,11 @@ from pathlib import Path
 
 from torch import nn
 
+from ..builders.data import MASK_ID
 from ..builders.pretrained import EXPORT_RECIPE, WEIGHTS
-from ..files import os_errors_kept
-from ..recipe import Recipe
+from ..files import os_errors_kept, write_atomic
+from ..recipe_data import BYTE_VOCAB
+from ..recipe import Recipe, infer_task
 from ..yamlio import dump_yaml
 from .checkpoint import checkpoint_dir, complete_checkpoints, save_checkpoint
 from .ranked import full_weights, save_state
@@ -35,15 +41,23 @@ from .output import EXPORT_HEADER, MODEL_DIR, is_export
 
 log = logging.getLogger(__name__)
 
+INPUTS = "inputs.json"  # how to feed the model and read its outputs outside ckrun (model_inputs)
 
-def finish_run(trainer, out_dir: Path) -> Path:
-    """Save the trainer's state as the final checkpoint and export its model; returns the export."""
+
+def finish_run(trainer, out_dir: Path, best=None) -> Path:
+    """Save the trainer's state as the final checkpoint and export its model; returns the export.
+    `best` (runner/train/best.py): with eval.best.restore, the export is the best evaluation's weights."""
     save_final_checkpoint(trainer, out_dir / "checkpoints")
     weights = full_weights(trainer)  # FSDP: gathered on rank 0, a collective every rank joins
     if not trainer.ranks.is_main:
         return out_dir / MODEL_DIR
-    exported = export_model(trainer.model, trainer.recipe, out_dir / MODEL_DIR, trainer.step, weights)
+    exported = export_model(trainer.model, trainer.recipe, out_dir / MODEL_DIR, trainer.step, weights,
+                            getattr(trainer.data, "label_ids", None))
     log.info("model exported to %s (start another run from it with model.pretrained=%s)", exported, exported)
+    if best is not None:
+        best.restore(exported)
+    elif trainer.recipe.eval is not None and trainer.recipe.eval.early_stopping is not None:
+        log.info("the export holds the last step's weights; eval.best: {restore: true} exports the best evaluation's")
     return exported
 
 
@@ -58,19 +72,29 @@ def save_final_checkpoint(trainer, root: Path) -> Path:
     return save_state(trainer, root, save_checkpoint, wait=True)
 
 
-def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, weights: dict | None = None) -> Path:
+def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, weights: dict | None = None,
+                 label_ids: dict[str, int] | None = None) -> Path:
     """Write `model` as a loadable directory, replacing any earlier export there; `weights`, when
-    given, is its whole state dict (a sharded model's own holds only this rank's shards). A directory
+    given, is its whole state dict (a sharded model's own holds only this rank's shards); `label_ids`,
+    the data's label names and their ids, go into the exported recipe and inputs.json. A directory
     there that is not an earlier export is kept, and the export goes to a free name beside it."""
     directory = _own_name(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     temporary = _fresh(directory, "tmp")
     try:
+        align_special_tokens(model, recipe)
         _write_weights(model, recipe, temporary, weights)
         _write_tokenizer(recipe, temporary)
         header = (f"{EXPORT_HEADER} {step}: the recipe that trained these weights.\n"
                   f"# start a run from them with model.pretrained={directory}\n")
-        (temporary / EXPORT_RECIPE).write_text(header + dump_yaml(recipe.model_dump(mode="json")), encoding="utf-8")
+        data = recipe.model_dump(mode="json")
+        names = _label_names(label_ids)
+        held_out = (data.get("eval") or {}).get("data") or {}  # held-out records take the training data's ids
+        for section in (data["data"], held_out):
+            if names and "labels" in section:  # the map the run used, not `null`: a rebuilt run uses the same ids
+                section["labels"] = list(names)  # a copy each: one list twice would be dumped as a YAML alias
+        (temporary / EXPORT_RECIPE).write_text(header + dump_yaml(data), encoding="utf-8")
+        write_atomic(temporary / INPUTS, json.dumps(model_inputs(recipe, model, names), indent=1) + "\n")
         _replace(directory, temporary)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -144,6 +168,60 @@ def _fresh(directory: Path, kind: str) -> Path:
         except FileExistsError:
             continue
         return candidate
+
+
+def align_special_tokens(model: nn.Module, recipe: Recipe) -> None:
+    """A transformers model trained on a tokenizer's ids gets that tokenizer's bos, eos and pad ids in its
+    config and generation config (GPT-2's config says 50256, which a 2000-token tokenizer does not have,
+    so `generate` could never stop), unless the recipe's model.config sets them (validate checked those).
+    A tokenizer without a pad token pads with its end token, as transformers' own examples do."""
+    directory = getattr(recipe.data, "tokenizer", None)
+    config = getattr(model, "config", None)
+    if directory is None or config is None or recipe.model.source != "transformers":
+        return
+    from ..builders.tokenizer_facts import tokenizer_facts
+
+    ids = dict(tokenizer_facts(directory).special)
+    if "pad" not in ids and "eos" in ids:
+        ids["pad"] = ids["eos"]
+    generation = getattr(model, "generation_config", None)
+    for name in ("bos", "eos", "pad"):
+        setting = f"{name}_token_id"
+        if name not in ids or setting in recipe.model.config:
+            continue
+        setattr(config, setting, ids[name])
+        if generation is not None:
+            setattr(generation, setting, ids[name])
+
+
+def _label_names(label_ids: dict[str, int] | None) -> list[str] | None:
+    """Label names in id order, when the ids are 0..n-1 (as every source gives them)."""
+    if not label_ids or sorted(label_ids.values()) != list(range(len(label_ids))):
+        return None
+    return [name for name, _ in sorted(label_ids.items(), key=lambda item: item[1])]
+
+
+def model_inputs(recipe: Recipe, model: nn.Module, labels: list[str] | None) -> dict:
+    """inputs.json: what using the model outside ckrun needs to know about its inputs and outputs,
+    which a state dict alone does not say: how text becomes ids, and what each output class means."""
+    data = recipe.data
+    task = getattr(data, "task", None) or infer_task(recipe.model)
+    found: dict = {"format": 1, "task": task, "model": {"source": recipe.model.source, "name": recipe.model.name}}
+    if hasattr(data, "seq_len"):
+        found["seq_len"] = data.seq_len
+    if getattr(data, "tokenizer", None) is not None:
+        found["token_ids"] = {"kind": "tokenizer", "directory": ".", "how": "AutoTokenizer.from_pretrained(this "
+                              "directory); ids are the tokenizer's"}
+    elif data.source in ("text", "records", "dataset"):
+        vocab = getattr(data, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None) \
+            or getattr(model, "vocab_size", None) or BYTE_VOCAB
+        found["token_ids"] = {"kind": "utf-8 bytes", "id": "byte + 2, modulo vocab_size", "vocab_size": int(vocab),
+                              "pad_id": 0, "mask_id": MASK_ID,
+                              "how": "ids = [(b + 2) % vocab_size for b in text.encode('utf-8')]; 0 pads (attention "
+                                     "mask 0), 1 masks (masked_lm)"}
+    if labels:
+        found["labels"] = dict(enumerate(labels))
+    return found
 
 
 def _replace(directory: Path, temporary: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,6 +205,9 @@ class Trainer:
             record["tokens_per_s"] = record["samples_per_s"] * batch.inputs["input_ids"].shape[-1]
         if getattr(self.data, "rows", None):  # finite data: how far through it, as HF Trainer logs it
             record["epoch"] = round(self.step * self.recipe.train.batch_size / self.data.rows, 4)
+        if result.grad_norm is not None:  # the same on every rank: clipping reduces it over the group
+            norm = float(result.grad_norm)
+            record["grad_norm"] = norm if math.isfinite(norm) else None  # an fp16 overflow: that step is skipped
         if result.skipped:
             record["skipped"] = True
             log.info("step %d: fp16 loss scaler found inf/nan gradients; the update was skipped", self.step)
@@ -367,7 +371,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
         result.stopped_by = stop.signum
     if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
         try:
-            finish_run(trainer, out_dir)
+            finish_run(trainer, out_dir, evaluations.best)
         except OSError as err:
             raise write_failure(err, out_dir / "model", trainer.source) from None
     if result.skipped_steps:

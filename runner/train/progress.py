@@ -19,19 +19,21 @@ from .output import METRICS, read_metrics_lines
 
 log = logging.getLogger(__name__)
 
+WARMUP_STEPS = 2  # a segment's first steps (compiling, the allocator and caches filling) set no pace for the ETA
+
 
 class Progress:
     def __init__(self, total: int, first_step: int, log_every: int, log_seconds: float, show: bool = True):
         self.total, self.first_step, self.log_every, self.log_seconds = total, first_step, log_every, log_seconds
         self.bar = _bar(total, first_step) if show and sys.stderr.isatty() else None
         self.show = show
-        self.warm: tuple[int, float] | None = None  # (step, time) after this segment's first step
+        self.warm: tuple[int, float] | None = None  # (step, time) once this segment's warm-up steps are done
         self.last_line = time.monotonic()
 
     def update(self, record: dict) -> None:
         now, step = time.monotonic(), record["step"]
-        if self.warm is None:
-            self.warm = (step, now)  # the first step compiles, loads kernels, fills caches: not a rate
+        if self.warm is None and step >= self.first_step + WARMUP_STEPS:
+            self.warm = (step, now)  # the first steps compile, load kernels, fill caches: not the run's pace
         if not self.show:
             return
         if self.bar is not None:
@@ -47,13 +49,15 @@ class Progress:
                 log.info(text)
 
     def eta(self, record: dict, now: float) -> str:
-        """The time left at the pace since the segment's first step (evaluations and saves included)."""
+        """The time left at the mean pace since the warm-up steps (evaluations and saves included): none
+        before it, so the first lines never show an estimate that the next ones halve."""
         step, left = record["step"], self.total - record["step"]
         if left <= 0:
             return "ETA 0s"
+        if self.warm is None or step <= self.warm[0]:
+            return f"ETA after step {self.first_step + WARMUP_STEPS + 1}"
         warm_step, warm_time = self.warm
-        per_step = (now - warm_time) / (step - warm_step) if step > warm_step else record["step_time_s"]
-        return f"ETA {format_duration(per_step * left)}"
+        return f"ETA {format_duration((now - warm_time) / (step - warm_step) * left)}"
 
     def close(self) -> None:
         if self.bar is not None:

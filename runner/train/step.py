@@ -133,6 +133,7 @@ def label_count(labels: torch.Tensor) -> torch.Tensor:
 class StepResult:
     loss: torch.Tensor  # a 0-dim tensor on the device: read it only when logging, it syncs
     skipped: bool  # fp16: the scaler found inf/nan gradients and skipped the update
+    grad_norm: torch.Tensor | None = None  # the gradients' total 2-norm before clipping (train.grad_clip set)
 
 
 def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precision,
@@ -151,9 +152,9 @@ def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precis
             del logits  # frees the logits before backward allocates the gradients
             (scaler.scale(micro_loss) if scaler else micro_loss).backward()
         loss += micro_loss.detach()
-    skipped = _optimizer_step(model, optimizer, scaler, grad_clip)
+    skipped, grad_norm = _optimizer_step(model, optimizer, scaler, grad_clip)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, skipped)
+    return StepResult(loss, skipped, grad_norm)
 
 
 def _gradient_sync(model, last: bool):
@@ -163,15 +164,16 @@ def _gradient_sync(model, last: bool):
     return no_sync() if callable(no_sync) and not last else contextlib.nullcontext()
 
 
-def _optimizer_step(model, optimizer, scaler, grad_clip) -> bool:
+def _optimizer_step(model, optimizer, scaler, grad_clip) -> tuple[bool, torch.Tensor | None]:
+    """(whether the fp16 scaler skipped the update, the gradient norm clipping measured: unscaled, before
+    clipping, as HF Trainer logs its grad_norm; None without train.grad_clip, which computes none)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    if grad_clip is not None:
-        clip_gradients(model.parameters(), grad_clip)
+    norm = clip_gradients(model.parameters(), grad_clip) if grad_clip is not None else None
     if scaler is None:
         optimizer.step()
-        return False
+        return False, norm
     scale = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()
-    return scaler.get_scale() < scale
+    return scaler.get_scale() < scale, norm

@@ -128,3 +128,41 @@ def test_a_policy_type_that_can_name_its_blocks_is_planned_block_by_block(monkey
     per_block = propose(table, limit, predict, MemoryPlan(micro_batch=4))
     assert per_block.reason.startswith("micro_batch 4, fp32: selective blocks 2,3 (2 of 4 recomputed"), per_block.reason
     assert per_block.added_s < whole.added_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(1, 4), keep=st.integers(10_000, 50_000), slack=st.integers(-30_000, 60_000),
+       context=st.sampled_from([0, 804_000_000]), deadline=st.sampled_from([None, -1.0]))
+def test_every_limit_the_solver_names_is_the_tunes_limit_context_included(blocks, keep, slack, context, deadline):
+    """The header says `limit 22.8 GB` (the cap less the margin, the CUDA context counted); the solver
+    works on the estimator's peaks (without the context) but must name the same limit, and a passed
+    deadline (a --time-budget's share) stops it with a line instead of a plan."""
+    import re
+    from types import SimpleNamespace
+
+    import runner.predict.block_costs as block_costs
+    from autotune.solver import frontier
+    from runner.predict.block_costs import BlockCost, CostTable
+    from runner.units import format_bytes
+
+    base, recompute = 100_000, 1_000
+    costs = [BlockCost(i, f"h.{i}", keep, recompute, keep // 2, None, None, 0.01, 0.01, 0.01, None)
+             for i in range(blocks)]
+    table = CostTable(4, "fp32", "cpu", base + blocks * keep, base + blocks * recompute, base, costs)
+
+    def estimate(plan, precision):
+        recomputed = set(range(blocks)) if plan.checkpointing.policy in ("full", "selective") else \
+            set(getattr(plan.checkpointing, "layers", []))
+        return SimpleNamespace(peak_bytes=base + sum(recompute if i in recomputed else keep for i in range(blocks)))
+
+    limit = base + blocks * keep // 2 + slack  # the estimator's limit: the card's less the context
+    real, block_costs.cost_table = block_costs.cost_table, lambda *args: table
+    try:
+        _, lines = frontier(SimpleNamespace(estimate=estimate), [(4, "fp32")], limit, MemoryPlan(micro_batch=4),
+                            context=context, seconds=deadline)
+    finally:
+        block_costs.cost_table = real
+    named = [found for line in lines for found in re.findall(r"(?:limit|under) (\d+\.\d+ [kMG]?B)", line)]
+    assert all(found == format_bytes(limit + context) for found in named), (format_bytes(limit + context), lines)
+    if deadline is not None:
+        assert lines == [lines[0]] and "not solved, the time budget's share" in lines[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import yaml
@@ -16,16 +17,32 @@ FOR_GPU = [*[o for o in TINY_BERT if not o.startswith(("train.device", "train.ba
            "model.config.num_hidden_layers=4", "train.batch_size=16", "precision=bf16", "train.device=auto"]
 
 
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def predicted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("predicted")
-    code = main(["tune", BERT_TINY, *FOR_GPU, f"output.dir={out / 'run'}", "--max-mem", "1GB", "--predict",
-                 "--gpu", "a100-40gb", "--output", str(out / "tune"), "--trials", "6"])
-    return out, code
+    out, lines = tmp_path_factory.mktemp("predicted"), Lines()
+    logger = logging.getLogger("autotune")
+    level, logger.level = logger.level, logging.INFO
+    logger.addHandler(lines)
+    try:
+        code = main(["tune", BERT_TINY, *FOR_GPU, f"output.dir={out / 'run'}", "--max-mem", "1GB", "--predict",
+                     "--gpu", "a100-40gb", "--output", str(out / "tune"), "--trials", "6"])
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    return out, code, lines.lines
 
 
 def test_predict_searches_without_probing_and_writes_a_tuned_yaml_marked_predicted(predicted, capsys):
-    out, code = predicted
+    out, code, _ = predicted
     assert code == 0
     found = report(out / "tune")
     measured = [t for t in found["trials"] if t["state"] == "feasible"]
@@ -42,7 +59,7 @@ def test_predict_searches_without_probing_and_writes_a_tuned_yaml_marked_predict
 
 def test_a_predicted_tuned_yaml_is_where_the_next_tune_starts(predicted, tmp_path):
     """On the GPU, `ckrun tune tuned.yaml` tries the recipe's own plan (the predicted winner) first."""
-    out, _ = predicted
+    out, _, _ = predicted
     tuned = out / "tune" / "tuned.yaml"
     winner = report(out / "tune")["trials"][report(out / "tune")["winner"]]
     code = main(["tune", str(tuned), f"output.dir={tmp_path / 'run'}", "--max-mem", "1GB", "--predict", "--gpu",
@@ -78,3 +95,13 @@ def test_estimate_gives_time_on_a_named_gpu(ckrun):
     assert 0 < step["mfu"] <= step["hfu"] <= 1 and step["tokens_per_s"] == pytest.approx(32 * step["samples_per_s"])
     code, out, err = ckrun("estimate", BERT_TINY, *FOR_GPU, "--gpu", "h100")
     assert code == 0 and "step time" in out and "MFU" in out and "not a promise" in out
+
+
+
+def test_a_predicted_search_says_predicted_never_probing_or_measured(predicted):
+    """--predict logs "predicting" and "predicted to fit", never "probing" or a bare "feasible"."""
+    lines = predicted[2]
+    trials = [line for line in lines if line.startswith("trial ")]
+    assert trials and not [line for line in trials if "probing" in line or ": feasible:" in line]
+    assert any(": predicted to fit:" in line and "predicted peak" in line for line in trials)
+    assert not [line for line in lines if "measured" in line and line.startswith(("tune: searched", "tune: stopping"))]

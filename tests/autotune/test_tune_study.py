@@ -241,3 +241,60 @@ def test_predicted_times_order_the_starting_points_after_the_recipes_own_plan(tm
     queued = [space.candidate(t.system_attrs["fixed_params"]) for t in study.get_trials(states=(TrialState.WAITING,))]
     assert [(c.plan.micro_batch, c.plan.checkpointing.label()) for c in queued[:4]] == [
         (4, "none"), (8, "full"), (8, "every:2"), (8, "none")]
+
+
+def test_the_budget_counts_from_the_process_start_so_imports_count_too():
+    """`ckrun tune`'s own imports (seconds on a busy machine) are part of --time-budget."""
+    import subprocess
+    import sys
+
+    code = "import time; time.sleep(1.5); from autotune.study import process_started; " \
+           "print(time.monotonic() - process_started())"
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.5 <= age < 60
+
+
+class Timed:
+    """A predictor that takes `seconds` of the (fake) clock per prediction."""
+
+    def __init__(self, clock, seconds):
+        self.clock, self.seconds, self.asked = clock, seconds, 0
+
+    def __call__(self, candidate):
+        self.clock.now += self.seconds
+        self.asked += 1
+        return None
+
+    def frontier(self, request):
+        raise AssertionError("the solver must not be asked once its share of the budget is spent")
+
+
+@pytest.mark.parametrize("budget_s, spent_s", [(40, 11), (40, 2), (None, 50)])
+def test_the_work_before_the_first_probe_keeps_to_its_share_of_the_budget(tmp_path, setting, monkeypatch, caplog,
+                                                                          budget_s, spent_s):
+    """Under --time-budget, the solver and the whole-space predictions run only within PRE_PROBE_SHARE of
+    it (the model's facts already took `spent_s`); the starting points are predicted regardless."""
+    from autotune.frontier import solver_points
+    from autotune.study import PRE_PROBE_SHARE
+
+    recipe, space = setting
+    clock = Clock()
+    monkeypatch.setattr("autotune.study.time.monotonic", clock)
+    budget = Budget(trials=20, time_s=budget_s, started=clock.now - spent_s)
+    study, fresh = open_study(tmp_path, {}, False)
+    predictor = Timed(clock, 0.5)
+    caplog.set_level("INFO")
+    with monkeypatch.context() as patch:
+        patch.setattr(Timed, "frontier", lambda self, request: {"status": "ok", "proposals": [], "lines": ["asked"]})
+        share_left = budget_s is None or spent_s < PRE_PROBE_SHARE * budget_s
+        first = solver_points(study, fresh, space, CAP, Device("cpu", "cpu", 0, ("fp32",), "2.x"), predictor,
+                              budget=budget if budget_s else None)
+    assert first == []
+    solver = [r.getMessage() for r in caplog.records if r.getMessage().startswith("solver:")]
+    assert ("solver: asked" in solver) == share_left, solver
+    tuner = Tuner(study, space, CAP, Counting(recipe), predictor)
+    tuner.start(recipe, first, 20, budget if budget_s else None)
+    if budget_s is not None:  # the starting points' few predictions, then the whole space only within the share
+        assert clock.now - budget.started <= max(spent_s, PRE_PROBE_SHARE * budget_s) + 8 * predictor.seconds
+    else:
+        assert predictor.asked > 20  # no budget: the space is predicted until more than --trials plans fit

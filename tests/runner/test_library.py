@@ -249,3 +249,33 @@ def test_a_damaged_count_cache_is_rebuilt(ckrun, monkeypatch, tmp_path):
         cache.write_text(damage)
         assert ls_rows(ckrun)["three"][1] == "1.7M"
         assert json.loads(cache.read_text())  # written again, whole
+
+
+EDITABLE = """
+import contextlib, importlib.machinery, io, sys
+ROOT = {root!r}
+
+class Editable:  # as setuptools' editable finder: the packages found by a meta path finder, not on sys.path
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name in ("runner", "autotune", "recipes"):
+            return importlib.machinery.PathFinder.find_spec(name, [ROOT])
+        return None
+
+sys.path = [p for p in sys.path if p not in ("", ROOT)]
+sys.meta_path.insert(0, Editable)  # before any other finder of these names (a shared venv's own editable install)
+from runner.cli import main
+with contextlib.redirect_stdout(io.StringIO()): status = main(['ls'])
+print(status, sorted(m for m in ('torch', 'transformers', 'torchvision') if m in sys.modules))
+"""
+
+
+def test_ls_is_warm_under_an_editable_install(tmp_path):
+    """issue 36 point 9: the classic_* recipes' module (runner.models.classics) is found through the
+    editable finder, so their counts are kept and a second ls imports nothing heavy (it built them every time)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = EDITABLE.format(root=str(ROOT))
+    said = [children.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+            for _ in range(2)]
+    assert said[0].stdout.startswith("0 "), said[0].stderr[-2000:]
+    assert said[1].stdout.strip() == "0 []", said[1].stderr[-2000:]

@@ -30,9 +30,13 @@ def test_a_second_validate_imports_neither_torch_nor_transformers(ckrun):
     assert "bert_tiny.yaml: OK" in done.stdout
 
 
+# what a pass of bert_tiny keeps: its position table, and its vocabulary for data.tokenizer's check
+KEPT = {"max_positions": 128, "vocab": {"size": 8192, "width": 128, "tied": True, "special": {"pad": 0}}}
+
+
 def test_a_kept_pass_still_holds_the_sequence_to_the_position_table(ckrun):
     assert ckrun("validate", BERT_TINY)[0] == 0
-    assert list(table().values()) == [{"max_positions": 128}]  # bert_tiny's max_position_embeddings
+    assert list(table().values()) == [KEPT]  # bert_tiny's max_position_embeddings, and its vocabulary
     code, _, err = ckrun("validate", BERT_TINY, "data.seq_len=129")
     assert code == 2 and "129 tokens exceed BertForMaskedLM's 128 positions" in err, err
 
@@ -47,11 +51,12 @@ def test_a_config_that_fails_is_checked_afresh_every_time(ckrun):
 def test_a_damaged_table_is_rebuilt(ckrun):
     path = Path(os.environ["XDG_CACHE_HOME"]) / "ckrun" / check_cache.TABLE
     path.parent.mkdir(parents=True, exist_ok=True)
-    for damage in ('{"a": ', '["not", "a", "dict"]', '{"k": true}', '{"k": {"max_positions": "128"}}',
-                   '{"k": {"max_positions": 128, "more": 1}}'):
+    for damage in ('{"a": ', '["not", "a", "dict"]', '{"k": true}', '{"k": {"max_positions": "128", "vocab": null}}',
+                   '{"k": {"max_positions": 128, "vocab": null, "more": 1}}', '{"k": {"max_positions": 128}}',
+                   '{"k": {"max_positions": 128, "vocab": {"size": "8192"}}}'):
         path.write_text(damage)
         assert ckrun("validate", BERT_TINY)[0] == 0
-        assert list(table().values()) == [{"max_positions": 128}], damage  # written again, whole
+        assert list(table().values()) == [KEPT], damage  # written again, whole
 
 
 def test_the_key_follows_everything_a_pass_depends_on(monkeypatch):

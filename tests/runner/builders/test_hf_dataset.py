@@ -233,4 +233,5 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, ckr
     code, _, err = ckrun(BERT_TINY, tiny, *GPT[1:], data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
     assert code == 2
     [message] = err.splitlines()
-    assert f"data.tokenizer: {tokenizer} gives token ids up to 8, but the model's vocab_size is 5" in message
+    # validate's check (runner/builders/vocab.py) finds it first, at the model's vocab_size
+    assert f"model.config.vocab_size: the model's vocabulary has 5 ids but the tokenizer {tokenizer} has 9 tokens" in message

@@ -86,6 +86,13 @@ SCHEDULES = {
         lambda o: optimization.get_cosine_with_hard_restarts_schedule_with_warmup(o, 1, 10, num_cycles=3),
     "{name: warmup_stable_decay, warmup_steps: 2, decay_steps: 4, decay_type: linear, min_lr_ratio: 0.1}":
         lambda o: optimization.get_wsd_schedule(o, 2, 4, num_training_steps=10, decay_type="linear", min_lr_ratio=0.1),
+    # cosine and constant too (issue 36 point 11: one lineage for every name), and the Trainer's warmup_ratio
+    "{name: cosine, warmup_steps: 3}": lambda o: optimization.get_cosine_schedule_with_warmup(o, 3, 10),
+    "{name: cosine, warmup_ratio: 0.25, min_lr_ratio: 0.1}":  # ceil(0.25 * 10) = 3 steps
+        lambda o: optimization.get_cosine_with_min_lr_schedule_with_warmup(o, 3, 10, min_lr_rate=0.1),
+    "{name: constant, warmup_steps: 2}": lambda o: optimization.get_constant_schedule_with_warmup(o, 2),
+    "{name: constant}": lambda o: optimization.get_constant_schedule(o),
+    "{name: linear, warmup_ratio: 0.1}": lambda o: optimization.get_linear_schedule_with_warmup(o, 1, 10),
 }
 
 
@@ -104,8 +111,9 @@ def test_the_schedules_are_transformers_own(schedule):
     ours = build_scheduler(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.01), recipe.train, 10)
     theirs = SCHEDULES[schedule](torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.01))
     assert _rates(ours, 10) == _rates(theirs, 10)
-    assert len(set(_rates(build_scheduler(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.01),
-                                          recipe.train, 10), 10))) > 2  # it does change the rate
+    changes = len(set(_rates(build_scheduler(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.01),
+                                             recipe.train, 10), 10)))
+    assert changes > 2 or schedule == "{name: constant}"  # it does change the rate
 
 
 def test_a_linear_schedule_runs_through_the_cli_to_zero(tmp_path, ckrun):
@@ -123,3 +131,9 @@ def test_a_linear_schedule_runs_through_the_cli_to_zero(tmp_path, ckrun):
 def test_a_schedule_that_does_not_fit_the_run_is_one_line(tmp_path, ckrun, schedule, line):
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, f"train.scheduler={schedule}", "train.steps=4", f"output.dir={tmp_path}")
     assert code == 2 and line in err and "Traceback" not in err, err
+
+
+def test_warmup_steps_and_warmup_ratio_are_one_or_the_other(ckrun):
+    code, _, err = ckrun("validate", BERT_TINY, *TINY_BERT, "train.scheduler={name: cosine, warmup_steps: 3, warmup_ratio: 0.1}")
+    assert code == 2 and "train.scheduler.warmup_ratio: give train.scheduler.warmup_steps or train.scheduler.warmup_ratio, " \
+                         "not both" in err, err

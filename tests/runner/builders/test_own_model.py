@@ -49,6 +49,12 @@ def test_the_classifier_trains_on_records_as_written(project, ckrun):
     assert len([r for r in records if "loss" in r]) == 8  # 3 epochs of 40 rows at batch 16
     assert [r["eval"]["samples"] for r in records if "eval" in r] == [12, 12]  # the whole held-out set
     assert (project / "run" / "model" / "model.safetensors").is_file()
+    # what using it outside ckrun needs (issue 36 point 4): the label map and how text became ids
+    inputs = json.loads((project / "run" / "model" / "inputs.json").read_text())
+    assert inputs["labels"] == {"0": "neg", "1": "pos"} and inputs["task"] == "sequence_classification"
+    assert inputs["token_ids"]["kind"] == "utf-8 bytes" and inputs["token_ids"]["pad_id"] == 0
+    exported = (project / "run" / "model" / "recipe.yaml").read_text()
+    assert "labels:\n  - neg\n  - pos\n" in exported and "labels: null" not in exported
 
 
 def test_the_language_model_trains_on_text_as_written(project, ckrun):

@@ -161,7 +161,7 @@ def test_a_recipe_typo_nearer_a_library_name_than_a_verb_lists_the_recipes():
 # a complete command line for every verb, so that the flag added below is its only fault
 COMPLETE = {"run": ["bert_tiny"], "validate": ["bert_tiny"], "show": ["bert_tiny"], "estimate": ["bert_tiny"],
             "tune": ["bert_tiny", "--max-mem", "1GB"], "report": ["runs/t"], "ls": [], "cp": ["gpt2", "my.yaml"],
-            "schema": []}
+            "schema": [], "tokenizer": ["corpus/*.txt", "--out", "tok"]}
 
 
 def test_every_verb_has_a_complete_command_line():

@@ -131,8 +131,8 @@ def test_early_stopping_ends_the_run_as_a_finished_one(tmp_path, ckrun, caplog):
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, *STOPPING, f"output.dir={tmp_path}")
     assert code == 0, err
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
-    assert "early stopping after step 3 of 12: eval loss has not improved by more than 0 for 2 evaluations " \
-           "(best" in "\n".join(caplog.messages)
+    assert "early stopping after step 3 of 12: eval loss has not improved by more than 0 over its best for 2 " \
+           "evaluations (best" in "\n".join(caplog.messages)
     assert (tmp_path / "model" / "config.json").is_file() and (tmp_path / "checkpoints" / "step-00000003").is_dir()
 
 

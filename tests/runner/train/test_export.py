@@ -15,8 +15,9 @@ TORCHVISION = ["model.source=torchvision", "model.name=resnet18", "model.config=
 PYTHON = ["model={source: python, name: 'user_models:tied_lm', config: {vocab_size: 64, width: 16}}",
           "data={source: synthetic, task: causal_lm, seq_len: 16}", "train.batch_size=4", "train.device=cpu"]
 SOURCES = {"transformers": TINY_BERT, "torchvision": TORCHVISION, "python": PYTHON}
-EXPORTED = {"transformers": {"config.json", "model.safetensors", "recipe.yaml"},
-            "torchvision": {"model.safetensors", "recipe.yaml"}, "python": {"model.safetensors", "recipe.yaml"}}
+EXPORTED = {"transformers": {"config.json", "model.safetensors", "recipe.yaml", "inputs.json"},
+            "torchvision": {"model.safetensors", "recipe.yaml", "inputs.json"},
+            "python": {"model.safetensors", "recipe.yaml", "inputs.json"}}
 
 
 def _outputs(model, recipe) -> torch.Tensor:

@@ -8,15 +8,18 @@ import os
 import re
 import subprocess
 import sys
+from unittest.mock import patch
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT
 from runner.train import progress
 from runner.train.progress import Progress, format_duration
 
-STEP = re.compile(r"step (\d+)/(\d+)  loss [\d.]+  lr \S+  (\d+ tokens/s|[\d.]+ samples/s)  peak .+  ETA \S+$")
+STEP = re.compile(r"step (\d+)/(\d+)  loss [\d.]+  lr \S+  (\d+ tokens/s|[\d.]+ samples/s)  peak .+  ETA (\S+|after step \d+)$")
 
 
 def _step_lines(messages: list[str]) -> list[str]:
@@ -50,6 +53,33 @@ def test_an_image_model_reports_samples_per_second(tmp_path, ckrun, caplog):
     code, _, err = ckrun(BERT_TINY, *cnn, "train.steps=2", f"output.dir={tmp_path}")
     assert code == 0, err
     assert all("samples/s" in line and "tokens/s" not in line for line in _step_lines(caplog.messages))
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=st.floats(1, 600), second=st.floats(0.5, 60), pace=st.floats(0.1, 30), noise=st.lists(
+    st.floats(0.85, 1.15), min_size=40, max_size=40))
+def test_the_eta_does_not_swing_with_slow_first_steps(first, second, pace, noise):
+    """Slow first steps (compiling, warming caches) then a steady pace with +-15% noise: no estimate is
+    shown that the truth is more than 20% from (the old one said 1h06m at step 1 and 40m at step 5)."""
+    total, now = 40, 0.0
+    times = [first, second, *(pace * n for n in noise[2:])]
+    bar = Progress(total=total, first_step=0, log_every=1, log_seconds=0, show=False)
+    for step, seconds in enumerate(times, 1):
+        now += seconds
+        with patch.object(progress.time, "monotonic", lambda now=now: now):
+            bar.update({"step": step, "step_time_s": seconds})
+        shown = bar.eta({"step": step, "step_time_s": seconds}, now)
+        truth = sum(times[step:])
+        if step <= 2:
+            assert shown == "ETA after step 3"
+        elif truth >= 10:
+            assert abs(_seconds(shown) - truth) <= 0.2 * truth + 1, (step, shown, truth)
+
+
+def _seconds(shown: str) -> float:
+    found = re.fullmatch(r"ETA (?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", shown)
+    hours, minutes, seconds = (int(x or 0) for x in found.groups())
+    return 3600 * hours + 60 * minutes + seconds
 
 
 def test_the_time_left_is_paced_after_the_first_step(monkeypatch):

@@ -1,0 +1,65 @@
+"""The README's first commands, as a new user copies them (issue 36 point 1): the install picks
+PyTorch for the machine (CPU wheels where there is no NVIDIA GPU, instead of 3 GB of CUDA wheels),
+and CI runs the README's test command word for word. Run with stub programs: nothing is installed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+SETUP = README.split("## Set-up on a fresh machine", 1)[1].split("\n## ", 1)[0]
+BLOCKS = re.findall(r"```\n(.*?)\n```", SETUP, re.S)
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+
+# python3 -m venv .venv makes an activate script that puts stub pip, ckrun and python first on PATH;
+# each stub writes its command line to calls.log
+PYTHON3 = """#!/bin/sh
+/bin/mkdir -p .venv/bin
+for tool in pip ckrun python ruff; do
+  printf '#!/bin/sh\\necho "%s $*" >> "$CALLS"\\n' "$tool" > .venv/bin/$tool
+  /bin/chmod +x .venv/bin/$tool
+done
+echo 'PATH="$PWD/.venv/bin:$PATH"' > .venv/bin/activate
+"""
+
+
+def _run(block: str, tmp_path, gpu: bool) -> list[str]:
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "python3").write_text(PYTHON3)
+    if gpu:
+        (stubs / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    calls = tmp_path / "calls.log"
+    done = subprocess.run(["/bin/bash", "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PATH": str(stubs), "CALLS": str(calls), "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    return calls.read_text().splitlines()
+
+
+def test_the_readme_has_the_tune_block_then_the_test_block():
+    assert len(BLOCKS) >= 2 and "ckrun tune recipes/bert_tiny.yaml" in BLOCKS[0] and "pytest" in BLOCKS[1]
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu machine", "gpu machine"])
+@pytest.mark.parametrize("which", [0, 1], ids=["first block", "test block"])
+def test_the_install_takes_cpu_wheels_exactly_where_there_is_no_gpu(tmp_path, gpu, which):
+    calls = _run(BLOCKS[which], tmp_path, gpu)
+    installs = [call for call in calls if call.startswith("pip install")]
+    if gpu:
+        assert not [call for call in installs if CPU_INDEX in call]  # PyPI's CUDA build
+    else:
+        assert installs[0] == f"pip install torch torchvision {CPU_INDEX}"  # before the package pulls the CUDA one
+    assert installs[-1] in ("pip install .", 'pip install -e .[test]')
+    assert calls[-1].startswith("ckrun tune") if which == 0 else calls[-1] == "ruff check ."
+
+
+def test_ci_runs_the_readmes_test_command_word_for_word():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert BLOCKS[1] in lines
