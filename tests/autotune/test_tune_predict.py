@@ -72,7 +72,7 @@ def test_a_predicted_tuned_yaml_is_where_the_next_tune_starts(predicted, tmp_pat
 @pytest.mark.parametrize("flags, says", [
     (["--predict"], "--predict: predicting needs the device: name it with --gpu h100"),
     (["--gpu", "h100"], "--gpu: the probes run on this machine, which has no GPU; add --predict"),
-    (["--predict", "--gpu", "h300"], "--gpu: unknown GPU 'h300'; known: h100,"),
+    (["--predict", "--gpu", "h300"], "--gpu: unknown GPU 'h300'; known: "),
     (["--predict", "--gpu", "h100", "--no-screen"], "--no-screen: --predict answers every probe with a prediction"),
     (["--predict", "--gpu", "l4", "train.device=cpu"], "train.device: the recipe trains on cpu but NVIDIA L4 is a GPU"),
     (["--predict", "--gpu", "l4", "--max-mem", "30GB"], "--max-mem 30GB: more than the NVIDIA L4 has"),
