@@ -41,8 +41,20 @@ class ModelSpec(Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the transformers config class, the torchvision builder or the factory."""
     pretrained: PathText | None = None
-    """A local directory with weights to start from: a run's OUTPUT_DIR/model or
-    OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict (nothing is downloaded)."""
+    """Weights to start from: a Hugging Face Hub name (`meta-llama/Llama-3.2-1B`), found in the Hub's
+    cache as transformers finds it and fetched into it when missing and the Hub is reachable (HF_HOME,
+    HF_HUB_CACHE and HF_HUB_OFFLINE are honoured); or a local directory: a run's OUTPUT_DIR/model or
+    OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict."""
+    revision: str | None = None
+    """The Hub revision of model.pretrained: a branch, tag or commit hash (unset: `main`). A commit
+    hash pins the weights: the run then never depends on what `main` became."""
+
+    @model_validator(mode="after")
+    def _revision_of_a_hub_model(self) -> ModelSpec:
+        if self.revision is not None and self.pretrained is None:
+            raise KeyedError(("model", "revision"), "model.revision is the Hub revision of model.pretrained; "
+                             "set model.pretrained to a Hub name (org/name), or remove model.revision")
+        return self
 
 
 def infer_task(spec: ModelSpec) -> str | None:

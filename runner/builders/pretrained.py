@@ -1,6 +1,8 @@
 """What `model.pretrained` may name, and how its weights get into a built model.
 
-Three kinds of local directory hold weights ckrun can start from:
+A Hub name (`org/name`, at model.revision) is found in huggingface_hub's cache, and fetched into it
+where the Hub is reachable (runner/builders/hub.py); its snapshot directory is then read as any
+save_pretrained output is. Three kinds of local directory hold weights ckrun can start from:
 - an export, `OUTPUT_DIR/model` (written at the end of every run): transformers `save_pretrained`
   output (config.json + model.safetensors), or for torchvision and python models a
   model.safetensors state dict; either way with the run's resolved recipe.yaml beside it;
@@ -25,11 +27,37 @@ from torch import nn
 
 from ..checkpoint_files import MARKER, STATE_FILE, load_checkpoint
 from ..problems import first_line
+from .hub import hub_name, locate
 
 log = logging.getLogger(__name__)
 
 EXPORT_RECIPE = "recipe.yaml"  # the resolved recipe an export carries beside its weights
 WEIGHTS = "model.safetensors"
+
+
+def pretrained_directory(spec, weights: bool = True) -> Path | None:
+    """Where model.pretrained's files are: the local directory it names, or a Hub model's snapshot in the
+    cache; None without model.pretrained. `weights=False`: a transformers model's config is all the
+    caller reads (the checks before training), so a Hub model's weights are not fetched for it."""
+    if not spec.pretrained:
+        return None
+    repo = hub_name(spec.pretrained)
+    if repo is None:
+        return Path(spec.pretrained).expanduser()
+    return locate(repo, spec.revision, weights=weights or spec.source != "transformers")
+
+
+def config_of(directory: Path | None) -> dict:
+    """The config.json of save_pretrained output as a dict ({} for a checkpoint or a state dict): the
+    architecture a transformers model is built with before model.config's keys change it."""
+    path = directory / "config.json" if directory is not None else None
+    if path is None or is_checkpoint(directory) or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return {}  # check_pretrained_dir says so in its own line
+    return config if isinstance(config, dict) else {}
 
 
 def is_checkpoint(directory: Path) -> bool:

@@ -81,7 +81,7 @@ def _built_count(recipe, path: Path) -> int | None:
     from ..builders.model import build_model, count_parameters
 
     try:
-        return count_parameters(build_model(recipe.model, device="meta"))
+        return count_parameters(build_model(recipe.model, device="meta", weights=False))
     except (ValueError, TypeError) as err:  # BuildError, or a factory rejecting its arguments
         print(f"ckrun ls: {path}: model: {err}", file=sys.stderr)
         return None

@@ -41,7 +41,6 @@ from torch._subclasses.fake_tensor import (
 from ..builders.data import Batch
 from ..builders.model import build_model
 from ..builders.optim import build_optimizer
-from ..builders.resolve import transformers_class
 from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
@@ -297,17 +296,11 @@ def weight_init_skipped():
 
 
 def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
-    """The model with the right shapes; pretrained weights are not read (they change no shape),
-    except a transformers directory's config, which defines the architecture."""
+    """The model with the right shapes (and model.lora's adapters); pretrained weights are not read
+    (they change no shape), except a transformers directory's config, which defines the architecture."""
     from .fallback import build_reading_values  # it imports this module
 
-    if not spec.pretrained:
-        return build_reading_values(lambda: build_model(spec, CPU))
-    if spec.source != "transformers":
-        return build_reading_values(lambda: build_model(spec.model_copy(update={"pretrained": None}), CPU))
-    model_class = transformers_class(spec.name)
-    config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
-    return model_class(config)
+    return build_reading_values(lambda: build_model(spec, CPU, weights=False))
 
 
 def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch.Tensor]]:
