@@ -241,6 +241,10 @@ def build_space(recipe: Recipe, facts: ModelFacts, device: Device, search_precis
     add_adaptive(space, recipe)
     add_offload(space, device)
     add_allocator(space, recipe.memory.allocator, device)
+    held = recipe.model.lora.base_dtype if recipe.model.lora is not None else "fp32"
+    if search_precision and held != "fp32":  # the base is built once, in the dtype only that autocast computes in
+        space.reasons.append(f"--search-precision set aside: model.lora.base_dtype {held} needs precision {held}")
+        search_precision = False
     add_precision(space, recipe.precision, device, search_precision)
     add_compile(space, recipe.memory.compile, search_compile)
     add_compression(space, recipe.memory, allow_lossy)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..recipe import ModelSpec
-from .contract import adopt_user_model
+from .adapters import apply_lora, pretrained_settings
+from .contract import adapted_user_model, adopt_user_model
 from .oom import describe_out_of_memory, is_out_of_memory
 from .pretrained import config_of, from_pretrained, is_checkpoint, load_state, pretrained_directory
 from .resolve import BuildError, check_factory, check_kwargs, resolve_import_path, transformers_class
@@ -37,11 +38,13 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", weights: bo
             raise BuildError("model.name", f"{spec.name} returned {type(model).__name__}, not a torch.nn.Module")
         if spec.source == "python":
             model = adopt_user_model(model, spec.name)
-        return model
+        return model if spec.lora is None else adapted_user_model(apply_lora(model, spec), model)
 
 
 def _build_shapes(spec: ModelSpec, device: str | torch.device) -> nn.Module:
-    without_weights = spec.model_copy(update={"pretrained": None, "revision": None})
+    """The model's modules and shapes (QLoRA's base unquantized: its 4-bit layers are made as weights load)."""
+    lora = spec.lora.model_copy(update={"quantize_base": None}) if spec.lora is not None else None
+    without_weights = spec.model_copy(update={"pretrained": None, "revision": None, "lora": lora})
     config = config_of(_located(spec, weights=False)) if spec.source == "transformers" else {}
     if config:
         without_weights = without_weights.model_copy(update={"config": {**config, **spec.config}})
@@ -60,7 +63,7 @@ def _build_transformers(spec: ModelSpec) -> nn.Module:
     config_class = model_class.config_class
     directory = _located(spec)
     if directory is not None and not is_checkpoint(directory):
-        model = _from_pretrained(model_class, directory, {"dtype": torch.float32, **spec.config})
+        model = _from_pretrained(model_class, directory, pretrained_settings(spec, torch.get_default_device()))
     else:
         with _recipe_fault("model.config", f"{spec.name} cannot be built from this config"):
             model = model_class(config_class(**spec.config))

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 EXPORT_RECIPE = "recipe.yaml"  # the resolved recipe an export carries beside its weights
 WEIGHTS = "model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a LoRA adapter, not a model
+TRAINABLE_ONLY = "trainable_only"  # a checkpoint's mark: its model state holds what trains, not the frozen base
 
 
 def pretrained_directory(spec, weights: bool = True) -> Path | None:
@@ -85,6 +87,9 @@ def check_pretrained_dir(directory: Path, source: str | None, name: str | None) 
                          "e.g. a finished run's OUTPUT_DIR/model")
     if is_checkpoint(directory):
         return
+    if (directory / ADAPTER_CONFIG).is_file():
+        raise ValueError(f"{directory} holds a LoRA adapter, not a model; start from its base model with the same "
+                         "model.lora, or from the merged model a run exports with model.lora.export_merged: true")
     exported = exported_from(directory)
     # a transformers export may start another class of its architecture (a classifier from a masked
     # LM: the config's model_type decides); a user factory may have moved; torchvision names fix the shapes
@@ -131,7 +136,12 @@ def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The model weights a directory holds, and the file they came from; a one-line ValueError
     when they cannot be read (never torch's advice to load with weights_only=False)."""
     if is_checkpoint(directory):  # checked against the digest its marker recorded
-        return load_checkpoint(directory, torch.device("cpu"))["model"], directory / STATE_FILE
+        state = load_checkpoint(directory, torch.device("cpu"))
+        if state.get(TRAINABLE_ONLY):
+            raise ValueError(f"{directory} is a LoRA run's checkpoint, which holds the adapter and not the model "
+                             "it adapts; continue that run with --resume, or start from its merged export "
+                             "(model.lora.export_merged: true)")
+        return state["model"], directory / STATE_FILE
     path = state_dict_file(directory)
     if path is None:
         raise ValueError(f"{directory} holds no {WEIGHTS} or .pt/.pth/.bin state dict")

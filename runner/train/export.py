@@ -8,6 +8,9 @@ request (once the step in flight has finished), so a run never ends without its 
   model.safetensors) for transformers models, a model.safetensors state dict for torchvision and
   python models, and beside either the run's resolved recipe.yaml (and its tokenizer, when the
   data had one), so that `model.pretrained: OUTPUT_DIR/model` rebuilds exactly this model.
+- under model.lora, `OUTPUT_DIR/adapter/` holds the adapter as `PeftModel.save_pretrained` writes it
+  (adapter_config.json + adapter_model.safetensors: `PeftModel.from_pretrained(base, DIR)` loads it),
+  and `OUTPUT_DIR/model/` the merged model when model.lora.export_merged asks for it.
 The export is written to a temporary directory and renamed into place: a reader never sees half.
 """
 
@@ -31,6 +34,7 @@ from .dcp_checkpoint import finish_saving
 log = logging.getLogger(__name__)
 
 MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
 
 
 def finish_run(trainer, out_dir: Path) -> Path:
@@ -39,8 +43,25 @@ def finish_run(trainer, out_dir: Path) -> Path:
     weights = full_weights(trainer)  # FSDP: gathered on rank 0, a collective every rank joins
     if not trainer.ranks.is_main:
         return out_dir / MODEL_DIR
+    if trainer.recipe.model.lora is not None:
+        return _export_adapted(trainer, out_dir, weights)
     exported = export_model(trainer.model, trainer.recipe, out_dir / MODEL_DIR, trainer.step, weights)
     log.info("model exported to %s (start another run from it with model.pretrained=%s)", exported, exported)
+    return exported
+
+
+def _export_adapted(trainer, out_dir: Path, weights: dict | None) -> Path:
+    """The adapter, then (model.lora.export_merged) the model with it merged in, as the run's last use of it."""
+    recipe = trainer.recipe
+    adapter = export_model(trainer.model, recipe, out_dir / ADAPTER_DIR, trainer.step, weights)
+    log.info("LoRA adapter exported to %s (peft.PeftModel.from_pretrained(base, %s) loads it)", adapter, adapter)
+    if not recipe.model.lora.export_merged:
+        return adapter
+    from ..builders.adapters import merged
+
+    plain = recipe.model_copy(update={"model": recipe.model.model_copy(update={"lora": None})})
+    exported = export_model(merged(trainer.model), plain, out_dir / MODEL_DIR, trainer.step)
+    log.info("merged model exported to %s (start another run from it with model.pretrained=%s)", exported, exported)
     return exported
 
 
@@ -65,7 +86,9 @@ def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, w
         _write_weights(model, recipe, temporary, weights)
         _write_tokenizer(recipe, temporary)
         header = (f"# exported by ckrun after step {step}: the recipe that trained these weights.\n"
-                  f"# start a run from them with model.pretrained={directory}\n")
+                  f"# start a run from them with model.pretrained={directory}\n" if recipe.model.lora is None else
+                  f"# exported by ckrun after step {step}: the recipe that trained this LoRA adapter.\n"
+                  f"# load it onto its base with peft.PeftModel.from_pretrained(base, \"{directory}\")\n")
         (temporary / EXPORT_RECIPE).write_text(header + dump_yaml(recipe.model_dump(mode="json")), encoding="utf-8")
         _replace(directory, temporary)
     except BaseException:
@@ -80,7 +103,7 @@ def _write_weights(model: nn.Module, recipe: Recipe, directory: Path, weights: d
 
 
 def _write_weight_files(model: nn.Module, recipe: Recipe, directory: Path, weights: dict | None) -> None:
-    if recipe.model.source == "transformers":
+    if recipe.model.source == "transformers" or recipe.model.lora is not None:  # a PeftModel saves its adapter
         from transformers.utils import logging as transformers_logging
 
         shown = transformers_logging.is_progress_bar_enabled()

@@ -1,6 +1,7 @@
-"""A Hugging Face Hub cache built by the tests, in the layout huggingface_hub writes: content in
-`blobs/`, each snapshot's files linked to their blob, a branch or tag in `refs/` naming its commit.
-Nothing is downloaded: the model a test saves is put where `hf download` would have put it."""
+"""Tiny Llamas for the Hub and LoRA tests, and a Hugging Face Hub cache built by the tests in the layout
+huggingface_hub writes: content in `blobs/`, each snapshot's files linked to their blob, a branch or tag
+in `refs/` naming its commit. Nothing is downloaded: the model a test saves is put where `hf download`
+would have put it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ import torch
 TINY_LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 TINY_CONFIG = "model.config={" + ", ".join(f"{k}: {str(v).lower()}" for k, v in TINY_LLAMA.items()) + "}"
+
+
+def tiny_llama_recipe(model: str = "", rest: str = "") -> str:
+    """A recipe of that Llama as YAML text: `model` adds lines to its model section, `rest` sections after it."""
+    config = ", ".join(f"{k}: {str(v).lower()}" for k, v in TINY_LLAMA.items())
+    return (f"model:\n  source: transformers\n  name: LlamaForCausalLM\n  config: {{{config}}}\n"
+            + "".join(f"  {line}\n" for line in model.splitlines() if line)
+            + "data: {source: synthetic, seq_len: 16}\n"
+            + "train: {batch_size: 4, steps: 3, device: cpu, optimizer: {name: adamw, lr: 0.01}}\n" + rest)
+
+
 # llama_1b.yaml trained at that size on CPU in milliseconds; model.config={} takes the architecture from the Hub
 FROM_HUB = ["model.config={}", "data.seq_len=16", "train.batch_size=4", "memory.micro_batch=2", "train.steps=2",
             "precision=fp32", "train.device=cpu", "train.optimizer.lr=0.01", "output.checkpoint_every=0"]
