@@ -113,3 +113,22 @@ def test_what_a_lora_run_leaves_is_no_model_to_start_from(hub, tmp_path, ckrun, 
     code, _, err = ckrun(str(again), "train.steps=1")
     assert code == 2 and "model.pretrained:" in err and said in err, err
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_written_before_the_lora_and_revision_keys_still_resumes(tmp_path, ckrun):
+    """Its fingerprint lacks model.lora and model.revision, which are null now: no setting changed."""
+    import json
+
+    from runner.train.checkpoint import save_checkpoint
+
+    recipe = tmp_path / "plain.yaml"
+    recipe.write_text(tiny_llama_recipe("", f"output: {{dir: {tmp_path / 'run'}}}\n"))
+    assert ckrun(str(recipe), "train.steps=1")[0] == 0
+    root = tmp_path / "run" / "checkpoints"
+    state = torch.load(root / "step-00000001" / "state.pt", weights_only=True)
+    model = json.loads(state["recipe"]["model"])
+    assert model.pop("lora") is None
+    state["recipe"]["model"] = json.dumps(model, sort_keys=True)  # as ckrun wrote it before these keys
+    save_checkpoint(root, 1, state)
+    code, _, err = ckrun(str(recipe), "train.steps=2", "--resume")
+    assert code == 0, err
