@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..recipe import ModelSpec, infer_task
-from .pretrained import TRAINABLE_ONLY  # noqa: F401 - the trainer marks its checkpoints with it
+from .pretrained import FRESH, TRAINABLE_ONLY  # noqa: F401 - the trainer marks its checkpoints with TRAINABLE_ONLY
 from .resolve import BuildError
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ def apply_lora(model: nn.Module, spec: ModelSpec) -> nn.Module:
         raise BuildError(_key_of(str(err)), f"peft cannot put LoRA on {spec.name}: {_first_line(err)}; name the "
                          "layers in model.lora.target_modules (e.g. [q_proj, v_proj] or all-linear)") from None
     _hold(peft_model, DTYPES[lora.base_dtype])
+    _warn_frozen_fresh(peft_model, model.__dict__.get(FRESH, []))
     trained, total = count_trainable(peft_model)
     log.info("LoRA rank %d on %s: %s of %s parameters train (%.2f%%); the frozen base (%s) has no gradients "
              "or optimizer state", lora.rank, _targets(peft_model), f"{trained:,}", f"{total:,}",
@@ -116,6 +117,17 @@ def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     if missing or unexpected:
         raise ValueError(f"the checkpoint's adapter does not fit model.lora: {len(missing)} missing and "
                          f"{len(unexpected)} unexpected tensors (e.g. {(missing or unexpected)[0]})")
+
+
+def _warn_frozen_fresh(model: nn.Module, fresh: list[str]) -> None:
+    """Weights model.pretrained lacked start random; frozen, they would stay random (a new head)."""
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    frozen = [key for key in fresh if not any(f".{key.rpartition('.')[0]}." in f".{name}" for name in trained)]
+    if frozen:
+        modules = sorted({key.rpartition(".")[0] for key in frozen})
+        log.warning("model.lora: %d weights the pretrained model lacks start random and stay frozen, so they never "
+                    "train (e.g. %s); add %s to model.lora.modules_to_save", len(frozen), frozen[0],
+                    "[" + ", ".join(modules[:3]) + "]")
 
 
 def merged(model: nn.Module) -> nn.Module:

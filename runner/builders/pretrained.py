@@ -35,6 +35,7 @@ EXPORT_RECIPE = "recipe.yaml"  # the resolved recipe an export carries beside it
 WEIGHTS = "model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a LoRA adapter, not a model
 TRAINABLE_ONLY = "trainable_only"  # a checkpoint's mark: its model state holds what trains, not the frozen base
+FRESH = "_ckrun_fresh_weights"  # on a model from_pretrained built: the weights its directory lacked, made fresh
 
 
 def pretrained_directory(spec, weights: bool = True) -> Path | None:
@@ -191,6 +192,7 @@ def from_pretrained(model_class, directory: Path, config: dict) -> nn.Module:
         if bar:
             transformers_logging.enable_progress_bar()
     _report_loading(directory, info)
+    model.__dict__[FRESH] = sorted(info.get("missing_keys") or [])  # model.lora warns of the frozen ones
     return model
 
 

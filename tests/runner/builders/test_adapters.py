@@ -146,3 +146,25 @@ def test_lora_without_peft_installed_is_one_line(ckrun, monkeypatch):
     code, _, err = ckrun("validate", LLAMA_LORA)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "model.lora: LoRA comes from the peft package, which is not installed: pip install 'ckrun[lora]'" in err
+
+
+def test_a_new_head_trains_beside_the_adapter_or_the_log_says_it_never_will(tmp_path, caplog):
+    """A classifier from a causal LM's weights: its head starts random. peft trains a sequence classifier's head
+    itself (modules_to_save); a head it does not know stays frozen, which the log says, naming the fix."""
+    from runner.builders.model import build_model
+    from runner.recipe import ModelSpec
+    from tests.runner.builders.hub_cache import save_tiny_llama
+
+    files = save_tiny_llama(tmp_path / "causal")
+    spec = ModelSpec(source="transformers", name="LlamaForSequenceClassification", pretrained=str(files),
+                     config={"num_labels": 3, "pad_token_id": 0}, lora={})
+    with caplog.at_level("WARNING", logger="runner.builders.adapters"):
+        model = build_model(spec)
+    assert any("score.modules_to_save" in name for name, p in model.named_parameters() if p.requires_grad)
+    assert not [r for r in caplog.records if r.name == "runner.builders.adapters"]
+    with caplog.at_level("WARNING", logger="runner.builders.adapters"):
+        build_model(spec.model_copy(update={"name": "LlamaForTokenClassification"}))
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "runner.builders.adapters"]
+    assert said.startswith("model.lora: 2 weights the pretrained model lacks start random and stay frozen, so they "
+                           "never train (e.g. score.")
+    assert "add [score] to model.lora.modules_to_save" in said
