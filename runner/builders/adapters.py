@@ -11,7 +11,7 @@ The frozen base is held in `base_dtype` (bf16 halves it, as peft users load a ba
 torch_dtype), and whatever trains (the adapters, modules_to_save, trained biases) stays fp32, the
 master weights autocast computes from. Checkpoints carry what trains and the buffers
 (`trainable_state`), not the base, which model.pretrained rebuilds; the export writes the adapter
-as `PeftModel.save_pretrained` does, and the merged model when output.merge_adapter asks.
+as `PeftModel.save_pretrained` does, and the merged model when model.lora.export_merged asks.
 """
 
 from __future__ import annotations

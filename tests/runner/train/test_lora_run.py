@@ -132,3 +132,19 @@ def test_a_checkpoint_written_before_the_lora_and_revision_keys_still_resumes(tm
     save_checkpoint(root, 1, state)
     code, _, err = ckrun(str(recipe), "train.steps=2", "--resume")
     assert code == 0, err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_qlora_trains_a_4bit_base_on_cuda_and_exports_its_adapter(hub, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes
+
+    recipe = recipe_from_text(tiny_llama_recipe(
+        f"pretrained: {REPO}\nlora: {{quantize_base: nf4, base_dtype: bf16, target_modules: all-linear}}",
+        f"precision: bf16\noutput: {{dir: {tmp_path / 'run'}}}\n").replace("device: cpu", "device: cuda"))
+    trainer = Trainer(recipe)
+    assert any(isinstance(m, bitsandbytes.nn.Linear4bit) for m in trainer.model.modules())
+    losses = [trainer.train_step()["loss"] for _ in range(3)]
+    assert all(loss == loss and loss > 0 for loss in losses)
+    assert (finish_run(trainer, tmp_path / "run") / "adapter_model.safetensors").is_file()
