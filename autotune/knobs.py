@@ -233,6 +233,12 @@ def add_allocator(space: Space, asked: Asked) -> None:
 
 def add_precision(space: Space, asked: Asked) -> None:
     pinned, device = asked.recipe.precision, asked.device
+    lora = asked.recipe.model.lora
+    held = lora.base_dtype if lora is not None else "fp32"
+    if "precision" in asked.opened and held != "fp32":  # the base is built once, in the dtype only that autocast computes in
+        space.fixed["precision"] = pinned
+        space.reasons.append(f"--search-precision set aside: model.lora.base_dtype {held} needs precision {held}")
+        return
     if "precision" not in asked.opened:
         space.fixed["precision"] = pinned
         space.reasons.append(f"precision pinned to the recipe's {pinned} (pass --search-precision to search "

@@ -108,7 +108,7 @@ def model_facts(recipe, nproc: int = 1) -> dict:
 
     from .tp_facts import tensor_facts
 
-    model = build_model(recipe.model, device="meta")  # nothing is allocated; CUDA is not touched
+    model = build_model(recipe.model, device="meta", weights=False)  # nothing is allocated or read; CUDA is not touched
     try:
         blocks = find_blocks(model, recipe.memory.blocks)
     except ValueError as err:

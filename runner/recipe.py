@@ -30,6 +30,7 @@ from .recipe_train import (  # noqa: F401 - the optimizers and schedules too
     AdamW, ConstantSchedule, CosineSchedule, Optimizer, Schedule, SGD, TorchOptimizer,
 )
 from .recipe_sinks import SinkEntries
+from .recipe_adapters import LoraSpec
 
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -43,8 +44,31 @@ class ModelSpec(Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the transformers config class, the torchvision builder or the factory."""
     pretrained: PathText | None = None
-    """A local directory with weights to start from: a run's OUTPUT_DIR/model or
-    OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict (nothing is downloaded)."""
+    """Weights to start from: a Hugging Face Hub name (`meta-llama/Llama-3.2-1B`), found in the Hub's
+    cache as transformers finds it and fetched into it when missing and the Hub is reachable (HF_HOME,
+    HF_HUB_CACHE and HF_HUB_OFFLINE are honoured); or a local directory: a run's OUTPUT_DIR/model or
+    OUTPUT_DIR/checkpoints/step-N, save_pretrained output, or a state dict."""
+    revision: str | None = None
+    """The Hub revision of model.pretrained: a branch, tag or commit hash (unset: `main`). A commit
+    hash pins the weights: the run then never depends on what `main` became."""
+    lora: LoraSpec | None = None
+    """Fine-tune with LoRA through peft: the model's weights stay frozen (no gradients, no optimizer
+    state) and low-rank adapters beside its linear layers train; `{}` takes peft's defaults (rank 8 on
+    the attention projections). Unset: every weight trains."""
+
+    @model_validator(mode="after")
+    def _revision_of_a_hub_model(self) -> ModelSpec:
+        if self.revision is not None and self.pretrained is None:
+            raise KeyedError(("model", "revision"), "model.revision is the Hub revision of model.pretrained; "
+                             "set model.pretrained to a Hub name (org/name), or remove model.revision")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_as_weights_load(self) -> ModelSpec:
+        if self.lora is not None and self.lora.quantize_base and (self.source != "transformers" or not self.pretrained):
+            raise KeyedError(("model", "lora", "quantize_base"), "QLoRA: transformers quantizes a base to 4 bits as "
+                             "its weights load: give a transformers model with model.pretrained (a Hub name or directory)")
+        return self
 
 
 LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")  # evaluated by loss and perplexity; the rest by loss and accuracy
@@ -241,6 +265,29 @@ class Recipe(Strict):
                                        "memory.sharding"))
         problems += [KeyedError(path, message) for path, message in strategy.combination_problems(self.memory,
                                                                                                     self.precision)]
+        raise_all(problems)
+        return self
+
+    @model_validator(mode="after")
+    def _lora_combines(self) -> Recipe:
+        lora = self.model.lora
+        if lora is None:
+            return self
+        problems = []
+        if lora.base_dtype != "fp32" and lora.base_dtype != self.precision:
+            problems.append(KeyedError(("model", "lora", "base_dtype"), f"a {lora.base_dtype} base runs under "
+                                       f"{lora.base_dtype} autocast, but precision is {self.precision}; set precision: "
+                                       f"{lora.base_dtype}, or base_dtype: fp32"))
+        if isinstance(self.distributed, TensorParallel):
+            problems.append(KeyedError(("model", "lora"), "LoRA wraps the linear layers tensor parallelism splits; "
+                                       "use distributed.strategy ddp or fsdp with model.lora"))
+        if lora.export_merged and self.distributed.shards:
+            problems.append(KeyedError(("model", "lora", "export_merged"), "merging needs the whole model in one "
+                                       f"process, which distributed.strategy {self.distributed.strategy} splits; "
+                                       "export the adapter and merge it with peft's merge_and_unload afterwards"))
+        if lora.quantize_base and self.train.device == "cpu":
+            problems.append(KeyedError(("model", "lora", "quantize_base"), "QLoRA: bitsandbytes' 4-bit base runs on "
+                                       "CUDA, but train.device is cpu; train on a GPU, or remove quantize_base"))
         raise_all(problems)
         return self
 

@@ -28,8 +28,9 @@ from ..recipe import EvalSpec, ModelSpec, Recipe, infer_task
 from ..recipe_data import Data
 from ..strategies import TensorParallel
 from ..yamlio import Document
-from .check_cache import passed_before, remember_pass
+from .check_cache import config_origin, passed_before, remember_pass
 from .data_checks import local_data_problems
+from .hub import in_hub_cache
 from .resolve import check_factory, check_kwargs, not_a_module, resolve_import_path, transformers_class
 
 
@@ -78,26 +79,49 @@ def user_code_problems(recipe: Recipe) -> list[KeyedError]:
 
 
 def model_problems(spec: ModelSpec) -> list[KeyedError]:
-    """A library model's class and config (a python model's code is `user_code_problems`), and model.pretrained."""
-    found = _library_model_problems(spec)
-    if spec.pretrained is not None:
+    """A library model's class and config (a python model's code is `user_code_problems`), and model.pretrained:
+    a Hub name is found in huggingface_hub's cache (fetched where the Hub is reachable: the config alone for a
+    transformers model), and a transformers model is checked with that config under model.config's keys."""
+    directory, located = _pretrained_located(spec)
+    found = _library_model_problems(spec, directory)
+    if directory is not None:
         from .pretrained import check_pretrained_dir
 
         name = None if any(p.key == "model.name" for p in found) else spec.name  # as far as the name is known
-        found += _caught("model.pretrained", check_pretrained_dir, Path(spec.pretrained).expanduser(), spec.source, name)
-    return found
+        located += _caught("model.pretrained", check_pretrained_dir, directory, spec.source, name)
+    return found + located
 
 
-def _library_model_problems(spec: ModelSpec) -> list[KeyedError]:
+def _pretrained_located(spec: ModelSpec) -> tuple[Path | None, list[KeyedError]]:
+    """model.pretrained's directory (a Hub model's snapshot), or the line why there is none."""
+    if spec.pretrained is None:
+        return None, []
+    from .pretrained import pretrained_directory  # torch: only for a recipe that reads weights
+
+    try:
+        directory = pretrained_directory(spec, weights=False)
+    except ValueError as err:
+        return None, [KeyedError("model.pretrained", str(err))]
+    if spec.revision is not None and directory is not None and directory.exists() and not in_hub_cache(directory):
+        return directory, [KeyedError("model.revision", f"{spec.pretrained} is a local directory, which has no Hub "
+                                      "revisions; remove model.revision, or name a Hub model (org/name)")]
+    return directory, []
+
+
+def _library_model_problems(spec: ModelSpec, directory: Path | None = None) -> list[KeyedError]:
     """A transformers or torchvision model's problems; a pass is kept in the user's cache (check_cache.py),
-    so the same model section is not imported and built again (seconds) by the next command."""
+    so the same model section is not imported and built again (seconds) by the next command. A
+    transformers model with model.pretrained is checked with the directory's config.json under model.config,
+    and kept under what identifies that config (a Hub model's commit, a local file's digest)."""
     checks = {"transformers": _transformers_fits, "torchvision": _torchvision_fits}
-    if spec.source not in checks or passed_before(spec) is not None:
+    origin = config_origin(directory) if spec.source == "transformers" else None
+    if spec.source not in checks or passed_before(spec, origin) is not None:
         return []
-    found = _caught("model.name", checks[spec.source], spec)
+    found = _caught("model.name", checks[spec.source], spec, directory)
     if not found:
         transformers = spec.source == "transformers"
-        remember_pass(spec, _max_positions(spec) if transformers else None, _vocab(spec) if transformers else None)
+        remember_pass(spec, _max_positions(spec, directory) if transformers else None,
+                      _vocab(spec, directory) if transformers else None, origin)
     return found
 
 
@@ -140,8 +164,9 @@ def position_problems(recipe: Recipe) -> list[KeyedError]:
     """A sequence past a transformers model's position table would index out of range at the first step."""
     if recipe.model.source != "transformers":
         return []
-    kept = passed_before(recipe.model)  # kept with the pass that model_problems found or made
-    limit = kept["max_positions"] if kept is not None else _max_positions(recipe.model)
+    directory = _pretrained_located(recipe.model)[0]  # found before: model_problems passed
+    kept = passed_before(recipe.model, config_origin(directory))  # kept with the pass that model_problems made
+    limit = kept["max_positions"] if kept is not None else _max_positions(recipe.model, directory)
     for key, data in [("data", recipe.data), ("eval.data", recipe.eval.data if recipe.eval else None)]:
         seq_len = getattr(data, "seq_len", None)
         if limit is not None and seq_len is not None and seq_len > limit:
@@ -158,33 +183,42 @@ def tokenizer_problems(recipe: Recipe) -> list[KeyedError]:
 
     vocab = None
     if recipe.model.source == "transformers":
-        kept = passed_before(recipe.model)
-        vocab = kept["vocab"] if kept is not None else _vocab(recipe.model)
+        directory = _pretrained_located(recipe.model)[0]  # found before: model_problems passed
+        kept = passed_before(recipe.model, config_origin(directory))
+        vocab = kept["vocab"] if kept is not None else _vocab(recipe.model, directory)
     return vocab_problems(recipe, vocab)
 
 
-def _vocab(spec: ModelSpec) -> dict | None:
+def _vocab(spec: ModelSpec, directory: Path | None = None) -> dict | None:
     from .vocab import model_vocab
 
-    return model_vocab(transformers_class(spec.name), spec.config)
+    return model_vocab(transformers_class(spec.name), {**_config_of(directory), **spec.config})
 
 
-def _max_positions(spec: ModelSpec) -> int | None:
+def _max_positions(spec: ModelSpec, directory: Path | None = None) -> int | None:
     from .model_config import max_positions
 
-    return max_positions(transformers_class(spec.name), spec.config)
+    return max_positions(transformers_class(spec.name), {**_config_of(directory), **spec.config})
 
 
 # --- one check each --------------------------------------------------------------------------
 
 
-def _transformers_fits(spec: ModelSpec) -> None:
+def _config_of(directory: Path | None) -> dict:
+    if directory is None:
+        return {}
+    from .pretrained import config_of
+
+    return config_of(directory)
+
+
+def _transformers_fits(spec: ModelSpec, directory: Path | None = None) -> None:
     model_class = transformers_class(spec.name)
     try:
         check_config_keys(model_class.config_class, spec.config)
         from .model_config import check_transformers_config
 
-        check_transformers_config(model_class, spec.config)
+        check_transformers_config(model_class, spec.config, _config_of(directory))
     except KeyedError:
         raise
     except ValueError as err:
@@ -210,7 +244,7 @@ def check_config_keys(config_class, given: dict) -> None:
                          f"{config_class.__name__} has no setting {unknown[0]!r}{suggest(unknown[0], known)}")
 
 
-def _torchvision_fits(spec: ModelSpec) -> None:
+def _torchvision_fits(spec: ModelSpec, directory: Path | None = None) -> None:
     import torchvision
 
     known = torchvision.models.list_models()

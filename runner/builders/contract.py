@@ -53,6 +53,13 @@ def adopt_user_model(model: nn.Module, name: str) -> nn.Module:
     return model
 
 
+def adapted_user_model(adapted: nn.Module, model: nn.Module) -> nn.Module:
+    """`adapted` (a LoRA PeftModel around `model`) known by the name `model` was adopted under."""
+    if model in _USER_MODELS:
+        _USER_MODELS[adapted] = _USER_MODELS[model]
+    return adapted
+
+
 def logits_from(output, model: nn.Module) -> torch.Tensor:
     """The logits in what a forward returned, or a BuildError saying what came back instead."""
     if hasattr(output, "logits"):

@@ -1,5 +1,6 @@
 """Build the recipe's model: a transformers class from its config, a torchvision builder, or a
-user factory given by import path. Weights come only from local directories."""
+user factory given by import path. Weights come from model.pretrained: a local directory, or a Hub
+model's snapshot in huggingface_hub's cache (runner/builders/hub.py)."""
 
 from __future__ import annotations
 
@@ -14,34 +15,58 @@ import torch
 from torch import nn
 
 from ..recipe import ModelSpec
-from .contract import adopt_user_model
+from .adapters import apply_lora, pretrained_settings
+from .contract import adapted_user_model, adopt_user_model
 from .experts import settle_experts
 from .oom import describe_out_of_memory, is_out_of_memory
-from .pretrained import from_pretrained, is_checkpoint, load_state
+from .pretrained import config_of, from_pretrained, is_checkpoint, load_state, pretrained_directory
 from .resolve import BuildError, check_factory, check_kwargs, not_a_module, resolve_import_path, transformers_class
 from .user_code import Overdue, UserExit, bounded
 
 log = logging.getLogger(__name__)
 
 
-def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
-    """The model, its parameters created directly on `device` ("meta" allocates nothing)."""
+def build_model(spec: ModelSpec, device: str | torch.device = "cpu", weights: bool = True) -> nn.Module:
+    """The model, its parameters created directly on `device` ("meta" allocates nothing). `weights=False`:
+    the shapes alone (estimates, plan checks): model.pretrained's weights are not read, only a
+    transformers directory's config.json, which defines the architecture."""
+    if not weights:
+        return _build_shapes(spec, device)
     builders = {"transformers": _build_transformers, "torchvision": _build_torchvision, "python": _build_python}
     with torch.device(device):
         model = builders[spec.source](spec)
-    if not isinstance(model, nn.Module):
-        raise BuildError("model.name", not_a_module(spec.name, model))
-    if spec.source == "transformers":  # which expert kernel a mixture-of-experts model runs by, logged
-        settle_experts(model, spec.config, say=torch.device(device).type != "meta")
-    return adopt_user_model(model, spec.name) if spec.source == "python" else model
+        if not isinstance(model, nn.Module):
+            raise BuildError("model.name", not_a_module(spec.name, model))
+        if spec.source == "transformers":  # which expert kernel a mixture-of-experts model runs by, logged
+            settle_experts(model, spec.config, say=torch.device(device).type != "meta")
+        if spec.source == "python":
+            model = adopt_user_model(model, spec.name)
+        return model if spec.lora is None else adapted_user_model(apply_lora(model, spec), model)
+
+
+def _build_shapes(spec: ModelSpec, device: str | torch.device) -> nn.Module:
+    """The model's modules and shapes (QLoRA's base unquantized: its 4-bit layers are made as weights load)."""
+    lora = spec.lora.model_copy(update={"quantize_base": None}) if spec.lora is not None else None
+    without_weights = spec.model_copy(update={"pretrained": None, "revision": None, "lora": lora})
+    config = config_of(_located(spec, weights=False)) if spec.source == "transformers" else {}
+    if config:
+        without_weights = without_weights.model_copy(update={"config": {**config, **spec.config}})
+    return build_model(without_weights, device)
+
+
+def _located(spec: ModelSpec, weights: bool = True) -> Path | None:
+    try:
+        return pretrained_directory(spec, weights)
+    except ValueError as err:
+        raise BuildError("model.pretrained", str(err)) from None
 
 
 def _build_transformers(spec: ModelSpec) -> nn.Module:
     model_class = transformers_class(spec.name)
     config_class = model_class.config_class
-    directory = Path(spec.pretrained).expanduser() if spec.pretrained else None
+    directory = _located(spec)
     if directory is not None and not is_checkpoint(directory):
-        model = _from_pretrained(model_class, directory, spec.config)
+        model = _from_pretrained(model_class, directory, pretrained_settings(spec, torch.get_default_device()))
     else:
         with _recipe_fault("model.config", f"{spec.name} cannot be built from this config"):
             model = model_class(config_class(**spec.config))
@@ -61,7 +86,7 @@ def _build_torchvision(spec: ModelSpec) -> nn.Module:
     with _recipe_fault("model.config", spec.name):  # vit_b_16 asserts image_size % patch_size == 0
         model = builder(weights=None, **spec.config)
     if spec.pretrained:
-        _load_local_state(model, Path(spec.pretrained).expanduser())
+        _load_local_state(model, _located(spec))
     return model
 
 
@@ -84,7 +109,7 @@ def _build_python(spec: ModelSpec) -> nn.Module:
         raise BuildError(key, f"{spec.name} {_raised(err)}{_where_in(err, factory)}; "
                               "fix the factory or its arguments in model.config") from None
     if spec.pretrained and isinstance(model, nn.Module):
-        _load_local_state(model, Path(spec.pretrained).expanduser())
+        _load_local_state(model, _located(spec))
     return model
 
 

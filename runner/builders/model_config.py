@@ -24,11 +24,13 @@ MAX_LAYERS = 1024  # the deepest published models have a few hundred; building i
 _LAYER_COUNT = re.compile(r"(^|_)(n_layers?|num_layers|layers|n_layer)$|^num_.*layers$|_layers$")
 
 
-def check_transformers_config(model_class, given: dict) -> None:
-    """A KeyedError naming the model.config key (or model.name) that transformers rejects."""
-    config = _make_config(model_class.config_class, given)
+def check_transformers_config(model_class, given: dict, base: dict | None = None) -> None:
+    """A KeyedError naming the model.config key (or model.name) that transformers rejects. `base`: the
+    config.json of model.pretrained, which model.config's keys (`given`) change, as from_pretrained does."""
+    merged = {**(base or {}), **given}
+    config = _make_config(model_class.config_class, merged, given)
     _check_layer_counts(model_class.config_class, config, given)
-    problem = _trial_build(model_class, json.dumps(given, sort_keys=True, default=str))
+    problem = _trial_build(model_class, json.dumps(merged, sort_keys=True, default=str))
     if problem:
         verb = "does not run with" if problem.startswith("a forward pass") else "cannot be built from"
         raise KeyedError(("model", *_key_named_in(problem, given)), f"{model_class.__name__} {verb} "
@@ -43,9 +45,9 @@ def max_positions(model_class, given: dict) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
-def _make_config(config_class, given: dict):
+def _make_config(config_class, merged: dict, given: dict):
     try:
-        return _serialisable_config(config_class, given)
+        return _serialisable_config(config_class, merged)
     except Exception as err:  # transformers raises what it likes: strict-field errors, ValueError, TypeError
         text = " ".join(str(err).split())
         field = re.match(r"Validation error for field '([^']+)': \w+: (.*)", text)

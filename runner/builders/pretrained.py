@@ -1,6 +1,8 @@
 """What `model.pretrained` may name, and how its weights get into a built model.
 
-Three kinds of local directory hold weights ckrun can start from:
+A Hub name (`org/name`, at model.revision) is found in huggingface_hub's cache, and fetched into it
+where the Hub is reachable (runner/builders/hub.py); its snapshot directory is then read as any
+save_pretrained output is. Three kinds of local directory hold weights ckrun can start from:
 - an export, `OUTPUT_DIR/model` (written at the end of every run): transformers `save_pretrained`
   output (config.json + model.safetensors), or for torchvision and python models a
   model.safetensors state dict; either way with the run's resolved recipe.yaml beside it;
@@ -25,11 +27,40 @@ from torch import nn
 
 from ..checkpoint_files import MARKER, STATE_FILE, load_checkpoint
 from ..problems import first_line
+from .hub import hub_name, locate
 
 log = logging.getLogger(__name__)
 
 EXPORT_RECIPE = "recipe.yaml"  # the resolved recipe an export carries beside its weights
 WEIGHTS = "model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a LoRA adapter, not a model
+TRAINABLE_ONLY = "trainable_only"  # a checkpoint's mark: its model state holds what trains, not the frozen base
+FRESH = "_ckrun_fresh_weights"  # on a model from_pretrained built: the weights its directory lacked, made fresh
+
+
+def pretrained_directory(spec, weights: bool = True) -> Path | None:
+    """Where model.pretrained's files are: the local directory it names, or a Hub model's snapshot in the
+    cache; None without model.pretrained. `weights=False`: a transformers model's config is all the
+    caller reads (the checks before training), so a Hub model's weights are not fetched for it."""
+    if not spec.pretrained:
+        return None
+    repo = hub_name(spec.pretrained)
+    if repo is None:
+        return Path(spec.pretrained).expanduser()
+    return locate(repo, spec.revision, weights=weights or spec.source != "transformers")
+
+
+def config_of(directory: Path | None) -> dict:
+    """The config.json of save_pretrained output as a dict ({} for a checkpoint or a state dict): the
+    architecture a transformers model is built with before model.config's keys change it."""
+    path = directory / "config.json" if directory is not None else None
+    if path is None or is_checkpoint(directory) or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return {}  # check_pretrained_dir says so in its own line
+    return config if isinstance(config, dict) else {}
 
 
 def is_checkpoint(directory: Path) -> bool:
@@ -57,6 +88,9 @@ def check_pretrained_dir(directory: Path, source: str | None, name: str | None) 
                          "e.g. a finished run's OUTPUT_DIR/model")
     if is_checkpoint(directory):
         return
+    if (directory / ADAPTER_CONFIG).is_file():
+        raise ValueError(f"{directory} holds a LoRA adapter, not a model; start from its base model with the same "
+                         "model.lora, or from the merged model a run exports with model.lora.export_merged: true")
     exported = exported_from(directory)
     # a transformers export may start another class of its architecture (a classifier from a masked
     # LM: the config's model_type decides); a user factory may have moved; torchvision names fix the shapes
@@ -103,7 +137,12 @@ def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The model weights a directory holds, and the file they came from; a one-line ValueError
     when they cannot be read (never torch's advice to load with weights_only=False)."""
     if is_checkpoint(directory):  # checked against the digest its marker recorded
-        return load_checkpoint(directory, torch.device("cpu"))["model"], directory / STATE_FILE
+        state = load_checkpoint(directory, torch.device("cpu"))
+        if state.get(TRAINABLE_ONLY):
+            raise ValueError(f"{directory} is a LoRA run's checkpoint, which holds the adapter and not the model "
+                             "it adapts; continue that run with --resume, or start from its merged export "
+                             "(model.lora.export_merged: true)")
+        return state["model"], directory / STATE_FILE
     path = state_dict_file(directory)
     if path is None:
         raise ValueError(f"{directory} holds no {WEIGHTS} or .pt/.pth/.bin state dict")
@@ -153,6 +192,7 @@ def from_pretrained(model_class, directory: Path, config: dict) -> nn.Module:
         if bar:
             transformers_logging.enable_progress_bar()
     _report_loading(directory, info)
+    model.__dict__[FRESH] = sorted(info.get("missing_keys") or [])  # model.lora warns of the frozen ones
     return model
 
 

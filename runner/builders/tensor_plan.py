@@ -133,14 +133,6 @@ def recipe_problems(recipe, user_code: bool = True) -> list[KeyedError]:
 
 def _meta_model(spec) -> nn.Module:
     """The model's modules and shapes: a transformers directory's config, never its weights."""
-    import torch
-
     from .model import build_model
-    from .resolve import transformers_class
 
-    if spec.source != "transformers" or not spec.pretrained:
-        return build_model(spec.model_copy(update={"pretrained": None}), "meta")
-    model_class = transformers_class(spec.name)
-    config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
-    with torch.device("meta"):
-        return model_class(config)
+    return build_model(spec, "meta", weights=False)

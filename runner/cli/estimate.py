@@ -116,7 +116,8 @@ def plan_lines_quiet():
     """The estimator applies the plan to a stand-in model; the lines a run prints for that ("checkpointing
     2 of 2 blocks") would only repeat the recipe above the prediction (or, for autotune/api.py, the plan
     it picks). Warnings still show; -v shows all."""
-    logs = [logging.getLogger(name) for name in ("runner.memory", "runner.parallel")]  # the plan; FSDP's sharding
+    # the plan; FSDP's sharding; model.lora's line, which a note repeats
+    logs = [logging.getLogger(name) for name in ("runner.memory", "runner.parallel", "runner.builders.adapters")]
     levels = [plan_log.level for plan_log in logs]
     for plan_log in logs:
         if not plan_log.isEnabledFor(logging.DEBUG):

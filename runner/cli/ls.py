@@ -81,7 +81,7 @@ def _built_count(recipe, path: Path) -> int | None:
     from ..builders.model import build_model, count_parameters
 
     try:
-        return count_parameters(build_model(recipe.model, device="meta"))
+        return count_parameters(build_model(recipe.model, device="meta", weights=False))
     except (ValueError, TypeError) as err:  # BuildError, or a factory rejecting its arguments
         print(f"ckrun ls: {path}: model: {err}", file=sys.stderr)
         return None
@@ -91,7 +91,11 @@ def _count_key(model, versioned: bool = True) -> str | None:
     """What a count depends on, hashed; None when it cannot be told (a python model's file not found).
     `versioned`: with the installed torch, transformers and torchvision (the user's cache) or without
     (the shipped table, which the library's test holds to the versions it runs on)."""
-    parts = [json.dumps(model.model_dump(mode="json"), sort_keys=True)]
+    section = model.model_dump(mode="json")
+    for key in ("revision", "lora"):  # newer than most counts kept: unset, they leave the keys as they were
+        if section.get(key) is None:
+            section.pop(key, None)
+    parts = [json.dumps(section, sort_keys=True)]
     if model.source == "python":
         source = module_file(model.name.split(":")[0])
         if source is None:

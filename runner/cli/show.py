@@ -38,7 +38,7 @@ def print_blocks(recipe, source: str = "<recipe>") -> int:
     from ..memory.blocks import find_blocks
 
     try:
-        model = build_model(recipe.model, device="meta")
+        model = build_model(recipe.model, device="meta", weights=False)
         blocks = find_blocks(model, recipe.memory.blocks)
     except ValueError as err:  # a KeyedError keeps its key (the model, the data); the plan's start with theirs
         raise keyed_error(err, source, "memory") from None

@@ -36,13 +36,14 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
     UnsupportedOperatorException,
+    unset_fake_temporarily,
 )
 
 from ..builders.data import Batch
-from ..builders.experts import GroupedMmOnFake, settle_experts
+from ..builders.experts import GroupedMmOnFake
+from ..builders.adapters import lora_note
 from ..builders.model import build_model
 from ..builders.optim import build_optimizer
-from ..builders.resolve import transformers_class
 from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
@@ -117,6 +118,9 @@ class Estimator:
     ddp_gradient_bytes = 0  # gradients DDP all-reduces after the last micro-batch (predict/ranks.py)
 
     def __init__(self, recipe: Recipe, device: str = "cpu", facts: DeviceFacts | None = None):
+        if recipe.model.lora is not None and recipe.model.lora.quantize_base:
+            raise EstimateUnavailable("model.lora.quantize_base: bitsandbytes' 4-bit layers do not run on fake "
+                                      "tensors; measure the recipe on its GPU (`ckrun tune` without --predict)")
         self.recipe, self.facts = recipe, facts
         self.cuda = torch.device(device).type == "cuda"
         if torch.device(device).type not in ("cpu", "cuda"):
@@ -259,6 +263,8 @@ class Estimator:
                          "against the exact plan at start, and `ckrun tune` records it per probe")
         if precision == "fp16":
             notes.append("fp16: the GradScaler's few scalar tensors are left out")
+        if self.recipe.model.lora is not None:
+            notes.append(lora_note(self.model, self.recipe.model.lora))
         if not self.cuda:
             return Estimate(live, breakdown, notes, live, "cpu")
         capability, measured = target_capability()
@@ -322,18 +328,34 @@ def weight_init_skipped():
 
 
 def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
-    """The model with the right shapes; pretrained weights are not read (they change no shape),
-    except a transformers directory's config, which defines the architecture."""
+    """The model with the right shapes (and model.lora's adapters); pretrained weights are not read
+    (they change no shape), except a transformers directory's config, which defines the architecture."""
     from .fallback import build_reading_values  # it imports this module
 
-    if not spec.pretrained:
-        return build_reading_values(lambda: build_model(spec, CPU))
-    if spec.source != "transformers":
-        return build_reading_values(lambda: build_model(spec.model_copy(update={"pretrained": None}), CPU))
-    model_class = transformers_class(spec.name)
-    config = model_class.config_class.from_pretrained(spec.pretrained, local_files_only=True, **spec.config)
-    model = model_class(config)
-    settle_experts(model, spec.config, say=False)  # the kernel build_model would pick
+    if spec.lora is not None:  # peft moves its adapters with Module.to, which cannot swap fake parameters
+        with unset_fake_temporarily():
+            model = build_model(spec, "meta", weights=False)
+        return _fake_like(model)
+    return build_reading_values(lambda: build_model(spec, CPU, weights=False))
+
+
+def _fake_like(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`'s meta tensors as fake CPU tensors of the active fake mode, each shared one (tied weights)
+    made once, requires_grad kept: what building under the mode gives, without moving a fake tensor."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the meta tensor, kept so no id is reused; its fake)
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            empty = torch.empty_like(tensor, device=CPU)
+            made[id(tensor)] = tensor, (torch.nn.Parameter(empty, tensor.requires_grad)
+                                        if isinstance(tensor, torch.nn.Parameter) else empty)
+        return made[id(tensor)][1]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    table[name] = fake(tensor)
     return model
 
 

@@ -142,8 +142,16 @@ def _tensors(trainer) -> dict:
     """Model and optimizer state as DCP saves and loads it: keyed by parameter name, sharded as trained."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _options(trainer, **settings):
+    """model.lora: the frozen base is neither saved nor expected back (model.pretrained rebuilds it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    adapted = trainer.recipe.model.lora is not None
+    return StateDictOptions(ignore_frozen_params=adapted, strict=not adapted, **settings)
 
 
 def _trainer_state(trainer) -> dict:
@@ -203,7 +211,7 @@ def load_sharded(trainer, checkpoint: Path, state: dict) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=not trainer.ranks.joined)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict=tensors["optimizer"])
+                   optim_state_dict=tensors["optimizer"], options=_options(trainer))
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.scaler and state["scaler"]:
         trainer.scaler.load_state_dict(state["scaler"])
@@ -221,11 +229,11 @@ def load_full_into_shards(trainer, state: dict) -> None:
     keeps its own shards of the weights and of the optimizer state. The file keys the optimizer's
     state by position; the current optimizer (built as the saving one was, over the same parameters
     in the same order) says which parameter each position is, so DCP gets it keyed by name."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=_optimizer_by_name(trainer, state["optimizer"]),
-                   options=StateDictOptions(full_state_dict=True))
+                   options=_options(trainer, full_state_dict=True))
 
 
 def _optimizer_by_name(trainer, saved: dict) -> dict:

@@ -11,6 +11,9 @@ request (once the step in flight has finished), so a run never ends without its 
   rebuilds exactly this model, and inputs.json: how text becomes ids (the tokenizer, or UTF-8 bytes
   + 2) and what each class id means, for using it outside ckrun. A transformers model trained on a
   tokenizer carries that tokenizer's bos, eos and pad ids in config.json and generation_config.json.
+- under model.lora, `OUTPUT_DIR/adapter/` holds the adapter as `PeftModel.save_pretrained` writes it
+  (adapter_config.json + adapter_model.safetensors: `PeftModel.from_pretrained(base, DIR)` loads it),
+  and `OUTPUT_DIR/model/` the merged model when model.lora.export_merged asks for it.
 The export is written to a temporary directory and renamed into place: a reader never sees half.
 Only an earlier export of ckrun's is ever replaced (`is_export`): a run refuses at its start an
 OUTPUT_DIR/model that is not one, and one that appeared during the run is left as it is, the
@@ -42,6 +45,7 @@ from .output import EXPORT_HEADER, MODEL_DIR, is_export
 log = logging.getLogger(__name__)
 
 INPUTS = "inputs.json"  # how to feed the model and read its outputs outside ckrun (model_inputs)
+ADAPTER_DIR = "adapter"
 
 
 def finish_run(trainer, out_dir: Path, best=None) -> Path:
@@ -51,6 +55,8 @@ def finish_run(trainer, out_dir: Path, best=None) -> Path:
     weights = full_weights(trainer)  # FSDP: gathered on rank 0, a collective every rank joins
     if not trainer.ranks.is_main:
         return out_dir / MODEL_DIR
+    if trainer.recipe.model.lora is not None:
+        return _export_adapted(trainer, out_dir, weights, best)
     exported = export_model(trainer.model, trainer.recipe, out_dir / MODEL_DIR, trainer.step, weights,
                             getattr(trainer.data, "label_ids", None))
     log.info("model exported to %s (start another run from it with model.pretrained=%s)", exported, exported)
@@ -58,6 +64,27 @@ def finish_run(trainer, out_dir: Path, best=None) -> Path:
         best.restore(exported)
     elif trainer.recipe.eval is not None and trainer.recipe.eval.early_stopping is not None:
         log.info("the export holds the last step's weights; eval.best: {restore: true} exports the best evaluation's")
+    return exported
+
+
+def _export_adapted(trainer, out_dir: Path, weights: dict | None, best=None) -> Path:
+    """The adapter (the best evaluation's with eval.best.restore), then (model.lora.export_merged) the
+    model with the last step's adapter merged in, as the run's last use of it."""
+    recipe = trainer.recipe
+    adapter = export_model(trainer.model, recipe, out_dir / ADAPTER_DIR, trainer.step, weights)
+    log.info("LoRA adapter exported to %s (peft.PeftModel.from_pretrained(base, %s) loads it)", adapter, adapter)
+    if best is not None:
+        best.restore(adapter)
+    if not recipe.model.lora.export_merged:
+        return adapter
+    if best is not None:
+        log.warning("model.lora.export_merged: the merged model holds the last step's adapter; %s holds the best "
+                    "evaluation's", adapter)
+    from ..builders.adapters import merged
+
+    plain = recipe.model_copy(update={"model": recipe.model.model_copy(update={"lora": None})})
+    exported = export_model(merged(trainer.model), plain, out_dir / MODEL_DIR, trainer.step)
+    log.info("merged model exported to %s (start another run from it with model.pretrained=%s)", exported, exported)
     return exported
 
 
@@ -86,7 +113,9 @@ def export_model(model: nn.Module, recipe: Recipe, directory: Path, step: int, w
         _write_weights(model, recipe, temporary, weights)
         _write_tokenizer(recipe, temporary)
         header = (f"{EXPORT_HEADER} {step}: the recipe that trained these weights.\n"
-                  f"# start a run from them with model.pretrained={directory}\n")
+                  f"# start a run from them with model.pretrained={directory}\n" if recipe.model.lora is None else
+                  f"{EXPORT_HEADER} {step}: the recipe that trained this LoRA adapter.\n"
+                  f"# load it onto its base with peft.PeftModel.from_pretrained(base, \"{directory}\")\n")
         data = recipe.model_dump(mode="json")
         names = _label_names(label_ids)
         held_out = (data.get("eval") or {}).get("data") or {}  # held-out records take the training data's ids
@@ -108,7 +137,7 @@ def _write_weights(model: nn.Module, recipe: Recipe, directory: Path, weights: d
 
 
 def _write_weight_files(model: nn.Module, recipe: Recipe, directory: Path, weights: dict | None) -> None:
-    if recipe.model.source == "transformers":
+    if recipe.model.source == "transformers" or recipe.model.lora is not None:  # a PeftModel saves its adapter
         from transformers.utils import logging as transformers_logging
 
         shown = transformers_logging.is_progress_bar_enabled()

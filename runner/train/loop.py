@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..builders.adapters import TRAINABLE_ONLY, load_trainable_state, trainable_state
 from ..builders.sources import build_data
 from ..builders.model import BuildError, build_model
 from ..builders.optim import build_optimizer, build_scheduler, total_steps
@@ -152,8 +153,12 @@ class Trainer:
     # --- state ------------------------------------------------------------------------------
 
     def state(self) -> dict:
+        """The training state; under model.lora the model's part is what trains (the adapter), not the frozen
+        base model.pretrained rebuilds, and the optimizer holds state for that part alone anyway."""
+        adapted = self.recipe.model.lora is not None
         return {
-            "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "step": self.step, "model": trainable_state(self.model) if adapted else self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(), TRAINABLE_ONLY: adapted,
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
             "rng": rng_state(self.device), "recipe": fingerprint(self.recipe),
         }
@@ -163,7 +168,10 @@ class Trainer:
         if self.ranks.joined and self.recipe.distributed.shards:
             load_full_into_shards(self, state)
         else:
-            self.model.load_state_dict(state["model"])
+            if self.recipe.model.lora is not None:
+                load_trainable_state(self.model, state["model"])
+            else:
+                self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:

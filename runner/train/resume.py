@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 def fingerprint(recipe: Recipe) -> dict[str, str]:
     """What a checkpoint must agree with to be resumed, as JSON strings (torch.load(weights_only) reads those)."""
-    model = recipe.model.model_dump(mode="json", exclude={"pretrained"})  # initial weights only: moot once trained
+    # initial weights only, moot once trained; but a LoRA checkpoint holds the adapter, whose frozen base they are
+    model = recipe.model.model_dump(mode="json", exclude=set() if recipe.model.lora else {"pretrained", "revision"})
     return {"model": json.dumps(model, sort_keys=True),
             "train.optimizer": json.dumps(recipe.train.optimizer.model_dump(mode="json"), sort_keys=True),
             RUN: json.dumps(_run_settings(recipe), sort_keys=True)}
@@ -112,7 +113,9 @@ def _check_same_recipe(saved: dict | None, now: dict[str, str], name: str, sourc
         if section not in saved or saved[section] == text or section == RUN:
             continue
         changes = _differences(json.loads(saved[section]), json.loads(text), section)
-        key = changes[0][0] if changes else section  # placed at the first key that changed
+        if not changes:  # only keys the checkpoint's ckrun did not have, at their null default
+            continue
+        key = changes[0][0]  # placed at the first key that changed
         problems.append(Problem(Place(source), key, f"--resume: {name} was trained with a different {section.split('.')[-1]}: "
                                 f"{'; '.join(text for _key, text in changes[:4])}; resume with the recipe the run "
                                 "started with, or choose a new output.dir"))

@@ -108,7 +108,8 @@ def shrunk(path: Path, checkpointing: str | None):
     name = load_recipe(path).model.name
     assert name in SHRINK, f"{path.name}: add a row for {name!r} to SHRINK in {Path(__file__).name}"
     plan = [f"memory.checkpointing={checkpointing}"] if checkpointing else []
-    return load_recipe(path, COMMON + SHRINK[name] + plan)
+    lora = ["model.lora.base_dtype=fp32"] if load_recipe(path).model.lora is not None else []  # fp32 runs an fp32 base
+    return load_recipe(path, COMMON + SHRINK[name] + plan + lora)
 
 
 def losses(recipe) -> list[float]:

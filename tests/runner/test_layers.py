@@ -5,9 +5,8 @@ own layer or the ones below it:
                 plan, checkpoint_files, user_cache (messages, YAML, the policies, distributed
                 strategies and the plan's data, the checkpoint file format, the lock a directory's
                 owner holds, the environment variables read, the tables kept in the user's cache folder)
-2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, load, located, library (the validated
-                recipe and
-                where its lines are)
+2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, recipe_adapters, load, located, library
+                (the validated recipe and where its lines are)
 3. builders     builders/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
 5. parallel     parallel/ (ranks joined as a device mesh, DDP/FSDP2/HSDP/TP put on the planned model,
@@ -37,8 +36,8 @@ LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.environment", "runner.yamlio",
                      "runner.choices", "runner.policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
                      "runner.user_cache"}),
-    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks", "runner.load",
-                "runner.located", "runner.library"}),
+    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks",
+                "runner.recipe_adapters", "runner.load", "runner.located", "runner.library"}),
     ("builders", {"runner.builders", "runner.models"}),
     ("memory", {"runner.memory"}),
     ("parallel", {"runner.parallel"}),
