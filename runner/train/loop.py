@@ -18,12 +18,14 @@ import torch
 
 from ..builders.sources import build_data
 from ..builders.model import BuildError, build_model
-from ..builders.optim import build_optimizer, build_scheduler, total_steps
+from ..builders.optim import build_scheduler, total_steps
 from ..parallel.ranks import Ranks, reduce_step_record
 from ..parallel.ranks import join as join_ranks
 from ..parallel.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes, note_card_before_cuda
+from ..memory.optimizers import build_planned_optimizer
+from ..plan import gradients_final
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
@@ -92,7 +94,7 @@ class Trainer:
         # before the device: under nccl joining picks this rank's GPU
         self.ranks = join_group(recipe, source) if ranks is None else ranks
         self.device = pick_device(recipe, source)
-        self.precision = make_precision(recipe.precision, self.device, source)
+        self.precision = make_precision(recipe.precision, self.device, source, recipe.memory.weights.autocast_cache())
         torch.manual_seed(recipe.train.seed)
         self.limited_at_context = None  # the CUDA context the allocator limit was set for
         self.out_of_memory_reason = ""  # what the allocator said when a step ran out
@@ -119,7 +121,9 @@ class Trainer:
             torch.manual_seed(recipe.train.seed + (self.ranks.data_rank << 32))
         self.data = build_data(recipe, self.model)
         self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
-        self.optimizer = build_optimizer(self.model, recipe.train, self.device)
+        self.planned = build_planned_optimizer(self.model, recipe.train, recipe.memory, self.device,
+                                               gradients_final(recipe.memory, recipe.step_facts()))
+        self.optimizer = self.planned.optimizer  # what the schedule, checkpoints and the memory meter see
         self.scheduler = build_scheduler(self.optimizer, recipe.train, self.total_steps)
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
@@ -213,8 +217,9 @@ class Trainer:
         try:
             with self.meter.measure(batch.tensors(), self.step + 1) as peak:
                 started = time.perf_counter()
-                result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
-                                  self.precision, self.scaler, self.recipe.train.grad_clip, label_total)
+                result = run_step(self.forward_model, self.planned.stepper, batch, self.recipe.micro_batch,
+                                  self.precision, self.scaler, self.recipe.train.grad_clip, label_total,
+                                  self.plan.head)
                 _synchronize(self.device)
                 seconds = time.perf_counter() - started
         except (RuntimeError, MemoryError) as err:

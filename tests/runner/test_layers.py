@@ -1,7 +1,7 @@
 """No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
 own layer or the ones below it:
 
-1. foundations  problems, units, files, lock, yamlio, choices, policies, strategies, plan,
+1. foundations  problems, units, files, lock, yamlio, choices, policies, pool_policies, strategies, plan,
                 checkpoint_files, user_cache (messages, YAML, the policies, distributed strategies
                 and the plan's data, the checkpoint file format, the lock a directory's owner holds,
                 the tables kept in the user's cache folder)
@@ -35,7 +35,7 @@ from conftest import ROOT
 
 LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.yamlio",
-                     "runner.choices", "runner.policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
+                     "runner.choices", "runner.policies", "runner.pool_policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
                      "runner.user_cache"}),
     ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks", "runner.load",
                 "runner.located", "runner.library"}),
