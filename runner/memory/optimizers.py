@@ -153,7 +153,8 @@ class InBackwardUpdate:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]):
         self.optimizer = optimizer
-        self._group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+        # by index: loading a state dict replaces the group dicts, in the same order
+        self._group_of = {p: index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.params = [p for p in params if p in self._group_of]
         self._handles = []
 
@@ -164,8 +165,8 @@ class InBackwardUpdate:
     def _update(self, param: nn.Parameter) -> None:
         groups = self.optimizer.param_groups
         kept = [group["params"] for group in groups]
-        for group in groups:
-            group["params"] = [param] if group is self._group_of[param] else []
+        for index, group in enumerate(groups):
+            group["params"] = [param] if index == self._group_of[param] else []
         try:
             self.optimizer.step()
         finally:

@@ -45,6 +45,7 @@ from .resume import resume as resume_from_checkpoint
 from .ranked import process_group_scope, rank_share, save_state, stop_agreed
 from .dcp_checkpoint import finish_saving, load_full_into_shards
 from .sinks import open_sinks
+from .update_error import UpdateErrorMeter, report_update_error
 from .step import make_precision, run_step
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
@@ -130,6 +131,8 @@ class Trainer:
         self.step = 0
         self.saving = None  # a sharded checkpoint still being written behind the steps (train/sharded.py)
         self.gradient_error = self._lossy_error()  # None for an exact plan
+        self.update_error: float | None = None  # a lossy optimizer's, measured over the first steps from step 0
+        self.update_meter: UpdateErrorMeter | None = None
 
     def _lossy_error(self) -> float | None:
         if self.plan.compression is None:
@@ -190,6 +193,7 @@ class Trainer:
             raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
         if self.plan.switch is not None:
             self.plan.switch.select(batch)  # memory.adaptive: this batch length's checkpointing
+        self._follow_exact_update()
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         ran = self._timed_step(batch, label_total)
@@ -199,6 +203,9 @@ class Trainer:
         result, seconds, peak = ran
         self.scheduler.step()
         self.step += 1
+        if self.update_meter is not None and self.update_meter.stepped() is not None:
+            self.update_error, self.update_meter = self.update_meter.error, None
+            log.info(report_update_error(self.update_error, _lossy_labels(self.recipe)))
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
         record = reduce_step_record(record, result.loss, self.ranks, self.recipe.train.batch_size)
@@ -211,6 +218,11 @@ class Trainer:
             log.info("step %d: fp16 loss scaler found inf/nan gradients; the update was skipped", self.step)
         self._check_cap(record)
         return record
+
+    def _follow_exact_update(self) -> None:
+        """A lossy optimizer starting from step 0: exact AdamW follows its first steps (train/update_error.py)."""
+        if self.step == 0 and self.update_error is None and self.update_meter is None and _lossy_labels(self.recipe):
+            self.update_meter = UpdateErrorMeter(self.optimizer, [p for p in self.model.parameters() if p.requires_grad])
 
     def _timed_step(self, batch, label_total=None):
         """(result, seconds, peak) of one optimizer step, or None when the device ran out of memory."""
@@ -264,6 +276,11 @@ class Trainer:
             log.info("memory cap: the CUDA context grew by %s after step %d loaded its kernels; lowering the "
                      "allocator limit", format_bytes(grown), self.step)
             self.limited_at_context = limit_cuda_memory(self.device, int(cap))
+
+
+def _lossy_labels(recipe: Recipe) -> list[str]:
+    """The memory plan's lossy optimizer-side knobs, as `memory.KEY LABEL` (none: nothing to measure)."""
+    return [f"memory.{policy.section} {policy.label()}" for policy in recipe.memory.pool_policies() if policy.lossy]
 
 
 def _synchronize(device: torch.device) -> None:
