@@ -42,4 +42,4 @@ def train(recipe_, steps: int = 3) -> tuple[list[float], list[torch.Tensor], Tra
 
 
 def identical(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
-    return len(first) == len(second) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(first, second))
+    return len(first) == len(second) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(first, second, strict=False))
