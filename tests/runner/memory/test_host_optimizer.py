@@ -17,7 +17,7 @@ from runner.memory.optimizers import build_planned_optimizer
 from runner.plan import MemoryPlan
 from runner.predict.estimate import Estimator
 from runner.problems import InputError
-from tests.runner.memory.tiny_lm import LLAMA, WIDE, identical, recipe, train
+from tests.runner.memory.tiny_lm import WIDE, identical, recipe, train
 from runner.train.loop import Trainer
 
 CPU = torch.device("cpu")
