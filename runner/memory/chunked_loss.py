@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..builders.contract import check_classes
 from ..builders.data import IGNORE
+from ..builders.resolve import BuildError
 from ..pool_policies import LossPolicy
 from .blocks import wrap_forward
 
@@ -65,9 +66,10 @@ class SplitHead:
         """The summed cross-entropy of what the model returned (`hidden`: the projection's input),
         piece by piece; `autocast` makes the context the projection ran in (the recipe's precision)."""
         passed, self._passed = self._passed, None
-        if hidden is not passed:
-            raise ValueError(f"{SPLIT_REFUSAL}, and {type(self.model).__name__} changes that output before returning it "
-                             "(scaling or capping the logits); use memory.loss.policy: whole")
+        if hidden is not passed:  # known only once the model has run: a fault of the model, at its first step
+            raise BuildError("memory.loss", f"{SPLIT_REFUSAL.removeprefix('memory.loss: ')}, and "
+                             f"{type(self.model).__name__} changes that output before returning it (scaling or capping "
+                             "the logits); use memory.loss.policy: whole")
         if positions is not None and hidden.shape[1] == positions.shape[1]:
             labels = labels.gather(1, positions)  # the sparse masked-LM head: hidden states at the masked positions
         check_classes(self.head.out_features, labels, self.model)  # as the whole logits are checked
