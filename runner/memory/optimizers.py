@@ -75,6 +75,8 @@ def build_planned_optimizer(model: nn.Module, train: TrainSpec, plan: MemoryPlan
                  else "gradients copied after the backward")
     elif plan.optimizer_state.optimizer_class() is not None or plan.weights.holds_bf16:
         optimizer = torchao_adamw(params, train, plan, device)
+        if getattr(plan.optimizer_state, "full_precision_embeddings", False):
+            keep_full_precision(optimizer, [m.weight for m in model.modules() if isinstance(m, nn.Embedding)])
     else:
         optimizer = build_optimizer(model, train, device)
     stepper = optimizer
@@ -111,6 +113,18 @@ def torchao_adamw(params: list[nn.Parameter], train: TrainSpec, plan: MemoryPlan
     if device.type != "cuda":
         eager_updates(optimizer)
     return optimizer
+
+
+def keep_full_precision(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """torchao quantizes every moment of 4096 elements or more; these parameters' stay in their dtype
+    (LowBitState.full_precision_embeddings says why). torchao creates each moment through the
+    optimizer's `_new_buffer(param, signed)`; this instance's answers zeros of the parameter's dtype
+    for them, as torchao's own does for a small tensor."""
+    kept, quantized = {id(p) for p in params}, optimizer._new_buffer
+
+    def new_buffer(param: torch.Tensor, signed: bool) -> torch.Tensor:
+        return torch.zeros_like(param) if id(param) in kept else quantized(param, signed)
+    optimizer._new_buffer = new_buffer
 
 
 def eager_updates(optimizer: torch.optim.Optimizer) -> None:

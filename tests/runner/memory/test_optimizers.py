@@ -101,9 +101,19 @@ def test_low_bit_and_bf16_plans_train_with_torchaos_adamw(memory, class_name):
     assert all(loss == loss for loss in losses)
     if "weights" in memory:
         assert {w.dtype for w in weights} == {torch.bfloat16} and optimizer.bf16_stochastic_round
-    big = next(p for p in trainer.model.parameters() if p.numel() >= 4096)
-    moment = optimizer.state[big]["exp_avg"]
-    assert (type(moment).__name__ == "Tensor") == (class_name == "_AdamW")  # quantized moments are a subclass
+    embedding = trainer.model.get_input_embeddings().weight  # 8192 elements: kept full precision
+    matrix = trainer.model.model.layers[0].mlp.up_proj.weight  # 2048 elements: under torchao's 4096, full precision
+    other = trainer.model.lm_head.weight  # 8192 elements: quantized (a subclass), unless the weights are bf16
+    assert [type(optimizer.state[p]["exp_avg"]).__name__ == "Tensor" for p in (embedding, matrix, other)] == \
+        [True, True, class_name == "_AdamW"]
+
+
+@needs_torchao
+def test_torchaos_default_quantizes_the_embeddings_too():
+    memory = "{optimizer_state: {policy: 8bit, full_precision_embeddings: false}, allow_lossy: true}"
+    trainer = train(recipe(memory), steps=1)[2]
+    assert type(trainer.optimizer.state[trainer.model.get_input_embeddings().weight]["exp_avg"]).__name__ == \
+        "OptimState8bit"
 
 
 def test_lossy_pool_knobs_are_refused_without_the_opt_in_and_torchao_knobs_without_torchao(monkeypatch):
