@@ -13,17 +13,16 @@ from runner.predict.estimate import estimate_peak
 from runner.train.loop import Trainer
 from tests.runner.memory.tiny_lm import GPT2, HAS_TORCHAO, LLAMA, recipe
 
-LOSSY = ", allow_lossy: true"
 KNOBS = [
     ("uncached", "bf16", "{weights: {policy: fp32, cast_cache: false}, checkpointing: {policy: full}}", False),
     ("in-backward", "fp32", "{optimizer_step: {policy: in_backward}}", False),
     ("chunked", "bf16", "{loss: {policy: chunked, chunks: 3}}", False),
-    ("bf16-weights", "bf16", "{weights: {policy: bf16}%s}" % LOSSY, True),
-    ("8bit", "fp32", "{optimizer_state: {policy: 8bit}%s}" % LOSSY, True),
-    ("4bit", "fp32", "{optimizer_state: {policy: 4bit}%s}" % LOSSY, True),
-    ("fp8", "fp32", "{optimizer_state: {policy: fp8}%s}" % LOSSY, True),
+    ("bf16-weights", "bf16", "{weights: {policy: bf16}, allow_lossy: true}", True),
+    ("8bit", "fp32", "{optimizer_state: {policy: 8bit}, allow_lossy: true}", True),
+    ("4bit", "fp32", "{optimizer_state: {policy: 4bit}, allow_lossy: true}", True),
+    ("fp8", "fp32", "{optimizer_state: {policy: fp8}, allow_lossy: true}", True),
     ("all-together", "bf16", "{weights: {policy: bf16}, optimizer_state: {policy: 8bit}, optimizer_step: {policy: "
-     "in_backward}, loss: {policy: chunked, chunks: 2}, checkpointing: {policy: full}%s}" % LOSSY, True),
+     "in_backward}, loss: {policy: chunked, chunks: 2}, checkpointing: {policy: full}, allow_lossy: true}", True),
 ]
 
 
