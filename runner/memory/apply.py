@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..plan import MemoryPlan, plan_problem
+from ..plan import MemoryPlan, StepFacts, plan_problem
 from .blocks import BlockList, Undo, find_blocks
 from .adaptive import PlanSwitch, apply_adaptive
 from .checkpointing import apply_checkpointing, cuda_refusal
@@ -97,10 +97,11 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
     return applied
 
 
-def check_combination(plan: MemoryPlan, device: torch.device) -> None:
-    """What a plan cannot do here: its fields' combinations (runner.plan.plan_problems), then what needs
-    CUDA or a torch feature this torch lacks. A ValueError whose message starts with the key to change."""
-    problem = plan_problem(plan)
+def check_combination(plan: MemoryPlan, device: torch.device, facts: StepFacts | None = None) -> None:
+    """What a plan cannot do here: its fields' combinations (runner.plan.plan_problems; with `facts`, with
+    the rest of the recipe too), then what needs CUDA or a torch feature this torch lacks. A ValueError
+    whose message starts with the key to change."""
+    problem = plan_problem(plan, facts)
     if problem is not None:
         raise ValueError(problem[1])
     if plan.offload.moves and device.type != "cuda":

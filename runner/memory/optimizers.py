@@ -146,8 +146,9 @@ def prime_quantization_maps() -> None:
 
     with unset_fake_temporarily():
         for module in (subclass_8bit, subclass_4bit):
-            module.get_qmap_signed()
-            module.get_qmap_unsigned()
+            for build in (getattr(module, "get_qmap_signed", None), getattr(module, "get_qmap_unsigned", None)):
+                if build is not None:  # older torchao builds its tables when imported
+                    build()
 
 
 # --- the update inside the backward ----------------------------------------------------------------

@@ -165,7 +165,8 @@ class Estimator:
         plan = self.recipe.memory if plan is None else plan
         precision = precision or self.recipe.precision
         micro = _micro_batch(plan, self.recipe.train.batch_size)
-        check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
+        facts = replace(self.recipe.step_facts(), precision=precision)
+        check_combination(plan, torch.device("cuda" if self.cuda else "cpu"), facts)  # bad plans raise ValueError
         tracker = LiveBytesTracker(CPU, record_events=self.cuda)
         clock = OpClock(self.world_size, moded_blocks=self._moded_blocks(plan)) if self.facts else None
         planned = self._optimizing(plan)
