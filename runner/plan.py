@@ -131,6 +131,11 @@ class MemoryPlan(Strict):
     def pool_policies(self) -> list[PoolPolicy]:
         """The policies of the pools beside the activations (weights, optimizer, loss), in plan order."""
         return [self.weights, self.optimizer_state, self.optimizer_step, self.optimizer_offload, self.loss]
+
+    def pool_changes(self) -> list[str]:
+        """`KEY LABEL` of each pool policy other than its default (`loss chunked:8`), for a log line."""
+        return [f"{policy.section} {policy.label()}" for policy in self.pool_policies()
+                if policy != type(self).model_fields[policy.section].default_factory()]
     max_mem: ByteSize | None = None
     """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
 

@@ -45,7 +45,7 @@ from .resume import resume as resume_from_checkpoint
 from .ranked import process_group_scope, rank_share, save_state, stop_agreed
 from .dcp_checkpoint import finish_saving, load_full_into_shards
 from .sinks import open_sinks
-from .update_error import UpdateErrorMeter, report_update_error
+from .update_error import UpdateErrorMeter, lossy_labels, report_update_error
 from .step import make_precision, run_step
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
@@ -143,7 +143,8 @@ class Trainer:
         micro = self.recipe.micro_batch
         batch = self.data.global_batch(self.step).slice(0, micro).to(self.device)
         try:
-            error = gradient_error(self.model, self.plan.compression, batch, micro, self.precision, self.device)
+            error = gradient_error(self.model, self.plan.compression, batch, micro, self.precision, self.device,
+                                   self.plan.head)
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
@@ -205,7 +206,7 @@ class Trainer:
         self.step += 1
         if self.update_meter is not None and self.update_meter.stepped() is not None:
             self.update_error, self.update_meter = self.update_meter.error, None
-            log.info(report_update_error(self.update_error, _lossy_labels(self.recipe)))
+            log.info(report_update_error(self.update_error, lossy_labels(self.recipe)))
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
         record = reduce_step_record(record, result.loss, self.ranks, self.recipe.train.batch_size)
@@ -221,7 +222,7 @@ class Trainer:
 
     def _follow_exact_update(self) -> None:
         """A lossy optimizer starting from step 0: exact AdamW follows its first steps (train/update_error.py)."""
-        if self.step == 0 and self.update_error is None and self.update_meter is None and _lossy_labels(self.recipe):
+        if self.step == 0 and self.update_error is None and self.update_meter is None and lossy_labels(self.recipe):
             self.update_meter = UpdateErrorMeter(self.optimizer, [p for p in self.model.parameters() if p.requires_grad])
 
     def _timed_step(self, batch, label_total=None):
@@ -276,11 +277,6 @@ class Trainer:
             log.info("memory cap: the CUDA context grew by %s after step %d loaded its kernels; lowering the "
                      "allocator limit", format_bytes(grown), self.step)
             self.limited_at_context = limit_cuda_memory(self.device, int(cap))
-
-
-def _lossy_labels(recipe: Recipe) -> list[str]:
-    """The memory plan's lossy optimizer-side knobs, as `memory.KEY LABEL` (none: nothing to measure)."""
-    return [f"memory.{policy.section} {policy.label()}" for policy in recipe.memory.pool_policies() if policy.lossy]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -87,6 +87,11 @@ def _host_sample(tensor: torch.Tensor, count: int) -> torch.Tensor:
     return torch.empty(count, dtype=torch.float32).copy_(tensor.detach().reshape(-1)[:count])
 
 
+def lossy_labels(recipe) -> list[str]:
+    """A recipe's lossy knobs of the weights and the optimizer, as `memory.KEY LABEL` (none: nothing to measure)."""
+    return [f"memory.{policy.section} {policy.label()}" for policy in recipe.memory.pool_policies() if policy.lossy]
+
+
 def report_update_error(error: float, labels: list[str], steps: int = STEPS) -> str:
     return (f"{', '.join(labels)} lossy: relative error {error:.2e} of the weights' change over the first {steps} "
             "steps against exact AdamW on the same gradients (L2 over a sample of every parameter)")

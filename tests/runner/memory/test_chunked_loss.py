@@ -137,3 +137,11 @@ def test_a_model_that_changes_its_logits_after_the_projection_is_refused_at_its_
                                          "output, and Gemma2ForCausalLM changes that output") as refused:
         trainer.train_step()
     assert refused.value.key == "memory.loss" and "\n" not in str(refused.value).strip()
+
+
+def test_a_lossy_compressions_error_is_measured_through_the_split_head():
+    """memory.compression's gradient error runs the step's own loss: with a chunked loss, the pieces,
+    never the whole logits."""
+    memory = "{loss: {policy: chunked, chunks: 4}, compression: {policy: bf16, min_bytes: 0}, allow_lossy: true}"
+    trainer = Trainer(recipe(memory, seq_len=32))
+    assert trainer.gradient_error is not None and 0 < trainer.gradient_error < 0.05

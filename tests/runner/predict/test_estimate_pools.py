@@ -52,3 +52,26 @@ def test_ckrun_estimate_shows_each_pool_and_what_the_weights_hold(ckrun, tmp_pat
     assert json.loads(out)["breakdown"]["loss"] == 0  # the logits never live whole
     assert ckrun(path, "train.device=cpu", f"output.dir={tmp_path / 'run'}", "memory.loss={policy: chunked}")[0] == 0
     assert read_metrics(tmp_path / "run")[0]["loss"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("memory", [
+    "{optimizer_offload: {policy: cpu}}",
+    "{optimizer_step: {policy: in_backward}, loss: {policy: chunked}, weights: {policy: fp32, cast_cache: false}, "
+    "checkpointing: {policy: full}}",
+    "{weights: {policy: bf16}, optimizer_state: {policy: 8bit}, allow_lossy: true}",
+])
+def test_on_a_gpu_the_estimate_is_near_the_measured_reserve(memory):
+    """The CUDA estimate (allocator model, torchao's compiled update counted as in place) against the
+    allocator's own peak reserve, on a model whose weights and optimizer dominate."""
+    from tests.runner.memory.tiny_lm import WIDE
+
+    if "torchao" in memory or "8bit" in memory:
+        pytest.importorskip("torchao")
+    plan_recipe = recipe(memory, WIDE, "bf16", seq_len=64, batch_size=2, device="cuda")
+    trainer = Trainer(plan_recipe)
+    trainer.train_step()
+    measured = trainer.train_step()["peak_mem_bytes"]
+    predicted = estimate_peak(plan_recipe, "cuda").peak_bytes
+    assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
