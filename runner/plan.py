@@ -9,6 +9,7 @@ cannot have, in terms of what the policies are (`spans_blocks`, `moves`, `lossy`
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from pydantic import ByteSize, Field, field_validator
@@ -30,6 +31,24 @@ from .policies import (  # noqa: F401 - the plan's vocabulary, importable from h
     Policy,
     SelectiveCheckpointing,
     SqrtCheckpointing,
+)
+from .pool_policies import (  # noqa: F401 - the pools' policies, importable from here too
+    BF16Weights,
+    ChunkedLoss,
+    FullState,
+    HostOptimizerOffload,
+    LowBitState,
+    Loss,
+    MasterWeights,
+    NoOptimizerOffload,
+    OptimizerOffload,
+    OptimizerState,
+    OptimizerStep,
+    PoolPolicy,
+    StepAfterBackward,
+    StepInBackward,
+    Weights,
+    WholeLogits,
 )
 
 
@@ -90,9 +109,34 @@ class MemoryPlan(Strict):
     the model; results are the same as under any fixed plan. Empty: one plan for every batch."""
     compression: Compression = Field(default_factory=NoCompression)
     """Store the blocks' saved activations in a lower precision until backward needs them (lossy)."""
+    weights: Weights = Field(default_factory=MasterWeights)
+    """How the parameters are held: `fp32` masters (autocast casts copies; `cast_cache: false` keeps
+    none for the whole forward), or `bf16` with a stochastically rounded update (lossy)."""
+    optimizer_state: OptimizerState = Field(default_factory=FullState)
+    """The precision of AdamW's moments: `full` (as the recipe's optimizer keeps them), or `8bit`,
+    `4bit`, `fp8` (torchao.optim's low-bit AdamW; lossy)."""
+    optimizer_step: OptimizerStep = Field(default_factory=StepAfterBackward)
+    """When the update runs: `after` the backward (every gradient alive until then), or `in_backward`
+    (each parameter updated and its gradient freed as soon as it is accumulated; exact)."""
+    optimizer_offload: OptimizerOffload = Field(default_factory=NoOptimizerOffload)
+    """Where the optimizer state and update live: on the device (`none`), or for a `fraction` of the
+    parameters in host memory with the update on the CPU (`cpu`; exact; CUDA only)."""
+    loss: Loss = Field(default_factory=WholeLogits)
+    """How a language model's loss is computed: from the `whole` logits, or `chunked` over pieces of
+    the sequence with each piece's logits recomputed in backward (exact up to summation order)."""
     allow_lossy: bool = False
-    """Permit knobs that change the gradients (memory.compression); `ckrun tune --allow-lossy` sets it
-    in the plans it tries, and tuned.yaml keeps it so the choice stays visible."""
+    """Permit knobs that change the training beyond float rounding (memory.compression, weights bf16,
+    optimizer_state 8bit/4bit/fp8); `ckrun tune --allow-lossy` sets it in the plans it tries, and
+    tuned.yaml keeps it so the choice stays visible."""
+
+    def pool_policies(self) -> list[PoolPolicy]:
+        """The policies of the pools beside the activations (weights, optimizer, loss), in plan order."""
+        return [self.weights, self.optimizer_state, self.optimizer_step, self.optimizer_offload, self.loss]
+
+    def pool_changes(self) -> list[str]:
+        """`KEY LABEL` of each pool policy other than its default (`loss chunked:8`), for a log line."""
+        return [f"{policy.section} {policy.label()}" for policy in self.pool_policies()
+                if policy != type(self).model_fields[policy.section].default_factory()]
     max_mem: ByteSize | None = None
     """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
 
@@ -131,14 +175,31 @@ _ALLOCATOR_SETTINGS = re.compile(rf"{_SETTING}(,{_SETTING})*")
 POLICY_FIELDS: dict[str, tuple[type[Policy], ...]] = {
     name: get_args(field.annotation) for name, field in MemoryPlan.model_fields.items()
     if field.discriminator == Policy.discriminator}
-"""The plan's fields that hold a policy (checkpointing, offload, compression), each with its classes
-in union order: what the per-block solver reads the policies' `block_action`s from."""
+"""The plan's fields that hold a policy (checkpointing, offload, compression and the pools' weights,
+optimizer state, optimizer step, optimizer offload and loss), each with its classes in union order:
+what the per-block solver reads the policies' `block_action`s from (the pools' have none)."""
 
 
-def plan_problems(plan: MemoryPlan) -> list[tuple[tuple[str, ...], str]]:
+@dataclass(frozen=True)
+class StepFacts:
+    """What of the recipe outside its memory section the plan's rules read (the recipe makes it:
+    runner/recipe.py `step_facts`; the tuner has its recipe too)."""
+
+    batch_size: int
+    grad_clip: bool
+    """train.grad_clip is set: global clipping needs every gradient before any update."""
+    precision: str
+    adamw: bool
+    """train.optimizer is ckrun's adamw: torchao's low-bit and stochastic-rounding AdamW stand in for it."""
+    distributed: bool
+    """Several processes train (distributed.strategy is not none)."""
+
+
+def plan_problems(plan: MemoryPlan, facts: StepFacts | None = None) -> list[tuple[tuple[str, ...], str]]:
     """(key path under memory, message) for every combination the plan cannot have, whatever the
-    device: the one place these rules live (the recipe, the tuner and apply_plan all ask it)."""
-    problems = []
+    device: the one place these rules live (the recipe, the tuner and apply_plan all ask it). With
+    `facts`, also what the plan cannot do with the rest of the recipe (micro-batches, clipping, fp16)."""
+    problems = _pool_problems(plan) + (_step_problems(plan, facts) if facts is not None else [])
     if plan.activation_memory_budget is not None and not plan.compile:
         problems.append((("activation_memory_budget",), "memory.activation_memory_budget: is torch.compile's "
                          "partitioner setting, and needs memory.compile: true; set it or leave the budget out"))
@@ -168,7 +229,77 @@ def plan_problems(plan: MemoryPlan) -> list[tuple[tuple[str, ...], str]]:
     return problems
 
 
-def plan_problem(plan: MemoryPlan) -> tuple[tuple[str, ...], str] | None:
+def plan_problem(plan: MemoryPlan, facts: StepFacts | None = None) -> tuple[tuple[str, ...], str] | None:
     """The first of `plan_problems`, or None."""
-    problems = plan_problems(plan)
+    problems = plan_problems(plan, facts)
     return problems[0] if problems else None
+
+
+def _pool_problems(plan: MemoryPlan) -> list[tuple[tuple[str, ...], str]]:
+    """What the pools' policies cannot combine with, among themselves and with the activation policies."""
+    problems = []
+    for policy in plan.pool_policies():
+        if policy.lossy and not plan.allow_lossy:
+            problems.append(((policy.section,), f"memory.{policy.section}: {policy.label()} changes the training beyond "
+                             "float rounding (its error is measured and logged); set memory.allow_lossy: true to "
+                             f"accept that (or `ckrun tune --allow-lossy`), or leave memory.{policy.section} out"))
+    offload, step = plan.optimizer_offload, plan.optimizer_step
+    if offload.moves_state and step.updates_in_backward:
+        problems.append((("optimizer_offload",), "memory.optimizer_offload: cannot be combined with memory."
+                         "optimizer_step: in_backward (the host's update runs after the backward, on gradients it "
+                         "copied); choose one of them"))
+    for kept in (plan.optimizer_state, plan.weights):
+        if offload.moves_state and kept.lossy:
+            problems.append((("optimizer_offload",), f"memory.optimizer_offload: cannot be combined with memory."
+                             f"{kept.section}: {kept.label()} (the host keeps float32 state and weights); choose one"))
+    if plan.loss.splits_head and plan.compile:  # the head's pass-through is checked by identity, which compiled code loses
+        problems.append((("loss",), "memory.loss: chunked cannot be combined with memory.compile: true; set "
+                         "memory.loss.policy: whole or memory.compile: false"))
+    return problems
+
+
+def _step_problems(plan: MemoryPlan, facts: StepFacts) -> list[tuple[tuple[str, ...], str]]:
+    """What the pools' policies cannot do with the rest of the recipe."""
+    problems = []
+    if plan.optimizer_step.updates_in_backward:
+        why = _before_any_update(plan, facts)
+        if why:
+            problems.append((("optimizer_step",), f"memory.optimizer_step: in_backward updates each parameter as soon "
+                             f"as its gradient is accumulated, but {why}; or use policy after"))
+    if plan.optimizer_offload.moves_state and facts.precision == "fp16":
+        problems.append((("optimizer_offload",), "memory.optimizer_offload: fp16's loss scaler unscales gradients "
+                         "on the device, which the host copies would miss; use precision bf16 or policy none"))
+    for policy in (plan.weights, plan.optimizer_state):
+        if policy.library is not None and not facts.adamw:
+            problems.append(((policy.section,), f"memory.{policy.section}: {policy.label()} is torchao's AdamW, which "
+                             "stands in for train.optimizer.name: adamw only; set it, or leave this key out"))
+    if plan.weights.holds_bf16 and facts.precision != "bf16":
+        problems.append((("weights",), f"memory.weights: bf16 weights run under bf16 autocast (which keeps the ops "
+                         f"that need float32 in it), not precision {facts.precision}; set precision: bf16"))
+    if facts.distributed:
+        for policy in plan.pool_policies():
+            if policy.active and policy.single_process:
+                problems.append(((policy.section,), f"memory.{policy.section}: {policy.label()} runs in one process "
+                                 "only; set distributed.strategy: none or leave this key out (FSDP's own offload is "
+                                 "memory.sharding.offload)"))
+    return problems
+
+
+def gradients_final(plan: MemoryPlan, facts: StepFacts) -> bool:
+    """Each gradient is complete once the backward accumulates it, and nothing but the update reads
+    it: one micro-batch, no global clipping, no fp16 loss scaling."""
+    return not _before_any_update(plan, facts)
+
+
+def _before_any_update(plan: MemoryPlan, facts: StepFacts) -> str:
+    """Why every gradient must exist before the first update, or ''."""
+    micro = plan.micro_batch or facts.batch_size
+    if micro < facts.batch_size:
+        return (f"memory.micro_batch {micro} makes {facts.batch_size // micro} micro-batches and the first would "
+                "update the weights the others still need; leave memory.micro_batch out (or set it to "
+                "train.batch_size)")
+    if facts.grad_clip:
+        return "global gradient clipping needs every gradient first; set train.grad_clip: null"
+    if facts.precision == "fp16":
+        return "fp16's loss scaler must see every gradient for inf/nan first; use precision bf16"
+    return ""

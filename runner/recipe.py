@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
 from .choices import Strict
-from .plan import MemoryPlan, plan_problems
+from .plan import MemoryPlan, StepFacts, plan_problems
 from .problems import KeyedError
 from .strategies import (  # noqa: F401 - the strategies are part of the recipe's schema
     DataParallel, Distributed, FullySharded, HybridSharded, SingleProcess, TensorParallel,
@@ -375,8 +375,14 @@ class Recipe(Strict):
     def _plan_consistent(self) -> Recipe:
         # the loader prefixes the key itself; plan_problems' messages carry it for callers without a key
         raise_all([KeyedError(("memory", *path), message.removeprefix(".".join(("memory", *path)) + ": "))
-                   for path, message in plan_problems(self.memory)])
+                   for path, message in plan_problems(self.memory, self.step_facts())])
         return self
+
+    def step_facts(self) -> StepFacts:
+        """What of this recipe besides its memory section the plan's rules read (runner.plan.plan_problems)."""
+        return StepFacts(batch_size=self.train.batch_size, grad_clip=self.train.grad_clip is not None,
+                         precision=self.precision, adamw=type(self.train.optimizer) is AdamW,
+                         distributed=not isinstance(self.distributed, SingleProcess))
 
     @property
     def micro_batch(self) -> int:

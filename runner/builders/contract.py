@@ -86,13 +86,18 @@ def check_logits(logits: torch.Tensor, labels: torch.Tensor, model: nn.Module) -
         want = "[batch, classes]" if labels.dim() == 1 else "[batch, sequence, vocabulary]"
         raise _fault(model, f"returned logits of shape {list(logits.shape)} for labels of shape "
                             f"{list(labels.shape)}; return {want}")
+    check_classes(logits.shape[-1], labels, model)
+
+
+def check_classes(classes: int, labels: torch.Tensor, model: nn.Module) -> None:
+    """A class for every label of the model's first batch (one device sync, read once a model)."""
     model = _unwrapped(model)
     if model in _CHECKED or isinstance(labels, _FakeTensor):  # an estimate's fake labels have no values to read
         return
     _CHECKED.add(model)
     top = int(labels.max()) if labels.numel() else -1
-    if top >= logits.shape[-1]:
-        raise _fault(model, f"returns {logits.shape[-1]} classes but its first batch holds label {top}; give the "
+    if top >= classes:
+        raise _fault(model, f"returns {classes} classes but its first batch holds label {top}; give the "
                             f"model at least {top + 1} outputs (model.config) or fewer classes in data")
 
 

@@ -19,25 +19,32 @@ log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, train: TrainSpec, device: torch.device) -> torch.optim.Optimizer:
+    return optimizer_over([p for p in model.parameters() if p.requires_grad], train, device)
+
+
+def optimizer_over(params: list[torch.Tensor], train: TrainSpec, device: torch.device,
+                   fused_on_cpu: bool = False) -> torch.optim.Optimizer:
+    """The recipe's optimizer over `params` (a model's trainable parameters, or the host copies of some
+    of them: runner/memory/host_optimizer.py); `fused_on_cpu`: torch's fused CPU AdamW, which the host
+    side of an optimizer offload runs (a CPU-only run keeps the unfused kernels its baseline uses)."""
     spec = train.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
     if spec.name == "sgd":
-        return torch.optim.SGD(_decay_groups(params, spec.weight_decay), lr=spec.lr, momentum=spec.momentum,
+        return torch.optim.SGD(decay_groups(params, spec.weight_decay), lr=spec.lr, momentum=spec.momentum,
                                nesterov=spec.nesterov)
     if spec.name == "adamw":
-        fused = device.type == "cuda"
+        fused = device.type == "cuda" or fused_on_cpu
         log.debug("AdamW %s: %s", "fused" if fused else "foreach", "fused kernels need CUDA" if not fused else "on CUDA")
-        return torch.optim.AdamW(_decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+        return torch.optim.AdamW(decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                  fused=fused or None)
     if spec.name in EIGHT_BIT:
         import bitsandbytes
 
         optimizer_class = getattr(bitsandbytes.optim, EIGHT_BIT[spec.name])
-        return optimizer_class(_decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps)
+        return optimizer_class(decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps)
     return _torch_optimizer(spec, params)
 
 
-def _decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
     # Decay matrices only: decaying biases and norm gains hurts and is what nanoGPT/HF avoid too.
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -49,7 +56,7 @@ def _torch_optimizer(spec: TorchOptimizer, params: list[nn.Parameter]) -> torch.
     optimizer_class = getattr(torch.optim, spec.name)
     arguments = spec.arguments()
     decay = inspect.signature(optimizer_class.__init__).parameters.get("weight_decay")
-    groups = params if decay is None else _decay_groups(params, arguments.pop("weight_decay", decay.default))
+    groups = params if decay is None else decay_groups(params, arguments.pop("weight_decay", decay.default))
     try:
         return optimizer_class(groups, **arguments)
     except (ValueError, TypeError, RuntimeError) as err:

@@ -59,7 +59,7 @@ def run(args) -> int:
     per = f" per rank of {args.nproc}" if args.nproc else ""
     print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} "
           f"(batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, "
-          f"checkpointing {recipe.memory.checkpointing.label()})")
+          f"checkpointing {', '.join([recipe.memory.checkpointing.label(), *recipe.memory.pool_changes()])})")
     for category, count in estimate.breakdown.items():
         print(f"  {category:<16} {format_bytes(count):>10}")
     for line in time_lines(estimate.time) if estimate.time else [f"step time: not predicted ({why_no_time})"]:

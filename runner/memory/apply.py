@@ -1,9 +1,11 @@
 """`apply_plan`: the one call that puts a recipe's memory plan onto a built model.
 
-It finds the blocks, checks the plan against them (every error names its recipe key, e.g.
-`memory.checkpointing.layers: ...`), wraps checkpointing first and offload around it, and returns
-an `AppliedPlan` whose `remove()` puts the model back, so the tuner or the estimator can try
-another plan on the same model. Micro-batching, precision and compile are the trainer's part.
+It holds the weights in the plan's dtype (memory.weights), finds the output projection a chunked
+loss splits (memory.loss), finds the blocks, checks the plan against them (every error names its
+recipe key, e.g. `memory.checkpointing.layers: ...`), wraps checkpointing first and offload around
+it, and returns an `AppliedPlan` whose `remove()` puts the model back, so the tuner or the estimator
+can try another plan on the same model. Micro-batching, precision, compile and the optimizer
+(runner/memory/optimizers.py, built after this) are the trainer's part.
 """
 
 from __future__ import annotations
@@ -14,15 +16,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..plan import MemoryPlan, plan_problem
+from ..plan import MemoryPlan, StepFacts, plan_problem
 from .blocks import BlockList, Undo, find_blocks
 from .adaptive import PlanSwitch, apply_adaptive
 from .checkpointing import apply_checkpointing, cuda_refusal
+from .chunked_loss import SplitHead
 from .compress import ActivationCompression, apply_compression, chaining_missing
 from .offload import CPU_REFUSAL, ActivationOffload, apply_offload
 from .torch_features import missing_budget, missing_for_sqrt
+from .weights import apply_weights
 
 log = logging.getLogger(__name__)
+
+HOST_REFUSAL = ("memory.optimizer_offload: moves optimizer state from the GPU to host memory; this run is on the CPU, "
+                "so there is nothing to save - set memory.optimizer_offload.policy: none")
 
 
 @dataclass
@@ -34,6 +41,7 @@ class AppliedPlan:
     offload: ActivationOffload | None = None  # its pool and byte counts, when offloading
     compression: ActivationCompression | None = None  # its byte counts, when compressing
     switch: PlanSwitch | None = None  # memory.adaptive: which bucket's checkpointing runs now
+    head: SplitHead | None = None  # memory.loss chunked: the output projection the loss splits
     _undo: list[Undo] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
@@ -53,10 +61,19 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
     device = torch.device(device)
     needs_blocks = bool(plan.adaptive) or plan.checkpointing.recomputes or plan.offload.moves or plan.compression.lossy
     check_combination(plan, device)
+    head = SplitHead(model, plan.loss) if plan.loss.splits_head else None
+    if head is not None:
+        log.info(plan.loss.describe())
+    undo_weights = apply_weights(model, plan.weights)
     if not needs_blocks and plan.blocks is None:
-        return AppliedPlan(plan, None)
-    blocks = find_blocks(model, plan.blocks)
-    applied = AppliedPlan(plan, blocks, plan.checkpointing.chosen(blocks), plan.offload.chosen(blocks))
+        return AppliedPlan(plan, None, head=head, _undo=[undo_weights])
+    try:
+        blocks = find_blocks(model, plan.blocks)
+    except BaseException:
+        undo_weights()
+        raise
+    applied = AppliedPlan(plan, blocks, plan.checkpointing.chosen(blocks), plan.offload.chosen(blocks), head=head,
+                          _undo=[undo_weights])
     every_checkpointed = sorted({i for part in [plan, *plan.adaptive] for i in part.checkpointing.chosen(blocks)})
     refusal = cuda_refusal(blocks, every_checkpointed) if device.type == "cuda" else None
     if refusal:
@@ -80,10 +97,11 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
     return applied
 
 
-def check_combination(plan: MemoryPlan, device: torch.device) -> None:
-    """What a plan cannot do here: its fields' combinations (runner.plan.plan_problems), then what needs
-    CUDA or a torch feature this torch lacks. A ValueError whose message starts with the key to change."""
-    problem = plan_problem(plan)
+def check_combination(plan: MemoryPlan, device: torch.device, facts: StepFacts | None = None) -> None:
+    """What a plan cannot do here: its fields' combinations (runner.plan.plan_problems; with `facts`, with
+    the rest of the recipe too), then what needs CUDA or a torch feature this torch lacks. A ValueError
+    whose message starts with the key to change."""
+    problem = plan_problem(plan, facts)
     if problem is not None:
         raise ValueError(problem[1])
     if plan.offload.moves and device.type != "cuda":
@@ -98,3 +116,8 @@ def check_combination(plan: MemoryPlan, device: torch.device) -> None:
             why = chaining_missing()
         if why is not None:
             raise ValueError(why)
+    why = plan.optimizer_state.unsupported()
+    if why is None and plan.optimizer_offload.moves_state and device.type != "cuda":
+        why = HOST_REFUSAL
+    if why is not None:
+        raise ValueError(why)

@@ -217,10 +217,12 @@ class SavedBytes:
         return self
 
     def __exit__(self, *exc) -> None:
+        from .tracker import WORKING
+
         try:
             self._tracker.__exit__(*exc)
         finally:
             self._hook.remove()
-            self.bytes = self._tracker.current_breakdown["activations"]
+            self.bytes = sum(self._tracker.current_breakdown[category] for category in WORKING)
             self._tracker.close()
             self._graphs.clear()

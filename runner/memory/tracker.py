@@ -20,8 +20,16 @@ Categories, and how each is decided (honest, not exact for attribution; the tota
   post-hook re-labels them; on the very first step they count as `activations` until the step
   ends, steady-state steps find them already labelled).
 - `inputs`: tensors given as `extra_tensors` / `count_existing()` (the batch).
+- `weight_casts`: copies of parameters in another dtype (`_to_copy` of a parameter's storage):
+  autocast's half-precision copies of the fp32 weights, and the update's fp32 copies of bf16 ones.
+- `loss`: what the output head and the loss make in the forward (the logits, their fp32 copy, the
+  log-probabilities), created inside `attributed("loss")` (runner/train/step.py enters it).
 - `activations`: everything else created inside the region: saved activations, recomputed
-  activations, forward/backward temporaries, activation gradients, optimizer-step temporaries.
+  activations, forward/backward temporaries, activation gradients (the logits' too), optimizer-step
+  temporaries.
+
+Tensor subclasses that wrap others (DTensor's local shard, torchao's quantized optimizer states:
+codes and scales) count as the tensors they wrap, which is what their memory holds.
 
 Storages resized in place are followed too: `UntypedStorage.resize_` is no aten op, so while a
 tracker is open it is wrapped to report the new size. FSDP2 frees a block's gathered parameters that
@@ -35,15 +43,31 @@ region that were never registered (until an op returns them, e.g. an in-place op
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "weight_casts", "loss")
+WORKING = ("activations", "weight_casts", "loss")
+"""The categories of what a step makes (the rest existed before it): what `activations` held before
+weight casts and the loss were told apart."""
+_TO_COPY = torch.ops.aten._to_copy.default
+_ATTRIBUTED: list[str] = []  # the category new tensors are given instead of activations (innermost last)
+
+
+@contextlib.contextmanager
+def attributed(category: str):
+    """Tensors created inside count as `category` (e.g. `loss`) rather than activations, in any tracker."""
+    _ATTRIBUTED.append(category)
+    try:
+        yield
+    finally:
+        _ATTRIBUTED.pop()
 
 
 class _Record:
@@ -193,23 +217,38 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._see_outputs(out)
+        category = _ATTRIBUTED[-1] if _ATTRIBUTED else "activations"
+        if func is _TO_COPY and self._is_parameter(args[0]):
+            category = "weight_casts"
+        self._see_outputs(out, category)
         return out
 
-    def _see_outputs(self, out: Any) -> None:
+    def _is_parameter(self, tensor: Any) -> bool:
+        try:
+            record = self._live.get(id(tensor.untyped_storage()))
+        except (AttributeError, NotImplementedError, RuntimeError):  # storage-less layouts, subclasses
+            return False
+        return record is not None and record.category == "parameters"
+
+    def _see_outputs(self, out: Any, category: str = "activations") -> None:
         # Ops return a tensor, a tuple/list of tensors (foreach ops), or tuples of lists (fused
         # optimizers); walking them by hand is several times cheaper than pytree on this hot path.
         if isinstance(out, torch.Tensor):
-            self._see(out, "activations", relabel=False)
+            self._see(out, category, relabel=False)
         elif isinstance(out, (tuple, list)):
             for item in out:
-                self._see_outputs(item)
+                self._see_outputs(item, category)
 
     def _see(self, tensor: torch.Tensor, category: str, relabel: bool) -> None:
-        # a DTensor (FSDP2's sharded parameters, their gradients and optimizer state) answers for the
-        # whole tensor; this rank holds only its local shard, which is what its memory holds
-        local = getattr(tensor, "_local_tensor", None)
-        tensor = local if isinstance(local, torch.Tensor) else tensor
+        # a wrapper subclass answers for the tensor it stands for: a DTensor (FSDP2's shards) for the
+        # whole tensor, a quantized optimizer state (torchao) for its float32 size; the memory holds
+        # what it wraps (this rank's shard; the codes and scales), so those are counted
+        if is_traceable_wrapper_subclass(tensor):
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._see(inner, category, relabel)
+            return
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts

@@ -43,13 +43,13 @@ from ..builders.data import Batch
 from ..builders.experts import GroupedMmOnFake
 from ..builders.adapters import lora_note
 from ..builders.model import build_model
-from ..builders.optim import build_optimizer
 from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport
+from ..memory.optimizers import PlannedOptimizer, build_planned_optimizer
 from ..memory.tracker import LiveBytesTracker
-from ..plan import MemoryPlan, NoOffload
+from ..plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
 from ..recipe import ModelSpec, Precision as PrecisionName, Recipe
 from ..train.step import Precision, label_count, run_step
 from ..problems import CkrunError, KeyedError
@@ -57,6 +57,7 @@ from ..units import format_bytes
 from .cuda_extras import (BLAS_HANDLES_PER_STEP, CUDA_CONTEXT_BYTES, allocator_settings, cublas_workspace_bytes,
                           target_capability)
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay_within
+from .compiled_updates import compiled_updates
 from .fake_gaps import FakeGapWatch, WorkspaceFill
 from .device_facts import DeviceFacts
 from .real_paths import real_mask_paths
@@ -67,6 +68,7 @@ from .step_time import StepShape, StepTime, step_time
 CPU = torch.device("cpu")
 HOST = torch.device("meta")  # where offloaded activations land in an estimate (fake host memory)
 MICRO_BATCHES_RUN = 2  # the first micro-batch, then one that every later one repeats (module docstring)
+DEFAULT_OPTIMIZER = {"optimizer_offload": NoOptimizerOffload()}  # apply_plan's part of a plan: the optimizer is built here
 
 
 class EstimateUnavailable(CkrunError, RuntimeError):
@@ -126,7 +128,7 @@ class Estimator:
         if torch.device(device).type not in ("cpu", "cuda"):
             raise ValueError(f"cannot estimate for device {device!r}; use cpu or cuda")
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with _unavailable("building the model"), self.fake_mode, self._device_behaviour():
+        with _unavailable("building the model"), self.fake_mode, self._device_behaviour(MemoryPlan()):
             torch.manual_seed(recipe.train.seed)
             with weight_init_skipped():
                 self.model = self._prepare(self._build_model())
@@ -134,11 +136,8 @@ class Estimator:
         self.routed = BalancedRouting(self.model)  # eager experts' routing, assumed (predict/routing.py); the model is its own
         self.batch, self.batch_only = _to_fake(self._stand_in_batch(), self.fake_mode)
         gaps = FakeGapWatch()  # watched once, in the warm-up: a plan changes how often ops run, not which
-        with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour():
-            # fused AdamW on a CUDA target, as the trainer builds it (it makes no temporaries)
-            self.optimizer = build_optimizer(self.model, recipe.train, torch.device("cuda" if self.cuda else "cpu"))
-            with gaps:
-                self._step(self.recipe.train.batch_size, "fp32")  # creates the optimizer state
+        self._optimizers: dict[tuple, PlannedOptimizer] = {}  # each optimizer a plan asks for, warmed up once
+        self.optimizer = self._optimizing(recipe.memory, gaps).optimizer
         self.warnings = gaps.warnings()
 
     def _build_model(self) -> torch.nn.Module:
@@ -148,6 +147,27 @@ class Estimator:
     def _stand_in_batch(self) -> Batch:
         """A real batch of the step's shapes, made outside the fake mode: synthetic data indexes and masks by value."""
         return stand_in_batch(self.recipe, self.model)
+
+    def _optimizing(self, plan: MemoryPlan, watch=None) -> PlannedOptimizer:
+        """The optimizer `plan` asks for (fused AdamW on a CUDA target, as the trainer builds it; torchao's;
+        the host offload's, with the meta device as its host), after one untracked warm-up step that
+        creates its state, as every later step finds it."""
+        key = (plan.weights.holds_bf16, plan.optimizer_state.label(), plan.optimizer_step.label(),
+               plan.optimizer_offload.label(), gradients_final(plan, self.recipe.step_facts()))
+        if key in self._optimizers:
+            return self._optimizers[key]
+        whole = MemoryPlan(weights=plan.weights, allow_lossy=True)  # the one part of a plan the state depends on
+        with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour(plan), self._applied(whole):
+            planned = build_planned_optimizer(self.model, self.recipe.train, plan,
+                                              torch.device("cuda" if self.cuda else "cpu"), key[-1], host=HOST)
+            try:
+                with watch or contextlib.nullcontext():
+                    warm = "bf16" if plan.weights.holds_bf16 else "fp32"  # bf16 weights run under bf16 autocast
+                    self._step(self.recipe.train.batch_size, warm, whole, planned.optimizer)  # creates the state
+            finally:
+                planned.remove()
+        self._optimizers[key] = planned
+        return planned
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The built model as the step runs it; predict/ranks.py shards it here (FSDP), before the optimizer."""
@@ -160,19 +180,23 @@ class Estimator:
         plan = self.recipe.memory if plan is None else plan
         precision = precision or self.recipe.precision
         micro = _micro_batch(plan, self.recipe.train.batch_size)
-        check_combination(plan, torch.device("cuda" if self.cuda else "cpu"))  # bad plans raise ValueError
+        facts = replace(self.recipe.step_facts(), precision=precision)
+        check_combination(plan, torch.device("cuda" if self.cuda else "cpu"), facts)  # bad plans raise ValueError
         tracker = LiveBytesTracker(CPU, record_events=self.cuda)
         clock = OpClock(self.world_size, self.recipe.tf32, self._moded_blocks(plan)) if self.facts else None
-        with self.fake_mode, self._device_behaviour(), self._applied(plan, clock):
-            tracker.track(self.model, self.optimizer, [*self.batch.tensors(), *self.batch_only])
+        planned = self._optimizing(plan)
+        with self.fake_mode, self._device_behaviour(plan), self._applied(plan, clock) as applied:
+            tracker.track(self.model, planned.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
+            planned.install()
             try:
                 with _unavailable("the training step"), tracker, (clock or contextlib.nullcontext()), \
                         (watch(tracker) if watch else contextlib.nullcontext()):
-                    self._step(micro, precision)
+                    self._step(micro, precision, plan, planned.stepper, applied.head)
             finally:
+                planned.remove()
                 tracker.close()
-        estimate = self._result(tracker, baseline, plan, precision)
+        estimate = self._result(tracker, baseline, plan, precision, planned)
         estimate.notes.extend(self.routed.notes())
         estimate.warnings.extend(self.warnings)
         if clock is not None:
@@ -182,13 +206,13 @@ class Estimator:
 
     # --- running ---------------------------------------------------------------------------------
 
-    def _step(self, micro_batch: int, precision: PrecisionName) -> None:
+    def _step(self, micro_batch: int, precision: PrecisionName, plan: MemoryPlan, stepper, head=None) -> None:
         """The first MICRO_BATCHES_RUN micro-batches of the step, then its update (module docstring).
         fp16's GradScaler reads found-inf flags (.item()), which fake tensors do not have; it only
         adds a few scalars, so the estimate runs without it."""
         batch = self.batch.slice(0, MICRO_BATCHES_RUN * micro_batch)  # views: the whole batch stays counted
-        run_step(self.model, self.optimizer, batch, micro_batch, Precision(precision, "cpu"), None,
-                 self.recipe.train.grad_clip, label_total=label_count(self.batch.labels))
+        run_step(self.model, stepper, batch, micro_batch, Precision(precision, "cpu", plan.weights.autocast_cache()),
+                 None, self.recipe.train.grad_clip, label_total=label_count(self.batch.labels), head=head)
 
     def _shape(self, micro_batch: int, precision: PrecisionName) -> StepShape:
         tokens = self.batch.inputs.get("input_ids")
@@ -198,11 +222,13 @@ class Estimator:
                          ddp_gradient_bytes=self.ddp_gradient_bytes, data_parallel=self.data_parallel,
                          tf32=self.recipe.tf32)
 
-    def _device_behaviour(self):
+    def _device_behaviour(self, plan: MemoryPlan):
+        """What the step does on the target device and not on fake CPU tensors, for `plan`."""
         stack = contextlib.ExitStack()
         stack.enter_context(real_mask_paths())  # the attention paths a real step takes
         stack.enter_context(WorkspaceFill())  # the bytes oneDNN's LSTM keeps, which its fake kernel leaves out
         stack.enter_context(GroupedMmOnFake())  # mixture-of-experts' grouped kernel in fp32, which its fake kernel refuses
+        stack.enter_context(compiled_updates(self.cuda, any(p.library for p in plan.pool_policies())))  # torchao's update
         if self.cuda:
             stack.enter_context(CudaOnCpu())
         return stack
@@ -220,13 +246,15 @@ class Estimator:
                 undos += self._clock_markers(clock, plan)
             if self.cuda and plan.checkpointing.recomputes:  # inside the checkpoint: its recompute too
                 undos += [wrap_forward(block.module, in_cuda_mode) for block in blocks]
-            undos.append(apply_plan(self.model, plan.model_copy(update={"offload": NoOffload()}), CPU).remove)
+            # the CUDA-only parts are the estimator's own: the activations' copies here, the optimizer's in _optimizing
+            applied = apply_plan(self.model, plan.model_copy(update={"offload": NoOffload(), **DEFAULT_OPTIMIZER}), CPU)
+            undos.append(applied.remove)
             if plan.offload.moves:  # outside the checkpoint, as apply_plan stacks them
                 # training's own offloader and schedule; only the copies are fake (host = meta)
                 offload = ActivationOffload(CPU, int(plan.offload.min_bytes), CopyTransport(CPU, HOST))
                 undos += [wrap_forward(blocks[i].module, offload.wrapper, blocks[i].module)
                           for i in plan.offload.chosen(blocks)]
-            yield
+            yield applied
         finally:
             undo_all(undos)()
 
@@ -249,11 +277,17 @@ class Estimator:
 
     # --- reporting -------------------------------------------------------------------------------
 
-    def _result(self, tracker: LiveBytesTracker, baseline: int, plan: MemoryPlan, precision: str) -> Estimate:
+    def _result(self, tracker: LiveBytesTracker, baseline: int, plan: MemoryPlan, precision: str,
+                planned: PlannedOptimizer) -> Estimate:
         live = tracker.peak_bytes
         breakdown = tracker.breakdown_at_peak
         notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
-                 f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists"]
+                 f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists",
+                 *pool_notes(plan, precision, self.cuda)]
+        optimizer_host = getattr(planned.optimizer, "host_bytes", lambda: 0)()
+        if optimizer_host:
+            notes.append(f"memory.optimizer_offload {plan.optimizer_offload.label()}: {format_bytes(optimizer_host)} "
+                         "of parameter copies, gradient buffers and optimizer state in pinned host memory")
         if plan.compile:
             notes.append("memory.compile: estimated as eager; compiled code usually needs less"
                          + (" (activation_memory_budget is not modelled: measure it)"
@@ -288,8 +322,8 @@ class Estimator:
             notes.append(f"the step {limited}")
         if ignored:
             notes.append(f"PYTORCH_CUDA_ALLOC_CONF settings not modelled: {', '.join(ignored)}")
-        host = tracker.peak_by_device.get(str(HOST), 0)
-        if host:
+        host = tracker.peak_by_device.get(str(HOST), 0) - optimizer_host
+        if plan.offload.moves and host > 0:
             notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")
         return Estimate(reserved, breakdown, notes, live, "cuda")
 
@@ -300,6 +334,25 @@ class Estimator:
         if self.facts is not None and self.facts.memory_bytes:
             limits.append(self.facts.memory_bytes)
         return min(limits) - CUDA_CONTEXT_BYTES if limits else None
+
+
+def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:
+    """What the estimate's numbers mean for the plan's weights, optimizer and loss, one line each."""
+    notes = [plan.weights.holds(precision)]
+    lossy = [policy.label() for policy in plan.pool_policies() if policy.lossy]
+    if lossy:
+        notes.append(f"{', '.join(lossy)}: lossy; training logs how far the weights' update moved from exact AdamW "
+                     "over its first steps, and `ckrun tune` records it per probe")
+    if cuda and any(policy.library for policy in plan.pool_policies()):
+        notes.append("torchao's update is torch.compile'd into fused kernels on CUDA, counted as in place (no "
+                     "temporaries beyond their own scratch)")
+    if plan.optimizer_step.updates_in_backward:
+        notes.append("memory.optimizer_step in_backward: gradients live only from their accumulation to their "
+                     "parameter's update, inside the backward")
+    if plan.loss.splits_head:
+        notes.append(f"memory.loss {plan.loss.label()}: one piece's logits (and their float32 copy and gradient) "
+                     "live at a time, recomputed in the backward")
+    return notes
 
 
 # --- building on fake tensors --------------------------------------------------------------------

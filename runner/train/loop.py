@@ -20,12 +20,14 @@ import torch
 from ..builders.adapters import TRAINABLE_ONLY, load_trainable_state, trainable_state
 from ..builders.sources import build_data
 from ..builders.model import BuildError, build_model
-from ..builders.optim import build_optimizer, build_scheduler, total_steps
+from ..builders.optim import build_scheduler, total_steps
 from ..parallel.ranks import Ranks, reduce_step_record
 from ..parallel.ranks import join as join_ranks
 from ..parallel.wrap import wrap_model
 from ..memory.allocator import apply_allocator, apply_compile_budget
 from ..memory.measure import PeakMeter, card_peak, cuda_context_bytes, note_card_before_cuda
+from ..memory.optimizers import build_planned_optimizer
+from ..plan import gradients_final
 from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
@@ -46,6 +48,7 @@ from .ranked import process_group_scope, rank_share, save_state, stop_agreed
 from .dcp_checkpoint import finish_saving, load_full_into_shards
 from .sinks import open_sinks
 from .step import make_precision, run_step, set_fp32_math
+from .update_error import UpdateErrorMeter, lossy_labels, report_update_error
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
 
@@ -94,7 +97,7 @@ class Trainer:
         # before the device: under nccl joining picks this rank's GPU
         self.ranks = join_group(recipe, source) if ranks is None else ranks
         self.device = pick_device(recipe, source)
-        self.precision = make_precision(recipe.precision, self.device, source)
+        self.precision = make_precision(recipe.precision, self.device, source, recipe.memory.weights.autocast_cache())
         if self.device.type == "cuda":
             log.info(set_fp32_math(recipe.tf32))
         torch.manual_seed(recipe.train.seed)
@@ -123,13 +126,17 @@ class Trainer:
             torch.manual_seed(recipe.train.seed + (self.ranks.data_rank << 32))
         self.data = build_data(recipe, self.model)
         self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
-        self.optimizer = build_optimizer(self.model, recipe.train, self.device)
+        self.planned = build_planned_optimizer(self.model, recipe.train, recipe.memory, self.device,
+                                               gradients_final(recipe.memory, recipe.step_facts()))
+        self.optimizer = self.planned.optimizer  # what the schedule, checkpoints and the memory meter see
         self.scheduler = build_scheduler(self.optimizer, recipe.train, self.total_steps)
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
         self.step = 0
         self.saving = None  # a sharded checkpoint still being written behind the steps (train/sharded.py)
         self.gradient_error = self._lossy_error()  # None for an exact plan
+        self.update_error: float | None = None  # a lossy optimizer's, measured over the first steps from step 0
+        self.update_meter: UpdateErrorMeter | None = None
 
     def _lossy_error(self) -> float | None:
         if self.plan.compression is None:
@@ -140,7 +147,8 @@ class Trainer:
         micro = self.recipe.micro_batch
         batch = self.data.global_batch(self.step).slice(0, micro).to(self.device)
         try:
-            error = gradient_error(self.model, self.plan.compression, batch, micro, self.precision, self.device)
+            error = gradient_error(self.model, self.plan.compression, batch, micro, self.precision, self.device,
+                                   self.plan.head)
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
@@ -197,6 +205,7 @@ class Trainer:
             raise OutOfMemory(self.step + 1, f"{describe_out_of_memory(err)} for its batch", self.device) from None
         if self.plan.switch is not None:
             self.plan.switch.select(batch)  # memory.adaptive: this batch length's checkpointing
+        self._follow_exact_update()
         lr = self.scheduler.get_last_lr()[0]
         _synchronize(self.device)
         ran = self._timed_step(batch, label_total)
@@ -206,6 +215,9 @@ class Trainer:
         result, seconds, peak = ran
         self.scheduler.step()
         self.step += 1
+        if self.update_meter is not None and self.update_meter.stepped() is not None:
+            self.update_error, self.update_meter = self.update_meter.error, None
+            log.info(report_update_error(self.update_error, lossy_labels(self.recipe)))
         record = {"step": self.step, "loss": result.loss.item(), "lr": lr,
                   "samples_per_s": len(batch.labels) / seconds, "step_time_s": seconds, **peak.record()}
         record = reduce_step_record(record, result.loss, self.ranks, self.recipe.train.batch_size)
@@ -222,13 +234,19 @@ class Trainer:
         self._check_cap(record)
         return record
 
+    def _follow_exact_update(self) -> None:
+        """A lossy optimizer starting from step 0: exact AdamW follows its first steps (train/update_error.py)."""
+        if self.step == 0 and self.update_error is None and self.update_meter is None and lossy_labels(self.recipe):
+            self.update_meter = UpdateErrorMeter(self.optimizer, [p for p in self.model.parameters() if p.requires_grad])
+
     def _timed_step(self, batch, label_total=None):
         """(result, seconds, peak) of one optimizer step, or None when the device ran out of memory."""
         try:
             with self.meter.measure(batch.tensors(), self.step + 1) as peak:
                 started = time.perf_counter()
-                result = run_step(self.forward_model, self.optimizer, batch, self.recipe.micro_batch,
-                                  self.precision, self.scaler, self.recipe.train.grad_clip, label_total)
+                result = run_step(self.forward_model, self.planned.stepper, batch, self.recipe.micro_batch,
+                                  self.precision, self.scaler, self.recipe.train.grad_clip, label_total,
+                                  self.plan.head)
                 _synchronize(self.device)
                 seconds = time.perf_counter() - started
         except (RuntimeError, MemoryError) as err:

@@ -17,22 +17,24 @@ import torch
 from torch import nn
 
 from ..builders.data import Batch
+from ..memory.chunked_loss import SplitHead
 from ..memory.compress import ActivationCompression
 from .checkpoint import restore_rng_state, rng_state
-from .step import Precision, call_model, label_count, loss_sum, predict_only_at
+from .step import Precision, label_count, micro_batch_loss
 
 log = logging.getLogger(__name__)
 
 
 def gradient_error(model: nn.Module, compression: ActivationCompression, batch: Batch, micro_batch: int,
-                   precision: Precision, device: torch.device) -> float:
-    """The relative L2 error of the gradients on `batch` that `compression` causes."""
+                   precision: Precision, device: torch.device, head: SplitHead | None = None) -> float:
+    """The relative L2 error of the gradients on `batch` that `compression` causes (`head`: the loss's
+    split head, memory.loss chunked, as the step computes it)."""
     state, buffers = rng_state(device), {name: b.clone() for name, b in model.named_buffers()}
     try:
-        lossy = _gradients(model, batch, micro_batch, precision)
+        lossy = _gradients(model, batch, micro_batch, precision, head)
         restore_rng_state(state, device)
         with _switched_off(compression):
-            exact = _gradients(model, batch, micro_batch, precision)
+            exact = _gradients(model, batch, micro_batch, precision, head)
     finally:
         restore_rng_state(state, device)
         with torch.no_grad():
@@ -44,15 +46,14 @@ def gradient_error(model: nn.Module, compression: ActivationCompression, batch: 
     return (difference / norm) ** 0.5 if norm > 0 else float(difference > 0)
 
 
-def _gradients(model: nn.Module, batch: Batch, micro_batch: int, precision: Precision) -> list[torch.Tensor]:
+def _gradients(model: nn.Module, batch: Batch, micro_batch: int, precision: Precision,
+               head: SplitHead | None) -> list[torch.Tensor]:
     """Every parameter's gradient of the step's loss on `batch` (zeros where a parameter gets none)."""
     model.zero_grad(set_to_none=True)
     total = label_count(batch.labels)
     for start in range(0, len(batch.labels), micro_batch):
         micro = batch.slice(start, start + micro_batch)
-        with precision.autocast(), predict_only_at(model, micro.positions):
-            logits = call_model(model, micro)
-        (loss_sum(logits, micro.labels, micro.positions) / total).backward()
+        (micro_batch_loss(model, micro, precision, head) / total).backward()
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
             for p in model.parameters() if p.requires_grad]
 

@@ -53,6 +53,7 @@ def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: s
         peak_allocated_bytes=max(r.get("peak_allocated_bytes", 0) for r in records),
         cuda_context_bytes=max(r.get("cuda_context_bytes", 0) for r in records),
         gradient_error=trainer.gradient_error,
+        update_error=trainer.update_error,
         **_device(trainer),
     )
 

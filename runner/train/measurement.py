@@ -30,6 +30,9 @@ class Measurement(BaseModel):
     """Every step's loss, warm-up included."""
     gradient_error: float | None = None
     """A lossy plan's relative gradient error against the exact one (memory.compression)."""
+    update_error: float | None = None
+    """A lossy optimizer's (memory.optimizer_state 8bit/4bit/fp8, memory.weights bf16) relative error of the
+    weights' change over the first steps against exact AdamW on the same gradients (runner/train/update_error.py)."""
     step: int | None = None
     """The step that went over the cap."""
     device: str | None = None

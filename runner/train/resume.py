@@ -37,7 +37,17 @@ def fingerprint(recipe: Recipe) -> dict[str, str]:
     model = recipe.model.model_dump(mode="json", exclude=set() if recipe.model.lora else {"pretrained", "revision"})
     return {"model": json.dumps(model, sort_keys=True),
             "train.optimizer": json.dumps(recipe.train.optimizer.model_dump(mode="json"), sort_keys=True),
+            "memory": json.dumps(_optimizer_layout(recipe), sort_keys=True),
             RUN: json.dumps(_run_settings(recipe), sort_keys=True)}
+
+
+def _optimizer_layout(recipe: Recipe) -> dict[str, str]:
+    """The memory plan's knobs that change what the weights and the optimizer state are saved as (the
+    parameters' dtype, the moments' precision, which of them the host holds); the update in the backward,
+    the cast cache and the loss's pieces save the same state and may change on resume."""
+    plan = recipe.memory
+    return {"weights": plan.weights.tag(), "optimizer_state": plan.optimizer_state.label(),
+            "optimizer_offload": plan.optimizer_offload.label()}
 
 
 RUN = "run"  # the fingerprint's section of settings --resume-changed may accept

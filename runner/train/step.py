@@ -19,6 +19,8 @@ from torch import nn
 from ..builders.contract import check_logits, logits_from, user_forward
 from ..builders.data import IGNORE, Batch
 from ..builders.resolve import BuildError
+from ..memory.chunked_loss import SplitHead
+from ..memory.tracker import attributed
 from ..parallel.grad_norm import clip_gradients
 from ..problems import InputError, Place, Problem
 
@@ -29,23 +31,25 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Precision:
     name: str
     device_type: str
+    cast_cache: bool = True
+    """Autocast keeps its cast copies of the weights for the whole forward (memory.weights' cast_cache)."""
 
     def autocast(self):
         dtype = _DTYPES[self.name]
         if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=dtype)
+        return torch.autocast(device_type=self.device_type, dtype=dtype, cache_enabled=self.cast_cache)
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
         return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
 
 
-def make_precision(name: str, device: torch.device, source: str = "<recipe>") -> Precision:
+def make_precision(name: str, device: torch.device, source: str = "<recipe>", cast_cache: bool = True) -> Precision:
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         gpu = torch.cuda.get_device_name(device)
         raise InputError([Problem(Place(source), "precision", f"bf16 needs an Ampere or newer GPU; {gpu} has none - use fp16")])
-    return Precision(name, device.type)
+    return Precision(name, device.type, cast_cache)
 
 
 def set_fp32_math(tf32: bool | None) -> str:
@@ -95,15 +99,51 @@ def predict_only_at(model: nn.Module, positions: torch.Tensor | None):
         handle.remove()
 
 
-def call_model(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The model's logits for `batch`, checked against its labels (builders/contract.py says why)."""
+def call_model(model: nn.Module, batch: Batch, check: bool = True) -> torch.Tensor:
+    """The model's logits for `batch`, checked against its labels (builders/contract.py says why);
+    `check` false: what the model returned is not logits (a split head's hidden states)."""
     with user_forward(model, batch.inputs):
         output = model(**batch.inputs) if batch.by_keyword else model(*batch.inputs.values())
     logits, labels = logits_from(output, model), batch.labels
     if batch.positions is not None and logits.dim() == 3 and logits.shape[1] == batch.positions.shape[1]:
         labels = labels.gather(1, batch.positions)  # the sparse masked-LM head: logits at the masked positions
-    check_logits(logits, labels, model)
+    if check:
+        check_logits(logits, labels, model)
     return logits
+
+
+def micro_batch_loss(model: nn.Module, micro: Batch, precision: Precision, head: SplitHead | None = None) -> torch.Tensor:
+    """The summed loss of one micro-batch: the model's logits and their cross-entropy, or with a split
+    head (memory.loss chunked) its last hidden states and the loss over pieces of the sequence. What
+    the head and the loss make in the forward counts as the `loss` pool in a memory tracker."""
+    if head is not None:
+        with precision.autocast(), predict_only_at(model, micro.positions), head.passing_through():
+            hidden = call_model(model, micro, check=False)
+            with attributed("loss"):
+                return head.loss_sum(hidden, micro.labels, micro.positions, precision.autocast)
+    with precision.autocast(), predict_only_at(model, micro.positions), _head_attributed(model):
+        logits = call_model(model, micro)
+    with attributed("loss"):
+        return loss_sum(logits, micro.labels, micro.positions)  # the logits go with this frame, before backward
+
+
+@contextlib.contextmanager
+def _head_attributed(model: nn.Module):
+    """The output projection's forward (the logits) inside `attributed("loss")`."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) and not hasattr(model, "_orig_mod") else None
+    if not isinstance(head, nn.Module):
+        yield
+        return
+    scope = contextlib.ExitStack()
+    handles = [head.register_forward_pre_hook(lambda *_: scope.enter_context(attributed("loss"))),
+               head.register_forward_hook(lambda *_: scope.close())]
+    try:
+        yield
+    finally:
+        scope.close()
+        for handle in handles:
+            handle.remove()
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,18 +178,16 @@ class StepResult:
 
 def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precision,
              scaler: torch.amp.GradScaler | None, grad_clip: float | None,
-             label_total: torch.Tensor | None = None) -> StepResult:
-    """`label_total`: the loss's denominator when `batch` is one rank's share (runner/train/ranked.py)."""
+             label_total: torch.Tensor | None = None, head: SplitHead | None = None) -> StepResult:
+    """`label_total`: the loss's denominator when `batch` is one rank's share (runner/train/ranked.py);
+    `optimizer`: what steps (a PlannedOptimizer's stepper); `head`: memory.loss chunked's split head."""
     total = label_count(batch.labels) if label_total is None else label_total.to(batch.labels.device)
     loss = torch.zeros((), device=batch.labels.device)
     starts = range(0, len(batch.labels), micro_batch)
     for start in starts:
         micro = batch.slice(start, start + micro_batch)
         with _gradient_sync(model, last=start == starts[-1]):
-            with precision.autocast(), predict_only_at(model, micro.positions):
-                logits = call_model(model, micro)
-            micro_loss = loss_sum(logits, micro.labels, micro.positions) / total
-            del logits  # frees the logits before backward allocates the gradients
+            micro_loss = micro_batch_loss(model, micro, precision, head) / total
             (scaler.scale(micro_loss) if scaler else micro_loss).backward()
         loss += micro_loss.detach()
     skipped, grad_norm = _optimizer_step(model, optimizer, scaler, grad_clip)

@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("**/*.yaml"))
 
 # what every shrunk run shares: CPU, fp32 (exact losses), 2 steps of 4 samples in one pass, no
-# CUDA-only offload, no compile, no cap
+# CUDA-only offload (of activations or of the optimizer), no compile, no cap
 COMMON = [
     "train.device=cpu", "train.steps=2", "train.batch_size=4", "precision=fp32", "memory.micro_batch=null",
-    "memory.offload={policy: none}", "memory.compile=false", "memory.max_mem=null",
+    "memory.offload={policy: none}", "memory.optimizer_offload={policy: none}", "memory.compile=false",
+    "memory.max_mem=null",
 ]
 TEXT = ["data.seq_len=32"]
 BERT = TEXT + [

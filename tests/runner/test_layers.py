@@ -1,8 +1,8 @@
 """No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
 own layer or the ones below it:
 
-1. foundations  problems, units, files, lock, environment, yamlio, choices, policies, strategies,
-                plan, checkpoint_files, user_cache (messages, YAML, the policies, distributed
+1. foundations  problems, units, files, lock, environment, yamlio, choices, policies, pool_policies,
+                strategies, plan, checkpoint_files, user_cache (messages, YAML, the policies, distributed
                 strategies and the plan's data, the checkpoint file format, the lock a directory's
                 owner holds, the environment variables read, the tables kept in the user's cache folder)
 2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, recipe_adapters, load, located, library
@@ -34,7 +34,7 @@ from conftest import ROOT
 
 LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.environment", "runner.yamlio",
-                     "runner.choices", "runner.policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
+                     "runner.choices", "runner.policies", "runner.pool_policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
                      "runner.user_cache"}),
     ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks",
                 "runner.recipe_adapters", "runner.load", "runner.located", "runner.library"}),

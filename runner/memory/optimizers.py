@@ -1,0 +1,201 @@
+"""The optimizer a memory plan asks for, built once per run (and per plan in the estimator).
+
+- `optimizer_state` 8bit / 4bit / fp8 and `weights` bf16: torchao.optim's AdamW (AdamW8bit, AdamW4bit,
+  AdamWFp8, or `_AdamW` for bf16 weights with full-precision moments), with the recipe's adamw
+  settings and its decay groups; `bf16_stochastic_round` when the weights are bf16. torchao compiles
+  each parameter's update (torch.compile) into one fused kernel: on CUDA that is what it runs; on a
+  CPU device the update runs eagerly (`torch.compiler.set_stance("force_eager")`), because compiling
+  costs a C++ build per parameter shape (a minute on these machines) and the CPU's memory tracker
+  cannot see inside compiled code; the arithmetic is the same, up to the fused kernel's rounding.
+- `optimizer_offload` cpu: runner/memory/host_optimizer.py.
+- `optimizer_step` in_backward: `InBackwardUpdate` steps that optimizer for each parameter in the
+  backward.
+
+`PlannedOptimizer.optimizer` is what the schedule, checkpoints and the memory tracker see; its
+`stepper` is what the training step steps (the optimizer itself, or the in-backward update, whose
+`step()` has nothing left to do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..builders.optim import build_optimizer, decay_groups, optimizer_over
+from ..plan import MemoryPlan
+from ..recipe import TrainSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannedOptimizer:
+    optimizer: torch.optim.Optimizer
+    """What the learning-rate schedule, the checkpoints and the memory tracker see."""
+    stepper: object
+    """What the training step calls `step()` and `zero_grad()` on."""
+    hooked: list = field(default_factory=list, repr=False)
+    """What put hooks on the parameters (`install()`, `remove()`): the in-backward update, the offload."""
+
+    def remove(self) -> None:
+        """Take the optimizer's hooks off the parameters (the estimator tries another plan next)."""
+        for part in self.hooked:
+            part.remove()
+
+    def install(self) -> None:
+        """Put the hooks back on (each part once)."""
+        for part in self.hooked:
+            part.install()
+
+
+def build_planned_optimizer(model: nn.Module, train: TrainSpec, plan: MemoryPlan, device: torch.device,
+                            gradients_final: bool, host: torch.device | None = None) -> PlannedOptimizer:
+    """The plan's optimizer over `model`'s trainable parameters. `gradients_final`: each gradient is
+    complete when the backward accumulates it, and nothing but the update reads it (one micro-batch,
+    no clipping, no loss scaling): the host offload then copies it right away. `host`: where an
+    offloaded optimizer keeps its state (default the CPU, copies on a side stream; the estimator passes the
+    meta device, and its copies run in order)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    hooked = []
+    if plan.optimizer_offload.moves_state:
+        from .host_optimizer import HostOffloadOptimizer
+
+        optimizer = HostOffloadOptimizer(params, functools.partial(_make, train, device), device,
+                                         plan.optimizer_offload.host_fraction(), host or torch.device("cpu"),
+                                         gradients_final, side_stream=host is None)
+        hooked.append(optimizer)
+        log.info("%s (%d of %d parameters, %s)", plan.optimizer_offload.describe(), len(optimizer.copies), len(params),
+                 "each gradient copied as the backward accumulates it" if gradients_final
+                 else "gradients copied after the backward")
+    elif plan.optimizer_state.optimizer_class() is not None or plan.weights.holds_bf16:
+        optimizer = torchao_adamw(params, train, plan, device)
+        if getattr(plan.optimizer_state, "full_precision_embeddings", False):
+            keep_full_precision(optimizer, [m.weight for m in model.modules() if isinstance(m, nn.Embedding)])
+    else:
+        optimizer = build_optimizer(model, train, device)
+    stepper = optimizer
+    if plan.optimizer_step.updates_in_backward:
+        stepper = InBackwardUpdate(optimizer, params)
+        hooked.append(stepper)
+        log.info(plan.optimizer_step.describe())
+    planned = PlannedOptimizer(optimizer, stepper, hooked)
+    planned.install()
+    return planned
+
+
+def _make(train: TrainSpec, device: torch.device, params: list, where: torch.device) -> torch.optim.Optimizer:
+    """The recipe's optimizer over `params` on `where` (the device, or the host of an offload)."""
+    return optimizer_over(params, train, where, fused_on_cpu=where.type == "cpu" and device.type == "cuda")
+
+
+# --- torchao's AdamW --------------------------------------------------------------------------------
+
+
+def torchao_adamw(params: list[nn.Parameter], train: TrainSpec, plan: MemoryPlan,
+                  device: torch.device) -> torch.optim.Optimizer:
+    """torchao.optim's AdamW for the plan's state precision, stochastically rounding bf16 weights."""
+    import torchao.optim
+
+    prime_quantization_maps()
+    spec = train.optimizer
+    name = plan.optimizer_state.optimizer_class() or "_AdamW"  # _AdamW: full-precision moments, bf16 rounding
+    optimizer = getattr(torchao.optim, name)(decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas,
+                                            eps=spec.eps, bf16_stochastic_round=plan.weights.holds_bf16)
+    for policy in (plan.weights, plan.optimizer_state):
+        if policy.lossy:
+            log.info(policy.describe())
+    if device.type != "cuda":
+        eager_updates(optimizer)
+    return optimizer
+
+
+def keep_full_precision(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """torchao quantizes every moment of 4096 elements or more; these parameters' stay in their dtype
+    (LowBitState.full_precision_embeddings says why). torchao creates each moment through the
+    optimizer's `_new_buffer(param, signed)`; this instance's answers zeros of the parameter's dtype
+    for them, as torchao's own does for a small tensor."""
+    kept, quantized = {id(p) for p in params}, optimizer._new_buffer
+
+    def new_buffer(param: torch.Tensor, signed: bool) -> torch.Tensor:
+        return torch.zeros_like(param) if id(param) in kept else quantized(param, signed)
+    optimizer._new_buffer = new_buffer
+
+
+def eager_updates(optimizer: torch.optim.Optimizer) -> None:
+    """Run torchao's compiled update eagerly (module docstring: why on the CPU)."""
+    step = optimizer.step
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+
+    def eager_step(self, *args, **kwargs):
+        with stance("force_eager") if stance is not None else contextlib.nullcontext():
+            return step(*args, **kwargs)
+    optimizer.step = types.MethodType(eager_step, optimizer)  # bound, as schedules wrap it
+
+
+def prime_quantization_maps() -> None:
+    """torchao builds its 8- and 4-bit code tables once, from tensors read with .tolist(); done here
+    on real tensors, since the estimator builds the optimizer on fake ones, which have no values."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    with unset_fake_temporarily():
+        for module in (subclass_8bit, subclass_4bit):
+            for build in (getattr(module, "get_qmap_signed", None), getattr(module, "get_qmap_unsigned", None)):
+                if build is not None:  # older torchao builds its tables when imported
+                    build()
+
+
+# --- the update inside the backward ----------------------------------------------------------------
+
+
+class InBackwardUpdate:
+    """Updates each parameter, and frees its gradient, as soon as the backward has accumulated it.
+
+    A post-accumulate-grad hook per parameter (torchtune's optimizer_in_bwd, torch's tutorial "How to
+    save memory by fusing the optimizer step into the backward pass") runs the one optimizer of the
+    recipe on that parameter alone: its groups are narrowed to it for the call, so the update is the
+    arithmetic of the ordinary step, element for element, and the optimizer's state, schedule and
+    checkpoints are the ordinary ones (a run can resume with or without this knob). Autograd
+    accumulates a parameter only once every use of it has sent its gradient, so nothing reads the
+    parameter after its update within the backward: a checkpointed block recomputes before its own
+    parameters are accumulated."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]):
+        self.optimizer = optimizer
+        # by index: loading a state dict replaces the group dicts, in the same order
+        self._group_of = {p: index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self.params = [p for p in params if p in self._group_of]
+        self._handles = []
+
+    def install(self) -> None:
+        if not self._handles:
+            self._handles = [p.register_post_accumulate_grad_hook(self._update) for p in self.params]
+
+    def _update(self, param: nn.Parameter) -> None:
+        groups = self.optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        for index, group in enumerate(groups):
+            group["params"] = [param] if index == self._group_of[param] else []
+        try:
+            self.optimizer.step()
+        finally:
+            for group, params in zip(groups, kept, strict=True):
+                group["params"] = params
+        param.grad = None
+
+    def step(self, closure=None) -> None:
+        """Nothing left to do: every parameter was updated in the backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
