@@ -117,8 +117,6 @@ class WarmServer:
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         theirs.close()
         self.socket = ours
-        from .probe import note_launch
-
         note_launch(self.directory, "warm", None, self.process.pid)
 
     def launch(self, module: str, argv: list[str], log_path: Path, env: dict[str, str],
@@ -187,6 +185,13 @@ class WarmServer:
                 self.process.kill()
                 self.process.wait()
             self.process = None
+
+
+def note_launch(directory: Path, what: str, trial: int | None, pid: int) -> None:
+    """probes.log: one line per child started, so a resumed study shows what it did not re-run, and a
+    test can check that no child of any kind outlived the tuner."""
+    with open(directory / "probes.log", "a", encoding="utf-8") as launches:
+        launches.write(json.dumps({"what": what, "trial": trial, "pid": pid, "time": time.time()}) + "\n")
 
 
 def start_child(module: str, argv: list[str], log_path: Path, env: dict[str, str], server: WarmServer | None = None,

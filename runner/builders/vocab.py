@@ -32,9 +32,9 @@ MODEL_SPECIAL = ("bos", "eos", "pad")
 
 def model_vocab(model_class, given: dict) -> dict | None:
     """What a transformers config says of its vocabulary: size, embedding width, tied head, special ids."""
-    from .model_config import _quiet_transformers
+    from .model_config import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         config = model_class.config_class(**given)
     size = getattr(config, "vocab_size", None)
     if not isinstance(size, int) or isinstance(size, bool):

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
-from . import Command, _is_rank_zero, add_recipe_arguments
+from . import Command, is_rank_zero, add_recipe_arguments
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def run(args) -> int:
         result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
                        predict_step=predicted_step)
     if result.stopped_by:
-        if not _is_rank_zero():  # rank 0 says it for the group
+        if not is_rank_zero():  # rank 0 says it for the group
             return 128 + result.stopped_by
         print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _FINAL = re.compile(r"^step-(\d{8})$")
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -46,14 +46,14 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int = 2)
     temporary.mkdir()
     try:
         save_torch(state, temporary / STATE_FILE)
-        _fsync_path(temporary / STATE_FILE)
+        fsync_path(temporary / STATE_FILE)
         # hashed from the file as written (the page cache), so the digest covers what load will read
         (temporary / MARKER).write_text(f"{step}\nsha256 {file_sha256(temporary / STATE_FILE)} {STATE_FILE}\n")
-        _fsync_path(temporary / MARKER)
-        _fsync_path(temporary)
+        fsync_path(temporary / MARKER)
+        fsync_path(temporary)
         clear_final(final)
         temporary.rename(final)
-        _fsync_path(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

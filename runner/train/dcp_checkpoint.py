@@ -35,7 +35,8 @@ import torch
 from ..checkpoint_files import MARKER, CheckpointError
 from ..parallel.ranks import Ranks, any_rank, barrier
 from ..files import save_torch
-from .checkpoint import (_fsync_path, checkpoint_dir, clear_final, complete_checkpoints, prune, restore_rng_state,
+from .fingerprint import fingerprint
+from .checkpoint import (fsync_path, checkpoint_dir, clear_final, complete_checkpoints, prune, restore_rng_state,
                          rng_state)
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def save_sharded(trainer, root: Path, keep: int, wait: bool = False) -> Path:
     barrier(ranks)
     upload = _start_upload(trainer, temporary, wait)
     save_torch(rng_state(trainer.device), temporary / _rng_file(ranks.rank))
-    _fsync_path(temporary / _rng_file(ranks.rank))
+    fsync_path(temporary / _rng_file(ranks.rank))
     if ranks.is_main:
         _write_synced(temporary / TRAINER_FILE, json.dumps(_trainer_state(trainer)))
     flight = InFlight(upload, temporary, final, root, keep, trainer.step)
@@ -133,7 +134,7 @@ def _complete(ranks: Ranks, flight: InFlight) -> None:
         _mark_complete(flight.temporary, flight.step)
         clear_final(flight.final)
         flight.temporary.rename(flight.final)
-        _fsync_path(flight.root)
+        fsync_path(flight.root)
         prune(flight.root, flight.keep)
     barrier(ranks)
 
@@ -156,25 +157,19 @@ def _options(trainer, **settings):
 
 def _trainer_state(trainer) -> dict:
     return {"step": trainer.step, "world_size": trainer.ranks.world_size, "scheduler": trainer.scheduler.state_dict(),
-            "scaler": trainer.scaler.state_dict() if trainer.scaler else {}, "recipe": _fingerprint(trainer.recipe)}
-
-
-def _fingerprint(recipe) -> dict:
-    from .resume import fingerprint  # resume imports this module
-
-    return fingerprint(recipe)
+            "scaler": trainer.scaler.state_dict() if trainer.scaler else {}, "recipe": fingerprint(trainer.recipe)}
 
 
 def _write_synced(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
-    _fsync_path(path)
+    fsync_path(path)
 
 
 def _mark_complete(directory: Path, step: int) -> None:
     files = sorted(p for p in directory.iterdir() if p.is_file())
     lines = [str(step), "format dcp", *(f"size {p.stat().st_size} {p.name}" for p in files)]
     _write_synced(directory / MARKER, "\n".join(lines) + "\n")
-    _fsync_path(directory)
+    fsync_path(directory)
 
 
 def check_sizes(checkpoint: Path) -> None:

@@ -42,7 +42,7 @@ from .ownership import own_output
 from .progress import Progress
 from .memory_cap import CONTEXT_SLACK, MemoryCapExceeded, OutOfMemory, limit_cuda_memory
 from .start_line import start_lines
-from .resume import fingerprint
+from .fingerprint import fingerprint
 from .resume import resume as resume_from_checkpoint
 from .ranked import process_group_scope, rank_share, save_state, stop_agreed
 from .dcp_checkpoint import finish_saving, load_full_into_shards

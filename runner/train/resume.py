@@ -25,39 +25,11 @@ from ..checkpoint_files import STATE_FILE
 from ..problems import InputError, Place, Problem, first_line
 from ..recipe import Recipe
 from .checkpoint import CheckpointError, complete_checkpoints, load_latest
+from .fingerprint import RUN, fingerprint, run_settings
 from .dcp_checkpoint import is_sharded, load_sharded, pick_sharded, read_trainer_state
 from .output import METRICS, read_metrics_lines, set_aside_unresumable, strict_record, write_output
 
 log = logging.getLogger(__name__)
-
-
-def fingerprint(recipe: Recipe) -> dict[str, str]:
-    """What a checkpoint must agree with to be resumed, as JSON strings (torch.load(weights_only) reads those)."""
-    # initial weights only, moot once trained; but a LoRA checkpoint holds the adapter, whose frozen base they are
-    model = recipe.model.model_dump(mode="json", exclude=set() if recipe.model.lora else {"pretrained", "revision"})
-    return {"model": json.dumps(model, sort_keys=True),
-            "train.optimizer": json.dumps(recipe.train.optimizer.model_dump(mode="json"), sort_keys=True),
-            "memory": json.dumps(_optimizer_layout(recipe), sort_keys=True),
-            RUN: json.dumps(_run_settings(recipe), sort_keys=True)}
-
-
-def _optimizer_layout(recipe: Recipe) -> dict[str, str]:
-    """The memory plan's knobs that change what the weights and the optimizer state are saved as (the
-    parameters' dtype, the moments' precision, which of them the host holds); the update in the backward,
-    the cast cache and the loss's pieces save the same state and may change on resume."""
-    plan = recipe.memory
-    return {"weights": plan.weights.tag(), "optimizer_state": plan.optimizer_state.label(),
-            "optimizer_offload": plan.optimizer_offload.label()}
-
-
-RUN = "run"  # the fingerprint's section of settings --resume-changed may accept
-
-
-def _run_settings(recipe: Recipe) -> dict:
-    """The settings besides model and optimizer that decide what the coming steps compute."""
-    train = recipe.train.model_dump(mode="json", include={"batch_size", "seed", "grad_clip", "scheduler"})
-    data = recipe.data.model_dump(mode="json", exclude={"workers", "prefetch"})  # decoding speed only
-    return {**{f"train.{key}": value for key, value in train.items()}, "precision": recipe.precision, "data": data}
 
 
 def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) -> dict[str, list]:
@@ -161,7 +133,7 @@ def run_changes(saved: dict | None, recipe: Recipe, name: str, source: str, acce
     """Changed run settings, {key: [in the checkpoint, now]}; an InputError naming each unless `accept`."""
     if not isinstance(saved, dict) or RUN not in saved:
         return {}  # saved before checkpoints recorded them
-    before, now = json.loads(saved[RUN]), _run_settings(recipe)
+    before, now = json.loads(saved[RUN]), run_settings(recipe)
     changes = {key: [old, new] for key in now for key, old, new in _leaves(key, before.get(key), now[key]) if old != new}
     if changes and not accept:
         said = "; ".join(f"{key} {json.dumps(old)} in the checkpoint, {json.dumps(new)} now"

@@ -22,7 +22,7 @@ from runner.memory.compress import ActivationCompression, apply_compression, to_
 from runner.memory.compress import FP8
 from runner.policies import CastCompression
 from runner.memory.tracker import LiveBytesTracker
-from runner.memory.offload import ActivationOffload, CopyTransport, _Storages
+from runner.memory.offload import ActivationOffload, CopyTransport, ModuleStorages
 from runner.plan import MemoryPlan
 
 POLICIES = ["bf16"] + (["fp8"] if FP8 is not None else [])
@@ -139,7 +139,7 @@ def test_an_overflowed_tensor_unpacks_as_nan_never_as_zeros(dtype, bad):
     tensor = torch.randn(64).to(dtype)
     tensor[7] = bad
     compression = ActivationCompression(CastCompression(policy="fp8", min_bytes=0))
-    entry = compression._pack(_Storages(nn.Linear(1, 1)), None, tensor)
+    entry = compression._pack(ModuleStorages(nn.Linear(1, 1)), None, tensor)
     assert torch.isnan(compression._unpack(None, entry)).all()
 
 
