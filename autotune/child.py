@@ -137,7 +137,7 @@ def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> ProbeResult
 
 def measure(recipe, warmup: int, timed: int) -> ProbeResult:
     """Warm-up and timed steps of `recipe`, with `measured_peak_bytes`, the number held against the cap."""
-    from runner.train.measure_plan import probe
+    from runner.train.measure.probe import probe
 
     return ProbeResult.of(probe(recipe, warmup, timed, source="<candidate>"))
 

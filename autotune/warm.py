@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 PACKET = 1 << 20  # a request's environment and arguments fit in far less
 START_TIMEOUT_S = 300.0  # the server's imports on a very busy machine; then children start cold
-PRELOAD = ("torch", "runner.train.measure_plan", "runner.predict.estimate", "autotune.child", "autotune.model_child")
+PRELOAD = ("torch", "runner.train.measure.probe", "runner.predict.estimate", "autotune.child", "autotune.model_child")
 SOURCE_MODULES = {"torchvision": ("torchvision.models",)}
 
 

@@ -56,7 +56,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from ..parallel.slurm import check_environment
-    from ..train.guard import stop_line
+    from ..train.run.guard import stop_line
     from ..train.loop import train
 
     check_environment()  # a bad variable is one line before anything is read or started
@@ -66,7 +66,7 @@ def run(args) -> int:
     recipe, doc = load_checked(path, args.overrides)
     args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
-        from ..train.ownership import launch_owned
+        from ..train.run.ownership import launch_owned
 
         flags = ["--resume-changed"] if args.resume_changed else ["--resume"] if args.resume else []
         return launch_owned(recipe, str(path), [args.recipe, *args.overrides, *flags], args.nproc, args.resume,
@@ -80,7 +80,7 @@ def run(args) -> int:
         print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
     if result.losses:
-        from ..train.progress import done_line
+        from ..train.run.progress import done_line
 
         log.info(done_line(result, Path(recipe.output.dir)))
     return 0

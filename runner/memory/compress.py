@@ -5,7 +5,7 @@ backward (not a weight nor a view or cast of one, at least `min_bytes`) by a rou
 fp32 tensors, or float8_e4m3fn with one scale per tensor (amax / 448, so nothing overflows; see
 `to_fp8` for the transient it costs and what a non-finite tensor becomes). The original is then free
 to go, and backward gets the copy cast back to the original dtype. This is lossy: the gradient
-changes by the rounding, which `gradient_error` (runner/train/lossy.py) measures.
+changes by the rounding, which `gradient_error` (runner/train/measure/lossy.py) measures.
 
 Composition. The hooks sit outside a checkpointed block's checkpoint, as offload's do: what gets
 compressed there is what the checkpoint keeps (its input), and the recompute starts from the rounded

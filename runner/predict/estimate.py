@@ -328,7 +328,7 @@ class Estimator:
 
     def _allocator_capacity(self, plan: MemoryPlan) -> int | None:
         """What the allocator may hold: the named card's memory or the plan's cap, whichever is less, less
-        the CUDA context (as runner/train/memory_cap.py limits it); None when neither is known."""
+        the CUDA context (as runner/train/run/memory_cap.py limits it); None when neither is known."""
         limits = [int(plan.max_mem)] if plan.max_mem is not None else []
         if self.facts is not None and self.facts.memory_bytes:
             limits.append(self.facts.memory_bytes)

@@ -57,7 +57,7 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path) -> set[str]:
     """Every module `path` imports, absolute, relative ones resolved; `from X import name` counts
-    as X.name when that is a module of ours (`from runner.train import checkpoint`), else as X."""
+    as X.name when that is a module of ours (`from runner.train.checkpoint import store`), else as X."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -142,6 +142,45 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
     assert layer_of("runner.memory.apply") > layer_of("runner.builders.pretrained") > layer_of("runner.checkpoint_files")
 
 
+# runner/train/'s own layers, lowest first: a module of train/ imports only train/ modules of its own
+# layer or below. Its folders name ideas (checkpoint/, eval/, output/, run/, measure/); the layers say
+# which of their modules stand on which, since an idea's parts sit at different heights (the checkpoint
+# store is below what a run writes, --resume above it).
+TRAIN_LAYERS = [
+    ("step and saved state", {"step", "checkpoint", "checkpoint.store", "checkpoint.fingerprint", "checkpoint.sharded",
+                              "run.memory_cap", "measure", "measure.measurement", "measure.update_error", "eval",
+                              "eval.metrics", "eval.early_stop", "output", "run"}),
+    ("what a run writes and says", {"output.directory", "output.trackers", "output.sinks", "output.curves",
+                                    "run.guard", "run.progress", "run.start_line"}),
+    ("what the loop calls", {"ranked", "checkpoint.resume", "output.export", "run.ownership", "eval.evaluate",
+                             "measure.lossy"}),
+    ("evaluation's schedule", {"eval.best", "eval.schedule"}),
+    ("the loop", {"loop"}),
+    ("the tuner's probe", {"measure.probe"}),
+]
+
+
+def train_layer_of(module: str) -> int:
+    short = module.removeprefix("runner.train.")
+    found = [index for index, (_, members) in enumerate(TRAIN_LAYERS) if short in members]
+    assert found, f"{module} is in no layer of train/: add it to TRAIN_LAYERS in {Path(__file__).name}"
+    return found[0]
+
+
+def test_no_train_module_imports_from_a_train_layer_above_it():
+    train = [path for path in runner_files() if module_name(path).startswith("runner.train.")]
+    running_up = {(module_name(path), imported) for path in train for imported in imports_of(path)
+                  if imported.startswith("runner.train.") and train_layer_of(imported) > train_layer_of(module_name(path))}
+    assert not running_up, running_up
+
+
+def test_every_train_module_has_one_train_layer():
+    named = [short for _, members in TRAIN_LAYERS for short in members]
+    assert len(named) == len(set(named)), "a module named in two layers of TRAIN_LAYERS"
+    on_disk = {module_name(path).removeprefix("runner.train.") for path in (ROOT / "runner" / "train").rglob("*.py")}
+    assert on_disk - {"runner.train"} == set(named), "TRAIN_LAYERS and runner/train/'s files differ"
+
+
 def test_the_recipe_schema_imports_nothing_from_build():
     """Validating a recipe's schema imports neither torch nor transformers nor user code: builders/ is above it."""
     schema = ["recipe", "recipe_data", "recipe_train", "recipe_sinks", "load", "located"]
@@ -209,7 +248,7 @@ def test_every_circle_exception_is_still_an_import():
 def test_the_circle_walk_finds_each_circle_once():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert _circles({"a": {"b"}, "b": {"a", "c"}, "c": {"b"}}) == [["a", "b", "a"], ["b", "c", "b"]]
-    assert "runner.train.fingerprint" in import_graph()["runner.train.resume"]  # the walk reads our modules
+    assert "runner.train.checkpoint.fingerprint" in import_graph()["runner.train.checkpoint.resume"]  # the walk reads our modules
 
 
 def private_names_used(path: Path, source: str | None = None) -> set[str]:

@@ -268,13 +268,13 @@ def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
 
 def test_an_exact_pass_that_runs_out_of_memory_leaves_the_error_unmeasured(tmp_path, monkeypatch, caplog):
     """The exact plan keeps every activation: where that does not fit, training goes on, and says so."""
-    import runner.train.lossy
+    import runner.train.measure.lossy
     from runner.load import load_recipe
     from runner.train.loop import Trainer
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(runner.train.lossy, "gradient_error", out_of_memory)
+    monkeypatch.setattr(runner.train.measure.lossy, "gradient_error", out_of_memory)
     caplog.set_level(logging.INFO)
     trainer = Trainer(load_recipe(BERT_TINY, [*TINY_BERT, "memory.compression={policy: bf16}", "memory.allow_lossy=true",
                                               f"output.dir={tmp_path}"]))
