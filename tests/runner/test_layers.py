@@ -11,7 +11,8 @@ own layer or the ones below it:
 4. memory       memory/ (a plan applied to a built model; its peak measured)
 5. parallel     parallel/ (ranks joined as a device mesh, DDP/FSDP2/HSDP/TP put on the planned model,
                 torchrun started)
-6. train        train/ (the step and the loop; the plan applied, the memory measured)
+6. train        train/ (the step and the loop; the plan applied, the memory measured), its folders
+                (checkpoint/, eval/, output/, run/, measure/) in finer layers of their own: TRAIN_LAYERS
 7. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
 8. cli          cli/, __main__ (the one place that sees everything)
 
@@ -22,6 +23,9 @@ function: a lazy import that runs back up is still a crossing. None is allowed: 
 imports nothing from builders/ (what needs a built or imported thing is checked after the schema, in
 runner/builders/checks.py). ALLOWED would list an exception with its reason, and a test keeps that
 list from going stale.
+
+Within a folder, and across runner/ and autotune/, no import circle (an import inside a function
+that only hides one from Python counts), and no private name (`_x`) read from another module.
 """
 
 from __future__ import annotations
