@@ -43,10 +43,10 @@ FAULT_ENV = "CKRUN_PROBE_FAULT"
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     recipe_json = Path(args.recipe).read_text(encoding="utf-8")
     if args.what == "device":
-        result = _guarded(lambda: device_info(_recipe(recipe_json)))
+        result = _guarded(lambda: device_info(recipe_from_json(recipe_json)))
     elif args.nproc > 1 and "WORLD_SIZE" in os.environ:  # one rank of a probe's group
         return _rank_probe(args, recipe_json)
     elif args.nproc > 1:  # the group's agent
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rank_probe(args, recipe_json: str) -> int:
-    from .probe import note_launch
+    from .warm import note_launch
     from .rank_probe import write_rank_result
 
     rank = int(os.environ["RANK"])
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """A tuner killed by SIGKILL cannot clean up: each child watches for it and takes its group down."""
 
     def watch() -> None:
@@ -97,7 +97,7 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def _recipe(text: str):
+def recipe_from_json(text: str):
     from runner.recipe import Recipe
 
     return Recipe.model_validate_json(text)  # JSON mode: strict fields accept lists for tuples
@@ -132,12 +132,12 @@ def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> ProbeResult
     fault = _fault_for(trial)
     if fault:
         _inject(fault)
-    return measure(_recipe(recipe_json), warmup, timed)
+    return measure(recipe_from_json(recipe_json), warmup, timed)
 
 
 def measure(recipe, warmup: int, timed: int) -> ProbeResult:
     """Warm-up and timed steps of `recipe`, with `measured_peak_bytes`, the number held against the cap."""
-    from runner.train.measure_plan import probe
+    from runner.train.measure.probe import probe
 
     return ProbeResult.of(probe(recipe, warmup, timed, source="<candidate>"))
 

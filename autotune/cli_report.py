@@ -1,5 +1,5 @@
 """`ckrun report DIR`: the Pareto table of a study, finished or still running, and its plot; or,
-for a run's output.dir, its training curves (runner/train/curves.py)."""
+for a run's output.dir, its training curves (runner/train/output/curves.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from optuna.storages.journal import JournalFileBackend
 
 from runner.cli import Command
 from runner.problems import InputError, Place, Problem
-from runner.train.curves import report_run
-from runner.train.output import METRICS
+from runner.train.output.curves import report_run
+from runner.train.output.directory import METRICS
 
 from .report import publish
 from .study import STUDY_NAME, trial_records

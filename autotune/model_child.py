@@ -42,16 +42,16 @@ from runner.files import write_atomic
 
 from runner.problems import first_line
 
-from .child import _die_with_parent, _recipe, finish
+from .child import die_with_parent, recipe_from_json, finish
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     requests = os.fdopen(os.dup(0), "r", encoding="utf-8")  # the tuner's channel; user code gets no stdin
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     directory = Path(args.directory)
-    recipe = _recipe(Path(args.recipe).read_text(encoding="utf-8"))
+    recipe = recipe_from_json(Path(args.recipe).read_text(encoding="utf-8"))
     facts = facts_answer(recipe, args.nproc)
     write_atomic(directory / "facts.json", json.dumps(facts))
     if args.facts_only or facts["status"] != "ok":

@@ -22,7 +22,7 @@ from runner.memory.allocator import allocator_env
 from runner.recipe import Recipe
 
 from .records import ProbeResult
-from .warm import Cold, Forked, WarmServer, start_child
+from .warm import Cold, Forked, WarmServer, note_launch, start_child
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +111,6 @@ def child_env(recipe: Recipe) -> dict[str, str]:
     if recipe.memory.allocator is not None:
         env.update(allocator_env(recipe.memory.allocator))
     return env
-
-
-def note_launch(directory: Path, what: str, trial: int | None, pid: int) -> None:
-    """probes.log: one line per child started, so a resumed study shows what it did not re-run, and a
-    test can check that no child of any kind outlived the tuner."""
-    with open(directory / "probes.log", "a", encoding="utf-8") as launches:
-        launches.write(json.dumps({"what": what, "trial": trial, "pid": pid, "time": time.time()}) + "\n")
 
 
 def kill_ranks(directory: Path, trial: int) -> None:

@@ -13,7 +13,7 @@ then bad input, then a rank killed without reporting (a segfault, the kernel's O
 crash, and last the ranks torchrun stopped with SIGTERM because another had failed.
 
 Kills: the tuner kills the agent's process group on a timeout; torchrun starts each rank in a
-session of its own, so each rank also watches the agent (`_die_with_parent`) and every rank notes
+session of its own, so each rank also watches the agent (`die_with_parent`) and every rank notes
 its pid in probes.log, where the tuner finds the groups to kill after a timeout.
 """
 

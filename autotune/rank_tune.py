@@ -75,7 +75,7 @@ def rank_training(nproc: int) -> dict:
         return {}
 
     def train_ranks(recipe: Recipe, source: str, resume: bool = False) -> RunResult:
-        from runner.train.ownership import launch_owned
+        from runner.train.run.ownership import launch_owned
 
         code = launch_owned(recipe, source, [source, *(["--resume"] if resume else [])], nproc, resume)
         if code == EXIT_OVER_CAP:
@@ -90,7 +90,7 @@ def rank_training(nproc: int) -> dict:
 
 def _run_result(recipe: Recipe, stopped_by: int | None) -> RunResult:
     """What rank 0's metrics.jsonl says of the run (the ranks' records are reduced: the highest peak)."""
-    from runner.train.output import METRICS, read_metrics_lines
+    from runner.train.output.directory import METRICS, read_metrics_lines
 
     path = Path(recipe.output.dir) / METRICS
     records = [r for r in (read_metrics_lines(path)[0] if path.exists() else []) if "loss" in r]

@@ -29,7 +29,8 @@ from runner.predict.cuda_extras import CAPABILITY_ENV
 from runner.problems import InputError, Place, Problem
 from runner.recipe import Recipe
 
-from .probe import exit_words, kill_group, note_launch
+from .probe import exit_words, kill_group
+from .warm import note_launch
 from .candidate import Candidate
 from .knobs import describe
 from .study import Prediction

@@ -20,7 +20,7 @@ import torch
 
 from runner.plan import FullCheckpointing, MemoryPlan
 from runner.recipe import Recipe
-from runner.train.guard import stop_line
+from runner.train.run.guard import stop_line
 from runner.train.loop import MemoryCapExceeded, RunResult, train
 from runner.units import format_bytes
 

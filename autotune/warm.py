@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 PACKET = 1 << 20  # a request's environment and arguments fit in far less
 START_TIMEOUT_S = 300.0  # the server's imports on a very busy machine; then children start cold
-PRELOAD = ("torch", "runner.train.measure_plan", "runner.predict.estimate", "autotune.child", "autotune.model_child")
+PRELOAD = ("torch", "runner.train.measure.probe", "runner.predict.estimate", "autotune.child", "autotune.model_child")
 SOURCE_MODULES = {"torchvision": ("torchvision.models",)}
 
 
@@ -117,8 +117,6 @@ class WarmServer:
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         theirs.close()
         self.socket = ours
-        from .probe import note_launch
-
         note_launch(self.directory, "warm", None, self.process.pid)
 
     def launch(self, module: str, argv: list[str], log_path: Path, env: dict[str, str],
@@ -187,6 +185,13 @@ class WarmServer:
                 self.process.kill()
                 self.process.wait()
             self.process = None
+
+
+def note_launch(directory: Path, what: str, trial: int | None, pid: int) -> None:
+    """probes.log: one line per child started, so a resumed study shows what it did not re-run, and a
+    test can check that no child of any kind outlived the tuner."""
+    with open(directory / "probes.log", "a", encoding="utf-8") as launches:
+        launches.write(json.dumps({"what": what, "trial": trial, "pid": pid, "time": time.time()}) + "\n")
 
 
 def start_child(module: str, argv: list[str], log_path: Path, env: dict[str, str], server: WarmServer | None = None,

@@ -26,8 +26,8 @@ import torch
 import torchvision
 from PIL import Image
 
-from runner.builders.data import ImageFolderSource, Shape
-from runner.builders.image_loader import usable_cores
+from runner.builders.data import Shape
+from runner.builders.image_loader import ImageFolderSource, usable_cores
 from runner.recipe import ImageFolderData
 
 

@@ -32,7 +32,7 @@ from runner.load import load_recipe
 from runner.plan import MemoryPlan
 from runner.predict.estimate import Estimator
 from runner.predict.hardware import this_cpu
-from runner.train.measure_plan import probe
+from runner.train.measure.probe import probe
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {

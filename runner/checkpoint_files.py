@@ -1,5 +1,5 @@
 """What a checkpoint directory holds and how it is read back: the file format that training writes
-(runner/train/checkpoint.py saves and resumes) and building reads (runner/builders/pretrained.py starts
+(runner/train/checkpoint/store.py saves and resumes) and building reads (runner/builders/pretrained.py starts
 a model from a checkpoint's weights). It sits below both so that neither reaches up into the other.
 
 A complete checkpoint is ROOT/step-NNNNNNNN holding state.pt and a COMPLETE marker that records
@@ -27,7 +27,7 @@ STATE_FILE = "state.pt"
 
 class CheckpointError(CkrunError, ValueError):
     """A complete-marked checkpoint that cannot be trusted: damaged, truncated or not tensors only.
-    --resume reports it at output.dir (runner/train/resume.py)."""
+    --resume reports it at output.dir (runner/train/checkpoint/resume.py)."""
 
 
 def file_sha256(path: Path) -> str:

@@ -7,7 +7,7 @@ line (`describe`), and what it is in the terms the rest of ckrun asks about:
 - `pool`: the memory pool it acts on, named as the estimate's breakdown names it (`parameters`,
   `gradients`, `optimizer_state`, `loss`, `weight_casts`);
 - `lossy`: it changes what training computes beyond float rounding (refused without
-  memory.allow_lossy, its error measured: runner/train/update_error.py);
+  memory.allow_lossy, its error measured: runner/train/measure/update_error.py);
 - `library`: the optional package it needs (`torchao`), refused in one line when that is absent;
 - `single_process`: it cannot run under a distributed strategy (yet);
 - and the capabilities `plan_problems` (runner/plan.py) combines: `updates_in_backward`,
@@ -190,7 +190,7 @@ class LowBitState(OptimizerStatePolicy):
     """Keep the moments of embedding tables (nn.Embedding weights, and a head tied to one) in full
     precision, as bitsandbytes advises: rows of tokens a batch lacks get no gradient, and a block's
     scale, set by the rows that do, rounds their second moment to 0, so their update divides by eps
-    (measured by runner/train/update_error.py on tests/runner/memory/tiny_lm.py's WIDE Llama: 8-bit's
+    (measured by runner/train/measure/update_error.py on tests/runner/memory/tiny_lm.py's WIDE Llama: 8-bit's
     error of the update over 3 steps is 2.8 with quantized embeddings, 0.009 with these kept).
     false (the tuner's `8bit:embeddings`): torchao's default, every large moment quantized."""
     lossy: ClassVar[bool] = True

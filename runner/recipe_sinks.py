@@ -2,7 +2,7 @@
 
 A sink is named (`sinks: [tensorboard, wandb]`, its settings the defaults) or written as a section
 (`{name: wandb, project: bert}`). Each needs its optional package, checked here so that `ckrun
-validate` says which extra to install; the sinks themselves are runner/train/sinks.py's.
+validate` says which extra to install; the sinks themselves are runner/train/output/sinks.py's.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _each_once(sections: list[SinkSection]) -> list[SinkSection]:
     return sections
 
 
-# the recipe's entries (at run time each becomes a runner/train/output.py Sink, opened by runner/train/sinks.py)
+# the recipe's entries (at run time each becomes a runner/train/output/directory.py Sink, opened by runner/train/output/sinks.py)
 SinkEntry = Annotated[SinkSection, BeforeValidator(_named, json_schema_input_type=SinkName | SinkSection),
                       AfterValidator(_installed)]
 SinkEntries = Annotated[list[SinkEntry], AfterValidator(_each_once)]

@@ -21,11 +21,14 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .data import describe_image_error, epoch_rows
+from ..problems import first_line
+from ..recipe import ImageFolderData
+from .data import Batch, BatchSource, Shape, epoch_rows
 from .resolve import BuildError
 
 log = logging.getLogger(__name__)
@@ -155,3 +158,75 @@ class StepLoader:
         shutdown = getattr(batches, "_shutdown_workers", None)  # private, so looked up, not assumed
         if shutdown is not None:
             shutdown()
+
+
+class ImageFolderSource(BatchSource):
+    """Images decoded and transformed by DataLoader workers (below), or in this
+    process with workers 0; the same batches either way."""
+
+    @classmethod
+    def build(cls, data, shape, batch_size, seed, *, label_ids=None, pin_memory=False) -> ImageFolderSource:
+        return cls(data, shape, batch_size, seed, pin_memory)  # pinned batches copy to the GPU while it computes
+
+    def __init__(self, data: ImageFolderData, shape: Shape, batch_size: int, seed: int, pin_memory: bool = False):
+        from torchvision import transforms
+
+        transform = transforms.Compose([
+            transforms.Resize(data.image_size), transforms.CenterCrop(data.image_size), transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ])
+        self.dataset = _image_folder(data.root, transform)
+        self.shape, self.batch_size, self.seed = shape, batch_size, seed
+        workers = choose_workers(data.workers)
+        self.loader = StepLoader(self.dataset, batch_size, seed, workers, data.prefetch, pin_memory) if workers else None
+
+    @property
+    def rows(self) -> int:
+        return len(self.dataset)
+
+    def global_batch(self, step: int) -> Batch:
+        if self.loader is not None:
+            images, labels = self.loader.batch(step)
+        else:
+            images, labels = self._decode(epoch_rows(len(self.dataset), step, self.batch_size, self.seed))
+        key = "pixel_values" if self.shape.by_keyword else "images"
+        return Batch({key: images}, labels, self.shape.by_keyword)
+
+    def _decode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        decoded = decode_rows(self.dataset, rows)
+        if isinstance(decoded, Unreadable):
+            raise decoded.error()
+        return decoded
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+
+
+def _image_folder(root: str, transform):
+    """torchvision's ImageFolder, with its errors (no class folder, a class folder without images)
+    turned into one line on data.root."""
+    from .image_folder import ContainedImageFolder
+
+    directory = Path(root).expanduser()
+    if not directory.is_dir():
+        raise BuildError("data.root", f"no local directory {root!r}; give a folder with one sub-folder per class")
+    classes = sorted(entry for entry in directory.iterdir() if entry.is_dir())
+    if not classes:
+        raise BuildError("data.root", f"{root} has no class folders; put each class's images in a sub-folder of it")
+    try:
+        dataset = ContainedImageFolder(str(directory), transform=transform)  # no symlink loops, no other class's images
+    except (FileNotFoundError, OSError) as err:
+        raise BuildError("data.root", f"{root}: {describe_image_error(err)}") from None
+    if len(dataset) == 0:
+        raise BuildError("data.root", f"{root} holds no images")
+    return dataset
+
+
+def describe_image_error(err: Exception) -> str:
+    if isinstance(err, FileNotFoundError) and "no valid file for the classes" in str(err):
+        classes = str(err).split("classes ", 1)[1].split(". Supported", 1)[0]
+        return f"class folder(s) {classes} hold no images (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"
+    if "cannot identify image file" in str(err):
+        return "not an image PIL can read (corrupt, cut short, or another format)"
+    return first_line(getattr(err, "strerror", None) or err, 200)

@@ -40,7 +40,7 @@ def check_transformers_config(model_class, given: dict, base: dict | None = None
 def max_positions(model_class, given: dict) -> int | None:
     """The longest sequence a transformers model's position table holds (GPT-2's n_positions is
     max_position_embeddings by its attribute_map); None for relative positions such as T5's."""
-    with _quiet_transformers():
+    with quiet_transformers():
         limit = getattr(model_class.config_class(**given), "max_position_embeddings", None)
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
@@ -64,7 +64,7 @@ def _make_config(config_class, merged: dict, given: dict):
 def _serialisable_config(config_class, given: dict):
     """The config, once transformers can also write it out: some values pass __init__ and fail only in
     to_dict (a dtype of [] raised IndexError there), which every save and fingerprint calls."""
-    with _quiet_transformers():
+    with quiet_transformers():
         config = config_class(**given)
         config.to_dict()
     return config
@@ -94,13 +94,13 @@ def _check_layer_counts(config_class, config, given: dict) -> None:
 def _trial_build(model_class, given_json: str) -> str | None:
     """The one-line reason building `model_class` from this config fails, or None when it builds."""
     try:
-        with _quiet_transformers(), warnings.catch_warnings(), torch.device("meta"):
+        with quiet_transformers(), warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # e.g. torch's "zero-element tensors" for a size of 0
             model = model_class(model_class.config_class(**json.loads(given_json)))
     except Exception as err:  # whatever a model's __init__ trips over is still the config's to fix
         return _one_line(err)
     try:
-        with _quiet_transformers(), warnings.catch_warnings():
+        with quiet_transformers(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _trial_forward(model)
     except _values_unknown():
@@ -161,7 +161,7 @@ def _key_named_in(message: str, given: dict) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """transformers' warnings about the config go to stderr as multi-line log records; validation
     reports its own one-line problems instead."""
     from transformers.utils import logging as hf_logging

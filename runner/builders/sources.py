@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..recipe import Recipe, infer_task
-from .data import Batch, BatchSource, ImageFolderSource, Shape, SyntheticSource, TextFilesSource
+from .data import Batch, BatchSource, Shape, SyntheticSource, TextFilesSource
+from .image_loader import ImageFolderSource
 from .hf_dataset import DatasetSource
 from .records import RecordsSource
 from .resolve import BuildError

@@ -9,7 +9,7 @@
 - Special tokens: an id the model config sets (bos, eos, pad) outside the tokenizer's vocabulary is
   an error; one that differs from the tokenizer's is a warning (generation would stop, or pad, at
   another token than the text has). Ids the config leaves out are taken from the tokenizer in the
-  exported config.json (runner/train/export.py).
+  exported config.json (runner/train/output/export.py).
 
 The model's side comes from its transformers config (kept with the check cache's pass, so a second
 validate imports nothing), or for a python model from data.vocab_size when set; a python model that
@@ -32,9 +32,9 @@ MODEL_SPECIAL = ("bos", "eos", "pad")
 
 def model_vocab(model_class, given: dict) -> dict | None:
     """What a transformers config says of its vocabulary: size, embedding width, tied head, special ids."""
-    from .model_config import _quiet_transformers
+    from .model_config import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         config = model_class.config_class(**given)
     size = getattr(config, "vocab_size", None)
     if not isinstance(size, int) or isinstance(size, bool):

@@ -205,7 +205,7 @@ def ending(err: BaseException, verbose: bool = False) -> tuple[int, list[str]]:
     """The one map from how a command ended to (its exit status, the lines that say why on stderr),
     for every verb: a CkrunError carries both (runner/problems.py has the table of statuses)."""
     if isinstance(err, CkrunError):
-        return err.exit_status, err.lines() if err.every_rank or _is_rank_zero() else []
+        return err.exit_status, err.lines() if err.every_rank or is_rank_zero() else []
     if isinstance(err, (SystemExit, UserExit)):  # user code ended the run; never a silent status 0
         code = err.code if isinstance(err.code, int) and 0 < err.code < 256 else EXIT_BAD_INPUT
         return code, [describe_exit(err)]
@@ -225,5 +225,5 @@ def _said(status: int, lines: list[str]) -> int:
     return status
 
 
-def _is_rank_zero() -> bool:
+def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
-from . import Command, _is_rank_zero, add_recipe_arguments
+from . import Command, is_rank_zero, add_recipe_arguments
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from ..parallel.slurm import check_environment
-    from ..train.guard import stop_line
+    from ..train.run.guard import stop_line
     from ..train.loop import train
 
     check_environment()  # a bad variable is one line before anything is read or started
@@ -66,7 +66,7 @@ def run(args) -> int:
     recipe, doc = load_checked(path, args.overrides)
     args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
-        from ..train.ownership import launch_owned
+        from ..train.run.ownership import launch_owned
 
         flags = ["--resume-changed"] if args.resume_changed else ["--resume"] if args.resume else []
         return launch_owned(recipe, str(path), [args.recipe, *args.overrides, *flags], args.nproc, args.resume,
@@ -75,12 +75,12 @@ def run(args) -> int:
         result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
                        predict_step=predicted_step)
     if result.stopped_by:
-        if not _is_rank_zero():  # rank 0 says it for the group
+        if not is_rank_zero():  # rank 0 says it for the group
             return 128 + result.stopped_by
         print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)), file=sys.stderr)
         return 128 + result.stopped_by
     if result.losses:
-        from ..train.progress import done_line
+        from ..train.run.progress import done_line
 
         log.info(done_line(result, Path(recipe.output.dir)))
     return 0

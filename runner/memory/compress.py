@@ -5,7 +5,7 @@ backward (not a weight nor a view or cast of one, at least `min_bytes`) by a rou
 fp32 tensors, or float8_e4m3fn with one scale per tensor (amax / 448, so nothing overflows; see
 `to_fp8` for the transient it costs and what a non-finite tensor becomes). The original is then free
 to go, and backward gets the copy cast back to the original dtype. This is lossy: the gradient
-changes by the rounding, which `gradient_error` (runner/train/lossy.py) measures.
+changes by the rounding, which `gradient_error` (runner/train/measure/lossy.py) measures.
 
 Composition. The hooks sit outside a checkpointed block's checkpoint, as offload's do: what gets
 compressed there is what the checkpoint keeps (its input), and the recompute starts from the rounded
@@ -29,7 +29,7 @@ from ..plan import Compression
 from ..policies import CastCompression, float8
 from ..units import format_bytes
 from .blocks import BlockList, Undo, undo_all, wrap_forward
-from .offload import _Storages, derived_from_parameter
+from .offload import ModuleStorages, derived_from_parameter
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +81,18 @@ class ActivationCompression:
     def hooks(self, module: nn.Module) -> saved_tensors_hooks:
         """The hooks for one forward of `module`, chained to the hooks already in force."""
         outer = outer_hooks()
-        own = _Storages(module)
+        own = ModuleStorages(module)
         pack = functools.partial(self._pack, own, outer[0] if outer else None)
         return saved_tensors_hooks(pack, functools.partial(self._unpack, outer[1] if outer else None))
 
-    def compressible(self, tensor: torch.Tensor, own: _Storages) -> bool:
+    def compressible(self, tensor: torch.Tensor, own: ModuleStorages) -> bool:
         nbytes = tensor.numel() * tensor.element_size()
         # subclasses (DTensor, float8 tensors) are left alone; fake ones are the estimate's, which must count
         return (type(tensor) in (torch.Tensor, FakeTensor) and tensor.is_floating_point() and tensor.layout is torch.strided
                 and tensor.element_size() > self.target.itemsize and nbytes >= max(1, self.min_bytes)
                 and not derived_from_parameter(tensor) and not own.holds(tensor))
 
-    def _pack(self, own: _Storages, outer_pack: Callable | None, tensor: torch.Tensor):
+    def _pack(self, own: ModuleStorages, outer_pack: Callable | None, tensor: torch.Tensor):
         # no de-duplication of a tensor saved twice (offload has one): a table of what was packed held
         # the copies for the whole block and made the peak depend on when Python freed it
         if not self.compressible(tensor, own):

@@ -76,7 +76,7 @@ def derived_from_parameter(tensor: torch.Tensor, depth: int = 6) -> bool:
     return False
 
 
-def offloadable(tensor: torch.Tensor, device: torch.device, min_bytes: int, own: _Storages) -> bool:
+def offloadable(tensor: torch.Tensor, device: torch.device, min_bytes: int, own: ModuleStorages) -> bool:
     """The one rule of what goes to the host, shared by training and the memory estimate."""
     nbytes = tensor.numel() * tensor.element_size()
     return (tensor.device == device and tensor.layout is torch.strided and nbytes > 0 and nbytes >= min_bytes
@@ -299,10 +299,10 @@ class ActivationOffload:
         if self._last is not None and self._last.previous is not None:
             self._release(self._last.previous)  # block k starts: block k-2's copies must be done
         group = self._last = _Group(self._last)
-        own, seen = _Storages(module), {}
+        own, seen = ModuleStorages(module), {}
         return saved_tensors_hooks(functools.partial(self._pack, group, own, seen), self._unpack)
 
-    def _pack(self, group: _Group, own: _Storages, seen: dict, tensor: torch.Tensor):
+    def _pack(self, group: _Group, own: ModuleStorages, seen: dict, tensor: torch.Tensor):
         if not self.transport.accepts(tensor) or not offloadable(tensor, self.device, self.min_bytes, own):
             return tensor
         hit = seen.get(id(tensor))
@@ -375,7 +375,7 @@ class ActivationOffload:
                 entry.device_tensor, entry.ready = self.transport.to_device(entry.host)
 
 
-class _Storages:
+class ModuleStorages:
     """The storages of a module's parameters and buffers (a buffer saved for backward stays), looked
     up on the first tensor that asks."""
 

@@ -36,13 +36,11 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
     UnsupportedOperatorException,
-    unset_fake_temporarily,
 )
 
 from ..builders.data import Batch
 from ..builders.experts import GroupedMmOnFake
 from ..builders.adapters import lora_note
-from ..builders.model import build_model
 from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
@@ -50,7 +48,7 @@ from ..memory.offload import ActivationOffload, CopyTransport
 from ..memory.optimizers import PlannedOptimizer, build_planned_optimizer
 from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
-from ..recipe import ModelSpec, Precision as PrecisionName, Recipe
+from ..recipe import Precision as PrecisionName, Recipe
 from ..train.step import Precision, label_count, run_step
 from ..problems import CkrunError, KeyedError
 from ..units import format_bytes
@@ -58,6 +56,7 @@ from .cuda_extras import (BLAS_HANDLES_PER_STEP, CUDA_CONTEXT_BYTES, allocator_s
                           target_capability)
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay_within
 from .compiled_updates import compiled_updates
+from .shapes import build_for_shapes
 from .fake_gaps import FakeGapWatch, WorkspaceFill
 from .device_facts import DeviceFacts
 from .real_paths import real_mask_paths
@@ -128,7 +127,7 @@ class Estimator:
         if torch.device(device).type not in ("cpu", "cuda"):
             raise ValueError(f"cannot estimate for device {device!r}; use cpu or cuda")
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with _unavailable("building the model"), self.fake_mode, self._device_behaviour(MemoryPlan()):
+        with unavailable_on_fake_errors("building the model"), self.fake_mode, self._device_behaviour(MemoryPlan()):
             torch.manual_seed(recipe.train.seed)
             with weight_init_skipped():
                 self.model = self._prepare(self._build_model())
@@ -142,7 +141,7 @@ class Estimator:
 
     def _build_model(self) -> torch.nn.Module:
         """The model on fake tensors (inside the fake mode); predict/given.py copies a model it is given."""
-        return _build_for_shapes(self.recipe.model)
+        return build_for_shapes(self.recipe.model)
 
     def _stand_in_batch(self) -> Batch:
         """A real batch of the step's shapes, made outside the fake mode: synthetic data indexes and masks by value."""
@@ -157,7 +156,7 @@ class Estimator:
         if key in self._optimizers:
             return self._optimizers[key]
         whole = MemoryPlan(weights=plan.weights, allow_lossy=True)  # the one part of a plan the state depends on
-        with _unavailable("the warm-up step"), self.fake_mode, self._device_behaviour(plan), self._applied(whole):
+        with unavailable_on_fake_errors("the warm-up step"), self.fake_mode, self._device_behaviour(plan), self._applied(whole):
             planned = build_planned_optimizer(self.model, self.recipe.train, plan,
                                               torch.device("cuda" if self.cuda else "cpu"), key[-1], host=HOST)
             try:
@@ -190,7 +189,7 @@ class Estimator:
             baseline = len(tracker.events or ())
             planned.install()
             try:
-                with _unavailable("the training step"), tracker, (clock or contextlib.nullcontext()), \
+                with unavailable_on_fake_errors("the training step"), tracker, (clock or contextlib.nullcontext()), \
                         (watch(tracker) if watch else contextlib.nullcontext()):
                     self._step(micro, precision, plan, planned.stepper, applied.head)
             finally:
@@ -329,7 +328,7 @@ class Estimator:
 
     def _allocator_capacity(self, plan: MemoryPlan) -> int | None:
         """What the allocator may hold: the named card's memory or the plan's cap, whichever is less, less
-        the CUDA context (as runner/train/memory_cap.py limits it); None when neither is known."""
+        the CUDA context (as runner/train/run/memory_cap.py limits it); None when neither is known."""
         limits = [int(plan.max_mem)] if plan.max_mem is not None else []
         if self.facts is not None and self.facts.memory_bytes:
             limits.append(self.facts.memory_bytes)
@@ -380,38 +379,6 @@ def weight_init_skipped():
             table[name] = function
 
 
-def _build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
-    """The model with the right shapes (and model.lora's adapters); pretrained weights are not read
-    (they change no shape), except a transformers directory's config, which defines the architecture."""
-    from .fallback import build_reading_values  # it imports this module
-
-    if spec.lora is not None:  # peft moves its adapters with Module.to, which cannot swap fake parameters
-        with unset_fake_temporarily():
-            model = build_model(spec, "meta", weights=False)
-        return _fake_like(model)
-    return build_reading_values(lambda: build_model(spec, CPU, weights=False))
-
-
-def _fake_like(model: torch.nn.Module) -> torch.nn.Module:
-    """`model`'s meta tensors as fake CPU tensors of the active fake mode, each shared one (tied weights)
-    made once, requires_grad kept: what building under the mode gives, without moving a fake tensor."""
-    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the meta tensor, kept so no id is reused; its fake)
-
-    def fake(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in made:
-            empty = torch.empty_like(tensor, device=CPU)
-            made[id(tensor)] = tensor, (torch.nn.Parameter(empty, tensor.requires_grad)
-                                        if isinstance(tensor, torch.nn.Parameter) else empty)
-        return made[id(tensor)][1]
-
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is not None:
-                    table[name] = fake(tensor)
-    return model
-
-
 def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch.Tensor]]:
     """The batch as fake tensors, and the inputs the model is not given.
 
@@ -437,7 +404,7 @@ def _micro_batch(plan: MemoryPlan, batch_size: int) -> int:
 
 
 @contextlib.contextmanager
-def _unavailable(stage: str):
+def unavailable_on_fake_errors(stage: str):
     """Errors of running on fake tensors -> EstimateUnavailable with a one-line reason."""
     try:
         yield

@@ -2,10 +2,8 @@
 
 Two places read tensor values that fake tensors do not have:
 
-- The builder (torchvision's RegNet computes its stage widths with torch and `.tolist()`). The model
-  is then built by its own code on real tensors, each parameter moved to the meta device as it is
-  registered (so at most one parameter is ever real), and turned into fake CPU tensors after: the
-  estimate that follows is the usual one, not an approximation.
+- The builder (torchvision's RegNet computes its stage widths with torch and `.tolist()`): shapes.py
+  builds such a model on real tensors, its parameters on meta, and the estimate is the usual one.
 - The training step (a model whose forward branches on `.item()`, or takes `nonzero()` shapes). The
   same step then runs on real CPU tensors at the recipe's sizes, the tracker counting live bytes as
   it does on fake ones (`ProbeEstimator`). The bytes are real, but for the stand-in batch's values
@@ -14,59 +12,17 @@ Two places read tensor values that fake tensors do not have:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    unset_fake_temporarily,
-)
 
 from .estimate import Estimate, EstimateUnavailable, Estimator
+from .shapes import reads_values
 
-READS_VALUES = (DataDependentOutputException, DynamicOutputShapeException)
 APPROXIMATE = ("approximate: measured on real CPU tensors (the model reads tensor values, which the fake "
                "tensors of an estimate do not have), with the stand-in batch's values and fresh weights; "
                "a step whose memory depends on those values (routing, masks) may differ")
-
-
-def build_reading_values(build: Callable[[], nn.Module]) -> nn.Module:
-    """`build()` under the estimator's fake mode; a builder that reads tensor values is run on real
-    tensors instead, its parameters kept on the meta device, then made fake CPU tensors."""
-    try:
-        return build()
-    except Exception as err:  # noqa: BLE001 - build_model wraps what it catches; the cause says why
-        if not _reads_values(err):
-            raise
-    with unset_fake_temporarily(), _parameters_on_meta():
-        model = build()
-    return model.to_empty(device="cpu")  # under the fake mode again: fake tensors, nothing allocated
-
-
-def _reads_values(err: BaseException | None) -> bool:
-    while err is not None:
-        if isinstance(err, READS_VALUES):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, parameter):
-        if parameter is not None and parameter.device.type != "meta":
-            parameter = type(parameter)(parameter.to("meta"), requires_grad=parameter.requires_grad)
-        register(module, name, parameter)
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 class _RealTensors:
@@ -104,7 +60,7 @@ def estimate_or_probe(make: Callable[[type[Estimator]], Estimator]) -> Estimate:
     try:
         return make(Estimator).estimate()
     except EstimateUnavailable as err:
-        if not _reads_values(err):
+        if not reads_values(err):
             raise
     try:
         return make(ProbeEstimator).estimate()

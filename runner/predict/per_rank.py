@@ -110,10 +110,10 @@ def _meshes_outside_fake_mode():
 
 
 def _gradient_bytes(recipe: Recipe) -> int:
-    from .estimate import _build_for_shapes
+    from .shapes import build_for_shapes
 
     with torch.device("meta"):
-        model = _build_for_shapes(recipe.model)
+        model = build_for_shapes(recipe.model)
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
@@ -121,10 +121,10 @@ def _largest_block_gradient_bytes(recipe: Recipe) -> int:
     """One FSDP unit's unsharded gradients as reduce-scattered (fp32: ckrun reduces in fp32): the largest
     block's, or the whole model's when it has no repeated blocks (then it is one unit)."""
     from ..memory.blocks import find_blocks
-    from .estimate import _build_for_shapes
+    from .shapes import build_for_shapes
 
     with torch.device("meta"):
-        model = _build_for_shapes(recipe.model)
+        model = build_for_shapes(recipe.model)
     try:
         units = [block.module for block in find_blocks(model, recipe.memory.blocks)]
     except ValueError:

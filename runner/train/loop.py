@@ -32,23 +32,23 @@ from ..units import format_bytes
 from ..problems import InputError, Place, Problem, keyed_error
 from ..recipe import Recipe
 from ..yamlio import dump_yaml
-from .checkpoint import restore_rng_state, rng_state, save_checkpoint
-from .evaluations import Evaluations
-from .export import finish_run
+from .checkpoint.store import restore_rng_state, rng_state, save_checkpoint
+from .eval.schedule import Evaluations
+from .output.export import finish_run
 from ..builders.oom import describe_out_of_memory, is_out_of_memory
-from .guard import LossWatch, StopRequest
-from .output import prepare_output, set_aside_unresumable, write_failure, write_output
-from .ownership import own_output
-from .progress import Progress
-from .memory_cap import CONTEXT_SLACK, MemoryCapExceeded, OutOfMemory, limit_cuda_memory
-from .start_line import start_lines
-from .resume import fingerprint
-from .resume import resume as resume_from_checkpoint
+from .run.guard import LossWatch, StopRequest
+from .output.directory import prepare_output, set_aside_unresumable, write_failure, write_output
+from .run.ownership import own_output
+from .run.progress import Progress
+from .run.memory_cap import CONTEXT_SLACK, MemoryCapExceeded, OutOfMemory, limit_cuda_memory
+from .run.start_line import start_lines
+from .checkpoint.fingerprint import fingerprint
+from .checkpoint.resume import resume as resume_from_checkpoint
 from .ranked import process_group_scope, rank_share, save_state, stop_agreed
-from .dcp_checkpoint import finish_saving, load_full_into_shards
-from .sinks import open_sinks
+from .checkpoint.sharded import finish_saving, load_full_into_shards
+from .output.sinks import open_sinks
 from .step import make_precision, run_step, set_fp32_math
-from .update_error import UpdateErrorMeter, lossy_labels, report_update_error
+from .measure.update_error import UpdateErrorMeter, lossy_labels, report_update_error
 
 __all__ = ["MemoryCapExceeded", "OutOfMemory", "RunResult", "Trainer", "pick_device", "prepare_output", "train"]
 
@@ -141,7 +141,7 @@ class Trainer:
     def _lossy_error(self) -> float | None:
         if self.plan.compression is None:
             return None
-        from .lossy import gradient_error, report_gradient_error
+        from .measure.lossy import gradient_error, report_gradient_error
 
         # one micro-batch: the exact pass keeps every activation, which the whole batch may not fit
         micro = self.recipe.micro_batch
@@ -235,7 +235,7 @@ class Trainer:
         return record
 
     def _follow_exact_update(self) -> None:
-        """A lossy optimizer starting from step 0: exact AdamW follows its first steps (train/update_error.py)."""
+        """A lossy optimizer starting from step 0: exact AdamW follows its first steps (measure/update_error.py)."""
         if self.step == 0 and self.update_error is None and self.update_meter is None and lossy_labels(self.recipe):
             self.update_meter = UpdateErrorMeter(self.optimizer, [p for p in self.model.parameters() if p.requires_grad])
 

@@ -1,7 +1,7 @@
 """The loop's few places that differ per rank: the batch share, who writes, how state is saved.
 
 Every rank runs the same loop; collectives keep them in step. Only rank 0 writes metrics.jsonl and
-the recipe's other sinks (runner/train/sinks.py), the resolved recipe and the exported model. Decisions that end or skip a step
+the recipe's other sinks (runner/train/output/sinks.py), the resolved recipe and the exported model. Decisions that end or skip a step
 (a stop request, a non-finite loss, the memory cap) are taken on reduced values, so all ranks take
 them together and none waits forever in a collective the others left.
 """
@@ -15,8 +15,8 @@ import torch
 
 from ..builders.data import Batch
 from ..parallel.ranks import Ranks
-from .guard import StopRequest
-from .dcp_checkpoint import save_sharded
+from .run.guard import StopRequest
+from .checkpoint.sharded import save_sharded
 from .step import label_count
 
 

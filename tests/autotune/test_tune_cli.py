@@ -8,7 +8,7 @@ import yaml
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from runner.cli import main
 from runner.load import load_recipe
-from runner.train.measure_plan import probe
+from runner.train.measure.probe import probe
 from tune_helpers import launches, report, survivors
 
 

@@ -12,9 +12,9 @@ def main() -> int:
     out = args[0]
     option = lambda name: args[args.index(name) + 1] if name in args else None  # noqa: E731
     if option("--parent"):
-        from autotune.child import _die_with_parent
+        from autotune.child import die_with_parent
 
-        _die_with_parent(int(option("--parent")))
+        die_with_parent(int(option("--parent")))
     seen = {"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WARM_TEST"),
             "sid": os.getsid(0), "pid": os.getpid(), "ppid": os.getppid(),
             "stdin": sys.stdin.readline().strip() if option("--read") else None}

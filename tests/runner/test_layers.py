@@ -11,7 +11,8 @@ own layer or the ones below it:
 4. memory       memory/ (a plan applied to a built model; its peak measured)
 5. parallel     parallel/ (ranks joined as a device mesh, DDP/FSDP2/HSDP/TP put on the planned model,
                 torchrun started)
-6. train        train/ (the step and the loop; the plan applied, the memory measured)
+6. train        train/ (the step and the loop; the plan applied, the memory measured), its folders
+                (checkpoint/, eval/, output/, run/, measure/) in finer layers of their own: TRAIN_LAYERS
 7. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
 8. cli          cli/, __main__ (the one place that sees everything)
 
@@ -22,6 +23,9 @@ function: a lazy import that runs back up is still a crossing. None is allowed: 
 imports nothing from builders/ (what needs a built or imported thing is checked after the schema, in
 runner/builders/checks.py). ALLOWED would list an exception with its reason, and a test keeps that
 list from going stale.
+
+Within a folder, and across runner/ and autotune/, no import circle (an import inside a function
+that only hides one from Python counts), and no private name (`_x`) read from another module.
 """
 
 from __future__ import annotations
@@ -57,20 +61,29 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path) -> set[str]:
     """Every module `path` imports, absolute, relative ones resolved; `from X import name` counts
-    as X.name when that is a module of ours (`from runner.train import checkpoint`), else as X."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    as X.name when that is a module of ours (`from runner.train.checkpoint import store`), else as X."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            base = _from_module(path, node)
             found.update(f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base for alias in node.names)
-    return {module for module in found if module.split(".")[0] in ("runner", "autotune")}
+    return {module for module in found if _is_ours(module)}
+
+
+def _from_module(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` in `path` reads from, relative imports resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if not node.level:
+        return node.module or ""
+    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join([*anchor, *([node.module] if node.module else [])])
+
+
+def _is_ours(module: str) -> bool:
+    return module.split(".")[0] in ("runner", "autotune")
 
 
 def _is_module(name: str) -> bool:
@@ -91,6 +104,10 @@ def layer_of(module: str) -> int:
 
 def runner_files() -> list[Path]:
     return sorted((ROOT / "runner").rglob("*.py"))
+
+
+def autotune_files() -> list[Path]:
+    return sorted((ROOT / "autotune").rglob("*.py"))
 
 
 def crossings() -> set[tuple[str, str]]:
@@ -129,6 +146,45 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
     assert layer_of("runner.memory.apply") > layer_of("runner.builders.pretrained") > layer_of("runner.checkpoint_files")
 
 
+# runner/train/'s own layers, lowest first: a module of train/ imports only train/ modules of its own
+# layer or below. Its folders name ideas (checkpoint/, eval/, output/, run/, measure/); the layers say
+# which of their modules stand on which, since an idea's parts sit at different heights (the checkpoint
+# store is below what a run writes, --resume above it).
+TRAIN_LAYERS = [
+    ("step and saved state", {"step", "checkpoint", "checkpoint.store", "checkpoint.fingerprint", "checkpoint.sharded",
+                              "run.memory_cap", "measure", "measure.measurement", "measure.update_error", "eval",
+                              "eval.metrics", "eval.early_stop", "output", "run"}),
+    ("what a run writes and says", {"output.directory", "output.trackers", "output.sinks", "output.curves",
+                                    "run.guard", "run.progress", "run.start_line"}),
+    ("what the loop calls", {"ranked", "checkpoint.resume", "output.export", "run.ownership", "eval.evaluate",
+                             "measure.lossy"}),
+    ("evaluation's schedule", {"eval.best", "eval.schedule"}),
+    ("the loop", {"loop"}),
+    ("the tuner's probe", {"measure.probe"}),
+]
+
+
+def train_layer_of(module: str) -> int:
+    short = module.removeprefix("runner.train.")
+    found = [index for index, (_, members) in enumerate(TRAIN_LAYERS) if short in members]
+    assert found, f"{module} is in no layer of train/: add it to TRAIN_LAYERS in {Path(__file__).name}"
+    return found[0]
+
+
+def test_no_train_module_imports_from_a_train_layer_above_it():
+    train = [path for path in runner_files() if module_name(path).startswith("runner.train.")]
+    running_up = {(module_name(path), imported) for path in train for imported in imports_of(path)
+                  if imported.startswith("runner.train.") and train_layer_of(imported) > train_layer_of(module_name(path))}
+    assert not running_up, running_up
+
+
+def test_every_train_module_has_one_train_layer():
+    named = [short for _, members in TRAIN_LAYERS for short in members]
+    assert len(named) == len(set(named)), "a module named in two layers of TRAIN_LAYERS"
+    on_disk = {module_name(path).removeprefix("runner.train.") for path in (ROOT / "runner" / "train").rglob("*.py")}
+    assert on_disk - {"runner.train"} == set(named), "TRAIN_LAYERS and runner/train/'s files differ"
+
+
 def test_the_recipe_schema_imports_nothing_from_build():
     """Validating a recipe's schema imports neither torch nor transformers nor user code: builders/ is above it."""
     schema = ["recipe", "recipe_data", "recipe_train", "recipe_sinks", "load", "located"]
@@ -165,10 +221,90 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_autotune_has_no_import_circle():
-    """The tuner's modules stand in layers too (facts, candidate, space, sharding, knobs, ...): no
-    import, not even one read only by a type checker, runs back to a module that imports it."""
-    graph = {module_name(path): {m for m in imports_of(path) if m.startswith("autotune")}
-             for path in sorted((ROOT / "autotune").rglob("*.py"))}
+# (importer, imported) -> why the two import each other; an edge listed here is left out of the walk.
+# Empty: what both sides of a circle need goes where it belongs (a module of its own, or the lower
+# side). Optional heavy packages (torchvision, peft, torchao) are imported inside functions too, but
+# they are not ours and make no circle.
+CIRCLE_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of runner/ and autotune/ -> the modules of ours it imports, anywhere in the file."""
+    return {module_name(path): imports_of(path) - {module_name(path)} for path in [*runner_files(), *autotune_files()]}
+
+
+def test_no_import_circle_in_runner_or_autotune():
+    """No import, not even one inside a function or read only by a type checker, runs back to a
+    module that imports it: the modules stand in layers within each folder too (facts, candidate,
+    space, knobs in autotune/; data below image_loader, estimate below fallback, fingerprint below
+    checkpoint and resume). An import inside a function to break a circle hides it from Python only."""
+    graph = {module: {m for m in imported if (module, m) not in CIRCLE_EXCEPTIONS}
+             for module, imported in import_graph().items()}
     assert not _circles(graph), _circles(graph)
+
+
+def test_every_circle_exception_is_still_an_import():
+    graph = import_graph()
+    assert all(imported in graph.get(importer, ()) for importer, imported in CIRCLE_EXCEPTIONS), \
+        "remove the imports no module makes any more from CIRCLE_EXCEPTIONS"
+
+
+def test_the_circle_walk_finds_each_circle_once():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _circles({"a": {"b"}, "b": {"a", "c"}, "c": {"b"}}) == [["a", "b", "a"], ["b", "c", "b"]]
+    assert "runner.train.checkpoint.fingerprint" in import_graph()["runner.train.checkpoint.resume"]  # the walk reads our modules
+
+
+def private_names_used(path: Path, source: str | None = None) -> set[str]:
+    """`module._name` for each private name `path` takes from another module of ours: `from X import
+    _name`, or `_name` read as an attribute of a module of ours it imported (`import runner.x as x;
+    x._name`, `from runner import x; x._name`). Dunder names are public protocol, not private."""
+    tree = ast.parse(path.read_text(encoding="utf-8") if source is None else source)
+    me, modules, found = module_name(path), {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and _is_ours(base := _from_module(path, node)):
+            for alias in node.names:
+                if _is_module(f"{base}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{base}.{alias.name}"
+                elif _is_private(alias.name) and base != me:
+                    found.add(f"{base}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in (alias for alias in node.names if _is_ours(alias.name)):  # `import a.b` binds a
+                modules[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and (owner := _module_read(node.value, modules)):
+            if owner != me:
+                found.add(f"{owner}.{node.attr}")
+    return found
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _module_read(node: ast.expr, modules: dict[str, str]) -> str | None:
+    """The module of ours `node` names (`x`, `runner.train.x`), given the names imported as modules."""
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in modules:
+        return None
+    module = ".".join([modules[node.id], *reversed(chain)])
+    return module if _is_module(module) else None
+
+
+def test_no_private_name_is_imported_across_modules():
+    """What another module needs is public: a leading underscore promises that only its own module
+    reads it, so renaming or removing it is safe without a search."""
+    used = {path.relative_to(ROOT).as_posix(): sorted(names) for path in [*runner_files(), *autotune_files()]
+            if (names := private_names_used(path))}
+    assert not used, used
+
+
+def test_the_private_name_walk_sees_each_form():
+    """The checker itself, on a made-up module of runner/memory/ (absolute, relative, attribute reads)."""
+    source = ("from runner.units import _x\nfrom .offload import _y, ok\nimport runner.files\nimport runner.lock as l\n"
+              "from runner.train import step\nrunner.files._z(); l._w; step.__name__; _own = 1; self._v\n")
+    assert private_names_used(ROOT / "runner" / "memory" / "made_up.py", source) == {
+        "runner.units._x", "runner.memory.offload._y", "runner.files._z", "runner.lock._w"}

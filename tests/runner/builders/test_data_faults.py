@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from conftest import BERT_TINY, ROOT
-from runner.builders.data import ImageFolderSource, Shape
+from runner.builders.data import Shape
+from runner.builders.image_loader import ImageFolderSource
 from runner.builders.model import BuildError
 from runner.recipe import ImageFolderData
 

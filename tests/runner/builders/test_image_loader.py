@@ -20,8 +20,8 @@ from PIL import Image
 
 import children
 from conftest import ROOT, read_metrics
-from runner.builders.data import ImageFolderSource, Shape, epoch_rows
-from runner.builders.image_loader import StepLoader, StepRows, choose_workers
+from runner.builders.data import Shape, epoch_rows
+from runner.builders.image_loader import ImageFolderSource, StepLoader, StepRows, choose_workers
 from runner.recipe import ImageFolderData
 from test_data_faults import CNN_SMALL, image_recipe, image_root
 

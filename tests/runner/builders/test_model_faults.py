@@ -48,7 +48,7 @@ def test_validate_stays_quick_on_the_largest_transformers_recipe(ckrun):
 
 @pytest.fixture
 def user_models(tmp_path, monkeypatch):
-    """A module of faulty factories. Its own name (tests/runner/train has a user_models.py too), and
+    """A module of faulty factories. Its own name (tests/ has a user_models.py too), and
     dropped from sys.modules around the test, so no other test's import of that name is the one found."""
     (tmp_path / "faulty_models.py").write_text(textwrap.dedent("""
         import torch

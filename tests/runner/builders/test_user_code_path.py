@@ -32,7 +32,7 @@ def test_a_users_module_is_found_without_pythonpath(tmp_path, module_in):
     recipes.mkdir(), elsewhere.mkdir()
     (recipes / "my.yaml").write_text(RECIPE + f"output: {{dir: {tmp_path / 'run'}}}\n")
     beside = recipes if module_in == "the recipe's folder" else elsewhere
-    shutil.copy(ROOT / "tests" / "runner" / "train" / "user_models.py", beside / "beside_models.py")
+    shutil.copy(ROOT / "tests" / "user_models.py", beside / "beside_models.py")
     done = ckrun_in(elsewhere, str(recipes / "my.yaml"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()

@@ -20,9 +20,9 @@ from runner.load import AcrossSections
 from runner.predict.estimate import EstimateUnavailable
 from runner.predict.hardware import UnknownDevice
 from runner.problems import EXIT_STATUSES, CkrunError, InputError, KeyedError, Place, Problem
-from runner.train.guard import NonFiniteLoss
+from runner.train.run.guard import NonFiniteLoss
 from runner.train.loop import MemoryCapExceeded, OutOfMemory
-from runner.train.output import OutputError
+from runner.train.output.directory import OutputError
 
 PROBLEM = Problem(Place("r.yaml", 3, 1), "train.steps", "input should be greater than 0")
 CAP, OOM, NAN = MemoryCapExceeded(1000, 2000, 3), OutOfMemory(2, "no memory", torch.device("cpu")), NonFiniteLoss(5, float("nan"))

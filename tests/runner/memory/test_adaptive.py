@@ -132,7 +132,7 @@ def test_each_new_batch_length_is_measured(tmp_path):
 
 
 def test_a_probe_measures_the_longest_batch_of_each_bucket(tmp_path):
-    from runner.train.measure_plan import SCAN_STEPS, probe, warmup_steps_for
+    from runner.train.measure.probe import SCAN_STEPS, probe, warmup_steps_for
 
     lossy_free = recipe(tmp_path, BUCKETS, "memory.checkpointing={policy: full}")
     trainer = Trainer(lossy_free)

@@ -22,7 +22,7 @@ from runner.memory.compress import ActivationCompression, apply_compression, to_
 from runner.memory.compress import FP8
 from runner.policies import CastCompression
 from runner.memory.tracker import LiveBytesTracker
-from runner.memory.offload import ActivationOffload, CopyTransport, _Storages
+from runner.memory.offload import ActivationOffload, CopyTransport, ModuleStorages
 from runner.plan import MemoryPlan
 
 POLICIES = ["bf16"] + (["fp8"] if FP8 is not None else [])
@@ -139,7 +139,7 @@ def test_an_overflowed_tensor_unpacks_as_nan_never_as_zeros(dtype, bad):
     tensor = torch.randn(64).to(dtype)
     tensor[7] = bad
     compression = ActivationCompression(CastCompression(policy="fp8", min_bytes=0))
-    entry = compression._pack(_Storages(nn.Linear(1, 1)), None, tensor)
+    entry = compression._pack(ModuleStorages(nn.Linear(1, 1)), None, tensor)
     assert torch.isnan(compression._unpack(None, entry)).all()
 
 
@@ -268,13 +268,13 @@ def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
 
 def test_an_exact_pass_that_runs_out_of_memory_leaves_the_error_unmeasured(tmp_path, monkeypatch, caplog):
     """The exact plan keeps every activation: where that does not fit, training goes on, and says so."""
-    import runner.train.lossy
+    import runner.train.measure.lossy
     from runner.load import load_recipe
     from runner.train.loop import Trainer
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(runner.train.lossy, "gradient_error", out_of_memory)
+    monkeypatch.setattr(runner.train.measure.lossy, "gradient_error", out_of_memory)
     caplog.set_level(logging.INFO)
     trainer = Trainer(load_recipe(BERT_TINY, [*TINY_BERT, "memory.compression={policy: bf16}", "memory.allow_lossy=true",
                                               f"output.dir={tmp_path}"]))

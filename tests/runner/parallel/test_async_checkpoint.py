@@ -16,7 +16,7 @@ import children
 from conftest import ROOT, read_metrics
 from runner.checkpoint_files import MARKER
 from runner.cli import main
-from runner.train.checkpoint import complete_checkpoints
+from runner.train.checkpoint.store import complete_checkpoints
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import ROOT, read_metrics
 from runner.cli import main
-from runner.train.checkpoint import complete_checkpoints
+from runner.train.checkpoint.store import complete_checkpoints
 from test_ranks import TINY as STACK_TINY
 from test_ranks import STACK, assert_close, ckrun_process, finish, losses
 

@@ -24,7 +24,7 @@ import pytest
 import children
 from conftest import ROOT, read_metrics
 from runner.cli import main
-from runner.train.checkpoint import complete_checkpoints
+from runner.train.checkpoint.store import complete_checkpoints
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 # 2 blocks of width 16: a step is milliseconds, so a run is mostly the ranks' start-up

@@ -11,7 +11,7 @@ from conftest import ROOT
 from runner.checkpoint_files import MARKER, CheckpointError
 from runner.load import load_recipe_document
 from runner.train.loop import Trainer
-from runner.train.dcp_checkpoint import is_sharded, load_sharded, pick_sharded, save_sharded
+from runner.train.checkpoint.sharded import is_sharded, load_sharded, pick_sharded, save_sharded
 from runner.parallel.ranks import SINGLE
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")

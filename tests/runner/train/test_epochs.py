@@ -17,7 +17,7 @@ from conftest import BERT_TINY, TINY_BERT, read_metrics
 from runner.builders.optim import total_steps
 from runner.builders.resolve import BuildError
 from runner.load import load_recipe
-from runner.train.measure_plan import probe
+from runner.train.measure.probe import probe
 
 EPOCHS = ["train.steps=null", "train.scheduler={name: constant}"]  # batch 8 (TINY_BERT)
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=2"]

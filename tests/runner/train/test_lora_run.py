@@ -10,7 +10,7 @@ import torch
 
 from conftest import read_metrics
 from runner.load import recipe_from_text
-from runner.train.export import finish_run
+from runner.train.output.export import finish_run
 from runner.train.loop import Trainer
 from tests.runner.builders.hub_cache import commit_of, offline_cache, put_in_cache, save_tiny_llama, tiny_llama_recipe
 
@@ -119,7 +119,7 @@ def test_a_checkpoint_written_before_the_lora_and_revision_keys_still_resumes(tm
     """Its fingerprint lacks model.lora and model.revision, which are null now: no setting changed."""
     import json
 
-    from runner.train.checkpoint import save_checkpoint
+    from runner.train.checkpoint.store import save_checkpoint
 
     recipe = tmp_path / "plain.yaml"
     recipe.write_text(tiny_llama_recipe("", f"output: {{dir: {tmp_path / 'run'}}}\n"))
