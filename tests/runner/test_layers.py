@@ -193,16 +193,17 @@ def test_the_recipe_schema_imports_nothing_from_build():
     assert not any(found.values()), found
 
 
-def test_the_readme_lists_the_same_layers():
-    """README's Layout section names each layer's modules in this order, so the two cannot drift apart."""
-    layout = re.split(r"\n#{2,} ", (ROOT / "README.md").read_text(encoding="utf-8").split("## Layout", 1)[1])[0]
+def test_the_developers_guide_lists_the_same_layers():
+    """docs/DEVELOPING.md's Layout section names each layer's modules in this order, so the two cannot drift apart."""
+    guide = (ROOT / "docs" / "DEVELOPING.md").read_text(encoding="utf-8")
+    layout = re.split(r"\n#{2,} ", guide.split("\n## Layout", 1)[1])[0]
     items = re.findall(r"^\d\. (.*?)(?=^\d\. |^\s*$)", layout, re.M | re.S)
     assert len(items) == len(LAYERS), items
     for item, (name, members) in zip(items, LAYERS, strict=True):
         for module in members - {"runner"}:
             short = module.removeprefix("runner.")
             shown = f"`{short}`" if ROOT.joinpath("runner", f"{short}.py").is_file() else f"`{short}/`"
-            assert shown in item, f"README's layer {name} does not name {shown}: {item!r}"
+            assert shown in item, f"docs/DEVELOPING.md's layer {name} does not name {shown}: {item!r}"
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
