@@ -91,6 +91,7 @@ class RankPredictor:
     def estimate(self, recipe: Recipe) -> Estimate:
         check_world(recipe, self.nproc, self.source)  # the layout must fit and the batch split, as --nproc demands
         share, strategy = rank_share(recipe, self.nproc), recipe.distributed
+        self._check_offload(share)
         if strategy.shards and self.nproc > 1:
             estimator = self.estimator(share)
             _set_reshard(estimator.model, share.memory.sharding)
@@ -105,6 +106,18 @@ class RankPredictor:
         estimate.notes.insert(0, f"one of {self.nproc} ranks ({strategy.label()}): its share of "
                                  f"{share.train.batch_size} samples of the global batch {recipe.train.batch_size}")
         return estimate
+
+    def _check_offload(self, share: Recipe) -> None:
+        """FSDP2's CPU offload, judged against the target: a GPU run may use it, but its step cannot be run
+        here (its pinned host copies have no fake-tensor kernel), so it is refused before anything is
+        built, saying so; a CPU target is told it has no device to offload from (wrap.shard's line)."""
+        knobs = share.memory.sharding
+        if not (share.distributed.shards and knobs is not None and knobs.offload == "cpu"):
+            return
+        if torch.device(self.device).type == "cuda":
+            raise EstimateUnavailable("memory.sharding.offload cpu (FSDP2's CPU offload) is not predicted: its "
+                                      "pinned host copies cannot run on fake tensors; measure it on the GPU "
+                                      "(`ckrun tune` without --predict)")
 
     def estimator(self, share: Recipe) -> Estimator:
         """The kept estimator of `share`'s layout, built (and its model split) the first time it is asked for."""

@@ -46,7 +46,7 @@ def test_the_model_child_predicts_one_rank_of_four_under_each_strategy():
 def test_tune_predicts_four_ranks_of_a_small_llama_and_writes_the_winners_strategy(tmp_path, capsys):
     """ckrun tune recipes/llama_1b.yaml SMALL_LLAMA --max-mem 1.5GB --nproc 4 --predict --gpu h100: ddp,
     fsdp, hsdp:2, tp:2 and tp:4 are searched (4 key/value heads split over 4 ranks); the plans with
-    FSDP2's CPU offload cannot be predicted on fake tensors (per_rank shards on the CPU) and say so."""
+    FSDP2's CPU offload cannot be predicted on fake tensors (its pinned host copies) and say so."""
     code = main(["tune", LLAMA, *SMALL_LLAMA, f"output.dir={tmp_path / 'run'}", "--max-mem", "1.5GB", "--nproc", "4",
                  "--predict", "--gpu", "h100", "--trials", "12", "--output", str(tmp_path / "tune")])
     assert code == 0, capsys.readouterr().err[-3000:]

@@ -97,3 +97,17 @@ def test_a_failed_plan_drops_its_layout(monkeypatch):
         with pytest.raises(RuntimeError):
             ranks.estimate(recipe(STRATEGIES[1], CHECKPOINTING[1]))
         assert key not in ranks.estimators
+
+
+def test_cpu_offload_for_a_gpu_is_refused_as_unpredictable_not_as_a_cpu_run(monkeypatch):
+    """Issue 35: every `,cpu` plan of `tune --predict --nproc 8 --gpu h100` was 'unavailable' because the
+    check asked this machine (no GPU) instead of the named one; the refusal now says what is missing,
+    before anything is built."""
+    from runner.predict.estimate import EstimateUnavailable
+
+    counted = Counted(monkeypatch)
+    offloaded = recipe_from_text(LLAMA + "distributed: {strategy: fsdp}\nmemory: {sharding: {offload: cpu}}\n")
+    with RankPredictor(4, "cuda", FACTS) as ranks, pytest.raises(EstimateUnavailable) as refused:
+        ranks.estimate(offloaded)
+    assert "not predicted" in str(refused.value) and "trains on the CPU" not in str(refused.value)
+    assert counted.estimators == 0
