@@ -18,6 +18,14 @@ runs. On top of it:
 - ddp: the whole model per rank, plus DDP's gradient buckets (one more copy of the gradients, into
   which it reduces).
 The fake process group is a torch testing API; where a torch lacks it, the prediction says so.
+
+`tune --predict --nproc N` asks for many plans of one recipe: `RankPredictor` makes what no plan changes
+once and keeps it (the fake group; a mesh per strategy; per layout, `layout_key`, the estimator with its
+split fake model and warmed-up optimizer; per model its gradient bytes), and applies each plan to the
+kept model as `Estimator.estimate` does for one process. reshard_after_forward is set on the kept model
+per plan (FSDP2's `set_reshard_after_forward`, the state `fully_shard` gives for the same value), so
+`fsdp` and `fsdp:keep` share one build. A generated test holds that a kept predictor answers every
+plan, in any order, exactly as one built for that plan alone (tests/runner/predict/test_rank_reuse.py).
 """
 
 from __future__ import annotations
