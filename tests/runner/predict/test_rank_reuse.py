@@ -61,17 +61,20 @@ class Counted:
 
 def test_each_layout_is_built_once_across_its_plans(monkeypatch):
     counted = Counted(monkeypatch)
-    plans = [recipe(strategy, checkpointing, micro, keep) for strategy in STRATEGIES[:3] for checkpointing in
-             CHECKPOINTING[:2] for micro in (1, 2) for keep in (False, True)]
+    plans = [recipe(strategy, checkpointing, micro, keep) for strategy in STRATEGIES[:3]
+             for checkpointing, micro, keep in [(CHECKPOINTING[0], 2, False), (CHECKPOINTING[1], 1, True),
+                                                (CHECKPOINTING[0], 2, True)]]
     with RankPredictor(4, "cuda", FACTS) as ranks:
-        for plan in plans:
-            ranks.estimate(plan)
+        answers = [answer(ranks.estimate(plan)) for plan in plans]
         layouts = {layout_key(rank_share(plan, 4)) for plan in plans}
         assert len(layouts) == 3  # keep is set on the kept model per plan, not built anew
         assert counted.estimators == 3 and len(ranks.estimators) == 3
         assert counted.groups == 1 and set(ranks.meshes) == {"fsdp", "hsdp:2"}
+    # the last plan (hsdp keeping its gathered blocks) ran on a model that had run 8 plans before it
+    assert answers[-1] == answer(per_rank(4)(plans[-1], "cuda", FACTS).estimate())
 
 
+@pytest.mark.slow  # about a minute of CPU: a fresh predictor per plan
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(STRATEGIES), st.sampled_from(CHECKPOINTING), st.sampled_from([1, 2]),
                           st.booleans()), min_size=2, max_size=4))
