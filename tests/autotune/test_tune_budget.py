@@ -22,10 +22,10 @@ from autotune.knobs import build_space
 from autotune.records import ProbeResult
 from autotune.report import ranked_feasible
 from autotune.search import SearchSettings, search
+from autotune.sharding import ShardingChoice
 from autotune.study import Budget, Prediction, open_study
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
-from runner.strategies import strategy_from_label
 
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=4)
 FACTS = ModelFacts.from_json({"container_name": "encoder.layer", "blocks": [f"encoder.layer.{i}" for i in range(4)],
@@ -85,8 +85,7 @@ def test_every_strategy_is_a_starting_point_when_plans_are_predicted(caplog):
     found or not by the budget. Predicted, each strategy starts (its first choice), the fastest first."""
     space = build_space(RECIPE, FACTS, GPU, nproc=4)
     starts = space.starting_points(RECIPE, lambda candidate: True)
-    strategies = {strategy_from_label(label.split(",")[0].split(":keep")[0].split(":cpu")[0]).label()
-                  for label in space.choices["sharding"]}
+    strategies = {ShardingChoice.from_label(label).strategy.label() for label in space.choices["sharding"]}
     assert {space.candidate(start).strategy.label() for start in starts} == strategies
     assert {start["sharding"] for start in space.starting_points(RECIPE, None)} == {space.choices["sharding"][0]}
     with caplog.at_level(logging.INFO, logger="autotune"):
