@@ -187,11 +187,12 @@ def _words(candidate: Candidate) -> str | None:
 
 
 def _starts(space: Space, recipe, predicted: bool) -> list[str]:
-    """With predictions (which order the starting points, the predicted fastest first), each strategy's
-    first choice (the recipe's own knobs, else FSDP2's defaults): every way to share the work is in the
-    first trials, whatever the budget, so a larger --trials changes the winner only where the sampler
-    finds a faster plan later (a smaller one sees the same trials first: they are a prefix). Measured,
-    where each starting point costs a group of real ranks, the first choice only."""
+    """With predictions (`tune --predict`, or screening on a GPU; with the device's facts they order the
+    starting points, the predicted fastest first), each strategy's first choice (the recipe's own knobs,
+    else FSDP2's defaults): every way to share the work is in the first trials, whatever the budget, so a
+    larger --trials changes the winner only where the sampler finds a faster plan later (a smaller one
+    sees the same trials first: they are a prefix). Without predictions the first choice only: nothing
+    says which strategy fits, and each starting point would cost a group of real ranks."""
     choices = space.choices["sharding"]
     if not predicted:
         return choices[:1]
