@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal estimator
         from runner.predict.estimate import Estimator
 
-        estimator = Estimator(recipe, args.device, _time_facts(args.time_facts))
+        if args.nproc > 1:
+            estimator = _ranks(recipe, args.nproc, args.device, _time_facts(args.time_facts))
+        else:
+            estimator = Estimator(recipe, args.device, _time_facts(args.time_facts))
         return {"status": "ok"}
 
     write_atomic(directory / "ready.json", json.dumps(_answer(build, expected=_unavailable())))
@@ -145,13 +148,33 @@ def _predict(estimator, request: dict, nproc: int = 1) -> dict:
             "time": estimate.time.record() if estimate.time else None}
 
 
-def _rank_estimate(estimator, candidate, nproc: int):
-    """One rank's peak: the candidate's recipe (plan, precision, strategy) estimated as `ckrun estimate
-    --nproc` does; FSDP shards the model anew for each, so nothing is shared with `estimator` but its recipe."""
-    from runner.predict.per_rank import per_rank
+class _Ranks:
+    """tune --nproc: one `RankPredictor` answers every request, so what no plan changes (the fake process
+    group, each layout's split model and warmed-up optimizer) is made once (runner/predict/per_rank.py)."""
 
-    device = "cuda" if estimator.cuda else "cpu"
-    return per_rank(nproc)(candidate.recipe(estimator.recipe, None), device, estimator.facts).estimate()
+    def __init__(self, recipe, nproc: int, device: str, facts):
+        from runner.predict.per_rank import RankPredictor
+
+        self.recipe, self.predictor = recipe, RankPredictor(nproc, device, facts)
+
+
+def _ranks(recipe, nproc: int, device: str, facts) -> _Ranks:
+    """Ready once the layout the tuner tries first is built and warmed up: the recipe's own strategy, or
+    ddp for strategy none (every rank a share of the batch, as `check_world` reads none under --nproc)."""
+    from runner.predict.per_rank import rank_share
+    from runner.strategies import SingleProcess, strategy_from_label
+
+    ranks = _Ranks(recipe, nproc, device, facts)
+    first = recipe.model_copy(update={"distributed": strategy_from_label("ddp")}) \
+        if isinstance(recipe.distributed, SingleProcess) else recipe
+    ranks.predictor.estimator(rank_share(first, nproc))
+    return ranks
+
+
+def _rank_estimate(ranks: _Ranks, candidate, nproc: int):
+    """One rank's peak: the candidate's recipe (plan, precision, strategy) estimated as `ckrun estimate
+    --nproc` does, on the kept estimator of its layout."""
+    return ranks.predictor.estimate(candidate.recipe(ranks.recipe, None))
 
 
 def _frontier(estimator, request: dict) -> dict:

@@ -18,6 +18,7 @@ import optuna
 from .cap import Cap
 from .frontier import solver_points
 from .records import TrialRecord
+from .report import ranked_feasible
 from .facts import Device
 from .space import Space
 from .study import Budget, Evaluate, Tuner, trial_records
@@ -34,6 +35,22 @@ class SearchSettings:
     predicted: bool = False  # tune --predict: predictions answer the probes, and the log says so
 
 
+def budget_line(records: list[TrialRecord], trials: int) -> str:
+    """Which --trials pick the same winner, for a predicted search (answers that do not vary): its trials come
+    in the same order whatever the budget (the starting points, predicted and ordered before the first,
+    then the sampler seeded by --seed and the count so far), so a smaller budget runs a prefix of a larger
+    one's. The winner found after K plans is every budget's from K on, until a later plan is predicted faster."""
+    ranked = ranked_feasible(records)
+    if not ranked:
+        return f"no plan fits: --trials {trials} found none; a larger budget tries more plans"
+    best = ranked[0]
+    spent = sum(1 for r in records if r.number <= best.number and r.probe_s is not None
+                and r.duplicate_of is None and r.repeat_of is None)
+    return (f"the winner, trial {best.number}, came after {spent} predicted plan(s): with this --seed every --trials "
+            f"from {spent} to {trials} picks it (trials run in the same order whatever the budget); a larger budget "
+            "changes it only where a later plan is predicted faster")
+
+
 def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, device: Device, budget: Budget,
            evaluate: Evaluate, predictor=None, settings: SearchSettings = SearchSettings()) -> list[TrialRecord]:
     """Run the search on `study` and return every trial as a record (`study.trial_records`)."""
@@ -46,6 +63,8 @@ def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, dev
         log.info("tune: --resume: %d trials already in the study are kept, not run again", len(study.trials))
     tuner.run(budget)
     tuner.confirm(settings.finalists, budget)
+    if settings.predicted and fresh and not tuner.exhaustive:
+        log.info("tune: %s", budget_line(trial_records(study), budget.trials))
     spent = time.monotonic() - budget.started
     over = budget.time_s is not None and spent > budget.time_s
     log.log(logging.WARNING if over or tuner.probes < 2 else logging.INFO, "tune: searched for %.0f s%s, %d plans %s%s",

@@ -186,6 +186,22 @@ def _words(candidate: Candidate) -> str | None:
     return ShardingChoice(candidate.strategy, candidate.plan.sharding).describe() if candidate.strategy else None
 
 
-SHARDING = Knob("sharding", add_sharding, _to_plan, _from_plan, lambda space, recipe, predicted: space.choices["sharding"],
-                _words, fits_first=True)
-"""How --nproc ranks share the work: the first of the starting points' shardings with a micro-batch that fits."""
+def _starts(space: Space, recipe, predicted: bool) -> list[str]:
+    """With predictions (`tune --predict`, or screening on a GPU; with the device's facts they order the
+    starting points, the predicted fastest first), each strategy's first choice (the recipe's own knobs,
+    else FSDP2's defaults): every way to share the work is in the first trials, whatever the budget, so a
+    larger --trials changes the winner only where the sampler finds a faster plan later (a smaller one
+    sees the same trials first: they are a prefix). Without predictions the first choice only: nothing
+    says which strategy fits, and each starting point would cost a group of real ranks."""
+    choices = space.choices["sharding"]
+    if not predicted:
+        return choices[:1]
+    pinned = space.base.distributed if space.base else None
+    first: dict[str, str] = {}
+    for label in choices:
+        first.setdefault(ShardingChoice.from_label(label, pinned).strategy.label(), label)
+    return list(first.values())
+
+
+SHARDING = Knob("sharding", add_sharding, _to_plan, _from_plan, _starts, _words)
+"""How --nproc ranks share the work; each strategy a starting point of its own when plans are predicted."""

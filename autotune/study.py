@@ -145,6 +145,7 @@ class Tuner:
         self.predicted_time: dict[str, dict] = {}  # plan key -> its predicted StepTime record, when timed
         self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
+        self.exhaustive = False  # set by start() when it queued every plan of a small space
 
     def start(self, recipe, first: list[dict] | None = None, trials: int | None = None,
               budget: Budget | None = None) -> None:
@@ -222,6 +223,7 @@ class Tuner:
                 return
         log.info("tune: exhaustive search: %d of %d plans predicted under the cap plus margin, no more than "
                  "--trials %d: measuring every one instead of sampling", len(fitting), len(every), trials)
+        self.exhaustive = True  # the queue now depends on --trials: budget_line says nothing of other budgets
         for params in fitting + [p for p in every if p not in fitting]:
             self.study.enqueue_trial(params, skip_if_exists=True)
 

@@ -18,11 +18,21 @@ runs. On top of it:
 - ddp: the whole model per rank, plus DDP's gradient buckets (one more copy of the gradients, into
   which it reduces).
 The fake process group is a torch testing API; where a torch lacks it, the prediction says so.
+
+`tune --predict --nproc N` asks for many plans of one recipe: `RankPredictor` makes what no plan changes
+once and keeps it (the fake group; a mesh per strategy; per layout, `layout_key`, the estimator with its
+split fake model and warmed-up optimizer; per model its gradient bytes), and applies each plan to the
+kept model as `Estimator.estimate` does for one process. reshard_after_forward is set on the kept model
+per plan (FSDP2's `set_reshard_after_forward`, the state `fully_shard` gives for the same value), so
+`fsdp` and `fsdp:keep` share one build. A generated test holds that a kept predictor answers every
+plan, in any order, exactly as one built for that plan alone (tests/runner/predict/test_rank_reuse.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from dataclasses import replace
 
 import torch
@@ -30,6 +40,7 @@ import torch
 from ..parallel.mesh import build_mesh
 from ..parallel.ranks import check_world
 from ..parallel.wrap import place_on_mesh
+from ..plan import Sharding
 from ..recipe import Recipe
 from ..units import format_bytes
 from .estimate import Estimate, EstimateUnavailable, Estimator
@@ -40,40 +51,162 @@ def per_rank(nproc: int, source: str = "<recipe>"):
     """An estimator factory, `(recipe, device) -> object with .estimate()`, for one of `nproc` ranks."""
 
     def make(recipe: Recipe, device: str, facts: DeviceFacts | None = None):
-        return _RankEstimate(recipe, device, nproc, source, facts)
+        return _OneRank(RankPredictor(nproc, device, facts, source), recipe)
 
     return make
 
 
-class _RankEstimate:
-    def __init__(self, recipe: Recipe, device: str, nproc: int, source: str, facts: DeviceFacts | None = None):
-        check_world(recipe, nproc, source)  # the layout must fit and the batch split, as --nproc demands
-        self.recipe, self.device, self.nproc, self.source, self.facts = recipe, device, nproc, source, facts
-        groups = recipe.distributed.data_parallel(nproc) if recipe.distributed.mesh_dims(nproc) else nproc
-        share = recipe.train.model_copy(update={"batch_size": recipe.train.batch_size // groups})
-        self.share = recipe.model_copy(update={"train": share})
+class _OneRank:
+    """`ckrun estimate --nproc N`: one recipe, its fake group up only while it is estimated."""
+
+    def __init__(self, predictor: RankPredictor, recipe: Recipe):
+        check_world(recipe, predictor.nproc, predictor.source)  # before anything is built, as --nproc demands
+        self.predictor, self.recipe = predictor, recipe
 
     def estimate(self) -> Estimate:
-        strategy = self.recipe.distributed
+        with self.predictor:
+            return self.predictor.estimate(self.recipe)
+
+
+class RankPredictor:
+    """One of `nproc` ranks, predicted for many recipes that differ in their plan, precision and strategy
+    (`tune --predict --nproc N`'s trials). What no plan changes is made once and kept (module docstring):
+    the fake process group; a strategy's device mesh; per layout (`layout_key`: the strategy, memory.sharding,
+    memory.blocks and, for FSDP2's mixed precision, the precision) the estimator, with its fake model split
+    over the mesh and its optimizer warmed up; per model its gradient bytes. A plan is then applied to the
+    kept model and removed again, as `Estimator.estimate` does for one process. Use it as a context manager:
+    leaving it takes the fake group down."""
+
+    def __init__(self, nproc: int, device: str, facts: DeviceFacts | None = None, source: str = "<recipe>"):
+        self.nproc, self.device, self.facts, self.source = nproc, device, facts, source
+        self.estimators: dict[str, Estimator] = {}
+        self.meshes: dict[str, object] = {}
+        self.gradients: dict[str, tuple[int, int]] = {}  # model key -> (all gradient bytes, the largest unit's fp32)
+        self._group = contextlib.ExitStack()
+
+    def __enter__(self) -> RankPredictor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the kept estimators and meshes, and take the fake process group down."""
+        self.estimators.clear()
+        self.meshes.clear()
+        self._group.close()
+
+    def estimate(self, recipe: Recipe) -> Estimate:
+        check_world(recipe, self.nproc, self.source)  # the layout must fit and the batch split, as --nproc demands
+        share, strategy = rank_share(recipe, self.nproc), recipe.distributed
+        self._check_offload(share)
         if strategy.shards and self.nproc > 1:
-            with fake_process_group(self.nproc, strategy) as mesh, _meshes_outside_fake_mode():
-                estimate = _ShardedEstimator(self.share, self.device, mesh, self.source, self.facts).estimate()
-            estimate = _add_reduce_in_flight(estimate, _largest_block_gradient_bytes(self.share))
+            estimator = self.estimator(share)
+            _set_reshard(estimator.model, share.memory.sharding)
+            with _meshes_outside_fake_mode(), self._dropped_on_failure(share):
+                estimate = estimator.estimate(share.memory, share.precision)
+            estimate = _add_reduce_in_flight(estimate, self._gradients(share)[1])
         else:
-            estimate = self._replicated()
+            with self._dropped_on_failure(share):
+                estimate = self.estimator(share).estimate(share.memory, share.precision)
+            if self._buckets(share):
+                estimate = _add_gradient_buckets(estimate, self._gradients(share)[0])
         estimate.notes.insert(0, f"one of {self.nproc} ranks ({strategy.label()}): its share of "
-                                 f"{self.share.train.batch_size} samples of the global batch {self.recipe.train.batch_size}")
+                                 f"{share.train.batch_size} samples of the global batch {recipe.train.batch_size}")
         return estimate
 
-    def _replicated(self) -> Estimate:
-        """A whole model per rank: one process's step on the share, and DDP's buckets when ranks are many."""
-        estimator = Estimator(self.share, self.device, self.facts)
+    def _check_offload(self, share: Recipe) -> None:
+        """FSDP2's CPU offload, judged against the target: a GPU run may use it, but its step cannot be run
+        here (its pinned host copies have no fake-tensor kernel), so it is refused before anything is
+        built, saying so; a CPU target is told it has no device to offload from (wrap.shard's line)."""
+        knobs = share.memory.sharding
+        if not (share.distributed.shards and knobs is not None and knobs.offload == "cpu"):
+            return
+        if torch.device(self.device).type == "cuda":
+            raise EstimateUnavailable("memory.sharding.offload cpu (FSDP2's CPU offload) is not predicted: its "
+                                      "pinned host copies cannot run on fake tensors; measure it on the GPU "
+                                      "(`ckrun tune` without --predict)")
+
+    def estimator(self, share: Recipe) -> Estimator:
+        """The kept estimator of `share`'s layout, built (and its model split) the first time it is asked for."""
+        key = layout_key(share)
+        if key not in self.estimators:
+            self.estimators[key] = self._build(share)
+        return self.estimators[key]
+
+    @contextlib.contextmanager
+    def _dropped_on_failure(self, share: Recipe):
+        """A step that failed half-way may leave its model mid-step (FSDP2's blocks gathered, hooks half
+        run): its layout is built anew for the next plan rather than trusted."""
+        try:
+            yield
+        except BaseException:
+            self.estimators.pop(layout_key(share), None)
+            raise
+
+    def _build(self, share: Recipe) -> Estimator:
+        if share.distributed.shards and self.nproc > 1:
+            with _meshes_outside_fake_mode():
+                return _ShardedEstimator(share, self.device, self._mesh(share.distributed), self.source, self.facts)
+        estimator = Estimator(share, self.device, self.facts)
         estimator.world_size = self.nproc
-        buckets = self.nproc > 1 and bool(self.recipe.distributed.mesh_dims(self.nproc))
-        if buckets:
-            estimator.ddp_gradient_bytes = _gradient_bytes(self.share)
-        estimate = estimator.estimate()
-        return _add_gradient_buckets(estimate, estimator.ddp_gradient_bytes) if buckets else estimate
+        if self._buckets(share):
+            estimator.ddp_gradient_bytes = self._gradients(share)[0]
+        return estimator
+
+    def _buckets(self, share: Recipe) -> bool:
+        return self.nproc > 1 and bool(share.distributed.mesh_dims(self.nproc))
+
+    def _mesh(self, strategy):
+        """The strategy's mesh over the fake group, which comes up with the first mesh asked for."""
+        if not self.meshes:
+            self._group.enter_context(fake_process_group(self.nproc))
+        if strategy.label() not in self.meshes:
+            self.meshes[strategy.label()] = build_mesh(strategy, self.nproc, "cpu")
+        return self.meshes[strategy.label()]
+
+    def _gradients(self, share: Recipe) -> tuple[int, int]:
+        key = json.dumps([share.model.model_dump(mode="json"), share.memory.blocks], sort_keys=True)
+        if key not in self.gradients:
+            self.gradients[key] = _gradient_bytes(share)
+        return self.gradients[key]
+
+
+def rank_share(recipe: Recipe, nproc: int) -> Recipe:
+    """`recipe` at the batch one rank trains on: its data-parallel group's share of the global batch."""
+    groups = recipe.distributed.data_parallel(nproc) if recipe.distributed.mesh_dims(nproc) else nproc
+    share = recipe.train.model_copy(update={"batch_size": recipe.train.batch_size // groups})
+    return recipe.model_copy(update={"train": share})
+
+
+def layout_key(recipe: Recipe) -> str:
+    """What the built estimator of a rank depends on: the whole recipe but the memory plan, less the
+    precision where nothing is sharded (the estimate takes it per plan; FSDP2's mixed precision is fixed
+    when it shards), plus the plan's parts that `place_on_mesh` reads: memory.blocks and, of
+    memory.sharding, the offload (reshard_after_forward is set per plan: `_set_reshard`)."""
+    data = recipe.model_dump(mode="json", exclude={"memory"})
+    if not recipe.distributed.shards:
+        data.pop("precision")
+    sharding = recipe.memory.sharding or Sharding()
+    kept = sharding.model_dump(mode="json", exclude={"reshard_after_forward"} if _reshard_settable() else None)
+    return json.dumps({**data, "memory": {"blocks": recipe.memory.blocks, "sharding": kept}}, sort_keys=True)
+
+
+def _set_reshard(model: torch.nn.Module, knobs: Sharding | None) -> None:
+    """The plan's reshard_after_forward on every FSDP2 unit of a kept model, the state `fully_shard` gives
+    when passed the same value (wrap.shard passes it to every block and the root)."""
+    if _reshard_settable() and hasattr(model, "set_reshard_after_forward"):  # tp alone shards nothing
+        model.set_reshard_after_forward((knobs or Sharding()).reshard_after_forward, recurse=True)
+
+
+@functools.cache
+def _reshard_settable() -> bool:
+    """Whether this torch's FSDP2 modules take reshard_after_forward after sharding (else it is part of the layout)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return hasattr(FSDPModule, "set_reshard_after_forward")
 
 
 class _ShardedEstimator(Estimator):
@@ -109,27 +242,21 @@ def _meshes_outside_fake_mode():
         DeviceMesh.__init__ = init
 
 
-def _gradient_bytes(recipe: Recipe) -> int:
-    from .shapes import build_for_shapes
-
-    with torch.device("meta"):
-        model = build_for_shapes(recipe.model)
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def _largest_block_gradient_bytes(recipe: Recipe) -> int:
-    """One FSDP unit's unsharded gradients as reduce-scattered (fp32: ckrun reduces in fp32): the largest
-    block's, or the whole model's when it has no repeated blocks (then it is one unit)."""
+def _gradient_bytes(recipe: Recipe) -> tuple[int, int]:
+    """(the bytes of the model's gradients, as DDP's buckets hold them; one FSDP unit's unsharded gradients
+    as reduce-scattered, fp32: ckrun reduces in fp32): the largest block's, or the whole model's when it has
+    no repeated blocks (then it is one unit). From one build on the meta device."""
     from ..memory.blocks import find_blocks
     from .shapes import build_for_shapes
 
     with torch.device("meta"):
         model = build_for_shapes(recipe.model)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     try:
         units = [block.module for block in find_blocks(model, recipe.memory.blocks)]
     except ValueError:
         units = [model]
-    return max(sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in units) * 4
+    return whole, max(sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in units) * 4
 
 
 def _add_reduce_in_flight(estimate: Estimate, in_flight: int) -> Estimate:
@@ -147,9 +274,9 @@ def _add_gradient_buckets(estimate: Estimate, buckets: int) -> Estimate:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, strategy):
-    """A process group of `world_size` ranks in this one process, this being rank 0, and the strategy's
-    mesh over it (fsdp's `dp`, hsdp's replicate x shard, tp's dp x tp)."""
+def fake_process_group(world_size: int):
+    """A process group of `world_size` ranks in this one process, this being rank 0 (meshes over it:
+    runner/parallel/mesh.py's `build_mesh`, as the trainer lays out each strategy)."""
     import torch.distributed as dist
 
     try:
@@ -160,6 +287,6 @@ def fake_process_group(world_size: int, strategy):
         raise EstimateUnavailable("a process group is already up; predict a split model outside a distributed run")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield build_mesh(strategy, world_size, "cpu")
+        yield
     finally:
         dist.destroy_process_group()

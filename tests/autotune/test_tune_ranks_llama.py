@@ -27,16 +27,18 @@ SMALL_LLAMA = ["model.config.hidden_size=256", "model.config.intermediate_size=6
 def test_the_model_child_predicts_one_rank_of_four_under_each_strategy():
     """Each request goes through Candidate.request() and back, as the tuner sends it; sharding the
     parameters over more ranks lowers a rank's peak: fsdp over 4 below hsdp over groups of 2 below ddp."""
-    from autotune.model_child import _predict
-    from runner.predict.estimate import Estimator
+    from autotune.model_child import _predict, _ranks
 
-    estimator = Estimator(_llama(), "cpu", None)
+    ranks = _ranks(_llama(), 4, "cpu", None)  # what the child builds before it says it is ready
     peaks = {}
-    for label in ("ddp", "fsdp", "hsdp:2", "tp:2"):
-        candidate = Candidate(MemoryPlan(micro_batch=1), "fp32", strategy_from_label(label))
-        answer = _predict(estimator, {"id": 0, **candidate.request()}, nproc=4)
-        assert answer["status"] == "ok", answer
-        peaks[label] = answer["peak_bytes"]
+    try:
+        for label in ("ddp", "fsdp", "hsdp:2", "tp:2"):
+            candidate = Candidate(MemoryPlan(micro_batch=1), "fp32", strategy_from_label(label))
+            answer = _predict(ranks, {"id": 0, **candidate.request()}, nproc=4)
+            assert answer["status"] == "ok", answer
+            peaks[label] = answer["peak_bytes"]
+    finally:
+        ranks.predictor.close()
     assert peaks["fsdp"] < peaks["hsdp:2"] < peaks["ddp"] and peaks["tp:2"] < peaks["ddp"], peaks
 
 
@@ -44,7 +46,7 @@ def test_the_model_child_predicts_one_rank_of_four_under_each_strategy():
 def test_tune_predicts_four_ranks_of_a_small_llama_and_writes_the_winners_strategy(tmp_path, capsys):
     """ckrun tune recipes/llama_1b.yaml SMALL_LLAMA --max-mem 1.5GB --nproc 4 --predict --gpu h100: ddp,
     fsdp, hsdp:2, tp:2 and tp:4 are searched (4 key/value heads split over 4 ranks); the plans with
-    FSDP2's CPU offload cannot be predicted on fake tensors (per_rank shards on the CPU) and say so."""
+    FSDP2's CPU offload cannot be predicted on fake tensors (its pinned host copies) and say so."""
     code = main(["tune", LLAMA, *SMALL_LLAMA, f"output.dir={tmp_path / 'run'}", "--max-mem", "1.5GB", "--nproc", "4",
                  "--predict", "--gpu", "h100", "--trials", "12", "--output", str(tmp_path / "tune")])
     assert code == 0, capsys.readouterr().err[-3000:]
