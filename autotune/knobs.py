@@ -28,6 +28,7 @@ from runner.recipe import Recipe
 
 from .candidate import Candidate
 from .facts import Device, ModelFacts
+from .pool_knobs import POOL_KNOBS
 from .records import TrialRecord
 from .sharding import SHARDING
 from .space import UNSAID, Asked, Flag, Knob, Space
@@ -328,9 +329,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("compression", add_compression, _compression_fields, lambda c, space: c.plan.compression.label(),
          lambda space, recipe, p: _policy_starts(COMPRESSION),
          lambda c: f"compression {c.plan.compression.label()} (lossy)" if c.plan.compression.lossy else None,
-         flag=Flag("--allow-lossy", "also search memory.compression (saved activations in bf16/fp8), which changes "
-                   "the gradients; each such plan's gradient error is measured and tuned.yaml marks it"),
+         flag=Flag("--allow-lossy", "also search the lossy knobs: memory.compression (saved activations in bf16/fp8), "
+                   "which changes the gradients, memory.weights bf16 and memory.optimizer_state 8bit/4bit/fp8, which "
+                   "change the update; each such plan's error is measured and tuned.yaml marks it"),
          note=compression_comment),
+    *POOL_KNOBS,  # weights, optimizer_state, optimizer_step, optimizer_offload, loss (autotune/pool_knobs.py)
 )
 
 

@@ -108,6 +108,11 @@ class Space:
     and tuned.yaml's notes loop over it."""
     strategies: list[Strategy] = field(default_factory=list)
     """The strategies the ranks' knob takes (none without --nproc)."""
+    bound: Any = None
+    """The pools' lower bound for this search (autotune/pool_floor.py `Bound`, set once the cap is
+    known): a plan over it is ruled out unpredicted. None: no bound (no parameter facts, --nproc)."""
+    pool_start: dict[str, str] | None = None
+    """The pool setting of the starting points and the solver's plans (autotune/pool_knobs.py), once chosen."""
 
     @property
     def size(self) -> int:
