@@ -31,6 +31,7 @@ from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
 from .facts import Device, ModelFacts
 from .knobs import KNOBS, build_space, notes
+from .pool_knobs import bound_space
 from .space import Space
 from .cap import Cap
 from .rank_tune import check_devices, check_ranks, rank_training, ranks_comment
@@ -151,6 +152,9 @@ def _tuned_search(args, path: Path, recipe: Recipe, doc, cap: Cap, budget: Budge
             facts = ModelFacts.from_json(read_facts(model, str(path)))
         space = build_space(recipe, facts, device, args.nproc,
                             **{knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
+        hopeless = bound_space(space, recipe, facts, device, cap, args.nproc)
+        if hopeless:
+            raise NothingFits(hopeless)
         records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
     finally:
         model.stop()

@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from runner.choices import choice_fields
+from runner.choices import choice_class, choice_fields
 from runner.plan import MemoryPlan, StepFacts, gradients_final
 from runner.pool_policies import POOL_KINDS
 from runner.units import format_bytes
@@ -78,8 +78,9 @@ def pool_floor(plan: MemoryPlan, facts: ParameterFacts, step: StepFacts, context
 
 def pool_plan(labels: dict[str, str]) -> MemoryPlan:
     """A plan with these pool policies (by section and tuner label) and nothing else set."""
-    return MemoryPlan.model_validate({**{section: choice_fields(POOL_KINDS[section], label)
-                                         for section, label in labels.items()}, "allow_lossy": True})
+    fields = {section: choice_fields(POOL_KINDS[section], label) for section, label in labels.items()}
+    lossy = any(choice_class(POOL_KINDS[section], label).lossy for section, label in labels.items())
+    return MemoryPlan.model_validate({**fields, **({"allow_lossy": True} if lossy else {})})
 
 
 def settings(values: dict[str, Iterable[str]]) -> list[dict[str, str]]:

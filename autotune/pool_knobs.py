@@ -24,7 +24,7 @@ from runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload
                                   POOL_KINDS, StepInBackward, library_missing)
 from runner.units import format_bytes
 
-from .pool_floor import least, pool_floor, pool_plan, settings
+from .pool_floor import Bound, least, nothing_fits_line, pool_floor, pool_plan, settings
 from .space import Asked, Knob, Space
 
 log = logging.getLogger(__name__)
@@ -187,18 +187,20 @@ def start_settings(space: Space) -> dict[str, str]:
     if space.pool_start is not None:
         return space.pool_start
     values = space_values(space)
-    exact = {s: [label for label in v if not choice_class(POOL_KINDS[s], label).lossy] or v
-             for s, v in values.items()}
+    whole = all(m >= space.batch_size for m in space.micro_batches())  # else in_backward makes starts invalid
+    exact = {s: [label for label in v if not _lossy_or_unsafe(s, label, whole)] or v[:1] for s, v in values.items()}
     first = {s: v[0] for s, v in exact.items()}
     if space.bound is None:
         space.pool_start = first
         return first
     facts, step, context, limit = space.bound.facts, space.bound.step, space.bound.context, space.bound.limit
-    fitting = [(len([s for s in labels if labels[s] != first[s]]), floor.total, labels)
+    # fewest changes first, then the milder of each knob's values (its choices go from mild to strong)
+    fitting = [(len([s for s in labels if labels[s] != first[s]]), sum(exact[s].index(v) for s, v in labels.items()),
+                floor.total, labels)
                for labels in settings(exact) if (floor := pool_floor(pool_plan(labels), facts, step, context)).total
                <= ROOM * limit]
     if fitting:
-        changes, total, chosen = min(fitting, key=lambda f: (f[0], f[1], list(f[2].values())))
+        _, _, total, chosen = min(fitting, key=lambda f: f[:3])
         why = f"the fewest changes whose lower bound {format_bytes(total)} leaves a fifth of the limit for activations"
     else:
         chosen, floor = least(exact, facts, step, context)
@@ -211,3 +213,33 @@ def start_settings(space: Space) -> dict[str, str]:
 
 def _default(section: str) -> str:
     return MemoryPlan.model_fields[section].default_factory().label()
+
+
+def _lossy_or_unsafe(section: str, label: str, whole_batch: bool) -> bool:
+    """Not for a start: lossy, or the step in backward where the starts' micro-batches split the batch."""
+    cls = choice_class(POOL_KINDS[section], label)
+    return cls.lossy or (getattr(cls, "updates_in_backward", False) and not whole_batch)
+
+
+# --- the search's lower bound ------------------------------------------------------------------------
+
+
+def bound_space(space: Space, recipe, facts, device, cap, nproc: int = 1) -> str | None:
+    """Give `space` the pools' lower bound for this cap (none under --nproc, or without parameter
+    facts), and return the one line that says nothing can fit when no pool setting of the space
+    leaves any plan under the limit (naming what would), else None."""
+    if facts.parameters is None or nproc > 1:
+        log.info("space: no lower bound on the plans: %s", "--nproc shards the pools it counts" if nproc > 1 else
+                 "the model child did not count the parameters")
+        return None
+    space.bound = Bound(facts.parameters, recipe.step_facts(), device.context_bytes, cap.limit)
+    values = space_values(space)
+    lossy = {"weights": BF16Weights.tuner_labels(), "optimizer_state": LowBitState.tuner_labels()} \
+        if recipe.step_facts().adamw else {}
+    every = {s: list(dict.fromkeys([*v, *lossy.get(s, [])])) for s, v in values.items()}
+    line = nothing_fits_line(values, every, space.bound, "--allow-lossy")
+    labels, floor = least(values, facts.parameters, space.bound.step, device.context_bytes)
+    log.info("space: every plan holds at least %s (its pools' lower bound, at their smallest: %s); a plan whose "
+             "bound is over the limit %s is ruled out without a prediction", floor.words(),
+             ", ".join(f"{s} {label}" for s, label in labels.items()), format_bytes(cap.limit))
+    return None if line is None else f"nothing fits within {cap.describe()}: {line}"

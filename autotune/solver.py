@@ -313,7 +313,7 @@ def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPl
                 lines.append(f"micro_batch {micro}, {precision}: keeping every block is predicted to fit "
                              f"({show(kept)}); no solver plan needed here or below")
                 break
-            table = cost_table(estimator, micro, precision, timed_steps)
+            table = cost_table(estimator, micro, precision, timed_steps, pools=at)  # the base's pools priced in
             if table.full_peak > limit and not offload:
                 lines.append(f"micro_batch {micro}, {precision}: even recomputing every block is predicted over "
                              f"the limit ({show(table.full_peak)}); no plan")

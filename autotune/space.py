@@ -167,8 +167,8 @@ class Space:
             base = dict(zip(alternatives, combo, strict=True))
             if not all(self.allows(name, value) for name, value in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
-            tries = ({**base, **dict(zip(ordered, sizes, strict=True))} for sizes in itertools.product(*ordered.values()))
-            start = next((p for p in tries if fits is None or fits(self.candidate(p))), None)
+            tries = [{**base, **dict(zip(ordered, sizes, strict=True))} for sizes in itertools.product(*ordered.values())]
+            start = _first_fitting(tries, fits, self.candidate, bisect=len(ordered) == 1)
             if start is not None:
                 points.append(start)
         return points
@@ -213,6 +213,24 @@ class Space:
             if knob.joins and knob.name in values and knob.name in self.choices and value not in self.choices[knob.name]:
                 self.choices[knob.name].append(value)
         return values if all(self.allows(name, value) for name, value in values.items()) else None
+
+
+def _first_fitting(tries: list[dict], fits, candidate, bisect: bool) -> dict | None:
+    """The first of `tries` that `fits` accepts (all of them without `fits`). With `bisect` (one knob,
+    largest first: the micro-batch), a binary search: the peak grows with the micro-batch, so a
+    micro-batch that fits says every smaller one does (a 1B model's predictions take seconds each)."""
+    if fits is None:
+        return tries[0] if tries else None
+    if not bisect:
+        return next((p for p in tries if fits(candidate(p))), None)
+    low, high = 0, len(tries)  # tries[high:] fit, tries[:low] do not
+    while low < high:
+        middle = (low + high) // 2
+        if fits(candidate(tries[middle])):
+            high = middle
+        else:
+            low = middle + 1
+    return tries[low] if low < len(tries) else None
 
 
 def grid_of(distribution: FloatDistribution) -> list[float]:

@@ -144,6 +144,7 @@ class Tuner:
         self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
         self.predicted_time: dict[str, dict] = {}  # plan key -> its predicted StepTime record, when timed
         self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
+        self.bounded: dict[str, object] = {}  # plan key -> its pools' lower bound (pool_floor.Floor), over the limit
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
 
     def start(self, recipe, first: list[dict] | None = None, trials: int | None = None,
@@ -242,6 +243,8 @@ class Tuner:
                 f"probe is spent")
 
     def _prediction(self, candidate: Candidate) -> int | None:
+        if candidate.key not in self.predicted and self._bounded(candidate):
+            return self.predicted[candidate.key]
         if candidate.key not in self.predicted:
             # an invalid plan is never probed: asking would only log that it is (fsdp with sqrt segments)
             invalid = invalid_reason(candidate, self.space)
@@ -254,6 +257,16 @@ class Tuner:
                 predicted = predicted.peak
             self.predicted[candidate.key] = predicted
         return self.predicted[candidate.key]
+
+    def _bounded(self, candidate: Candidate) -> bool:
+        """Whether the pools' lower bound (autotune/pool_floor.py) rules the plan out without a
+        prediction; its bound then stands for its predicted peak."""
+        floor = self.space.bound.over(candidate) if self.space.bound is not None else None
+        if floor is None:
+            return False
+        self.bounded[candidate.key] = floor
+        self.predicted[candidate.key] = floor.total
+        return True
 
     def run(self, budget: Budget) -> str:
         """Propose, evaluate and tell until the budget is spent; returns why it stopped."""
@@ -382,6 +395,12 @@ class Tuner:
         invalid = invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return TrialRecord(**known, state="invalid", reason=invalid), UNMEASURED
+        if screen and (candidate.key in self.bounded or (candidate.key not in self.predicted and self._bounded(candidate))):
+            floor = self.bounded[candidate.key]
+            reason = (f"holds at least {floor.words()} before any activation (its pools' lower bound) > limit "
+                      f"{format_bytes(self.cap.limit)}; not {'predicted' if self.predicted_search else 'probed'}")
+            return (TrialRecord(**known, predicted_peak=floor.total, state="screened", reason=reason),
+                    self.cap.constraint(floor.total))
         # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
         measure_only = candidate.plan.activation_memory_budget is not None
         predicted = self._prediction(candidate) if screen and not measure_only else None
