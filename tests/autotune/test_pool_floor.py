@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autotune.cap import Cap
-from autotune.candidate import Candidate
 from autotune.facts import Device, ModelFacts, ParameterFacts
 from autotune.knobs import build_space
 from autotune.model_child import model_facts
