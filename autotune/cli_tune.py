@@ -45,6 +45,8 @@ from .warm import WarmServer, preload_for, warm_enough
 
 log = logging.getLogger(__name__)
 
+PREDICT_BUDGET_S = 480.0  # tune --predict's --time-budget when none is given: ends within 10 minutes here
+
 
 class NothingFits(CkrunError):
     """No plan fits under --max-mem, or every one that did went over it in training (said already)."""
@@ -258,7 +260,12 @@ def _budget(args) -> Budget:
         raise _bad("--finalists", f"cannot be negative but got {args.finalists}")
     if args.probe_timeout <= 0 or args.warmup_steps < 0 or args.timed_steps < 1:
         raise _bad("--probe-timeout/--warmup-steps/--timed-steps", "need a positive timeout, warm-up >= 0, timed >= 1")
-    return Budget(args.trials, parse_duration(args.time_budget) if args.time_budget else None, process_started())
+    seconds = parse_duration(args.time_budget) if args.time_budget else None
+    if seconds is None and args.predict:
+        seconds = PREDICT_BUDGET_S
+        log.info("tune: --predict: a time budget of %g min (--time-budget changes it): a large model's predictions "
+                 "take seconds each, and a predicted search should answer in minutes", seconds / 60)
+    return Budget(args.trials, seconds, process_started())
 
 
 def parse_duration(text: str) -> float:

@@ -294,14 +294,16 @@ def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPl
     every block is predicted to fit (smaller ones only run slower); a pair where even recomputing
     every block is predicted over the limit (and no offload) gets no plan. `limit` is for the
     estimator's peaks, which leave out the `context` a card-level cap counts: the lines add it back.
-    With `seconds`, pairs not reached within them get no plan (a --time-budget's share)."""
+    With `seconds`, pairs not reached within them get no plan (a --time-budget's share), and the
+    micro-batches start at `base`'s (the recipe's own; those above it come last): a large model's
+    estimates take long, and the recipe's micro-batch is the likeliest to fit."""
     from runner.predict.block_costs import cost_table
 
     deadline = None if seconds is None else time.monotonic() + seconds
     show = lambda n: format_bytes(n + context)  # noqa: E731
     proposals, lines = [], []
     for precision in dict.fromkeys(p for _, p in pairs):
-        for micro in sorted((m for m, p in pairs if p == precision), reverse=True):
+        for micro in _micro_order([m for m, p in pairs if p == precision], base.micro_batch, seconds is not None):
             if deadline is not None and time.monotonic() > deadline:
                 lines.append(f"micro_batch {micro}, {precision} and below: not solved, the time budget's share "
                              f"before the first probe ({seconds:.0f} s left when the solver started) is spent")
@@ -326,3 +328,11 @@ def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPl
             proposals.append(proposal)
             lines.append(proposal.reason)
     return proposals, lines
+
+
+def _micro_order(micro_batches: list[int], own: int | None, hurried: bool) -> list[int]:
+    """Largest first; `hurried` (a deadline), from the recipe's own micro-batch down, then those above it."""
+    ordered = sorted(micro_batches, reverse=True)
+    if not hurried or own is None or own not in ordered:
+        return ordered
+    return [m for m in ordered if m <= own] + [m for m in ordered if m > own]

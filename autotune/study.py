@@ -50,6 +50,7 @@ UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad 
 # the starting points, the solver) may use this share of it; predictions past it are left to the
 # search, which makes them one plan at a time. A quarter leaves a 40 s budget room for 2-4 CPU probes.
 PRE_PROBE_SHARE = 0.25
+START_SHARE = 0.5  # the starting points' predictions stop once this share of --time-budget has passed
 UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
 
 Evaluate = Callable[[Candidate, int], ProbeResult]  # (candidate, trial number) -> what the probe reported
@@ -146,6 +147,7 @@ class Tuner:
         self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
         self.bounded: dict[str, object] = {}  # plan key -> its pools' lower bound (pool_floor.Floor), over the limit
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
+        self.starts_cut = False  # the starting points' predictions stopped at START_SHARE of the budget
 
     def start(self, recipe, first: list[dict] | None = None, trials: int | None = None,
               budget: Budget | None = None) -> None:
@@ -164,7 +166,7 @@ class Tuner:
             log.info("tune: %s the solver's %d plan(s) first: %s", self.doing, len(first),
                      "; ".join(describe(self.space.candidate(p)) for p in first))
         own = self._own_plan(recipe, first)
-        fits = self._predicted_to_fit if self.predict else None
+        fits = self._start_fits if self.predict else None
         starts = self._fastest_first([p for p in self.space.starting_points(recipe, fits) if p not in first + own])
         for params in own + starts:
             self.study.enqueue_trial(params)
@@ -233,6 +235,19 @@ class Tuner:
             return True  # the eager estimate bounds no compiled plan under a budget: it is measured instead
         predicted = self._prediction(candidate)
         return predicted is None or predicted <= self.cap.limit
+
+    def _start_fits(self, candidate: Candidate) -> bool:
+        """A starting point predicted to fit; past START_SHARE of the time budget no more are predicted
+        (the rest of the combinations get no starting point: TPE reaches them if they are worth it)."""
+        budget = self.budget
+        if budget is not None and budget.time_s is not None and \
+                time.monotonic() - budget.started > START_SHARE * budget.time_s:
+            if not self.starts_cut:
+                self.starts_cut = True
+                log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; TPE "
+                         "goes on from those found", 100 * START_SHARE, budget.time_s)
+            return False
+        return self._predicted_to_fit(candidate)
 
     def _no_time_to_predict(self) -> str | None:
         """Why no more predictions may run before the first probe: the time budget's share for them is spent."""

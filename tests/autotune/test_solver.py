@@ -156,7 +156,7 @@ def test_every_limit_the_solver_names_is_the_tunes_limit_context_included(blocks
         return SimpleNamespace(peak_bytes=base + sum(recompute if i in recomputed else keep for i in range(blocks)))
 
     limit = base + blocks * keep // 2 + slack  # the estimator's limit: the card's less the context
-    real, block_costs.cost_table = block_costs.cost_table, lambda *args: table
+    real, block_costs.cost_table = block_costs.cost_table, lambda *args, **kwargs: table
     try:
         _, lines = frontier(SimpleNamespace(estimate=estimate), [(4, "fp32")], limit, MemoryPlan(micro_batch=4),
                             context=context, seconds=deadline)
