@@ -30,7 +30,7 @@ from .records import TrialRecord
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
 from .facts import Device, ModelFacts
-from .knobs import KNOBS, build_space, notes
+from .knobs import KNOBS, build_space, differences, notes
 from .pool_knobs import bound_space
 from .space import Space
 from .cap import Cap
@@ -189,6 +189,7 @@ def _conclude(args, records: list[TrialRecord], doc, cap: Cap, space: Space, dev
         return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, records, lines,
                            f" --nproc {args.nproc}" if args.nproc > 1 else "")
 
+    print(f"ckrun tune: {differences(space, space.base, ranked[0])}")
     if args.no_train or args.predict:
         tuned_path, _ = tuned_for(ranked[0])
         nproc = f" --nproc {args.nproc}" if args.nproc > 1 else ""

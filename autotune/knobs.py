@@ -25,6 +25,7 @@ from runner.plan import MemoryPlan
 from runner.policies import (CHECKPOINTING, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
                              offload_choices)
 from runner.recipe import Recipe
+from runner.units import format_bytes
 
 from .candidate import Candidate
 from .facts import Device, ModelFacts
@@ -363,3 +364,18 @@ def describe(candidate: Candidate, knobs: tuple[Knob, ...] = KNOBS) -> str:
 def notes(space: Space, record: TrialRecord) -> list[str]:
     """tuned.yaml's lines on what the winner's knobs do to the result."""
     return [line for knob in space.knobs if knob.note and (line := knob.note(space, record))]
+
+
+def differences(space: Space, recipe: Recipe, record: TrialRecord) -> str:
+    """What the winner changed from the recipe's own plan, knob by knob in the table's order, and what
+    its pools hold at least against the recipe's (the lower bound), in one line."""
+    own = Candidate(recipe.memory, recipe.precision)
+    won = Candidate(MemoryPlan.model_validate(record.plan), record.precision, record.strategy)
+    changed = [knob.words(won) or f"{knob.name} {knob.from_plan(won, space)}" for knob in space.knobs
+               if knob.from_plan(own, space) != knob.from_plan(won, space)]
+    line = f"the winner changes {'; '.join(changed)}" if changed else "the winner is the recipe's own plan"
+    floors = [space.bound.floor(c) for c in (own, won)] if space.bound is not None else [None, None]
+    if all(floors) and floors[0].total != floors[1].total:
+        line += (f" (its pools hold at least {format_bytes(floors[1].total)} where the recipe's hold "
+                 f"{format_bytes(floors[0].total)}, before any activation)")
+    return line

@@ -155,7 +155,7 @@ def lossy_comment(section: str, space: Space, record) -> str | None:
     policy = getattr(MemoryPlan.model_validate(record.plan), section)
     if not policy.lossy:
         return None
-    error = getattr(record, "update_error", None)
+    error = record.update_error
     measured = f"relative update error {error:.2e} against exact AdamW over its probe's first steps" \
         if error is not None else "update error not measured (predicted, not probed)"
     return (f"LOSSY: memory.{section} {policy.label()}: {measured}; leave memory.{section} out for exact "
@@ -202,9 +202,11 @@ def start_settings(space: Space) -> dict[str, str]:
     if fitting:
         _, _, total, chosen = min(fitting, key=lambda f: f[:3])
         why = f"the fewest changes whose lower bound {format_bytes(total)} leaves a fifth of the limit for activations"
-    else:
-        chosen, floor = least(exact, facts, step, context)
-        why = f"no exact setting leaves a fifth of the limit for activations; the least bound, {floor.words()}"
+    else:  # the least bound, and of those the strongest values (chunked loss, no cast cache: fewer activations)
+        floors = [(pool_floor(pool_plan(labels), facts, step, context), labels) for labels in settings(exact)]
+        floor, chosen = min(floors, key=lambda f: (f[0].total, -sum(exact[s].index(v) for s, v in f[1].items())))
+        why = (f"no exact setting leaves a fifth of the limit for activations; the least bound, {floor.words()}, "
+               "with each knob's strongest value")
     space.pool_start = chosen
     changed = ", ".join(f"{s} {label}" for s, label in chosen.items() if label != first[s]) or "the pools as they are"
     log.info("space: starting points and the solver take %s: %s", changed, why)

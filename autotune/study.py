@@ -437,7 +437,9 @@ class Tuner:
         if result.status != "ok":
             return TrialRecord(**measured, state=result.status), max(constraint, 1e-6)
         # gradient_error: a lossy plan's (memory.compression), how far its gradient moved
-        measured.update(samples_per_s=result.samples_per_s, gradient_error=result.gradient_error)
+        # update_error: a lossy optimizer's (memory.weights bf16, optimizer_state 8bit/...), how far its update moved
+        measured.update(samples_per_s=result.samples_per_s, gradient_error=result.gradient_error,
+                        update_error=result.update_error)
         if result.predicted:  # tune --predict: what the prediction said
             measured.update(step_s=result.step_s, mfu=result.mfu, hfu=result.hfu, predicted=True)
         if peak > self.cap.limit:
@@ -453,6 +455,8 @@ def _log_trial(number: int, candidate: Candidate, record: TrialRecord, predicted
     numbers = ", ".join(x for x in (f"{how}peak {format_bytes(peak)}" if peak else "",
                                     f"{how}{speed:.1f} samples/s" if speed else "",
                                     f"gradient error {record.gradient_error:.2e}" if record.gradient_error is not None
+                                    else "",
+                                    f"update error {record.update_error:.2e}" if record.update_error is not None
                                     else "") if x)
     state = PREDICTED_WORDS.get(record.state, record.state) if predicted else record.state
     log.info("trial %d: %s: %s%s%s", number, state, describe(candidate),
