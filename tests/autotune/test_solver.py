@@ -172,7 +172,9 @@ def test_the_solvers_time_ends_between_any_two_estimates(monkeypatch):
     """A large model's cost table is many estimates: past its seconds the solver stops at the next one,
     keeping the lines so far, instead of finishing the micro-batch it is in."""
     import time as clock
+    from types import SimpleNamespace
 
+    from autotune.solver import frontier
     from runner.predict import block_costs
 
     def slow(plan, precision):
