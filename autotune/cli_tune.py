@@ -45,7 +45,7 @@ from .warm import WarmServer, preload_for, warm_enough
 
 log = logging.getLogger(__name__)
 
-PREDICT_BUDGET_S = 480.0  # tune --predict's --time-budget when none is given: ends within 10 minutes here
+PREDICT_BUDGET_S = 540.0  # tune --predict's --time-budget when none is given: ends within 10 minutes here
 
 
 class NothingFits(CkrunError):

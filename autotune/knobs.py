@@ -317,7 +317,7 @@ KNOBS: tuple[Knob, ...] = (
          lambda space, recipe, p: _policy_starts(OFFLOAD),
          lambda c: f"offload {c.plan.offload.label()}" if c.plan.offload.moves else None, joins=True, solver=True),
     Knob("allocator", add_allocator, _memory("allocator", lambda a: None if a == "default" else a),
-         lambda c, space: c.plan.allocator or "default", lambda space, recipe, p: ["default"],
+         lambda c, space: c.plan.allocator or "default", lambda space, recipe, p: [recipe.memory.allocator or "default"],
          lambda c: f"allocator {c.plan.allocator}" if c.plan.allocator is not None else None),
     Knob("precision", add_precision, lambda values, space: {"precision": values["precision"]},
          lambda c, space: c.precision, lambda space, recipe, p: [recipe.precision], lambda c: c.precision,

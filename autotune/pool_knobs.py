@@ -206,7 +206,8 @@ def start_settings(space: Space) -> dict[str, str]:
         floors = [(pool_floor(pool_plan(labels), facts, step, context), labels) for labels in settings(exact)]
         floor, chosen = min(floors, key=lambda f: (f[0].total, -sum(exact[s].index(v) for s, v in f[1].items())))
         why = (f"no exact setting leaves a fifth of the limit for activations; the least bound, {floor.words()}, "
-               "with each knob's strongest value")
+               "with each knob's strongest value; the starting points that save the most are tried first")
+        space.tight = True
     space.pool_start = chosen
     changed = ", ".join(f"{s} {label}" for s, label in chosen.items() if label != first[s]) or "the pools as they are"
     log.info("space: starting points and the solver take %s: %s", changed, why)

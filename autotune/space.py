@@ -111,6 +111,9 @@ class Space:
     bound: Any = None
     """The pools' lower bound for this search (autotune/pool_floor.py `Bound`, set once the cap is
     known): a plan over it is ruled out unpredicted. None: no bound (no parameter facts, --nproc)."""
+    tight: bool = False
+    """No pool setting leaves the activations much room under the limit (autotune/pool_knobs.py): the
+    starting points that save the most come first."""
     pool_start: dict[str, str] | None = None
     """The pool setting of the starting points and the solver's plans (autotune/pool_knobs.py), once chosen."""
 
@@ -163,7 +166,11 @@ class Space:
         alternatives = {k.name: starts[k.name] for k in searched if not k.fits_first}
         ordered = {k.name: starts[k.name] if fits else starts[k.name][:1] for k in searched if k.fits_first}
         points = []
-        for combo in itertools.product(*alternatives.values()):
+        combos = list(itertools.product(*alternatives.values()))
+        if self.tight:  # most knobs off their first (no-op) start value first: the likeliest to fit
+            firsts = [values[0] for values in alternatives.values()]
+            combos.sort(key=lambda combo: -sum(v != f for v, f in zip(combo, firsts, strict=True)))
+        for combo in combos:
             base = dict(zip(alternatives, combo, strict=True))
             if not all(self.allows(name, value) for name, value in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks

@@ -50,7 +50,7 @@ UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad 
 # the starting points, the solver) may use this share of it; predictions past it are left to the
 # search, which makes them one plan at a time. A quarter leaves a 40 s budget room for 2-4 CPU probes.
 PRE_PROBE_SHARE = 0.25
-START_SHARE = 0.5  # the starting points' predictions stop once this share of --time-budget has passed
+START_SHARE = 0.75  # the starting points' predictions stop once this share of --time-budget has passed
 UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
 
 Evaluate = Callable[[Candidate, int], ProbeResult]  # (candidate, trial number) -> what the probe reported
@@ -313,7 +313,7 @@ class Tuner:
         median probe so far) would end past it. The first probe always runs: without one measured
         plan there is nothing to choose."""
         left = budget.time_left()
-        if left is None or self.probes == 0:
+        if left is None or (self.probes == 0 and not self.predicted_search):  # predictions: the budget holds
             return None
         expected = self.expected_probe_s()
         if left <= 0:
