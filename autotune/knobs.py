@@ -22,7 +22,7 @@ from optuna.distributions import FloatDistribution
 
 from runner.choices import choice_class, choice_fields
 from runner.plan import MemoryPlan
-from runner.policies import (CHECKPOINTING, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
+from runner.policies import (CHECKPOINTING, AllBlocksOffload, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
                              offload_choices)
 from runner.recipe import Recipe
 from runner.units import format_bytes
@@ -217,6 +217,14 @@ def _policy_starts(kind) -> list[str]:
     return [label for cls in kind for label in cls.tuner_starts]
 
 
+def _offload_starts(space: Space) -> list[str]:
+    """No offload; where the pools leave the activations little room (`space.tight`), every block's too."""
+    starts, everything = _policy_starts(OFFLOAD), AllBlocksOffload(policy="all").label()
+    if space.tight and space.searched("offload") and space.allows("offload", everything):
+        starts.append(everything)
+    return starts
+
+
 # --- the device's and the recipe's knobs: allocator, precision, compile ---------------------------
 
 
@@ -314,7 +322,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("short_checkpointing", add_adaptive, _adaptive_buckets, _short_label, lambda space, recipe, p: ["same"],
          _buckets_words),
     Knob("offload", add_offload, _policy(OFFLOAD, "offload"), lambda c, space: c.plan.offload.label(),
-         lambda space, recipe, p: _policy_starts(OFFLOAD),
+         lambda space, recipe, p: _offload_starts(space),
          lambda c: f"offload {c.plan.offload.label()}" if c.plan.offload.moves else None, joins=True, solver=True),
     Knob("allocator", add_allocator, _memory("allocator", lambda a: None if a == "default" else a),
          lambda c, space: c.plan.allocator or "default", lambda space, recipe, p: [recipe.memory.allocator or "default"],

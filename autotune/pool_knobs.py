@@ -245,4 +245,7 @@ def bound_space(space: Space, recipe, facts, device, cap, nproc: int = 1) -> str
     log.info("space: every plan holds at least %s (its pools' lower bound, at their smallest: %s); a plan whose "
              "bound is over the limit %s is ruled out without a prediction", floor.words(),
              ", ".join(f"{s} {label}" for s, label in labels.items()), format_bytes(cap.limit))
-    return None if line is None else f"nothing fits within {cap.describe()}: {line}"
+    if line is not None:
+        return f"nothing fits within {cap.describe()}: {line}"
+    start_settings(space)  # now: whether the space is tight orders the other knobs' starts too
+    return None

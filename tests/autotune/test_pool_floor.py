@@ -125,3 +125,19 @@ def test_an_offloaded_share_leaves_the_device_only_the_rest_of_the_state(fractio
     floor, whole = pool_floor(plan, parameters, step), pool_floor(pool_plan({}), parameters, step)
     assert floor.optimizer_state <= (1 - fraction) * whole.optimizer_state
     assert floor.gradients <= whole.gradients  # micro-batch 1, no clipping: gradients leave as they are final
+
+
+def test_with_little_room_the_starts_that_save_the_most_come_first():
+    """No pool setting leaves a fifth of the limit for activations: the starts take each pool knob's
+    strongest exact value, and every block recomputed and offloaded comes first."""
+    space = _space()
+    step = _recipe(1).step_facts()
+    least_floor = min(pool_floor(pool_plan({"optimizer_offload": label}), _facts().parameters, step,
+                                 GPU.context_bytes).total for label in ("cpu", "cpu:0.5", "none"))
+    cap = Cap(int(least_floor / 0.9 / 0.95), 0.05)  # the least bound is 90 % of the limit
+    assert bound_space(space, _recipe(1), _facts(), GPU, cap) is None and space.tight
+    assert start_settings(space)["optimizer_offload"] == "cpu" and start_settings(space)["loss"] == "chunked:8"
+    seen = []
+    space.starting_points(_recipe(1), lambda candidate: seen.append(candidate) or False)
+    first = seen[0].plan
+    assert first.checkpointing.label() == "full" and first.offload.label() == "all"
