@@ -228,9 +228,9 @@ def _first_fitting(tries: list[dict], fits, candidate, bisect: bool) -> dict | N
     micro-batch that fits says every smaller one does (a 1B model's predictions take seconds each)."""
     if fits is None:
         return tries[0] if tries else None
-    if not bisect:
+    if not bisect or not tries or fits(candidate(tries[0])):  # the largest first: a small model's fits at once
         return next((p for p in tries if fits(candidate(p))), None)
-    low, high = 0, len(tries)  # tries[high:] fit, tries[:low] do not
+    low, high = 1, len(tries)  # tries[high:] fit, tries[:low] do not
     while low < high:
         middle = (low + high) // 2
         if fits(candidate(tries[middle])):
