@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from runner.choices import choice_class, choice_fields
-from runner.plan import MemoryPlan, StepFacts, gradients_final
+from runner.plan import MemoryPlan, StepFacts, gradients_final, plan_problems
 from runner.pool_policies import POOL_KINDS
 from runner.units import format_bytes
 
@@ -91,8 +91,11 @@ def settings(values: dict[str, Iterable[str]]) -> list[dict[str, str]]:
 
 def least(values: dict[str, Iterable[str]], facts: ParameterFacts, step: StepFacts,
           context: int = 0) -> tuple[dict[str, str], Floor]:
-    """The pool settings with the smallest bound among `values`' combinations, and the bound."""
-    floors = [(labels, pool_floor(pool_plan(labels), facts, step, context)) for labels in settings(values)]
+    """The pool settings with the smallest bound among `values`' combinations that the plan's rules allow
+    (runner/plan.py: no lossy state beside the host's optimizer, ...), and the bound."""
+    plans = [(labels, pool_plan(labels)) for labels in settings(values)]
+    allowed = [(labels, plan) for labels, plan in plans if not plan_problems(plan, step)] or plans
+    floors = [(labels, pool_floor(plan, facts, step, context)) for labels, plan in allowed]
     return min(floors, key=lambda pair: pair[1].total)
 
 
@@ -114,7 +117,12 @@ def nothing_fits_line(space_values: dict[str, list[str]], every_value: dict[str,
         opened = ", ".join(f"memory.{section} {label}" for section, label in wider.items()
                            if label not in space_values.get(section, []))
         return f"{line}; {opened} (at least {format_bytes(wide_floor.total)}) could fit: {open_lossy} searches them"
-    return f"{line}; no pool setting fits: a cap above {format_bytes(floor.total)} (plus the margin) or a smaller model"
+    lossy = ", ".join(f"memory.{section} {label}" for section, label in wider.items()
+                      if label not in space_values.get(section, []))
+    wider_words = f", or above {format_bytes(wide_floor.total)} with {lossy} ({open_lossy})" \
+        if wide_floor.total < floor.total and lossy else ""
+    return (f"{line}; no pool setting fits: a limit above {format_bytes(floor.total)}{wider_words}, or a smaller "
+            "model")
 
 
 def _default(section: str) -> str:

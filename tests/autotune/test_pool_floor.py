@@ -113,7 +113,7 @@ def test_when_no_pool_setting_fits_the_line_names_the_knob_or_the_cap():
     assert "at least 16.0 GB" in line and "memory.weights bf16" in line and "memory.optimizer_state 4bit" in line
     assert "--allow-lossy" in line
     line = nothing_fits_line(exact, wider, Bound(parameters, step, 0, 10**9), "--allow-lossy")
-    assert "a cap above 16.0 GB" in line
+    assert "a limit above 16.0 GB, or above 5.0 GB with memory.weights bf16, memory.optimizer_state 4bit" in line
     assert nothing_fits_line(exact, wider, Bound(parameters, step, 0, 20 * 10**9), "--allow-lossy") is None
 
 
