@@ -30,7 +30,8 @@ from .records import TrialRecord
 from .report import publish, ranked_feasible
 from .screen import IsolatedPredictor, ModelChild, read_facts
 from .facts import Device, ModelFacts
-from .knobs import KNOBS, build_space, notes
+from .knobs import KNOBS, build_space, differences, notes
+from .pool_knobs import bound_space
 from .space import Space
 from .cap import Cap
 from .rank_tune import check_devices, check_ranks, rank_training, ranks_comment
@@ -43,6 +44,8 @@ from .tuned import write_tuned
 from .warm import WarmServer, preload_for, warm_enough
 
 log = logging.getLogger(__name__)
+
+PREDICT_BUDGET_S = 540.0  # tune --predict's --time-budget when none is given: ends within 10 minutes here
 
 
 class NothingFits(CkrunError):
@@ -151,6 +154,9 @@ def _tuned_search(args, path: Path, recipe: Recipe, doc, cap: Cap, budget: Budge
             facts = ModelFacts.from_json(read_facts(model, str(path)))
         space = build_space(recipe, facts, device, args.nproc,
                             **{knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
+        hopeless = bound_space(space, recipe, facts, device, cap, args.nproc)
+        if hopeless:
+            raise NothingFits(hopeless)
         records, config, screening = _search(args, recipe, directory, cap, budget, runner, space, device, model)
     finally:
         model.stop()
@@ -183,6 +189,7 @@ def _conclude(args, records: list[TrialRecord], doc, cap: Cap, space: Space, dev
         return write_tuned(directory, doc, record, cap, args.max_mem, source, overrides, records, lines,
                            f" --nproc {args.nproc}" if args.nproc > 1 else "")
 
+    print(f"ckrun tune: {differences(space, space.base, ranked[0])}")
     if args.no_train or args.predict:
         tuned_path, _ = tuned_for(ranked[0])
         nproc = f" --nproc {args.nproc}" if args.nproc > 1 else ""
@@ -254,7 +261,12 @@ def _budget(args) -> Budget:
         raise _bad("--finalists", f"cannot be negative but got {args.finalists}")
     if args.probe_timeout <= 0 or args.warmup_steps < 0 or args.timed_steps < 1:
         raise _bad("--probe-timeout/--warmup-steps/--timed-steps", "need a positive timeout, warm-up >= 0, timed >= 1")
-    return Budget(args.trials, parse_duration(args.time_budget) if args.time_budget else None, process_started())
+    seconds = parse_duration(args.time_budget) if args.time_budget else None
+    if seconds is None and args.predict:
+        seconds = PREDICT_BUDGET_S
+        log.info("tune: --predict: a time budget of %g min (--time-budget changes it): a large model's predictions "
+                 "take seconds each, and a predicted search should answer in minutes", seconds / 60)
+    return Budget(args.trials, seconds, process_started())
 
 
 def parse_duration(text: str) -> float:

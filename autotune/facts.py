@@ -40,11 +40,29 @@ class ModelFacts:
     batchnorm: tuple[str, ...] = ()  # BatchNorm layers: they normalise over each micro-batch
     dropout: tuple[str, ...] = ()  # dropout layers with p > 0: masks are drawn per micro-batch
     tensor: TensorFacts | None = None  # its tensor-parallel plan (tp under --nproc); None: the child did not say
+    parameters: ParameterFacts | None = None  # counts and bytes of its parameters; None: the child did not say
+    loss_split: str | None = "the model child did not say whether the model's head can be split"
+    """Why memory.loss chunked cannot split its output projection, or None where it can."""
 
     @classmethod
     def from_json(cls, data: dict) -> ModelFacts:
         blocks = [Block(i, name, None) for i, name in enumerate(data["blocks"])]
         tensor = data.get("tensor_parallel")
+        parameters = data.get("parameters")
         return cls(BlockList(data["container_name"], blocks, list(data["containers"])),
                    tuple(data.get("batchnorm", ())), tuple(data.get("dropout", ())),
-                   TensorFacts.from_json(tensor) if tensor else None)
+                   TensorFacts.from_json(tensor) if tensor else None,
+                   ParameterFacts(**parameters) if parameters else None,
+                   data.get("loss_split", cls.loss_split))
+
+
+@dataclass(frozen=True)
+class ParameterFacts:
+    """The model's parameters as built (the model child counts them on the meta device): what no memory
+    knob but the pools' policies changes, so a lower bound on every plan's peak (autotune/pool_floor.py)."""
+
+    count: int  # elements of every parameter (each shared one once)
+    bytes: int  # their bytes in the dtype they are built in
+    trainable: int  # elements of those with requires_grad: they have gradients and optimizer state
+    trainable_bytes: int
+    largest: int  # bytes of the largest trainable parameter: a fractional offload splits between parameters

@@ -14,8 +14,8 @@ import time
 
 import optuna
 
-from runner.plan import MemoryPlan
-
+from .pool_floor import pool_plan
+from .pool_knobs import start_settings
 from .cap import Cap
 from .facts import Device
 from .space import Space
@@ -24,6 +24,7 @@ from .study import PRE_PROBE_SHARE, Budget
 log = logging.getLogger(__name__)
 
 TIMED_BUDGET_S = 600.0  # a --time-budget under this predicts block times instead of timing them
+PREDICTED_SOLVER_S = 100.0  # the most a solver on predicted block times gets: the starting points and TPE need the rest
 TIMED_STEPS = 1  # real steps (after a warm-up) that time each block's recompute: ranking, not benchmarking
 
 
@@ -37,6 +38,12 @@ def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, devi
     if fresh:
         timed_steps = TIMED_STEPS if timed_steps is None else timed_steps
         seconds = budget.before_probes_left() if budget is not None else None
+        if timed_steps == 0 and predictor is not None and not off_reason and (seconds is None or
+                                                                             seconds > PREDICTED_SOLVER_S):
+            seconds = PREDICTED_SOLVER_S
+            log.info("solver: block times predicted; it gets %g s (a large model's estimates take seconds each, and "
+                     "the solver runs several per micro-batch): micro-batches not reached by then get no plan",
+                     seconds)
         if seconds is not None and seconds <= 0:
             off_reason = off_reason or (f"the {PRE_PROBE_SHARE:.0%} of --time-budget {budget.time_s:g} s that may "
                                         f"pass before the first probe is spent")
@@ -70,7 +77,10 @@ def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | 
                # predictions leave out the CUDA context, which a card-level cap includes
                "limit": cap.limit - device.context_bytes, "offload": "offload" in space.choices,
                "timed_steps": timed_steps, "context": device.context_bytes,
-               "base": MemoryPlan(blocks=space.blocks_path, compile=compile_).model_dump(mode="json"),
+               # the blocks are planned on top of the pools' setting the starting points take: the base bytes it lowers
+               "base": pool_plan(start_settings(space)).model_copy(
+                   update={"blocks": space.blocks_path, "compile": compile_,  # the recipe's micro-batch: solved first
+                           "micro_batch": space.base.memory.micro_batch if space.base else None}).model_dump(mode="json"),
                # monotonic time is the machine's: the child stops there, its estimator's warm-up counted
                "deadline": None if seconds is None else time.monotonic() + seconds}
     answer = predictor.frontier(request)

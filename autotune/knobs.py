@@ -22,12 +22,14 @@ from optuna.distributions import FloatDistribution
 
 from runner.choices import choice_class, choice_fields
 from runner.plan import MemoryPlan
-from runner.policies import (CHECKPOINTING, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
+from runner.policies import (CHECKPOINTING, AllBlocksOffload, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
                              offload_choices)
 from runner.recipe import Recipe
+from runner.units import format_bytes
 
 from .candidate import Candidate
 from .facts import Device, ModelFacts
+from .pool_knobs import POOL_KNOBS
 from .records import TrialRecord
 from .sharding import SHARDING
 from .space import UNSAID, Asked, Flag, Knob, Space
@@ -215,6 +217,14 @@ def _policy_starts(kind) -> list[str]:
     return [label for cls in kind for label in cls.tuner_starts]
 
 
+def _offload_starts(space: Space) -> list[str]:
+    """No offload; where the pools leave the activations little room (`space.tight`), every block's too."""
+    starts, everything = _policy_starts(OFFLOAD), AllBlocksOffload(policy="all").label()
+    if space.tight and space.searched("offload") and space.allows("offload", everything):
+        starts.append(everything)
+    return starts
+
+
 # --- the device's and the recipe's knobs: allocator, precision, compile ---------------------------
 
 
@@ -312,10 +322,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("short_checkpointing", add_adaptive, _adaptive_buckets, _short_label, lambda space, recipe, p: ["same"],
          _buckets_words),
     Knob("offload", add_offload, _policy(OFFLOAD, "offload"), lambda c, space: c.plan.offload.label(),
-         lambda space, recipe, p: _policy_starts(OFFLOAD),
+         lambda space, recipe, p: _offload_starts(space),
          lambda c: f"offload {c.plan.offload.label()}" if c.plan.offload.moves else None, joins=True, solver=True),
     Knob("allocator", add_allocator, _memory("allocator", lambda a: None if a == "default" else a),
-         lambda c, space: c.plan.allocator or "default", lambda space, recipe, p: ["default"],
+         lambda c, space: c.plan.allocator or "default", lambda space, recipe, p: [recipe.memory.allocator or "default"],
          lambda c: f"allocator {c.plan.allocator}" if c.plan.allocator is not None else None),
     Knob("precision", add_precision, lambda values, space: {"precision": values["precision"]},
          lambda c, space: c.precision, lambda space, recipe, p: [recipe.precision], lambda c: c.precision,
@@ -328,9 +338,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("compression", add_compression, _compression_fields, lambda c, space: c.plan.compression.label(),
          lambda space, recipe, p: _policy_starts(COMPRESSION),
          lambda c: f"compression {c.plan.compression.label()} (lossy)" if c.plan.compression.lossy else None,
-         flag=Flag("--allow-lossy", "also search memory.compression (saved activations in bf16/fp8), which changes "
-                   "the gradients; each such plan's gradient error is measured and tuned.yaml marks it"),
+         flag=Flag("--allow-lossy", "also search the lossy knobs: memory.compression (saved activations in bf16/fp8), "
+                   "which changes the gradients, memory.weights bf16 and memory.optimizer_state 8bit/4bit/fp8, which "
+                   "change the update; each such plan's error is measured and tuned.yaml marks it"),
          note=compression_comment),
+    *POOL_KNOBS,  # weights, optimizer_state, optimizer_step, optimizer_offload, loss (autotune/pool_knobs.py)
 )
 
 
@@ -360,3 +372,18 @@ def describe(candidate: Candidate, knobs: tuple[Knob, ...] = KNOBS) -> str:
 def notes(space: Space, record: TrialRecord) -> list[str]:
     """tuned.yaml's lines on what the winner's knobs do to the result."""
     return [line for knob in space.knobs if knob.note and (line := knob.note(space, record))]
+
+
+def differences(space: Space, recipe: Recipe, record: TrialRecord) -> str:
+    """What the winner changed from the recipe's own plan, knob by knob in the table's order, and what
+    its pools hold at least against the recipe's (the lower bound), in one line."""
+    own = Candidate(recipe.memory, recipe.precision)
+    won = Candidate(MemoryPlan.model_validate(record.plan), record.precision, record.strategy)
+    changed = [knob.words(won) or f"{knob.name} {knob.from_plan(won, space)}" for knob in space.knobs
+               if knob.from_plan(own, space) != knob.from_plan(won, space)]
+    line = f"the winner changes {'; '.join(changed)}" if changed else "the winner is the recipe's own plan"
+    floors = [space.bound.floor(c) for c in (own, won)] if space.bound is not None else [None, None]
+    if all(floors) and floors[0].total != floors[1].total:
+        line += (f" (its pools hold at least {format_bytes(floors[1].total)} where the recipe's hold "
+                 f"{format_bytes(floors[0].total)}, before any activation)")
+    return line

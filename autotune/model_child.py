@@ -122,7 +122,30 @@ def model_facts(recipe, nproc: int = 1) -> dict:
             "batchnorm": [name for name, module in named if isinstance(module, _BatchNorm)],
             "dropout": [name for name, module in named
                         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0],
-            "tensor_parallel": tensor_facts(model, nproc)}
+            "tensor_parallel": tensor_facts(model, nproc), "parameters": parameter_facts(model),
+            "loss_split": _head_refusal(model)}
+
+
+def _head_refusal(model) -> str | None:
+    """Why memory.loss chunked cannot split the model's head (one line), or None where it can."""
+    from runner.memory.chunked_loss import output_projection
+
+    try:
+        output_projection(model)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def parameter_facts(model) -> dict:
+    """What the pools' lower bound reads (autotune/pool_floor.py): every parameter's count and bytes as
+    built, the trainable ones' (they have gradients and optimizer state) and the largest trainable one."""
+    params = list(model.parameters())  # each shared (tied) parameter once
+    trainable = [p for p in params if p.requires_grad]
+    return {"count": sum(p.numel() for p in params), "bytes": sum(p.numel() * p.element_size() for p in params),
+            "trainable": sum(p.numel() for p in trainable),
+            "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable),
+            "largest": max((p.numel() * p.element_size() for p in trainable), default=0)}
 
 
 def facts_answer(recipe, nproc: int = 1) -> dict:

@@ -98,6 +98,9 @@ class TrialRecord(BaseModel):
     hfu: float | None = None
     predicted: bool | None = None
     gradient_error: float | None = None
+    update_error: float | None = None
+    """A lossy optimizer's (memory.weights bf16, memory.optimizer_state 8bit/4bit/fp8) relative error of the
+    weights' change against exact AdamW over the probe's first steps (runner/train/update_error.py)."""
     runs: int | None = None
     """The runs folded into this plan's record by `report.plans` (finalists are measured again)."""
     proposed_by: str | None = None

@@ -207,7 +207,8 @@ class IsolatedPredictor:
     def frontier(self, frontier: dict) -> dict:
         """The solver's answer, or one with `status` and `reason` saying why there is none. On CUDA
         it is asked of a child that sees the GPU, stopped afterwards (see the module's docstring)."""
-        gpu = self.child.device_kind == "cuda"
+        # only a real timing run needs the card; predicted block times (tune --predict) reuse this child
+        gpu = self.child.device_kind == "cuda" and frontier.get("timed_steps", 1) > 0
         if gpu:
             self._restart()
         if self.off or not self._started(gpu):

@@ -294,14 +294,48 @@ def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPl
     every block is predicted to fit (smaller ones only run slower); a pair where even recomputing
     every block is predicted over the limit (and no offload) gets no plan. `limit` is for the
     estimator's peaks, which leave out the `context` a card-level cap counts: the lines add it back.
-    With `seconds`, pairs not reached within them get no plan (a --time-budget's share)."""
+    With `seconds`, pairs not reached within them get no plan (a --time-budget's share), and the
+    micro-batches start at `base`'s (the recipe's own; those above it come last): a large model's
+    estimates take long, and the recipe's micro-batch is the likeliest to fit."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    estimator = _Deadlined(estimator, deadline) if deadline is not None else estimator
+    proposals, lines = [], []
+    try:
+        _solve_pairs(estimator, pairs, limit, base, offload, timed_steps, seconds, deadline, context, proposals, lines)
+    except _OutOfTime:
+        lines.append(f"stopped mid-way: its {seconds:.0f} s were spent (a large model's estimates take long); the "
+                     "micro-batches not solved get no plan")
+    return proposals, lines
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+class _Deadlined:
+    """The estimator, whose every estimate past `deadline` raises _OutOfTime: a large model's cost table
+    is many estimates, and the solver's share of the time ends between any two of them."""
+
+    def __init__(self, estimator, deadline: float):
+        self._estimator, self._deadline = estimator, deadline
+
+    def estimate(self, *args, **kwargs):
+        if time.monotonic() > self._deadline:
+            raise _OutOfTime()
+        return self._estimator.estimate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._estimator, name)
+
+
+def _solve_pairs(estimator, pairs, limit, base, offload, timed_steps, seconds, deadline, context, proposals,
+                 lines) -> None:
+    """`frontier`'s loop: its proposals and lines appended as they come (so a stop keeps those made)."""
     from runner.predict.block_costs import cost_table
 
-    deadline = None if seconds is None else time.monotonic() + seconds
     show = lambda n: format_bytes(n + context)  # noqa: E731
-    proposals, lines = [], []
     for precision in dict.fromkeys(p for _, p in pairs):
-        for micro in sorted((m for m, p in pairs if p == precision), reverse=True):
+        for micro in _micro_order([m for m, p in pairs if p == precision], base.micro_batch, seconds is not None):
             if deadline is not None and time.monotonic() > deadline:
                 lines.append(f"micro_batch {micro}, {precision} and below: not solved, the time budget's share "
                              f"before the first probe ({seconds:.0f} s left when the solver started) is spent")
@@ -313,7 +347,7 @@ def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPl
                 lines.append(f"micro_batch {micro}, {precision}: keeping every block is predicted to fit "
                              f"({show(kept)}); no solver plan needed here or below")
                 break
-            table = cost_table(estimator, micro, precision, timed_steps)
+            table = cost_table(estimator, micro, precision, timed_steps, pools=at)  # the base's pools priced in
             if table.full_peak > limit and not offload:
                 lines.append(f"micro_batch {micro}, {precision}: even recomputing every block is predicted over "
                              f"the limit ({show(table.full_peak)}); no plan")
@@ -325,4 +359,11 @@ def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPl
                 continue
             proposals.append(proposal)
             lines.append(proposal.reason)
-    return proposals, lines
+
+
+def _micro_order(micro_batches: list[int], own: int | None, hurried: bool) -> list[int]:
+    """Largest first; `hurried` (a deadline), from the recipe's own micro-batch down, then those above it."""
+    ordered = sorted(micro_batches, reverse=True)
+    if not hurried or own is None or own not in ordered:
+        return ordered
+    return [m for m in ordered if m <= own] + [m for m in ordered if m > own]

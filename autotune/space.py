@@ -108,6 +108,14 @@ class Space:
     and tuned.yaml's notes loop over it."""
     strategies: list[Strategy] = field(default_factory=list)
     """The strategies the ranks' knob takes (none without --nproc)."""
+    bound: Any = None
+    """The pools' lower bound for this search (autotune/pool_floor.py `Bound`, set once the cap is
+    known): a plan over it is ruled out unpredicted. None: no bound (no parameter facts, --nproc)."""
+    tight: bool = False
+    """No pool setting leaves the activations much room under the limit (autotune/pool_knobs.py): the
+    starting points that save the most come first."""
+    pool_start: dict[str, str] | None = None
+    """The pool setting of the starting points and the solver's plans (autotune/pool_knobs.py), once chosen."""
 
     @property
     def size(self) -> int:
@@ -158,12 +166,16 @@ class Space:
         alternatives = {k.name: starts[k.name] for k in searched if not k.fits_first}
         ordered = {k.name: starts[k.name] if fits else starts[k.name][:1] for k in searched if k.fits_first}
         points = []
-        for combo in itertools.product(*alternatives.values()):
+        combos = list(itertools.product(*alternatives.values()))
+        if self.tight:  # most knobs off their first (no-op) start value first: the likeliest to fit
+            firsts = [values[0] for values in alternatives.values()]
+            combos.sort(key=lambda combo: -sum(v != f for v, f in zip(combo, firsts, strict=True)))
+        for combo in combos:
             base = dict(zip(alternatives, combo, strict=True))
             if not all(self.allows(name, value) for name, value in base.items()):
                 continue  # every:2 on a model of 2 blocks, or a precision this device lacks
-            tries = ({**base, **dict(zip(ordered, sizes, strict=True))} for sizes in itertools.product(*ordered.values()))
-            start = next((p for p in tries if fits is None or fits(self.candidate(p))), None)
+            tries = [{**base, **dict(zip(ordered, sizes, strict=True))} for sizes in itertools.product(*ordered.values())]
+            start = _first_fitting(tries, fits, self.candidate, bisect=len(ordered) == 1)
             if start is not None:
                 points.append(start)
         return points
@@ -208,6 +220,24 @@ class Space:
             if knob.joins and knob.name in values and knob.name in self.choices and value not in self.choices[knob.name]:
                 self.choices[knob.name].append(value)
         return values if all(self.allows(name, value) for name, value in values.items()) else None
+
+
+def _first_fitting(tries: list[dict], fits, candidate, bisect: bool) -> dict | None:
+    """The first of `tries` that `fits` accepts (all of them without `fits`). With `bisect` (one knob,
+    largest first: the micro-batch), a binary search: the peak grows with the micro-batch, so a
+    micro-batch that fits says every smaller one does (a 1B model's predictions take seconds each)."""
+    if fits is None:
+        return tries[0] if tries else None
+    if not bisect or not tries or fits(candidate(tries[0])):  # the largest first: a small model's fits at once
+        return next((p for p in tries if fits(candidate(p))), None)
+    low, high = 1, len(tries)  # tries[high:] fit, tries[:low] do not
+    while low < high:
+        middle = (low + high) // 2
+        if fits(candidate(tries[middle])):
+            high = middle
+        else:
+            low = middle + 1
+    return tries[low] if low < len(tries) else None
 
 
 def grid_of(distribution: FloatDistribution) -> list[float]:

@@ -50,6 +50,7 @@ UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad 
 # the starting points, the solver) may use this share of it; predictions past it are left to the
 # search, which makes them one plan at a time. A quarter leaves a 40 s budget room for 2-4 CPU probes.
 PRE_PROBE_SHARE = 0.25
+START_SHARE = 0.75  # the starting points' predictions stop once this share of --time-budget has passed
 UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
 
 Evaluate = Callable[[Candidate, int], ProbeResult]  # (candidate, trial number) -> what the probe reported
@@ -144,8 +145,10 @@ class Tuner:
         self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
         self.predicted_time: dict[str, dict] = {}  # plan key -> its predicted StepTime record, when timed
         self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
+        self.bounded: dict[str, object] = {}  # plan key -> its pools' lower bound (pool_floor.Floor), over the limit
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
         self.exhaustive = False  # set by start() when it queued every plan of a small space
+        self.starts_cut = False  # the starting points' predictions stopped at START_SHARE of the budget
 
     def start(self, recipe, first: list[dict] | None = None, trials: int | None = None,
               budget: Budget | None = None) -> None:
@@ -164,7 +167,7 @@ class Tuner:
             log.info("tune: %s the solver's %d plan(s) first: %s", self.doing, len(first),
                      "; ".join(describe(self.space.candidate(p)) for p in first))
         own = self._own_plan(recipe, first)
-        fits = self._predicted_to_fit if self.predict else None
+        fits = self._start_fits if self.predict else None
         starts = self._fastest_first([p for p in self.space.starting_points(recipe, fits) if p not in first + own])
         for params in own + starts:
             self.study.enqueue_trial(params)
@@ -235,6 +238,19 @@ class Tuner:
         predicted = self._prediction(candidate)
         return predicted is None or predicted <= self.cap.limit
 
+    def _start_fits(self, candidate: Candidate) -> bool:
+        """A starting point predicted to fit; past START_SHARE of the time budget no more are predicted
+        (the rest of the combinations get no starting point: TPE reaches them if they are worth it)."""
+        budget = self.budget
+        if budget is not None and budget.time_s is not None and \
+                time.monotonic() - budget.started > START_SHARE * budget.time_s:
+            if not self.starts_cut:
+                self.starts_cut = True
+                log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; TPE "
+                         "goes on from those found", 100 * START_SHARE, budget.time_s)
+            return False
+        return self._predicted_to_fit(candidate)
+
     def _no_time_to_predict(self) -> str | None:
         """Why no more predictions may run before the first probe: the time budget's share for them is spent."""
         left = self.budget.before_probes_left() if self.budget is not None and self.probes == 0 else None
@@ -244,6 +260,8 @@ class Tuner:
                 f"probe is spent")
 
     def _prediction(self, candidate: Candidate) -> int | None:
+        if candidate.key not in self.predicted and self._bounded(candidate):
+            return self.predicted[candidate.key]
         if candidate.key not in self.predicted:
             # an invalid plan is never probed: asking would only log that it is (fsdp with sqrt segments)
             invalid = invalid_reason(candidate, self.space)
@@ -256,6 +274,16 @@ class Tuner:
                 predicted = predicted.peak
             self.predicted[candidate.key] = predicted
         return self.predicted[candidate.key]
+
+    def _bounded(self, candidate: Candidate) -> bool:
+        """Whether the pools' lower bound (autotune/pool_floor.py) rules the plan out without a
+        prediction; its bound then stands for its predicted peak."""
+        floor = self.space.bound.over(candidate) if self.space.bound is not None else None
+        if floor is None:
+            return False
+        self.bounded[candidate.key] = floor
+        self.predicted[candidate.key] = floor.total
+        return True
 
     def run(self, budget: Budget) -> str:
         """Propose, evaluate and tell until the budget is spent; returns why it stopped."""
@@ -287,7 +315,7 @@ class Tuner:
         median probe so far) would end past it. The first probe always runs: without one measured
         plan there is nothing to choose."""
         left = budget.time_left()
-        if left is None or self.probes == 0:
+        if left is None or (self.probes == 0 and not self.predicted_search):  # predictions: the budget holds
             return None
         expected = self.expected_probe_s()
         if left <= 0:
@@ -384,6 +412,12 @@ class Tuner:
         invalid = invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return TrialRecord(**known, state="invalid", reason=invalid), UNMEASURED
+        if screen and (candidate.key in self.bounded or (candidate.key not in self.predicted and self._bounded(candidate))):
+            floor = self.bounded[candidate.key]
+            reason = (f"holds at least {floor.words()} before any activation (its pools' lower bound) > limit "
+                      f"{format_bytes(self.cap.limit)}; not {'predicted' if self.predicted_search else 'probed'}")
+            return (TrialRecord(**known, predicted_peak=floor.total, state="screened", reason=reason),
+                    self.cap.constraint(floor.total))
         # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
         measure_only = candidate.plan.activation_memory_budget is not None
         predicted = self._prediction(candidate) if screen and not measure_only else None
@@ -405,7 +439,9 @@ class Tuner:
         if result.status != "ok":
             return TrialRecord(**measured, state=result.status), max(constraint, 1e-6)
         # gradient_error: a lossy plan's (memory.compression), how far its gradient moved
-        measured.update(samples_per_s=result.samples_per_s, gradient_error=result.gradient_error)
+        # update_error: a lossy optimizer's (memory.weights bf16, optimizer_state 8bit/...), how far its update moved
+        measured.update(samples_per_s=result.samples_per_s, gradient_error=result.gradient_error,
+                        update_error=result.update_error)
         if result.predicted:  # tune --predict: what the prediction said
             measured.update(step_s=result.step_s, mfu=result.mfu, hfu=result.hfu, predicted=True)
         if peak > self.cap.limit:
@@ -421,6 +457,8 @@ def _log_trial(number: int, candidate: Candidate, record: TrialRecord, predicted
     numbers = ", ".join(x for x in (f"{how}peak {format_bytes(peak)}" if peak else "",
                                     f"{how}{speed:.1f} samples/s" if speed else "",
                                     f"gradient error {record.gradient_error:.2e}" if record.gradient_error is not None
+                                    else "",
+                                    f"update error {record.update_error:.2e}" if record.update_error is not None
                                     else "") if x)
     state = PREDICTED_WORDS.get(record.state, record.state) if predicted else record.state
     log.info("trial %d: %s: %s%s%s", number, state, describe(candidate),

@@ -165,6 +165,11 @@ class OptimizerStatePolicy(PoolPolicy):
         """The torchao.optim class that keeps the state (None: the recipe's own optimizer)."""
         return None
 
+    def moment_bytes(self) -> float | None:
+        """The fewest bytes a moment keeps per parameter element, its scales left out (the tuner's lower
+        bound: autotune/pool_floor.py); None: the parameter's own dtype."""
+        return None
+
     def unsupported(self) -> str | None:
         """Why this torch cannot run it, or None."""
         return None
@@ -178,6 +183,7 @@ class FullState(OptimizerStatePolicy):
 
 
 _LOW_BIT = {"8bit": "AdamW8bit", "4bit": "AdamW4bit", "fp8": "AdamWFp8"}
+_MOMENT_BYTES = {"8bit": 1.0, "4bit": 0.5, "fp8": 1.0}
 
 
 class LowBitState(OptimizerStatePolicy):
@@ -198,6 +204,9 @@ class LowBitState(OptimizerStatePolicy):
 
     def optimizer_class(self) -> str:
         return _LOW_BIT[self.policy]
+
+    def moment_bytes(self) -> float:
+        return _MOMENT_BYTES[self.policy]
 
     def label(self) -> str:
         return self.policy if self.full_precision_embeddings else f"{self.policy}:embeddings"

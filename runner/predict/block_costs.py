@@ -83,12 +83,17 @@ class CostTable:
         return {**asdict(self), "blocks": [asdict(b) for b in self.blocks]}
 
 
-def cost_table(estimator: Estimator, micro_batch: int, precision: str, timed_steps: int = 2) -> CostTable:
-    """The per-block costs of `estimator`'s recipe at `micro_batch` and `precision`. Times: a short real
-    run of `timed_steps`; with 0, the estimator's predictions when it has device facts, else none."""
+def cost_table(estimator: Estimator, micro_batch: int, precision: str, timed_steps: int = 2,
+               pools: MemoryPlan | None = None) -> CostTable:
+    """The per-block costs of `estimator`'s recipe at `micro_batch` and `precision`, with the weights,
+    optimizer and loss policies of `pools` (default: the pools as the recipe's model and optimizer hold
+    them): their bytes are part of what no block choice changes. Times: a short real run of
+    `timed_steps`; with 0, the estimator's predictions when it has device facts, else none."""
     recipe, cuda = estimator.recipe, estimator.cuda
+    held = {policy.section: policy for policy in pools.pool_policies()} | {"allow_lossy": pools.allow_lossy} \
+        if pools is not None else {}
     plan = lambda checkpointing, **more: MemoryPlan(  # noqa: E731
-        micro_batch=micro_batch, checkpointing=checkpointing, blocks=recipe.memory.blocks, **more)
+        micro_batch=micro_batch, checkpointing=checkpointing, blocks=recipe.memory.blocks, **held, **more)
     none, keep, _ = block_bytes(estimator, plan(NoCheckpointing()), precision)
     full, recompute, _ = block_bytes(estimator, plan(FullCheckpointing(policy="full")), precision)
     selective_run, selective, _ = block_bytes(estimator, plan(SelectiveCheckpointing(policy="selective")), precision)

@@ -30,6 +30,9 @@ class DeviceFacts(BaseModel):
     """The card's memory as the driver reports it (0: unknown, or a CPU)."""
     host_gbs: float = 0.0
     """Pinned host <-> device copies, GB/s each way: what activation offload moves over."""
+    host_adamw_per_s: float = Field(0.0, ge=0)
+    """Parameters a second the host's fused CPU AdamW updates (memory.optimizer_offload's host step);
+    0: the time model's assumption for a GPU machine's host (runner/predict/roofline.py HOST_ADAMW_PER_S)."""
     peer_gbs: float = 0.0
     """GPU <-> GPU, GB/s each way (NVLink, else PCIe): what collectives move over."""
     capability: tuple[int, int] | None = None

@@ -192,6 +192,9 @@ class Estimator:
                 with unavailable_on_fake_errors("the training step"), tracker, (clock or contextlib.nullcontext()), \
                         (watch(tracker) if watch else contextlib.nullcontext()):
                     self._step(micro, precision, plan, planned.stepper, applied.head)
+                hosted = sum(t.numel() for t in getattr(planned.optimizer, "copies", {}).values())
+                if clock is not None and hosted:  # the host's share of the update, priced at its AdamW rate
+                    clock.host_update(hosted)
             finally:
                 planned.remove()
                 tracker.close()

@@ -57,6 +57,15 @@ _FREE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_emp
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _PRICED = frozenset({"aten", "fsdp", *_COLLECTIVE_NAMESPACES})  # fsdp: FSDP2's copy-in/out kernels
 AFTER_BLOCKS = -1  # the block field of a forward op after the last block (the head, the loss)
+# memory.optimizer_offload's host step: torch's fused CPU AdamW, memory-bound (each float32 element reads
+# parameter, gradient and both moments and writes three: 28 bytes). bench/host_adamw.py measured 313 M
+# parameters/s on one thread of this 2-core CPU machine (2026-11-27, torch 2.14.1); a GPU machine's host
+# is assumed to run it on 8 such cores at once (2.5 G parameters/s, 70 GB/s of DRAM traffic: what a
+# two-socket server's memory gives one process's threads, short of its peak). A facts file's
+# `host_adamw_per_s` replaces it with the rate measured on that host.
+HOST_ADAMW_PER_CORE = 313e6
+HOST_CORES = 8
+HOST_ADAMW_PER_S = HOST_ADAMW_PER_CORE * HOST_CORES
 STEP_PHASES = ("forward", "backward", "recompute")  # and "update"; "learn" runs in the first step only
 
 
@@ -82,6 +91,12 @@ class StepWork:
     ops: list[OpWork] = field(default_factory=list)
     to_host: list[tuple[str, int | None, int]] = field(default_factory=list)
     """(kind, block, bytes) of each device -> host copy (activation offload stashes)."""
+    host_updates: list[tuple[str, str, int]] = field(default_factory=list)
+    """(kind, phase, parameters) of each optimizer update that runs on the host (the estimate's host is
+    the meta device): memory.optimizer_offload's step, priced at the host's AdamW rate."""
+    update_copies: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, bytes) of each copy between the device and the host after the backward (the offloaded
+    optimizer's gradients out, its parameters back): nothing computes meanwhile, so each is exposed."""
     collectives: list[tuple[str, str, float]] = field(default_factory=list)
     """(kind, phase, ring bytes: what one rank sends, (n-1)/n of the gathered bytes over its group of n) of
     each collective."""
@@ -96,6 +111,8 @@ class StepWork:
         self.ops = [op for op in self.ops if op.kind != "repeat"]
         self.to_host = [copy for copy in self.to_host if copy[0] != "repeat"]
         self.collectives = [c for c in self.collectives if c[0] != "repeat"]
+        self.host_updates = [u for u in self.host_updates if u[0] != "repeat"]
+        self.update_copies = [c for c in self.update_copies if c[0] != "repeat"]
 
 
 @dataclass
@@ -132,10 +149,27 @@ def price(work: StepWork, facts: DeviceFacts) -> Ledger:
         ledger.to_host[kind] += nbytes
         if kind == "first" and block is not None and block >= 0:
             ledger.block_to_host[block] += nbytes
+    _price_host(work, facts, ledger)
     if work.world_size > 1 and facts.peer_gbs:
         for kind, phase, nbytes in work.collectives:
             ledger.comm_s[(kind, phase)] += nbytes / (facts.peer_gbs * 1e9)
     return ledger
+
+
+def _price_host(work: StepWork, facts: DeviceFacts, ledger: Ledger) -> None:
+    """The host's optimizer step at its AdamW rate, and the copies after the backward at the host link's
+    rate (none without it: a CPU's facts), each in its phase and in the classes `host_adamw`, `host_copies`."""
+    rate = facts.host_adamw_per_s or HOST_ADAMW_PER_S
+    for kind, phase, parameters in work.host_updates:
+        _add(ledger, "host_adamw", (kind, phase), parameters / rate)
+    if facts.host_gbs:
+        for kind, nbytes in work.update_copies:
+            _add(ledger, "host_copies", (kind, "update"), nbytes / (facts.host_gbs * 1e9))
+
+
+def _add(ledger: Ledger, op_class: str, where: tuple[str, str], seconds: float) -> None:
+    ledger.seconds[where] += seconds
+    ledger.class_seconds[op_class][where] += seconds
 
 
 def _op_pricer(work: StepWork, facts: DeviceFacts):
@@ -218,6 +252,11 @@ class OpClock(TorchDispatchMode):
             return kind, "recompute" if self.block is not None else "backward"
         return (kind, "update") if self.backward_seen else (kind, "forward")
 
+    def host_update(self, parameters: int) -> None:
+        """The step's optimizer updated `parameters` elements on the host (memory.optimizer_offload)."""
+        kind = "first" if self.micro <= 1 else "repeat"
+        self.work.host_updates.append((kind, "update", parameters))
+
     def _block(self, phase: str) -> int | None:
         if self.block is None and phase == "forward" and self.last_block_seen >= 0:
             return AFTER_BLOCKS
@@ -244,10 +283,15 @@ class OpClock(TorchDispatchMode):
             self.work.collectives.append((kind, phase, _ring_bytes(name, args, out) * (group - 1) / group))
             return
         moved = _host_copy_bytes(args, out)
+        if moved and phase == "update":  # the offloaded optimizer's copies: each way, nothing to hide behind
+            self.work.update_copies.append((kind, abs(moved)))
+            return
         if moved:
             if moved > 0:  # what comes back in backward is what went out: priced both ways from this
                 self.work.to_host.append((kind, self._block(phase), moved))
             return
+        if _on_host(args, out):
+            return  # the host's update, priced whole by `host_update` (on meta tensors torch runs AdamW op by op)
         flops, dtype, nbytes, outputs = measure(func, args, kwargs, out)
         moded = self.block in self.moded_blocks and phase in ("forward", "recompute", "learn")
         kind_of_kernel, family = op_class(name, phase)
@@ -277,6 +321,12 @@ def _group_size(args, world_size: int) -> int:
         if not isinstance(arg, torch.Tensor) and callable(getattr(arg, "size", None)):
             return int(arg.size())
     return world_size
+
+
+def _on_host(args, out) -> bool:
+    """Every tensor of the op is on the estimate's host (the meta device): it runs on the CPU."""
+    tensors = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
 
 
 def _host_copy_bytes(args, out) -> int:

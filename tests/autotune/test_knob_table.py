@@ -6,6 +6,7 @@ CLI's flags come from the table alone, so a new knob is one entry."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 from functools import cache
 
 from hypothesis import HealthCheck, given, settings
@@ -17,9 +18,10 @@ from autotune.knobs import KNOBS, build_space, describe
 from autotune.model_child import model_facts
 from autotune.space import UNSAID, Space, grid_of
 from conftest import BERT_TINY, TINY_BERT
-from runner.choices import choice_fields
+from runner.choices import choice_class, choice_fields
 from runner.load import load_recipe
 from runner.plan import MemoryPlan
+from runner.pool_policies import POOL_KINDS
 from runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices, compression_choices
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
@@ -109,7 +111,12 @@ def _plans(space: Space) -> st.SearchStrategy[MemoryPlan]:
                 "adaptive": [] if label == "same" else [{"max_len": space.fixed["short_len"],
                                                          "checkpointing": choice_fields(CHECKPOINTING, label)}]}
         compression = draw(st.sampled_from(compression_choices()))
-        data.update({"compression": choice_fields(COMPRESSION, compression), "allow_lossy": compression != "none"})
+        data.update({"compression": choice_fields(COMPRESSION, compression)})
+        pools = {section: draw(st.sampled_from(space.choices.get(section, [space.fixed.get(section)])))
+                 for section in POOL_KINDS if section in space.choices or section in space.fixed}
+        data.update({section: choice_fields(POOL_KINDS[section], label) for section, label in pools.items()})
+        data["allow_lossy"] = compression != "none" or any(choice_class(POOL_KINDS[s], label).lossy
+                                                           for s, label in pools.items())
         return MemoryPlan.model_validate(data)
 
     return plan()
@@ -132,6 +139,20 @@ def test_a_recipes_own_plan_reads_as_a_point_that_makes_the_same_plan(data, prec
     candidate = space.candidate(point)
     assert candidate.plan == plan.model_copy(update={"blocks": space.blocks_path})
     assert candidate.precision == precision
+
+
+def test_the_pool_knobs_search_their_exact_policies_by_default_and_lossy_ones_only_when_opened():
+    """On a GPU every pool knob the model allows is searched; lossy labels join only with --allow-lossy."""
+    closed, opened = _space(GPU, 1, False), _space(GPU, 1, True)
+    for section in POOL_KINDS:
+        assert not any(choice_class(POOL_KINDS[section], v).lossy for v in closed.choices.get(section, [])), section
+        assert any(section in line for line in closed.reasons), section
+    assert closed.choices["optimizer_offload"] == ["none", "cpu:0.5", "cpu"]
+    assert "fp32:uncached" not in closed.choices.get("weights", []) or closed.fixed.get("precision") != "fp32"
+    if importlib.util.find_spec("torchao") is not None:
+        assert {"8bit", "4bit"} <= set(opened.choices["optimizer_state"])
+    cpu = _space(CPU, 1, False)
+    assert "optimizer_offload" not in cpu.choices and cpu.fixed["optimizer_offload"] == "none"
 
 
 def test_the_log_line_says_each_knob_in_the_tables_order():

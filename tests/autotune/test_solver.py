@@ -156,7 +156,7 @@ def test_every_limit_the_solver_names_is_the_tunes_limit_context_included(blocks
         return SimpleNamespace(peak_bytes=base + sum(recompute if i in recomputed else keep for i in range(blocks)))
 
     limit = base + blocks * keep // 2 + slack  # the estimator's limit: the card's less the context
-    real, block_costs.cost_table = block_costs.cost_table, lambda *args: table
+    real, block_costs.cost_table = block_costs.cost_table, lambda *args, **kwargs: table
     try:
         _, lines = frontier(SimpleNamespace(estimate=estimate), [(4, "fp32")], limit, MemoryPlan(micro_batch=4),
                             context=context, seconds=deadline)
@@ -166,3 +166,26 @@ def test_every_limit_the_solver_names_is_the_tunes_limit_context_included(blocks
     assert all(found == format_bytes(limit + context) for found in named), (format_bytes(limit + context), lines)
     if deadline is not None:
         assert lines == [lines[0]] and "not solved, the time budget's share" in lines[0]
+
+
+def test_the_solvers_time_ends_between_any_two_estimates(monkeypatch):
+    """A large model's cost table is many estimates: past its seconds the solver stops at the next one,
+    keeping the lines so far, instead of finishing the micro-batch it is in."""
+    import time as clock
+    from types import SimpleNamespace
+
+    from autotune.solver import frontier
+    from runner.predict import block_costs
+
+    def slow(plan, precision):
+        clock.sleep(0.05)
+        return SimpleNamespace(peak_bytes=10**12)  # nothing fits: the cost table is asked for next
+
+    def table(estimator, *args, **kwargs):
+        estimator.estimate(MemoryPlan(), "fp32")  # its first estimate, past the deadline
+        raise AssertionError("the estimate above should have stopped the solver")
+
+    monkeypatch.setattr(block_costs, "cost_table", table)
+    proposals, lines = frontier(SimpleNamespace(estimate=slow), [(4, "fp32"), (2, "fp32")], 10**9,
+                                MemoryPlan(micro_batch=4), seconds=0.01)
+    assert proposals == [] and len(lines) == 1 and "stopped mid-way" in lines[0]

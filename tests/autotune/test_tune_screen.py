@@ -120,3 +120,13 @@ def test_on_the_cpu_one_child_serves_the_solver_and_the_predictions():
     predictor.frontier({"pairs": []})
     predictor(CANDIDATES[0])
     assert child.calls == ["start hidden", "solve on hidden", "predict on hidden"]
+
+
+def test_on_cuda_predicted_block_times_need_no_child_of_their_own():
+    """tune --predict: the solver times nothing on the card, so the child that predicts (its model built
+    once, minutes for an 8B model) answers the solver too."""
+    child = _Child("cuda")
+    predictor = IsolatedPredictor(child)
+    predictor.frontier({"pairs": [], "timed_steps": 0})
+    predictor(CANDIDATES[0])
+    assert child.calls == ["start hidden", "solve on hidden", "predict on hidden"]

@@ -26,9 +26,11 @@ def test_cpu_space_of_a_12_block_model():
     assert space.choices == {
         "micro_batch": [1, 2, 3, 4, 6, 12],
         "checkpointing": ["none", "full", "every:2", "every:3", "every:4", "every:6", "every:8", "sqrt", "selective"],
+        "loss": ["whole", "chunked:8"],  # its head is one Linear; in_backward needs no clipping, offload a GPU
     }
-    assert space.fixed == {"offload": "none", "precision": "fp32", "compile": False}
-    assert space.size == 54
+    assert space.fixed == {"offload": "none", "precision": "fp32", "compile": False, "weights": "fp32",
+                           "optimizer_state": "full", "optimizer_step": "after", "optimizer_offload": "none"}
+    assert space.size == 108
 
 
 def test_two_blocks_leave_out_every_k_and_sqrt():

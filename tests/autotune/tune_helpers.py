@@ -60,6 +60,8 @@ def valid_points(space, recipe):
     """(params, the validated recipe's memory plan) of every point the recipe schema accepts; a point it
     refuses must be one of the combinations runner.plan.plan_problems names (offload or a bucket beside
     sqrt segments, ...), which the tuner tells infeasible without a probe."""
+    from dataclasses import replace
+
     from pydantic import ValidationError
 
     from runner.plan import plan_problems
@@ -70,4 +72,5 @@ def valid_points(space, recipe):
         try:
             yield params, Recipe.model_validate_json(candidate.recipe(recipe, 10**9).model_dump_json()).memory
         except ValidationError as err:
-            assert plan_problems(candidate.plan), f"{params} refused for another reason: {err}"
+            facts = replace(recipe.step_facts(), precision=candidate.precision)  # fp16 with the host's optimizer
+            assert plan_problems(candidate.plan, facts), f"{params} refused for another reason: {err}"
