@@ -141,6 +141,13 @@ class _Recording:
         self.calls.append((forward, args, kwargs, rng))
         return bool(found)
 
+    def kept_versions(self) -> list[tuple[torch.Tensor, int]]:
+        """The inputs the latest call keeps as given, with their versions then: a write to one of those is
+        what the replay cannot undo (an input an earlier block returned is replayed, written again as in the
+        forward; the region's first call's inputs are the checkpoint's own)."""
+        _, args, kwargs, _ = self.calls[-1]
+        return [(kept.tensor, kept.version) for kept in tree_leaves((args, kwargs)) if isinstance(kept, _Kept)]
+
     def returned(self, output) -> None:
         call = len(self.calls)
         for leaf, x in enumerate(tree_leaves(output)):
@@ -202,7 +209,7 @@ class _SegmentRunner:
             recording = self._enter(segment, position, forward, args, kwargs, context_fn, name)
             try:
                 output = forward(*args, **kwargs)
-                refuse_written_inputs(name, versions)
+                refuse_written_inputs(name, recording.kept_versions() if recording.calls else versions)
             except BaseException as error:
                 self.abandon(error)
                 raise

@@ -66,3 +66,32 @@ memory: {{checkpointing: {{policy: {policy}}}}}
     trainer.train_step()
     measured = trainer.train_step()["peak_mem_bytes"]
     assert estimate_peak(recipe, "cpu").peak_bytes == measured
+
+
+def test_sqrt_replays_a_block_that_writes_an_input_its_region_made():
+    # inside a sqrt region a block's input is the previous block's output, which the replay makes again:
+    # writing it in place is replayed too (exact, not refused); only a region's first block is refused
+    import copy
+
+    import torch
+
+    from estimate_models import in_place_net
+    from runner.memory.apply import apply_plan
+    from runner.memory.blocks import find_blocks
+    from runner.plan import MemoryPlan
+
+    torch.manual_seed(0)
+    model, images = in_place_net("block_input", "add_", depth=6), torch.randn(8, 3, 8, 8)
+    plan = MemoryPlan(checkpointing={"policy": "sqrt"})
+    regions = plan.checkpointing.regions(find_blocks(model))
+    for region in regions:
+        model.layers[region[0]].where = "middle"  # the first block of each region leaves its input alone
+
+    def gradients(plan):
+        copied = copy.deepcopy(model)
+        apply_plan(copied, plan, "cpu")
+        copied(images).sum().backward()
+        return [p.grad for p in copied.parameters()]
+
+    assert any(len(region) > 1 for region in regions)
+    assert all(torch.equal(a, b) for a, b in zip(gradients(MemoryPlan()), gradients(plan), strict=True))
