@@ -71,6 +71,9 @@ def find_blocks(model: nn.Module, explicit: str | None = None) -> BlockList:
         return _explicit_blocks(model, explicit)
     groups = _candidate_groups(model, in_containers=True)
     if not groups:
+        siblings = _sibling_sequence(model)
+        if siblings:
+            return _block_list(model, siblings)
         raise ValueError(
             f"memory.blocks: found no repeated blocks in {type(model).__name__} (no nn.ModuleList or nn.Sequential holding 2 or "
             'more modules of one class); name the container with memory.blocks: "path.to.container"'
@@ -82,14 +85,36 @@ def find_blocks(model: nn.Module, explicit: str | None = None) -> BlockList:
         members, beside = list(best["members"]), _beside(groups, best_class, best)
         if beside:  # in module order: the encoder's layers before the decoder's
             members = sorted(members + beside, key=_module_order(model))
+    log.debug("blocks: %d x %s, the repeated class holding the most parameters (%s); other candidates: %s",
+              len(members), ", ".join(sorted({type(m).__name__ for _, m in members})), f"{best['params']:,}",
+              ", ".join(cls.__name__ for cls in groups if cls is not best_class) or "none")
+    return _block_list(model, members)
+
+
+def _block_list(model: nn.Module, members: list[tuple[str, nn.Module]]) -> BlockList:
     names = [name for name, _ in members]
     containers = [name.rpartition(".")[0] for name in names]
-    log.debug("blocks: %d x %s in %s, the repeated class holding the most parameters (%s); other candidates: %s",
-              len(names), ", ".join(sorted({type(m).__name__ for _, m in members})),
-              ", ".join(dict.fromkeys(containers)) or "the model", f"{best['params']:,}",
-              ", ".join(cls.__name__ for cls in groups if cls is not best_class) or "none")
     blocks = [Block(i, name, module) for i, (name, module) in enumerate(members)]
     return BlockList(", ".join(dict.fromkeys(containers)), blocks, containers, model)
+
+
+def _sibling_sequence(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """Where no container repeats a class (Inception v3: Mixed_5b..7c are eleven modules of five classes,
+    plain attributes of the model): the composite children (modules of modules) of the one module whose
+    composite children hold the most parameters, three or more holding at least half of the model's,
+    in module order: the stages along the forward path, each worth recomputing whole."""
+    total = count_parameters(model)
+    best, best_params = None, 0
+    for name, module in model.named_modules():
+        units = [(_join(name, child_name), child) for child_name, child in module.named_children()
+                 if next(child.children(), None) is not None and count_parameters(child) > 0]
+        params = sum(count_parameters(child) for _, child in units)
+        if len(units) >= 3 and params * 2 >= total > 0 and params > best_params:
+            best, best_params = units, params
+    if best is not None:
+        log.debug("blocks: no container repeats a class; the %d composite children of %s (%s parameters)", len(best),
+                  best[0][0].rpartition(".")[0] or "the model", f"{best_params:,}")
+    return best
 
 
 def _candidate_groups(model: nn.Module, in_containers: bool) -> dict[type, dict]:

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_cont
 
 from ..plan import Checkpointing
 from .blocks import BlockList, Undo, undo_all, wrap_forward
-from .segments import apply_segments
+from .segments import apply_segments, input_versions, refuse_written_inputs
 from .selective import SelectiveBlock, static_policy
 from .torch_features import checkpoint_options
 
@@ -48,7 +48,7 @@ def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:
     for region in policy.regions(blocks):
         block = blocks[region[0]]
         undos.append(wrap_forward(block.module, _checkpointed,
-                                  _context_fns([block.module], policy.kept_ops(), block.name)))
+                                  _context_fns([block.module], policy.kept_ops(), block.name), block.name))
     return undo_all(undos)
 
 
@@ -62,12 +62,12 @@ def apply_switched(blocks: BlockList, policies: list[Checkpointing], active: Cal
         module = blocks[index].module
         contexts = {k: _context_fns([module], p.kept_ops(), blocks[index].name)
                     for k, p in enumerate(policies) if index in chosen[k]}
-        undos.append(wrap_forward(module, _switched, contexts, active))
+        undos.append(wrap_forward(module, _switched, contexts, active, blocks[index].name))
     return undo_all(undos)
 
 
-def _switched(forward: Callable, contexts: dict[int, _Contexts], active: Callable[[], int]) -> Callable:
-    runs = {k: _checkpointed(forward, context_fns) for k, context_fns in contexts.items()}
+def _switched(forward: Callable, contexts: dict[int, _Contexts], active: Callable[[], int], name: str) -> Callable:
+    runs = {k: _checkpointed(forward, context_fns, name) for k, context_fns in contexts.items()}
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
@@ -106,20 +106,29 @@ def _kv_cache_off(root: nn.Module | None) -> Undo:
     return undo
 
 
-def _checkpointed(forward: Callable, contexts: _Contexts) -> Callable:
+def _checkpointed(forward: Callable, contexts: _Contexts, name: str) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
         compiling = torch.compiler.is_compiling()
-        if contexts.selective is not None and not compiling and torch.is_grad_enabled():
-            contexts.selective.prepare(forward, args, kwargs)  # what this input signature may cache
-        context_fn = contexts.compiled if compiling else contexts.eager
-        if context_fn is not noop_context_fn:  # dynamo traces checkpoint only without a no-op context_fn
-            kwargs = {"context_fn": context_fn, **checkpoint_options(), **kwargs}
-        if compiling:
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        with set_checkpoint_early_stop(EARLY_STOP):
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        if not compiling and torch.is_grad_enabled():
+            versions = input_versions(args, kwargs)
+            output = _run_checkpointed(forward, contexts, compiling, args, kwargs)
+            refuse_written_inputs(name, versions)
+            return output
+        return _run_checkpointed(forward, contexts, compiling, args, kwargs)
     return run
+
+
+def _run_checkpointed(forward: Callable, contexts: _Contexts, compiling: bool, args: tuple, kwargs: dict):
+    if contexts.selective is not None and not compiling and torch.is_grad_enabled():
+        contexts.selective.prepare(forward, args, kwargs)  # what this input signature may cache
+    context_fn = contexts.compiled if compiling else contexts.eager
+    if context_fn is not noop_context_fn:  # dynamo traces checkpoint only without a no-op context_fn
+        kwargs = {"context_fn": context_fn, **checkpoint_options(), **kwargs}
+    if compiling:
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    with set_checkpoint_early_stop(EARLY_STOP):
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 EARLY_STOP = False

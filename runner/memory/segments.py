@@ -39,10 +39,28 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from ..builders.resolve import BuildError
 from .blocks import BlockList, Undo, undo_all, wrap_forward
 from .torch_features import checkpoint_options, segment_generator
 
 log = logging.getLogger(__name__)
+
+
+def input_versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
+    """The tensors a block is given, with their version counters before it runs."""
+    return [(x, x._version) for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+
+
+def refuse_written_inputs(name: str, versions: list[tuple[torch.Tensor, int]]) -> None:
+    """A one-line refusal when a checkpointed block wrote a tensor it was given in place (`nn.ReLU(inplace=True)`
+    or `x.add_()` on its input): checkpoint keeps the inputs to recompute from, and a written one is no longer
+    what the forward started from, which torch finds only in the backward (an internal error at the first
+    step, whatever the policy). Found at the block's first forward, before any backward or update."""
+    if any(tensor._version != version for tensor, version in versions):
+        raise BuildError("memory.checkpointing", f"{name} writes a tensor it is given in place (an in-place op such "
+                         "as nn.ReLU(inplace=True) or x.add_() on its input), so a recompute cannot start from what "
+                         "its forward started from; make that op out of place (inplace=False) or leave this block "
+                         "out of the plan (policy layers)")
 
 
 def apply_segments(blocks: BlockList, checkpointed: list[list[int]], context_for: Callable, early_stop: bool) -> Undo:
@@ -123,6 +141,13 @@ class _Recording:
         self.calls.append((forward, args, kwargs, rng))
         return bool(found)
 
+    def kept_versions(self) -> list[tuple[torch.Tensor, int]]:
+        """The inputs the latest call keeps as given, with their versions then: a write to one of those is
+        what the replay cannot undo (an input an earlier block returned is replayed, written again as in the
+        forward; the region's first call's inputs are the checkpoint's own)."""
+        _, args, kwargs, _ = self.calls[-1]
+        return [(kept.tensor, kept.version) for kept in tree_leaves((args, kwargs)) if isinstance(kept, _Kept)]
+
     def returned(self, output) -> None:
         call = len(self.calls)
         for leaf, x in enumerate(tree_leaves(output)):
@@ -180,9 +205,11 @@ class _SegmentRunner:
         def run(*args, **kwargs):
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
+            versions = input_versions(args, kwargs)
             recording = self._enter(segment, position, forward, args, kwargs, context_fn, name)
             try:
                 output = forward(*args, **kwargs)
+                refuse_written_inputs(name, recording.kept_versions() if recording.calls else versions)
             except BaseException as error:
                 self.abandon(error)
                 raise

@@ -17,8 +17,8 @@ runs the step on fake CPU tensors and reproduces here the CUDA behaviour that ch
   c10's CUDACachingAllocator does (see the class).
 
 Checked against fake CUDA tensors, whose forward does run (tests): the forward of BERT, GPT-2,
-Llama, T5 and ViT gives the same bytes, ResNet within its BatchNorm statistics (CUDA keeps them in
-fp32, fake CPU in the input dtype: 4 bytes per channel and layer).
+Llama, T5 and ViT gives the same bytes, ResNet too (a half-precision BatchNorm keeps float32 statistics
+on CUDA, which `fake_gaps.BatchNormStats` gives the fake kernel).
 What CUDA adds beyond tensors (cuBLAS workspaces, attention backward scratch, the allocator's
 config) is in `cuda_extras`. Not modelled: cuDNN attention, CPU autocast fp32 ops that CUDA keeps
 in low precision beyond those listed here.

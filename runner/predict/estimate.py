@@ -57,7 +57,7 @@ from .cuda_extras import (BLAS_HANDLES_PER_STEP, CUDA_CONTEXT_BYTES, allocator_s
 from .cuda_model import CudaOnCpu, in_cuda_mode, replay_within
 from .compiled_updates import compiled_updates
 from .shapes import build_for_shapes
-from .fake_gaps import FakeGapWatch, WorkspaceFill
+from .fake_gaps import BatchNormStats, FakeGapWatch, WorkspaceFill
 from .device_facts import DeviceFacts
 from .real_paths import real_mask_paths
 from .roofline import OpClock, StepWork
@@ -229,6 +229,7 @@ class Estimator:
         stack = contextlib.ExitStack()
         stack.enter_context(real_mask_paths())  # the attention paths a real step takes
         stack.enter_context(WorkspaceFill())  # the bytes oneDNN's LSTM keeps, which its fake kernel leaves out
+        stack.enter_context(BatchNormStats(self.cuda))  # a half-precision BatchNorm's float32 statistics
         stack.enter_context(GroupedMmOnFake())  # mixture-of-experts' grouped kernel in fp32, which its fake kernel refuses
         stack.enter_context(compiled_updates(self.cuda, any(p.library for p in plan.pool_policies())))  # torchao's update
         if self.cuda:

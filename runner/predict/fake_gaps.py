@@ -98,3 +98,30 @@ def _real_workspace_bytes(*shapes) -> int | None:
         real = [torch.zeros(a[0], dtype=a[1]) if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], torch.dtype)
                 else list(a) if isinstance(a, tuple) else a for a in shapes]
         return int(torch.ops.aten.mkldnn_rnn_layer.default(*real)[3].nbytes)
+
+
+_BATCH_NORMS = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten._batch_norm_with_update.default,
+                          torch.ops.aten._native_batch_norm_legit.default,
+                          torch.ops.aten._native_batch_norm_legit.no_stats})
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class BatchNormStats(TorchDispatchMode):
+    """On fake tensors, a half-precision BatchNorm's saved mean and inverse deviation get the real kernels'
+    float32: the meta kernel gives them the input's dtype, while CPU's kernel computes in its parameters'
+    float32 (mixed types, as under autocast: fp32 weights, bf16 activations) and CUDA's (native and cuDNN)
+    always in float32. Both are kept for the backward, so every BatchNorm in a bf16 step was 4 bytes a
+    channel low (GoogLeNet, MobileNetV3: the estimate below the measured CPU peak)."""
+
+    def __init__(self, cuda: bool):
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func not in _BATCH_NORMS or args[0].dtype not in _HALF or not _is_fake(out[1]):
+            return out
+        params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
+        if out[1].dtype in _HALF and (self.cuda or any(p.dtype == torch.float32 for p in params)):
+            return (out[0], *(stat.to(torch.float32) for stat in out[1:3]), *out[3:])
+        return out

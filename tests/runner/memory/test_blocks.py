@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import torchvision
 import transformers
@@ -52,6 +53,10 @@ CASES = {
     # issue 32: the Inceptions sit in no container; their 36 inner branches were the blocks (full saved 1%)
     "googlenet": (lambda: torchvision.models.googlenet(init_weights=False, aux_logits=False), "",
                   [f"inception{name}" for name in ("3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b")]),
+    # no container repeats a class (eleven Inceptions of five classes, plain attributes): none were found
+    "inception_v3": (lambda: torchvision.models.inception_v3(init_weights=False, aux_logits=False), "",
+                     ["Conv2d_1a_3x3", "Conv2d_2a_3x3", "Conv2d_2b_3x3", "Conv2d_3b_1x1", "Conv2d_4a_3x3",
+                      *(f"Mixed_{name}" for name in ("5b", "5c", "5d", "6a", "6b", "6c", "6d", "6e", "7a", "7b", "7c"))]),
 }
 
 
@@ -124,3 +129,43 @@ def test_print_blocks(capsys):
     assert lines[0] == "bert.encoder.layer: 2 blocks (BertLayer)"
     assert lines[1].split() == ["0", "bert.encoder.layer.0", "33,472", "parameters"]  # 4 x (64x64+64) attention, 2 LayerNorms, 64-128-64 MLP
     assert lines[2].split()[:2] == ["1", "bert.encoder.layer.1"]
+
+
+# --- generated: whatever the model's tree, the blocks found never nest -----------------------------
+
+
+class _Unit(nn.Module):
+    """A module of modules in no container (an Inception's branches are its plain attributes)."""
+
+    def __init__(self, children: list[nn.Module]):
+        super().__init__()
+        for i, child in enumerate(children):
+            setattr(self, f"part{i}", child)
+
+
+class _OtherUnit(_Unit):
+    pass
+
+
+def _trees():
+    leaf = st.builds(lambda width: nn.Linear(width, width), st.integers(1, 6))
+    wrappers = [lambda kids: nn.Sequential(*kids), lambda kids: nn.ModuleList(kids), _Unit, _OtherUnit]
+    return st.recursive(leaf, lambda inner: st.builds(lambda make, kids: make(kids), st.sampled_from(wrappers),
+                                                      st.lists(inner, min_size=1, max_size=4)), max_leaves=24)
+
+
+def test_blocks_never_nest_whatever_the_tree():
+    @settings(max_examples=150, deadline=None)
+    @given(_trees())
+    def check(model):
+        try:
+            blocks = find_blocks(model)
+        except ValueError:
+            return  # nothing repeated: a one-line error that names the key
+        names = [block.name for block in blocks]
+        assert len(set(names)) == len(names)
+        assert not [(a, b) for a in names for b in names if a != b and b.startswith(f"{a}.")], names
+        modules = [id(block.module) for block in blocks]
+        assert len(set(modules)) == len(modules)
+        assert all(block.module is model.get_submodule(block.name) for block in blocks)
+    check()
