@@ -40,13 +40,16 @@ def test_a_bad_combination_is_one_line_before_any_rank_starts(ckrun, tmp_path, a
 
 
 def test_nproc_under_torchrun_is_refused(ckrun, tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
+                       "MASTER_PORT": "29500"}.items():  # all torchrun sets: a partial set is refused earlier
+        monkeypatch.setenv(key, value)
     code, _, err = ckrun(STACK, *TINY, "distributed.strategy=ddp", f"output.dir={tmp_path}", "--nproc", "2")
     assert code == 2 and err.count("\n") == 1 and "already runs under torchrun" in err
 
 
 def test_two_ranks_with_strategy_none_are_refused_before_joining(monkeypatch):
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost"}.items():
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost",
+                       "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
     recipe, _ = load_recipe_document(STACK, TINY)
     with pytest.raises(InputError, match="none trains one process, but 2 ranks would each train alone"):

@@ -103,7 +103,8 @@ def test_a_model_whose_own_plan_has_a_style_ckrun_does_not_apply_is_refused_at_v
 
 
 def test_torchrun_ranks_an_hsdp_shard_does_not_divide_are_refused_before_joining(monkeypatch):
-    for key, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost"}.items():
+    for key, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost",
+                       "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
     recipe, _ = load_recipe_document(STACK, [*TINY, "distributed={strategy: hsdp, shard: 3}"])
     with pytest.raises(InputError, match="distributed.shard: shard groups of 3 ranks do not divide 4 ranks"):
