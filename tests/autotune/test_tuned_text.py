@@ -35,8 +35,14 @@ def tunings(draw):
                       compile=draw(st.booleans()))
     assume(not plan_problems(plan))  # the tuner never proposes a plan the schema refuses
     winner = TrialRecord(state="feasible", plan=plan.model_dump(mode="json"),
-                         precision=draw(st.sampled_from(["fp32", "bf16", "fp16"])))
+                         precision=draw(st.sampled_from(_precisions(doc))))
     return path, overrides, doc, winner, draw(st.sampled_from(["40GB", "100MB", "1500000000"]))
+
+
+def _precisions(doc) -> list[str]:
+    """The precisions the tuner may give the recipe: a LoRA base held in bf16 runs only under bf16."""
+    held = ((doc.data.get("model") or {}).get("lora") or {}).get("base_dtype", "fp32")
+    return ["fp32", "bf16", "fp16"] if held == "fp32" else [held]
 
 
 def kept_lines(text: str, replaced: set[str]) -> list[str]:
