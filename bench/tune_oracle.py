@@ -45,6 +45,7 @@ from autotune.search import SearchSettings, search
 from autotune.candidate import Candidate
 from autotune.facts import Device, ModelFacts
 from autotune.knobs import build_space, describe
+from autotune.pool_knobs import POOL_KNOBS
 from autotune.study import FINALIST_RUNS, Budget, Prediction, open_study
 from runner.files import write_atomic
 from runner.load import load_recipe
@@ -66,7 +67,7 @@ PROBLEMS = {  # name: (recipe, overrides, knobs pinned: none, the tuner's whole 
 QUICK = {"tiny_bert": ("recipes/bert_tiny.yaml", [  # 4 blocks, batch 16: 30 plans, so a quarter is a search
     "model.config.num_hidden_layers=4", "model.config.hidden_size=64", "model.config.intermediate_size=256",
     "model.config.vocab_size=1024", "data.seq_len=128", "train.batch_size=16", "precision=bf16"],
-    {"allocator": "default", "offload": "none"})}
+    {"allocator": "default", "offload": "none", "pools": "the recipe's"})}  # 30 plans: the pools' knobs pinned
 DEVICES = ("h100", "a100-40gb", "l4")
 CAPS = {"tight": 0.15, "middle": 0.5, "loose": 0.85}
 MARGIN, SHARE, NOISE, FINALISTS = 0.05, 4, 0.03, 1
@@ -146,6 +147,10 @@ def problem_space(recipe, pins: dict):
     device = Device("cuda", facts.name, facts.memory_bytes, ("fp32", "bf16", "fp16"), torch.__version__, None,
                     CONTEXT_BYTES)
     space = build_space(recipe, ModelFacts.from_json(model_facts(recipe)), device)
+    pins = dict(pins)
+    if pins.pop("pools", None):  # the weights', optimizer's and loss's knobs at the recipe's own settings
+        own = Candidate(recipe.memory, recipe.precision)
+        pins.update({knob.name: knob.from_plan(own, space) for knob in POOL_KNOBS})
     for name, value in pins.items():
         space.choices.pop(name, None)
         space.fixed[name] = value

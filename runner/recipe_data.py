@@ -57,6 +57,10 @@ class DataSection(Choice):
     (runner/builders/checks.py)."""
     holds: ClassVar[str]
     """What its samples are, for the line that refuses a task it cannot train."""
+    first_lines: ClassVar[str | None] = None
+    """What `ckrun validate` reads of its local files before a run would (runner/builders/data_checks.py):
+    "files" (that data.paths match files), "records" (and each file's first record), "class_folders"
+    (that data.root holds a folder per class); None: nothing."""
 
     @classmethod
     def tasks(cls) -> tuple[str, ...]:
@@ -141,6 +145,7 @@ class TextFilesData(TokenisedFiles):
     source: Literal["text"]
     """Local UTF-8 text files, tokenised and cut into fixed-length samples."""
     holds: ClassVar[str] = "plain text: no labels or target texts"
+    first_lines: ClassVar[str | None] = "files"
     task: Literal["masked_lm", "causal_lm"] | None = None
     """What the model learns; inferred from the model class when unset."""
     split: Literal["packed", "lines"] = "packed"
@@ -162,6 +167,7 @@ class RecordsData(Examples):
     a label (sequence_classification) or a target text (seq2seq). `.jsonl`: one JSON object per line;
     `.csv`: a header row, then one row each. Nothing is downloaded."""
     holds: ClassVar[str] = "examples of an input and a target"
+    first_lines: ClassVar[str | None] = "records"
     task: Literal["sequence_classification", "seq2seq"] | None = None
     """What the model learns; inferred from the model class when unset."""
 
@@ -184,6 +190,7 @@ class ImageFolderData(DataSection):
     source: Literal["image_folder"]
     """A torchvision ImageFolder: ROOT/CLASS_NAME/IMAGE files."""
     holds: ClassVar[str] = "images in class folders"
+    first_lines: ClassVar[str | None] = "class_folders"
     root: PathText
     """The folder holding one sub-folder per class."""
     image_size: int = Field(default=224, gt=0)

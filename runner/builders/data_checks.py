@@ -30,14 +30,14 @@ def matching_files(patterns: list[str]) -> list[Path]:
 def local_data_problems(data, key: str, task: str | None) -> list[KeyedError]:
     """The problems of a text, records or image_folder section that reading its files' first lines finds."""
     try:
-        if data.source in ("text", "records"):
+        if data.first_lines in ("files", "records"):  # the section says what its files' first lines tell
             files = matching_files(data.paths)
             if not files:
                 raise KeyedError(f"{key}.paths", f"no files match {', '.join(data.paths)}")
-            if data.source == "records":
+            if data.first_lines == "records":
                 for path in files:
                     _first_record_fits(path, data, key, task)
-        elif data.source == "image_folder":
+        elif data.first_lines == "class_folders":
             _has_class_folders(Path(data.root).expanduser(), data.root, key)
     except KeyedError as err:
         return [err]

@@ -241,7 +241,7 @@ def model_inputs(recipe: Recipe, model: nn.Module, labels: list[str] | None) -> 
     if getattr(data, "tokenizer", None) is not None:
         found["token_ids"] = {"kind": "tokenizer", "directory": ".", "how": "AutoTokenizer.from_pretrained(this "
                               "directory); ids are the tokenizer's"}
-    elif data.source in ("text", "records", "dataset"):
+    elif data.tokenised:  # text, records, a dataset without a tokenizer: UTF-8 bytes
         vocab = getattr(data, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None) \
             or getattr(model, "vocab_size", None) or BYTE_VOCAB
         found["token_ids"] = {"kind": "utf-8 bytes", "id": "byte + 2, modulo vocab_size", "vocab_size": int(vocab),

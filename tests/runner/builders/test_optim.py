@@ -72,9 +72,22 @@ def test_8_bit_adamw_comes_from_bitsandbytes_when_installed(tmp_path, monkeypatc
     (fake / "optim.py").write_text("import torch\nclass PagedAdamW8bit(torch.optim.AdamW):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, "train.optimizer={name: paged_adamw_8bit, lr: 0.002}", "train.steps=1"])
-    optimizer = build_optimizer(torch.nn.Linear(2, 2), recipe.train, torch.device("cpu"))
+    try:
+        optimizer = build_optimizer(torch.nn.Linear(2, 2), recipe.train, torch.device("cpu"))
+    finally:
+        _forget_fake_bitsandbytes()
     assert type(optimizer).__module__ == "bitsandbytes.optim" and type(optimizer).__name__ == "PagedAdamW8bit"
     assert optimizer.defaults["lr"] == 0.002
+
+
+def _forget_fake_bitsandbytes() -> None:
+    """The fake package leaves this process: later tests in it (peft's LoRA layers ask for bitsandbytes.nn
+    wherever `bitsandbytes` imports, and peft caches whether it does) must see none installed."""
+    for name in [name for name in sys.modules if name == "bitsandbytes" or name.startswith("bitsandbytes.")]:
+        del sys.modules[name]
+    utils = sys.modules.get("peft.import_utils")
+    for check in ("is_bnb_available", "is_bnb_4bit_available"):
+        getattr(getattr(utils, check, None), "cache_clear", lambda: None)()
 
 
 # each schedule's recipe settings, and transformers' own function with the arguments they should reach
