@@ -34,6 +34,7 @@ def test_a_probe_group_measures_with_every_rank_and_reports_once(tmp_path):
     assert [launch["what"] for launch in launches(tmp_path)].count("rank") == 2
 
 
+@pytest.mark.slow  # 30 s: two ranks wait out a hang
 def test_a_rank_that_crashes_or_hangs_costs_its_probe_and_leaves_no_process(tmp_path, monkeypatch):
     monkeypatch.setenv("CKRUN_PROBE_FAULT", "crash:0@1,hang:1@1")  # only rank 1 of each group
     # the crash must come before its probe's timeout however busy the machine; the hang waits for it

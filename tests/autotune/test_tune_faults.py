@@ -23,6 +23,7 @@ def _tune(ckrun, directory, *extra):
                  "--no-screen", *extra)  # the fake child measures a formula, not what the estimator predicts
 
 
+@pytest.mark.slow  # 21 s: waits out a hang
 def test_oom_crash_and_hang_are_survived(ckrun, monkeypatch, tmp_path):
     use_fake_child(monkeypatch)
     monkeypatch.setenv("CKRUN_PROBE_FAULT", "oom:0,crash:1,hang:2")  # the child's documented test hook

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT
 from tune_helpers import launches, report, survivors, use_fake_child, wait_for
@@ -29,6 +31,7 @@ def _first_evaluations(directory):
     return [t["key"] for t in trials if t["state"] not in ("duplicate", "interrupted")]
 
 
+@pytest.mark.slow  # 25 s: a study killed and resumed
 def test_killed_study_resumes_to_the_same_winner(ckrun, monkeypatch, tmp_path):
     env = {**os.environ, **use_fake_child(monkeypatch, seconds=1.5)}
     cut = tmp_path / "cut"

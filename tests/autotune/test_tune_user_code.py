@@ -74,7 +74,7 @@ FAULTS = {"hang": ("timed out after 15 s", "15"), "segfault": ("killed by SIGSEG
           "exit": ("exited with status 7", str(children.STALL_S * 5))}
 
 
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) if f == "hang" else f for f in FAULTS])
 def test_a_forward_that_faults_ends_the_tune_with_a_report(tmp_path, fault):
     recipe = user_recipe(tmp_path, write_user_model(tmp_path), {"fault": fault})
     words, limit = FAULTS[fault]

@@ -1,4 +1,4 @@
-"""The search judged against an oracle, small enough for every test run: a 4-block BERT whose 30
+"""The search judged against an oracle (`-m slow`: 75 s on 2 cores): a 4-block BERT whose 30
 plans the predictor scores once, then `ckrun tune`'s own search with a quarter of the probes, at a
 tight, a middle and a loose cap, with and without noise. A change that makes the search choose
 worse fails here, whatever the machine is doing."""
@@ -21,6 +21,7 @@ def oracle_bench():
     return module
 
 
+@pytest.mark.slow  # 75 s: the grid scored, then six searches
 def test_the_search_reaches_the_oracles_best_within_a_quarter_of_the_grid(tmp_path, oracle_bench):
     results = oracle_bench.main(["--quick", "--out", str(tmp_path)])
     assert [r["cap_name"] for r in results] == ["tight", "middle", "loose"]

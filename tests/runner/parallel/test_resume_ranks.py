@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
     return base, done
 
 
+@pytest.mark.slow  # 25 s: a run, then two FSDP ranks
 def test_a_single_process_checkpoint_resumes_on_two_fsdp_ranks(runs):
     base, done = runs
     assert done.returncode == 0, done.stderr
