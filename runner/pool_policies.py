@@ -21,6 +21,7 @@ Pure data: importing this module imports neither torch nor torchao.
 from __future__ import annotations
 
 import importlib.util
+from abc import abstractmethod
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -86,9 +87,9 @@ class WeightsPolicy(PoolPolicy):
         """Whether autocast keeps its cast copies of the weights for the whole forward."""
         return True
 
+    @abstractmethod
     def holds(self, precision: str) -> str:
         """What the weights hold under `precision` (fp32, bf16, fp16), for the estimate's notes."""
-        raise NotImplementedError
 
 
 class MasterWeights(WeightsPolicy):

@@ -81,19 +81,25 @@ def _first(file, suffix: str, path: Path, key: str) -> tuple[dict | None, str]:
             raise KeyedError(f"{key}.paths", f"{path}:{reader.line_num}: {len(row)} fields where the header has "
                                              f"{len(header)}; quote fields that hold a {delimiter!r}")
         return dict(zip(header, row, strict=True)), f"{path}:{reader.line_num}"
-    for number, line in enumerate(file, 1):
+    for number, record in json_objects(file, path, lambda message: KeyedError(f"{key}.paths", message)):
+        return record, f"{path}:{number}"
+    return None, ""
+
+
+def json_objects(lines, path: Path, error, fields: str = ""):
+    """(line number, object) for each non-blank line of a JSONL file; `error(message)` is raised for a line
+    that is not one JSON object (`fields`: what the message says the object should hold)."""
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise KeyedError(f"{key}.paths", f"{path}:{number}: not JSON ({err.msg}, column {err.colno}); "
-                                             "each line holds one JSON object") from None
+            raise error(f"{path}:{number}: not JSON ({err.msg}, column {err.colno}); "
+                        "each line holds one JSON object") from None
         if not isinstance(record, dict):
-            raise KeyedError(f"{key}.paths", f"{path}:{number}: a JSON {type(record).__name__}, not an object with "
-                                             f"fields")
-        return record, f"{path}:{number}"
-    return None, ""
+            raise error(f"{path}:{number}: a JSON {type(record).__name__}, not an object with fields{fields}")
+        yield number, record
 
 
 def _has_class_folders(directory: Path, root: str, key: str) -> None:

@@ -22,13 +22,12 @@ from pathlib import Path
 import torch
 
 from ..recipe import RecordsData
+from .data_checks import CSV_DELIMITERS, JSONL_SUFFIXES, json_objects
 from .data import IGNORE, Batch, Shape, TextSource, epoch_rows, load_tokenizer
 from .resolve import BuildError
 
 log = logging.getLogger(__name__)
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}
 _INTEGER = re.compile(r"[0-9]+")
 
 
@@ -77,17 +76,9 @@ def _text(path: Path, key: str) -> str:
 
 
 def _jsonl_examples(path: Path, data: RecordsData, key: str):
-    for number, line in enumerate(_text(path, key).split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise BuildError(f"{key}.paths", f"{path}:{number}: not JSON ({err.msg}, column {err.colno}); "
-                                             "each line holds one JSON object") from None
-        if not isinstance(record, dict):
-            raise BuildError(f"{key}.paths", f"{path}:{number}: a JSON {type(record).__name__}, not an object with "
-                                             f"fields {data.input_field!r} and {data.target_field!r}")
+    fields = f" {data.input_field!r} and {data.target_field!r}"
+    for number, record in json_objects(_text(path, key).split("\n"), path,
+                                       lambda message: BuildError(f"{key}.paths", message), fields):
         yield to_example(f"{path}:{number}", record, data, key)
 
 
