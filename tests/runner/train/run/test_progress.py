@@ -11,7 +11,7 @@ import sys
 from unittest.mock import patch
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import children
@@ -58,9 +58,12 @@ def test_an_image_model_reports_samples_per_second(tmp_path, ckrun, caplog):
 @settings(max_examples=60, deadline=None)
 @given(first=st.floats(1, 600), second=st.floats(0.5, 60), pace=st.floats(0.1, 30), noise=st.lists(
     st.floats(0.85, 1.15), min_size=40, max_size=40))
+@example(first=1.0, second=1.0, pace=25.0, noise=[1.0] * 21 + [1.125] * 18 + [0.859375])  # CI's case: last step fast
 def test_the_eta_does_not_swing_with_slow_first_steps(first, second, pace, noise):
-    """Slow first steps (compiling, warming caches) then a steady pace with +-15% noise: no estimate is
-    shown that the truth is more than 20% from (the old one said 1h06m at step 1 and 40m at step 5)."""
+    """Slow first steps (compiling, warming caches) then a steady pace with +-15% noise: every estimate
+    shown lies in the noise band of the steady pace times the steps left, whatever the first steps took
+    (the old one said 1h06m at step 1 and 40m at step 5). The band, not the truth: with one step left the
+    truth alone can sit 15% below the pace while the mean so far sits 15% above it."""
     total, now = 40, 0.0
     times = [first, second, *(pace * n for n in noise[2:])]
     bar = Progress(total=total, first_step=0, log_every=1, log_seconds=0, show=False)
@@ -69,11 +72,11 @@ def test_the_eta_does_not_swing_with_slow_first_steps(first, second, pace, noise
         with patch.object(progress.time, "monotonic", lambda now=now: now):
             bar.update({"step": step, "step_time_s": seconds})
         shown = bar.eta({"step": step, "step_time_s": seconds}, now)
-        truth = sum(times[step:])
+        steady = pace * (total - step)
         if step <= 2:
             assert shown == "ETA after step 3"
-        elif truth >= 10:
-            assert abs(_seconds(shown) - truth) <= 0.2 * truth + 1, (step, shown, truth)
+        elif steady >= 10:
+            assert abs(_seconds(shown) - steady) <= 0.15 * steady + 1, (step, shown, steady)
 
 
 def _seconds(shown: str) -> float:
