@@ -14,7 +14,7 @@ or in two steps, `plan = plan_memory(model, batch, max_mem="8GB")` then `apply_m
 
 One path with the CLI, not a second implementation: a predicted plan comes from the estimator
 (runner/predict, what `ckrun estimate` runs: one step on fake tensors, here of a fake copy of your
-model and your batch) and the solver (autotune/solver.py, whose per-block plans `ckrun tune` starts
+model and your batch) and the solver (autotune/search/solver.py, whose per-block plans `ckrun tune` starts
 from); a measured one from `ckrun tune` itself; either is put on the model by
 runner/memory/apply.py's `apply_plan`, as `ckrun RECIPE` applies a recipe's memory section.
 
@@ -179,10 +179,10 @@ def _predicted(recipe: Recipe, given, device: str, cap: Cap) -> PlannedMemory:
 
 def _fastest_under(estimator, cap: Cap) -> PlannedMemory:
     """No plan where that is predicted to fit, else the solver's plan for the recipe's micro-batch (a
-    given batch is fed whole) and precision, as `ckrun tune` proposes it (autotune/solver.py)."""
+    given batch is fed whole) and precision, as `ckrun tune` proposes it (autotune/search/solver.py)."""
     from runner.predict.block_costs import cost_table
 
-    from .solver import propose
+    from .search.solver import propose
 
     base, precision = estimator.recipe.memory, estimator.recipe.precision
     kept = estimator.estimate(base.model_copy(update={"checkpointing": NoCheckpointing(), "offload": NoOffload()}),

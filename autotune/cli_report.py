@@ -14,8 +14,8 @@ from runner.problems import InputError, Place, Problem
 from runner.train.output.curves import report_run
 from runner.train.output.directory import METRICS
 
-from .report import publish
-from .study import STUDY_NAME, trial_records
+from .outputs.report import publish
+from .search.study import STUDY_NAME, trial_records
 
 
 def add_arguments(parser) -> None:

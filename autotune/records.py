@@ -2,11 +2,14 @@
 trial (`TrialRecord`). Each has one serialisation: a probe's result file is written with
 `ProbeResult.to_json` and read with `from_json`; a trial's record goes into its optuna user
 attributes with `store_record` and comes back with `read_record`. A mistyped status, state or
-field is a validation error, where a dict would have carried it silently.
+field is a validation error, where a dict would have carried it silently. `plans` folds a plan's
+runs into one entry and `ranked_feasible` orders those that fit: the search, the report and the
+training after it all rank the same way.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -143,3 +146,31 @@ def read_record(trial: FrozenTrial) -> TrialRecord:
         attrs.setdefault("reason", INTERRUPTED)
     attrs["label"] = attrs.get("label") or str(trial.params)
     return TrialRecord.model_validate(attrs)
+
+
+def plans(records: list[TrialRecord]) -> list[TrialRecord]:
+    """One entry per measured plan, in trial order: its first trial with every run of it folded in
+    (finalists are measured again). Throughput is the median of the runs; the peak is the largest,
+    and the plan fits only if every run did: the cap must hold whichever run training resembles."""
+    groups: dict[str, list[TrialRecord]] = {}
+    for record in records:
+        if record.state != "duplicate" and record.key is not None:
+            groups.setdefault(record.key, []).append(record)
+    found = []
+    for group in groups.values():
+        runs = [r for r in group if r.samples_per_s and r.measured_peak]
+        if not runs:
+            continue
+        misfit = next((r for r in group if r.state != "feasible"), None)
+        folded = {"samples_per_s": statistics.median(r.samples_per_s for r in runs),
+                  "measured_peak": max(r.measured_peak for r in runs), "runs": len(runs)}
+        if misfit:
+            folded.update(state=misfit.state, reason=misfit.reason)
+        found.append(group[0].model_copy(update=folded))
+    return found
+
+
+def ranked_feasible(records: list[TrialRecord]) -> list[TrialRecord]:
+    """Plans that fit, best first: fastest; on a tie the smaller peak, then the earlier trial."""
+    feasible = [p for p in plans(records) if p.state == "feasible"]
+    return sorted(feasible, key=lambda p: (-p.samples_per_s, p.measured_peak, p.number))

@@ -24,8 +24,8 @@ import os
 import statistics
 from pathlib import Path
 
-from autotune.probe import ProbeRunner, ProbeSettings
-from autotune.solver import frontier
+from autotune.probes.probe import ProbeRunner, ProbeSettings
+from autotune.search.solver import frontier
 from runner.load import load_recipe
 from runner.plan import MemoryPlan
 from runner.predict.estimate import Estimator

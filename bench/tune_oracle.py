@@ -5,7 +5,7 @@ its step time on H100, A100-40GB and L4 device facts, computed once and cached, 
 is a fixed number. For each problem (BERT-large, GPT-2 medium, a 1B Llama, ViT-L/16, ResNet-50)
 every plan of the tuner's space (the grid) is scored; for each device three caps are set, their
 limits (cap minus the 5 % margin) 15 %, 50 % and 85 % of the way from the grid's smallest peak to
-its largest (or to the card's memory); then `autotune.search.search`, the code `ckrun tune` runs,
+its largest (or to the card's memory); then `autotune.search.run.search`, the code `ckrun tune` runs,
 searches with a quarter of the grid's probes in all (the finalists' re-runs included), its
 probes answered by the oracle, and again with seeded +-3 % noise on each answer's throughput.
 
@@ -37,16 +37,17 @@ import torch
 
 from autotune.cap import Cap
 from bench.doc_sections import write_section
-from autotune.model_child import model_facts
-from autotune.predicted import CONTEXT_BYTES
+from autotune.probes.model_child import model_facts
+from autotune.search.predicted import CONTEXT_BYTES
 from autotune.records import ProbeResult
-from autotune.report import ranked_feasible
-from autotune.search import SearchSettings, search
-from autotune.candidate import Candidate
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space, describe
-from autotune.pool_knobs import POOL_KNOBS
-from autotune.study import FINALIST_RUNS, Budget, Prediction, open_study
+from autotune.records import ranked_feasible
+from autotune.search.run import SearchSettings, search
+from autotune.space.candidate import Candidate
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space, describe
+from autotune.space.pool_knobs import POOL_KNOBS
+from autotune.search.study import Budget, Prediction, open_study
+from autotune.search.tuner import FINALIST_RUNS
 from runner.files import write_atomic
 from runner.load import load_recipe
 from runner.plan import MemoryPlan
@@ -124,7 +125,7 @@ class OraclePredictor:
         return Prediction(answer["peak"], time=answer["times"][self.device] if self.guided else None)
 
     def frontier(self, request: dict) -> dict:
-        from autotune.solver import frontier
+        from autotune.search.solver import frontier
 
         key = json.dumps([self.device, request], sort_keys=True)
         if key not in self.oracle.frontiers:

@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 
 from autotune.cap import Cap
-from autotune.child import device_info
-from autotune.probe import ProbeRunner, ProbeSettings
-from autotune.model_child import model_facts
-from autotune.candidate import Candidate
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space, describe
-from autotune.study import FINALIST_RUNS
+from autotune.probes.child import device_info
+from autotune.probes.probe import ProbeRunner, ProbeSettings
+from autotune.probes.model_child import model_facts
+from autotune.space.candidate import Candidate
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space, describe
+from autotune.search.tuner import FINALIST_RUNS
 from runner.cli import main as ckrun
 from runner.load import load_recipe
 from runner.plan import MemoryPlan

@@ -168,7 +168,7 @@ class OptimizerStatePolicy(PoolPolicy):
 
     def moment_bytes(self) -> float | None:
         """The fewest bytes a moment keeps per parameter element, its scales left out (the tuner's lower
-        bound: autotune/pool_floor.py); None: the parameter's own dtype."""
+        bound: autotune/space/pool_floor.py); None: the parameter's own dtype."""
         return None
 
     def unsupported(self) -> str | None:

@@ -47,7 +47,7 @@ def contents(text: str) -> list[tuple[str, str]]:
 def test_anchors_are_githubs():
     assert anchor("Set-up on a fresh machine") == "set-up-on-a-fresh-machine"
     assert anchor("Weights, optimizer and loss") == "weights-optimizer-and-loss"
-    assert anchor("A `tuner` knob (autotune/knobs.py)") == "a-tuner-knob-autotuneknobspy"
+    assert anchor("A `tuner` knob (autotune/space/knobs.py)") == "a-tuner-knob-autotunespaceknobspy"
     assert headings("# A\n```\n# not one\n```\n## B") == [(1, "A"), (2, "B")]
 
 
@@ -109,7 +109,7 @@ def _links(text: str) -> set[str]:
 def test_every_path_the_guide_names_exists():
     text = DEVELOPING.read_text(encoding="utf-8")
     paths = _paths(text)
-    assert {"runner/policies.py", "autotune/knobs.py", "bench/gpu/call.sh"} <= paths, "the path reader reads nothing"
+    assert {"runner/policies.py", "autotune/space/knobs.py", "bench/gpu/call.sh"} <= paths, "the path reader reads nothing"
     missing = sorted(path for path in paths if not _exists(path))
     missing += sorted(link for link in _links(text) if not (DEVELOPING.parent / link).exists())
     assert not missing, f"docs/DEVELOPING.md names paths that do not exist: {missing}"

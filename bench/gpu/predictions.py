@@ -75,7 +75,7 @@ def cards(campaign) -> dict:
 
 def solve(campaign, none_overrides: dict[int, list[str]], estimator: Estimator | None = None) -> dict:
     """The solver's plan per micro-batch (see the module docstring), from `none`'s recipe at each."""
-    from autotune.solver import frontier
+    from autotune.search.solver import frontier
 
     estimator = estimator or estimator_for(campaign)
     recipe = load_recipe(campaign.recipe_path, list(campaign.base))

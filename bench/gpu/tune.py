@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/g
 
 from pydantic import ByteSize, TypeAdapter  # noqa: E402
 
-from autotune.probe import ProbeRunner, ProbeSettings  # noqa: E402
+from autotune.probes.probe import ProbeRunner, ProbeSettings  # noqa: E402
 from bench.gpu import tables, tune_verdict  # noqa: E402
 from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402

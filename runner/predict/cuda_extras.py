@@ -34,7 +34,7 @@ BLAS_HANDLES_PER_STEP = 2  # the forward's thread and autograd's backward thread
 
 
 # The CUDA context, which counts against the card: measured on an H100 with torch 2.11 once BERT-large's
-# kernels had loaded (docs/benchmarks.md), as autotune/predicted.py's CONTEXT_BYTES; taken for any GPU.
+# kernels had loaded (docs/benchmarks.md), as autotune/search/predicted.py's CONTEXT_BYTES; taken for any GPU.
 CUDA_CONTEXT_BYTES = 804_000_000
 
 

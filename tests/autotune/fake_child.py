@@ -1,4 +1,4 @@
-"""A probe child for tests: autotune.child itself (its arguments, parent watchdog, fault hook and
+"""A probe child for tests: autotune.probes.child itself (its arguments, parent watchdog, fault hook and
 atomic result) with only the measurement replaced by a formula, so that a study's outcome does
 not depend on how busy the machine is. The tuner runs it when CKRUN_PROBE_CHILD=fake_child and
 this folder is on PYTHONPATH. FAKE_PROBE_SECONDS makes each probe take that long."""

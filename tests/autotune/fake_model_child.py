@@ -1,11 +1,11 @@
-"""A model child for tests: the protocol of autotune.model_child (facts.json, ready.json, one
+"""A model child for tests: the protocol of autotune.probes.model_child (facts.json, ready.json, one
 answer-N.json per request line) without torch, faulting where FAKE_MODEL_FAULTS says.
 
 FAKE_MODEL_FAULTS=STAGE:KIND[,...]: STAGE is `facts`, `ready` or the number of a request (counted
 over every child a test starts, from FAKE_MODEL_COUNTER); KIND is `hang`, `segfault`, `exit` or
 `raise` (an answer with status crash, as a Python exception in the user's forward gives).
 
-FAKE_MODEL_TENSOR=JSON: the facts' tensor_parallel (autotune/tp_facts.py). Under --nproc N a
+FAKE_MODEL_TENSOR=JSON: the facts' tensor_parallel (autotune/space/tp_facts.py). Under --nproc N a
 request is read back as the tuner's typed Candidate and answered from a formula with a time (for
 `tune --predict`): 800 MB of parameters and optimizer state split over FSDP2's group, 50 MB per
 sample of a micro-batch, and a communication cost per strategy."""
@@ -66,7 +66,7 @@ COMMUNICATION_S = {"ddp": 0.002, "fsdp": 0.010, "hsdp": 0.006, "tp": 0.008}
 
 
 def ranked(request: dict, nproc: int) -> dict:
-    from autotune.candidate import Candidate  # the request must read back as the tuner's typed candidate
+    from autotune.space.candidate import Candidate  # the request must read back as the tuner's typed candidate
 
     candidate = Candidate.from_request(request)
     plan, strategy = candidate.plan, candidate.strategy

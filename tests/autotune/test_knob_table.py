@@ -1,4 +1,4 @@
-"""The tuner's knob table (autotune/knobs.py): every knob reads back what it wrote, from a point of the
+"""The tuner's knob table (autotune/space/knobs.py): every knob reads back what it wrote, from a point of the
 space to a plan and back (the values the space searches, drawn by hypothesis), and from a plan to a
 point and back (the recipe's own plan, drawn from the policy types); the space, the log line and the
 CLI's flags come from the table alone, so a new knob is one entry."""
@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autotune.cli_tune import add_arguments
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import KNOBS, build_space, describe
-from autotune.model_child import model_facts
-from autotune.space import UNSAID, Space, grid_of
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import KNOBS, build_space, describe
+from autotune.probes.model_child import model_facts
+from autotune.space.space import UNSAID, Space, grid_of
 from conftest import BERT_TINY, TINY_BERT
 from runner.choices import choice_class, choice_fields
 from runner.load import load_recipe

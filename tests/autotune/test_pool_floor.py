@@ -1,4 +1,4 @@
-"""The pools' lower bound (autotune/pool_floor.py): never above what the estimator predicts for any plan
+"""The pools' lower bound (autotune/space/pool_floor.py): never above what the estimator predicts for any plan
 of its pool setting (so ruling a plan out by it never loses one that fits), a plan over it is screened
 without a prediction, and when no pool setting of the space can fit the answer names what would."""
 
@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autotune.cap import Cap
-from autotune.facts import Device, ModelFacts, ParameterFacts
-from autotune.knobs import build_space
-from autotune.model_child import model_facts
-from autotune.pool_floor import Bound, nothing_fits_line, pool_floor, pool_plan
-from autotune.pool_knobs import bound_space, start_settings
-from autotune.study import Tuner
+from autotune.space.facts import Device, ModelFacts, ParameterFacts
+from autotune.space.knobs import build_space
+from autotune.probes.model_child import model_facts
+from autotune.space.pool_floor import Bound, nothing_fits_line, pool_floor, pool_plan
+from autotune.space.pool_knobs import bound_space, start_settings
+from autotune.search.tuner import Tuner
 from runner.plan import plan_problems
 from runner.predict.estimate import Estimator
 from tests.runner.memory.tiny_lm import HAS_TORCHAO, WIDE, recipe

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from autotune.probe import COLD_COMPILE_S, ProbeRunner, ProbeSettings, child_env
+from autotune.probes.probe import COLD_COMPILE_S, ProbeRunner, ProbeSettings, child_env
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from autotune.probe import ProbeRunner, ProbeSettings
+from autotune.probes.probe import ProbeRunner, ProbeSettings
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
 from runner.load import load_recipe

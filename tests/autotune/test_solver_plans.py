@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.solver import frontier
+from autotune.search.solver import frontier
 from conftest import BERT_TINY, TINY_BERT
 from runner.builders.model import build_model
 from runner.load import load_recipe

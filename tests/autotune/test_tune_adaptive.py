@@ -2,9 +2,9 @@
 batches; every point is a valid recipe or one the schema refuses for its reason, and the starting
 points use one plan for every length."""
 
-from autotune.model_child import model_facts
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space
+from autotune.probes.model_child import model_facts
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from tune_helpers import valid_points

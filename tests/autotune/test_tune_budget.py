@@ -16,14 +16,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from autotune.cap import Cap
-from autotune.candidate import Candidate
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space
+from autotune.space.candidate import Candidate
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space
 from autotune.records import ProbeResult
-from autotune.report import ranked_feasible
-from autotune.search import SearchSettings, search
-from autotune.sharding import ShardingChoice
-from autotune.study import Budget, Prediction, open_study
+from autotune.records import ranked_feasible
+from autotune.search.run import SearchSettings, search
+from autotune.space.sharding import ShardingChoice
+from autotune.search.study import Budget, Prediction, open_study
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from autotune.records import TrialRecord
-from autotune.cli_tune import _check_cap_fits
-from autotune.facts import Device
+from autotune.tune import check_cap_fits
+from autotune.space.facts import Device
 from autotune.cap import Cap
-from autotune.train import train_with_fallback
+from autotune.outputs.train import train_with_fallback
 from conftest import BERT_TINY, TINY_BERT
 from runner.problems import InputError
 from runner.train.loop import MemoryCapExceeded, RunResult
@@ -73,7 +73,7 @@ def test_bad_flags_are_one_line_and_status_2(ckrun, tmp_path, flag, value, messa
 def test_a_cap_larger_than_the_card_is_refused():
     card = Device("cuda", "NVIDIA H100 80GB HBM3", 85_000_000_000, ("fp32", "bf16"), "2.x", "12.8")
     with pytest.raises(InputError, match=r"more than the NVIDIA H100 80GB HBM3 has \(85.0 GB\); give at most"):
-        _check_cap_fits(Cap(200 * 10**9, 0.05), card, "200GB")
+        check_cap_fits(Cap(200 * 10**9, 0.05), card, "200GB")
 
 
 def _tuned_for(record):
@@ -126,7 +126,7 @@ def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
 def test_a_probe_that_runs_out_of_host_or_device_memory_is_recorded_as_oom(error):
     """On the CPU a plan over the machine's memory fails in the CPU allocator: still a plan that does
     not fit, which the search learns from, not a crash."""
-    from autotune.child import _guarded
+    from autotune.probes.child import _guarded
 
     def step():
         raise error

@@ -5,12 +5,13 @@ and never ruled out from its neighbours: a non-monotonic peak is found by measur
 import pytest
 
 from autotune.cap import Cap
-from autotune.model_child import model_facts
-from autotune.report import ranked_feasible
+from autotune.probes.model_child import model_facts
+from autotune.records import ranked_feasible
 from autotune.records import ProbeResult
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space
-from autotune.study import Budget, Tuner, open_study, trial_records
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space
+from autotune.search.study import Budget, open_study, trial_records
+from autotune.search.tuner import Tuner
 from tune_helpers import valid_points
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
@@ -69,6 +70,6 @@ def test_a_non_monotonic_budget_is_measured_not_assumed(tmp_path):
     tuner.start(recipe)
     tuner.run(Budget(trials=11))
     records = trial_records(study)
-    assert not [r for r in records if r.state == "screened"] and not tuner.predicted
+    assert not [r for r in records if r.state == "screened"] and not tuner.screening.peaks
     assert sorted(set(probed)) == [round(0.1 * i, 6) for i in range(11)]
     assert ranked_feasible(records)[0].plan["activation_memory_budget"] == 0.3

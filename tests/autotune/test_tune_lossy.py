@@ -4,9 +4,9 @@ the starting points stay exact, and a lossy winner's tuned.yaml says so with its
 import pytest
 import yaml
 
-from autotune.model_child import model_facts
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space
+from autotune.probes.model_child import model_facts
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 

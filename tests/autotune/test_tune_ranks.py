@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotune.records import TrialRecord
-from autotune.rank_probe import combine
+from autotune.probes.rank_probe import combine
 from autotune.records import ProbeResult
-from autotune.rank_tune import check_devices, check_ranks, ranks_comment
-from autotune.sharding import ShardingChoice
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space, describe
-from autotune.validity import invalid_reason
-from autotune.tuned import tuned_data
+from autotune.outputs.rank_tune import check_devices, check_ranks, ranks_comment
+from autotune.space.sharding import ShardingChoice
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space, describe
+from autotune.space.validity import invalid_reason
+from autotune.outputs.tuned import tuned_data
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from runner.problems import InputError
@@ -167,7 +167,7 @@ def test_an_invalid_plan_is_not_predicted_so_the_log_never_says_it_is_probed():
     import optuna
 
     from autotune.cap import Cap
-    from autotune.study import Tuner
+    from autotune.search.tuner import Tuner
 
     space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
     asked = []
@@ -176,5 +176,5 @@ def test_an_invalid_plan_is_not_predicted_so_the_log_never_says_it_is_probed():
     base = {**space.all_params()[0], "sharding": "fsdp"}
     invalid, valid = (space.candidate({**base, "checkpointing": policy}) for policy in ("sqrt", "full"))
     assert invalid_reason(invalid, space) and not invalid_reason(valid, space)
-    assert tuner._prediction(invalid) is None and tuner._prediction(valid) == 1000
+    assert tuner.screening.peak(invalid) is None and tuner.screening.peak(valid) == 1000
     assert asked == [describe(valid)]

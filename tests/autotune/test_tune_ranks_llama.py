@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.candidate import Candidate
+from autotune.space.candidate import Candidate
 from conftest import ROOT
 from runner.cli import main
 from runner.load import recipe_from_text
@@ -27,7 +27,7 @@ SMALL_LLAMA = ["model.config.hidden_size=256", "model.config.intermediate_size=6
 def test_the_model_child_predicts_one_rank_of_four_under_each_strategy():
     """Each request goes through Candidate.request() and back, as the tuner sends it; sharding the
     parameters over more ranks lowers a rank's peak: fsdp over 4 below hsdp over groups of 2 below ddp."""
-    from autotune.model_child import _predict, _ranks
+    from autotune.probes.model_child import _predict, _ranks
 
     ranks = _ranks(_llama(), 4, "cpu", None)  # what the child builds before it says it is ready
     peaks = {}

@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 from pydantic import ValidationError
 
 from autotune.records import ProbeResult, ProbeStatus, RecordState, TrialRecord, read_record, store_record
-from autotune.study import open_study
+from autotune.search.study import open_study
 from runner.plan import MemoryPlan
 from runner.strategies import strategy_from_label
 

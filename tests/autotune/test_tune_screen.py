@@ -8,9 +8,9 @@ import time
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from autotune.screen import MAX_FAULTS, IsolatedPredictor, ModelChild
-from autotune.candidate import Candidate
-from autotune.study import Prediction
+from autotune.probes.screen import MAX_FAULTS, IsolatedPredictor, ModelChild
+from autotune.space.candidate import Candidate
+from autotune.search.study import Prediction
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from runner.plan import MemoryPlan

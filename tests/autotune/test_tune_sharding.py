@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autotune.candidate import Candidate
+from autotune.space.candidate import Candidate
 from autotune.records import TrialRecord, read_record, store_record
-from autotune.sharding import ShardingChoice
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space
-from autotune.tp_facts import TensorFacts, tensor_facts
-from autotune.validity import invalid_reason
+from autotune.space.sharding import ShardingChoice
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space
+from autotune.space.tp_facts import TensorFacts, tensor_facts
+from autotune.space.validity import invalid_reason
 from conftest import BERT_TINY, ROOT, TINY_BERT
 from runner.load import load_recipe
 from runner.plan import MemoryPlan, Sharding
@@ -86,7 +86,7 @@ def test_a_mistyped_label_is_refused_not_read_as_something_else(label):
 def test_an_older_studys_trial_reads_back_typed_with_its_plan_key(tmp_path):
     """A journal written before the types: its record's strategy was the label, its params the old
     labels, its key the label in `distributed`; resumed, each is the same plan as now."""
-    from autotune.study import open_study
+    from autotune.search.study import open_study
 
     study, _ = open_study(tmp_path, {}, resume=False)
     space = build_space(load_recipe(BERT_TINY, TINY_BERT), _facts(None), CPU, nproc=2)
@@ -145,7 +145,7 @@ def test_a_pinned_strategy_offers_its_own_variants_with_its_own_fields():
 
 
 def test_a_pinned_layout_the_ranks_do_not_fit_is_refused_before_anything_starts():
-    from autotune.rank_tune import check_ranks
+    from autotune.outputs.rank_tune import check_ranks
     from runner.problems import InputError
 
     with pytest.raises(InputError, match="shard groups of 3 ranks do not divide 4 ranks; use 2 or 4"):
@@ -174,7 +174,7 @@ def test_a_candidate_reaches_the_model_child_as_it_left(strategy, knobs):
 def test_tuned_yaml_writes_the_whole_distributed_section_and_the_knobs_of_a_sharded_winner():
     from runner.yamlio import Document
 
-    from autotune.tuned import tuned_data
+    from autotune.outputs.tuned import tuned_data
 
     doc = Document(data={"model": {}, "distributed": {"strategy": "tp", "tensor": 4, "plan": {"a": "colwise"}}},
                    text="", source="r.yaml")

@@ -9,10 +9,11 @@ import logging
 import pytest
 
 from autotune.cap import Cap
-from autotune.model_child import model_facts
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space
-from autotune.study import Budget, Tuner, open_study, trial_records
+from autotune.probes.model_child import model_facts
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space
+from autotune.search.study import Budget, open_study, trial_records
+from autotune.search.tuner import Tuner
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
 from runner.load import load_recipe
@@ -65,7 +66,7 @@ def test_a_small_space_is_predicted_whole_and_searched_exhaustively(tmp_path, ca
     formula = lambda c: measure(json.loads(c.recipe(recipe, 10**12).model_dump_json()), 1, 1).peak_mem_bytes  # noqa: E731
     study, _ = open_study(tmp_path, {}, False)
     tuner = Tuner(study, space, CAP, _probe(recipe), predict=formula)
-    with caplog.at_level(logging.INFO, logger="autotune.study"):
+    with caplog.at_level(logging.INFO, logger="autotune.search.tuner"):
         tuner.start(recipe, [], trials)
     fitting = [p for p in space.all_params() if formula(space.candidate(p)) <= CAP.screen_above]
     assert ("exhaustive search" in caplog.text) is exhaustive

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from autotune.model_child import model_facts
-from autotune.facts import Device, ModelFacts
-from autotune.knobs import build_space, describe
+from autotune.probes.model_child import model_facts
+from autotune.space.facts import Device, ModelFacts
+from autotune.space.knobs import build_space, describe
 from conftest import BERT_TINY, TINY_BERT
 from runner.load import load_recipe
 from tune_helpers import valid_points

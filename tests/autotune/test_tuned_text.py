@@ -10,7 +10,7 @@ import re
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from autotune.records import TrialRecord
-from autotune.tuned import tuned_data, tuned_text
+from autotune.outputs.tuned import tuned_data, tuned_text
 from conftest import ROOT
 from runner.load import recipe_from_text
 from runner.plan import MemoryPlan, plan_problems
@@ -88,7 +88,7 @@ def test_a_flow_style_recipe_is_dumped_and_the_log_says_why(caplog):
                          "task: image_classification}, train: {batch_size: 2}}  # one line\n", "flow.yaml")
     winner = TrialRecord(state="feasible", plan=MemoryPlan().model_dump(mode="json"), precision="bf16")
     expected = tuned_data(doc, winner, "1GB")
-    with caplog.at_level(logging.INFO, logger="autotune.tuned"):
+    with caplog.at_level(logging.INFO, logger="autotune.outputs.tuned"):
         text = tuned_text(doc, expected)
     assert parse_document(text, "tuned.yaml").data == expected
     assert any("without the recipe's own comments" in r.message and "start a line" in r.message for r in caplog.records)

@@ -309,3 +309,40 @@ def test_the_private_name_walk_sees_each_form():
               "from runner.train import step\nrunner.files._z(); l._w; step.__name__; _own = 1; self._v\n")
     assert private_names_used(ROOT / "runner" / "memory" / "made_up.py", source) == {
         "runner.units._x", "runner.memory.offload._y", "runner.files._z", "runner.lock._w"}
+
+
+# autotune/'s own layers, lowest first, as runner/train/ has them: its folders name ideas (space/,
+# search/, probes/, outputs/), and a module imports only autotune modules of its own layer or below.
+# The search proposes and screens without knowing what answers a probe (the caller hands it an
+# `evaluate`), so probes/ stands above it: the model child runs the solver, the screen returns the
+# search's `Prediction`. tune orchestrates all of them; the CLIs and the Python API sit on top.
+AUTOTUNE_LAYERS = [
+    ("foundations", {"cap", "records"}),
+    ("space", {"space"}),
+    ("search", {"search"}),
+    ("probes", {"probes"}),
+    ("outputs", {"outputs"}),
+    ("one tune", {"tune"}),
+    ("front", {"cli_tune", "cli_report", "api"}),
+]
+
+
+def autotune_layer_of(module: str) -> int:
+    parts = module.removeprefix("autotune.").split(".")
+    found = [index for index, (_, members) in enumerate(AUTOTUNE_LAYERS) if parts[0] in members]
+    assert found, f"{module} is in no layer of autotune/: add it to AUTOTUNE_LAYERS in {Path(__file__).name}"
+    return found[0]
+
+
+def test_no_autotune_module_imports_from_an_autotune_layer_above_it():
+    ours = [path for path in autotune_files() if module_name(path) != "autotune"]
+    running_up = {(module_name(path), imported) for path in ours for imported in imports_of(path)
+                  if imported.startswith("autotune.") and autotune_layer_of(imported) > autotune_layer_of(module_name(path))}
+    assert not running_up, running_up
+
+
+def test_every_autotune_module_has_one_autotune_layer():
+    named = [name for _, members in AUTOTUNE_LAYERS for name in members]
+    assert len(named) == len(set(named)), "a name in two layers of AUTOTUNE_LAYERS"
+    on_disk = {module_name(path).removeprefix("autotune.").split(".")[0] for path in autotune_files()} - {"autotune"}
+    assert on_disk == set(named), "AUTOTUNE_LAYERS and autotune/'s files and folders differ"

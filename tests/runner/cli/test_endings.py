@@ -11,8 +11,8 @@ import torch
 import autotune
 import runner
 from autotune.api import MemoryPlanError
-from autotune.cli_tune import NothingFits
-from autotune.rank_tune import RanksEnded, RanksOverCap
+from autotune.tune import NothingFits
+from autotune.outputs.rank_tune import RanksEnded, RanksOverCap
 from runner.builders.resolve import BuildError
 from runner.checkpoint_files import CheckpointError
 from runner.cli import UsageError, ending

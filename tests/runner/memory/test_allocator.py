@@ -119,7 +119,7 @@ def test_malformed_settings_are_refused(bad):
 
 
 def test_the_probe_child_gets_it_in_its_environment(tmp_path):
-    from autotune.probe import child_env
+    from autotune.probes.probe import child_env
 
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"memory.allocator={SETTING}"])
     assert [child_env(recipe)[name] for name in ALLOC_ENVS] == [SETTING, SETTING]

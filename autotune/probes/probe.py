@@ -21,12 +21,12 @@ from runner.files import write_atomic
 from runner.memory.allocator import allocator_env
 from runner.recipe import Recipe
 
-from .records import ProbeResult
+from ..records import ProbeResult
 from .warm import Cold, Forked, WarmServer, note_launch, start_child
 
 log = logging.getLogger(__name__)
 
-CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of autotune.child (same arguments)
+CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of autotune.probes.child (same arguments)
 
 
 COLD_COMPILE_S = 300.0  # a cold torch.compile of BERT-large took 1-2 minutes on an H100 (2026-11-22)
@@ -40,7 +40,7 @@ class ProbeSettings:
     timeout_s: float = 600.0
     warmup_steps: int = 2  # steps 1-2 measure the peak (step 2 is the first with optimizer state)
     timed_steps: int = 3
-    nproc: int = 1  # --nproc: each probe is a torchrun group of this many ranks (autotune/rank_probe.py)
+    nproc: int = 1  # --nproc: each probe is a torchrun group of this many ranks (autotune/probes/rank_probe.py)
     compile_timeout_s: float | None = None
     """A probe with memory.compile compiles in its first step; unset: timeout_s + COLD_COMPILE_S."""
 
@@ -57,7 +57,7 @@ class ProbeRunner:
         self.directory = directory / "probes"
         self.directory.mkdir(parents=True, exist_ok=True)
         self.settings = settings
-        self.warm = warm  # forks CPU probes from a process that has imported torch already (autotune/warm.py)
+        self.warm = warm  # forks CPU probes from a process that has imported torch already (autotune/probes/warm.py)
 
     def probe(self, recipe: Recipe, trial: int) -> ProbeResult:
         stem = self.directory / f"trial-{trial}"
@@ -84,7 +84,7 @@ class ProbeRunner:
         log_path.write_text("", encoding="utf-8")
         # only a CPU tune has a warm server; a compiled probe or a group of ranks starts cold even there
         warm = self.warm if self.settings.nproc == 1 and not recipe.memory.compile else None
-        process = start_child(os.environ.get(CHILD_ENV, "autotune.child"), argv, log_path, child_env(recipe), warm)
+        process = start_child(os.environ.get(CHILD_ENV, "autotune.probes.child"), argv, log_path, child_env(recipe), warm)
         note_launch(self.directory, what, trial, process.pid)
         code = _wait(process, timeout_s)
         if trial is not None and (code is None or code < 0):

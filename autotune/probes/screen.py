@@ -1,4 +1,4 @@
-"""The tuner's side of the model child (autotune/model_child.py): the model's facts, and screening.
+"""The tuner's side of the model child (autotune/probes/model_child.py): the model's facts, and screening.
 
 The user's code runs only in that child, never in the tuner, and every answer is awaited with a
 wall-clock limit (`--probe-timeout`, the same as a probe's). On a timeout, or when the child dies
@@ -31,16 +31,16 @@ from runner.recipe import Recipe
 
 from .probe import exit_words, kill_group
 from .warm import note_launch
-from .candidate import Candidate
-from .knobs import describe
-from .study import Prediction
+from ..space.candidate import Candidate
+from ..space.knobs import describe
+from ..search.study import Prediction
 from .warm import Cold, Forked, WarmServer, start_child
 
 log = logging.getLogger(__name__)
 
 MAX_FAULTS = 2  # predictions that hang or kill the child before screening is turned off for the rest
 POLL_S = 0.05
-CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of autotune.model_child (same protocol)
+CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of autotune.probes.model_child (same protocol)
 
 
 class ModelChild:
@@ -48,7 +48,7 @@ class ModelChild:
 
     def __init__(self, recipe: Recipe, probes: Path, device_kind: str, timeout_s: float, screen: bool, nproc: int = 1,
                  time_facts=None, warm: WarmServer | None = None):
-        self.warm = warm  # a CPU tune's warm server forks this child (autotune/warm.py)
+        self.warm = warm  # a CPU tune's warm server forks this child (autotune/probes/warm.py)
         self.recipe, self.probes, self.device_kind, self.nproc = recipe, probes, device_kind, nproc
         self.timeout_s, self.screen = timeout_s, screen
         self.time_facts = time_facts  # runner.predict.hardware.DeviceFacts: predictions carry step times
@@ -76,7 +76,7 @@ class ModelChild:
         argv = [str(recipe_path), str(self.directory), "--parent", str(os.getpid()), "--device", self.device_kind,
                 "--nproc", str(self.nproc), *([] if self.screen else ["--facts-only"]), *timing]
         warm = self.warm if not gpu else None
-        self.process = start_child(os.environ.get(CHILD_ENV, "autotune.model_child"), argv, self.log_path,
+        self.process = start_child(os.environ.get(CHILD_ENV, "autotune.probes.model_child"), argv, self.log_path,
                                    self.environment(gpu), warm, requests=True)
         note_launch(self.probes, "model", None, self.process.pid)
 

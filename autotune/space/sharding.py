@@ -19,7 +19,7 @@ so `fsdp`, `fsdp:keep`, `fsdp:cpu`, `fsdp:keep,cpu` (the labels of studies befor
 `hsdp:2`, `hsdp:2,keep`, `tp:2,keep,cpu`. Default knobs are written as none: one label per plan.
 Only a label read back into itself is accepted, so a mistyped one fails loudly.
 
-`SHARDING` is the knob's entry in the tuner's table (autotune/knobs.py lists it first).
+`SHARDING` is the knob's entry in the tuner's table (autotune/space/knobs.py lists it first).
 """
 
 from __future__ import annotations

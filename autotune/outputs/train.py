@@ -5,7 +5,7 @@ A probe runs a few steps; a training run can still go over (other batches, alloc
 fragmentation over time). The trainer holds every step to memory.max_mem, so a breach surfaces in
 the first steps as MemoryCapExceeded; the next-best feasible plan then takes over, resuming from
 the newest checkpoint if one was written (checkpointing and offload never change what is computed;
-another micro_batch does only where BatchNorm or dropout see the micro-batch, see autotune/space.py).
+another micro_batch does only where BatchNorm or dropout see the micro-batch, see autotune/space/space.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from runner.train.loop import MemoryCapExceeded, RunResult, train
 from runner.units import format_bytes
 
 from .report import summary
-from .facts import Device
-from .space import Space
-from .cap import Cap
-from .records import TrialRecord
+from ..space.facts import Device
+from ..space.space import Space
+from ..cap import Cap
+from ..records import TrialRecord
 
 log = logging.getLogger(__name__)
 

@@ -2,12 +2,12 @@
 
 Every knob is one categorical parameter with string or int values (or a stepped float), so a
 proposal is plain data that optuna stores, a resumed study reads back unchanged, and the same seed
-proposes again. A space is built over a table of knobs (autotune/knobs.py's `KNOBS`), one `Knob`
+proposes again. A space is built over a table of knobs (autotune/space/knobs.py's `KNOBS`), one `Knob`
 record each: how it joins the space (its choices, or the value it is pinned to, and why), how a
 value becomes the candidate's plan and is read back from one, its starting values and its words in
 a log line. Everything here loops over that table; nothing names a knob. Knobs the recipe pins are
 left out of the space, and each such choice is logged with its reason. A point becomes a typed
-`Candidate` (autotune/candidate.py).
+`Candidate` (autotune/space/candidate.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Asked:
 
 @dataclass(frozen=True)
 class Knob:
-    """One tuner knob: its whole life in the search, in one record (autotune/knobs.py holds the table)."""
+    """One tuner knob: its whole life in the search, in one record (autotune/space/knobs.py holds the table)."""
 
     name: str
     """Its parameter in the space and in every study file (optuna's name): never renamed."""
@@ -109,13 +109,13 @@ class Space:
     strategies: list[Strategy] = field(default_factory=list)
     """The strategies the ranks' knob takes (none without --nproc)."""
     bound: Any = None
-    """The pools' lower bound for this search (autotune/pool_floor.py `Bound`, set once the cap is
+    """The pools' lower bound for this search (autotune/space/pool_floor.py `Bound`, set once the cap is
     known): a plan over it is ruled out unpredicted. None: no bound (no parameter facts, --nproc)."""
     tight: bool = False
-    """No pool setting leaves the activations much room under the limit (autotune/pool_knobs.py): the
+    """No pool setting leaves the activations much room under the limit (autotune/space/pool_knobs.py): the
     starting points that save the most come first."""
     pool_start: dict[str, str] | None = None
-    """The pool setting of the starting points and the solver's plans (autotune/pool_knobs.py), once chosen."""
+    """The pool setting of the starting points and the solver's plans (autotune/space/pool_knobs.py), once chosen."""
 
     @property
     def size(self) -> int:

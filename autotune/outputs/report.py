@@ -17,38 +17,10 @@ from pathlib import Path
 from runner.files import write_atomic
 from runner.units import format_bytes
 
-from .cap import Cap
-from .records import TrialRecord
+from ..cap import Cap
+from ..records import TrialRecord, plans, ranked_feasible
 
 log = logging.getLogger(__name__)
-
-
-def plans(records: list[TrialRecord]) -> list[TrialRecord]:
-    """One entry per measured plan, in trial order: its first trial with every run of it folded in
-    (finalists are measured again). Throughput is the median of the runs; the peak is the largest,
-    and the plan fits only if every run did: the cap must hold whichever run training resembles."""
-    groups: dict[str, list[TrialRecord]] = {}
-    for record in records:
-        if record.state != "duplicate" and record.key is not None:
-            groups.setdefault(record.key, []).append(record)
-    found = []
-    for group in groups.values():
-        runs = [r for r in group if r.samples_per_s and r.measured_peak]
-        if not runs:
-            continue
-        misfit = next((r for r in group if r.state != "feasible"), None)
-        folded = {"samples_per_s": statistics.median(r.samples_per_s for r in runs),
-                  "measured_peak": max(r.measured_peak for r in runs), "runs": len(runs)}
-        if misfit:
-            folded.update(state=misfit.state, reason=misfit.reason)
-        found.append(group[0].model_copy(update=folded))
-    return found
-
-
-def ranked_feasible(records: list[TrialRecord]) -> list[TrialRecord]:
-    """Plans that fit, best first: fastest; on a tie the smaller peak, then the earlier trial."""
-    feasible = [p for p in plans(records) if p.state == "feasible"]
-    return sorted(feasible, key=lambda p: (-p.samples_per_s, p.measured_peak, p.number))
 
 
 def pareto_front(records: list[TrialRecord]) -> list[TrialRecord]:

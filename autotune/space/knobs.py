@@ -1,4 +1,4 @@
-"""The tuner's knobs, one `Knob` record each (autotune/space.py), in `KNOBS`: the one table the space,
+"""The tuner's knobs, one `Knob` record each (autotune/space/space.py), in `KNOBS`: the one table the space,
 its candidates, starting points, the solver's points, log lines, tuned.yaml's notes and `ckrun
 tune`'s flags loop over. Each record says how its knob joins the space (the values searched, or the
 value pinned, and the reason either way), how a value becomes the candidate's plan and is read back,
@@ -30,7 +30,7 @@ from runner.units import format_bytes
 from .candidate import Candidate
 from .facts import Device, ModelFacts
 from .pool_knobs import POOL_KNOBS
-from .records import TrialRecord
+from ..records import TrialRecord
 from .sharding import SHARDING
 from .space import UNSAID, Asked, Flag, Knob, Space
 
@@ -342,7 +342,7 @@ KNOBS: tuple[Knob, ...] = (
                    "which changes the gradients, memory.weights bf16 and memory.optimizer_state 8bit/4bit/fp8, which "
                    "change the update; each such plan's error is measured and tuned.yaml marks it"),
          note=compression_comment),
-    *POOL_KNOBS,  # weights, optimizer_state, optimizer_step, optimizer_offload, loss (autotune/pool_knobs.py)
+    *POOL_KNOBS,  # weights, optimizer_state, optimizer_step, optimizer_offload, loss (autotune/space/pool_knobs.py)
 )
 
 

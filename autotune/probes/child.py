@@ -4,11 +4,11 @@ A fresh process per candidate means a crash, an out-of-memory or a hang costs on
 the tuner, and every measurement starts from an empty allocator. The tuner starts it as the leader
 of a new session, so killing its process group also takes anything it started (compile workers).
 
-    python -m autotune.child probe  RECIPE.json RESULT.json --parent PID --trial N --warmup W --timed T
-    python -m autotune.child device RECIPE.json RESULT.json --parent PID
+    python -m autotune.probes.child probe  RECIPE.json RESULT.json --parent PID --trial N --warmup W --timed T
+    python -m autotune.probes.child device RECIPE.json RESULT.json --parent PID
 
 With `--nproc N` (N > 1) the probe runs as a torchrun group of N ranks: this process starts them
-and combines their results, each rank being this module again (autotune/rank_probe.py).
+and combines their results, each rank being this module again (autotune/probes/rank_probe.py).
 
 The result is written atomically; no result file means the process died before it could report.
 Once it is written the process leaves at once (`finish`), without the interpreter's teardown.
@@ -36,7 +36,7 @@ from pathlib import Path
 from runner.files import write_atomic
 from runner.problems import first_line
 
-from .records import ProbeResult
+from ..records import ProbeResult
 
 FAULT_ENV = "CKRUN_PROBE_FAULT"
 
@@ -72,7 +72,7 @@ def _rank_probe(args, recipe_json: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m autotune.child")
+    parser = argparse.ArgumentParser(prog="python -m autotune.probes.child")
     parser.add_argument("what", choices=["probe", "device"])
     parser.add_argument("recipe", help="the candidate recipe as JSON")
     parser.add_argument("result", help="where the result JSON goes")

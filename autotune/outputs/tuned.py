@@ -25,10 +25,11 @@ from runner.recipe import Recipe
 from runner.units import format_bytes
 from runner.yamlio import Document, dump_yaml, parse_document
 
-from .cap import Cap
-from .records import TrialRecord
-from .candidate import distributed_section
-from .report import caveats, plans, summary
+from ..cap import Cap
+from ..records import TrialRecord
+from ..space.candidate import distributed_section
+from ..records import plans
+from .report import caveats, summary
 
 log = logging.getLogger(__name__)
 

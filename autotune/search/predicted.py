@@ -23,10 +23,10 @@ from runner.predict.hardware import DeviceFacts, UnknownDevice, resolve_device
 from runner.problems import InputError, Place, Problem
 from runner.units import format_bytes
 
-from .records import ProbeResult, TrialRecord
-from .search import SearchSettings
-from .candidate import Candidate
-from .facts import Device
+from ..records import ProbeResult, TrialRecord
+from .run import SearchSettings
+from ..space.candidate import Candidate
+from ..space.facts import Device
 from .study import Evaluate, Prediction
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ allocator settings and the hidden GPUs must be in place when the child starts CU
 probe's caches are configured at import, and torchrun starts --nproc ranks itself. A server that
 cannot start or dies is logged once and the children start cold, as before.
 
-    python -m autotune.warm FD MODULE [MODULE ...]   # FD: its end of a SOCK_SEQPACKET pair; MODULEs preloaded
+    python -m autotune.probes.warm FD MODULE [MODULE ...]   # FD: its end of a SOCK_SEQPACKET pair; MODULEs preloaded
                                                      # (MODULE:NAME also gets NAME from it)
 
 Messages are JSON, one per packet. Tuner -> server: {"module", "argv", "env", "cwd"} with the
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 PACKET = 1 << 20  # a request's environment and arguments fit in far less
 START_TIMEOUT_S = 300.0  # the server's imports on a very busy machine; then children start cold
-PRELOAD = ("torch", "runner.train.measure.probe", "runner.predict.estimate", "autotune.child", "autotune.model_child")
+PRELOAD = ("torch", "runner.train.measure.probe", "runner.predict.estimate", "autotune.probes.child", "autotune.probes.model_child")
 SOURCE_MODULES = {"torchvision": ("torchvision.models",)}
 
 

@@ -1,6 +1,6 @@
 """What the tuner knows of the device and of the model, as their child processes reported them: the
-tuner itself never touches CUDA and never builds the user's model. The space (autotune/space.py)
-and its knobs (autotune/knobs.py, autotune/sharding.py) read these; nothing here imports them.
+tuner itself never touches CUDA and never builds the user's model. The space (autotune/space/space.py)
+and its knobs (autotune/space/knobs.py, autotune/space/sharding.py) read these; nothing here imports them.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ModelFacts:
 @dataclass(frozen=True)
 class ParameterFacts:
     """The model's parameters as built (the model child counts them on the meta device): what no memory
-    knob but the pools' policies changes, so a lower bound on every plan's peak (autotune/pool_floor.py)."""
+    knob but the pools' policies changes, so a lower bound on every plan's peak (autotune/space/pool_floor.py)."""
 
     count: int  # elements of every parameter (each shared one once)
     bytes: int  # their bytes in the dtype they are built in

@@ -1,6 +1,6 @@
 """A probe of `ckrun tune --nproc N`: one candidate measured by N ranks, a torchrun group of its own.
 
-The probe child (autotune/child.py) becomes the group's agent: it starts N ranks through torchrun's
+The probe child (autotune/probes/child.py) becomes the group's agent: it starts N ranks through torchrun's
 launcher (`runner.parallel.launch.start_ranks`, a fresh rendezvous on a free port, so no two probes
 ever share a process group), each rank being the same child module under torchrun's environment.
 Every rank measures the steps together with the others (the trainer reduces a step's record over
@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from runner.files import write_atomic
 
-from .records import ProbeResult
+from ..records import ProbeResult
 
 # why a probe failed, most likely cause first: a peer's crash usually follows another rank's failure
 _CAUSE_ORDER = {"over_cap": 0, "oom": 0, "bad_input": 1, "killed": 2, "crash": 3, "stopped": 4, "silent": 5}

@@ -4,7 +4,7 @@ At the optimizer's step (or, where gradients leave early, throughout the backwar
 every gradient that is still on the device and the device's share of the optimizer state are alive
 at once, whatever the activation knobs do: checkpointing, offload, micro-batching, compile and the
 loss shrink only what comes on top. So from the model's parameter counts (the model child counts them
-on the meta device: autotune/facts.py `ParameterFacts`) and a plan's weights, optimizer state,
+on the meta device: autotune/space/facts.py `ParameterFacts`) and a plan's weights, optimizer state,
 optimizer step and optimizer offload, `pool_floor` says how many bytes the plan holds at least; the
 CUDA context comes on top of that on a card. Each bound takes the pool's best case:
 
@@ -15,7 +15,7 @@ CUDA context comes on top of that on a card. Each bound takes the pool's best ca
 - optimizer state: AdamW's two moments (ckrun's adamw only: another optimizer is taken to keep none),
   in the parameters' dtype or the low-bit policy's bytes without its scales, for the device's share.
 
-The tuner rules out a plan whose bound is over the limit before predicting it (autotune/study.py),
+The tuner rules out a plan whose bound is over the limit before predicting it (autotune/search/screening.py),
 and when every plan of the space is, it says so at once with the knob or the cap that would change
 that (`nothing_fits_line`). Under --nproc the ranks shard (FSDP) what this counts whole: no bound.
 """

@@ -6,22 +6,22 @@ predicted peak per plan. Both run the user's code (the factory; the forward, on 
 both happen here, in a child that leads its own process group, never in the tuner: a hang, a
 segfault or an `os._exit` in the user's code then costs a timeout and a line in the report.
 
-    python -m autotune.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--nproc N] [--facts-only]
+    python -m autotune.probes.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--nproc N] [--facts-only]
         [--time-facts FACTS.json]
 
 Protocol (files are written atomically; the tuner waits for each with a timeout):
 1. DIR/facts.json: `model_facts` of the model built on the meta device (its blocks, the layers that
-   see the micro-batch, its tensor-parallel plan: autotune/tp_facts.py).
+   see the micro-batch, its tensor-parallel plan: autotune/space/tp_facts.py).
 2. Unless --facts-only, DIR/ready.json once the estimator is built and its warm-up step ran.
 3. Then one request per line on stdin, `{"id": N, **Candidate.request()}` (plan, precision and the
-   `distributed:` section, null for one process: autotune/candidate.py), each answered in
+   `distributed:` section, null for one process: autotune/space/candidate.py), each answered in
    DIR/answer-N.json (with --nproc N, the peak of one of N ranks under that strategy:
    runner/predict/per_rank.py); with --time-facts (a device's
    `runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
    it (`StepTime.record()`). End of input ends the child. A request with `"frontier": {"pairs":
    [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan},
    "context": BYTES (added back in its lines), "deadline": T (time.monotonic() to stop at, or null)}`
-   instead asks for the solver's per-block plans (`autotune.solver.frontier`, which times blocks in a
+   instead asks for the solver's per-block plans (`autotune.search.solver.frontier`, which times blocks in a
    short real run): answered with `proposals` (Proposal records) and `lines` (its reasons).
 Every answer has a `status` ("ok", "bad_input", "unavailable" or "crash") and, unless ok, a
 one-line `reason`. The child leaves with `os._exit` after its last answer: the tuner never waits
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m autotune.model_child")
+    parser = argparse.ArgumentParser(prog="python -m autotune.probes.model_child")
     parser.add_argument("recipe", help="the recipe as JSON")
     parser.add_argument("directory", help="where facts.json, ready.json and answer-N.json go")
     parser.add_argument("--parent", type=int, required=True, help="the tuner's pid; its death ends this process")
@@ -109,7 +109,7 @@ def model_facts(recipe, nproc: int = 1) -> dict:
     from runner.builders.model import BuildError, build_model
     from runner.memory.blocks import find_blocks
 
-    from .tp_facts import tensor_facts
+    from ..space.tp_facts import tensor_facts
 
     model = build_model(recipe.model, device="meta", weights=False)  # nothing is allocated or read; CUDA is not touched
     try:
@@ -138,7 +138,7 @@ def _head_refusal(model) -> str | None:
 
 
 def parameter_facts(model) -> dict:
-    """What the pools' lower bound reads (autotune/pool_floor.py): every parameter's count and bytes as
+    """What the pools' lower bound reads (autotune/space/pool_floor.py): every parameter's count and bytes as
     built, the trainable ones' (they have gradients and optimizer state) and the largest trainable one."""
     params = list(model.parameters())  # each shared (tied) parameter once
     trainable = [p for p in params if p.requires_grad]
@@ -160,7 +160,7 @@ def facts_answer(recipe, nproc: int = 1) -> dict:
 
 
 def _predict(estimator, request: dict, nproc: int = 1) -> dict:
-    from .candidate import Candidate
+    from ..space.candidate import Candidate
 
     candidate = Candidate.from_request(request)
     if nproc > 1:
@@ -203,7 +203,7 @@ def _rank_estimate(ranks: _Ranks, candidate, nproc: int):
 def _frontier(estimator, request: dict) -> dict:
     from runner.plan import MemoryPlan
 
-    from .solver import frontier
+    from ..search.solver import frontier
 
     asked = request["frontier"]
     proposals, lines = frontier(estimator, [tuple(pair) for pair in asked["pairs"]], int(asked["limit"]),

@@ -1,5 +1,5 @@
 """The tuner's knobs for the pools beside the activations (runner/pool_policies.py): weights, optimizer
-state, optimizer step, optimizer offload and the loss, one `Knob` each in autotune/knobs.py's table.
+state, optimizer step, optimizer offload and the loss, one `Knob` each in autotune/space/knobs.py's table.
 
 Each is searched over its policy types' own tuner labels where this device, the recipe and the rules
 of runner/plan.py allow; each choice left out is logged with its reason. Exact policies are searched
@@ -9,8 +9,8 @@ memory.allow_lossy, so tuned.yaml shows it. A lossy winner's measured update err
 (`lossy_comment`), from its probe's record.
 
 The starting points take one pool setting (`start_settings`): the one with the fewest changes from
-the pools' defaults whose lower bound (autotune/pool_floor.py) leaves room for the activations, else the
-one with the least bound; the solver plans its blocks on top of the same setting (autotune/frontier.py).
+the pools' defaults whose lower bound (autotune/space/pool_floor.py) leaves room for the activations, else the
+one with the least bound; the solver plans its blocks on top of the same setting (autotune/search/frontier.py).
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import optuna
 
-from .cap import Cap
+from ..cap import Cap
 from .frontier import solver_points
-from .records import TrialRecord
-from .report import ranked_feasible
-from .facts import Device
-from .space import Space
-from .study import Budget, Evaluate, Tuner, trial_records
+from ..records import TrialRecord, ranked_feasible
+from ..space.facts import Device
+from ..space.space import Space
+from .study import Budget, Evaluate, trial_records
+from .tuner import Tuner
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The search: an optuna study over the space, one probe per new plan, kept on disk for --resume.
+"""The tuner: asks TPE for plans, evaluates each new one once (a probe, or screened by its
+prediction) and tells optuna.
 
 Every evaluated trial is told to optuna as COMPLETE with its throughput as the value and one
 constraint, `(peak - limit) / cap`, positive when the plan does not fit, set with
@@ -16,114 +17,31 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import optuna
-from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from runner.problems import InputError, Place, Problem
 from runner.units import format_bytes
 
-from .cap import Cap
-from .records import ProbeResult, TrialRecord, read_record, store_record
-from .report import ranked_feasible
-from .candidate import Candidate
-from .knobs import describe
-from .space import Space
-from .validity import invalid_reason
+from ..cap import Cap
+from ..records import ProbeResult, TrialRecord, ranked_feasible, read_record, store_record
+from ..space.candidate import Candidate
+from ..space.knobs import describe
+from ..space.space import Space
+from ..space.validity import invalid_reason
+from .screening import Screening
+from .study import PRE_PROBE_SHARE, Budget, Evaluate, Predict, trial_records
 
 log = logging.getLogger(__name__)
 
-STUDY_NAME = "ckrun-tune"
 STARTUP_TRIALS = 5  # trials (starting points included) before TPE models the space instead of drawing at random
 CONVERGED_AFTER = 10  # proposals in a row of already-measured plans that end the search
 FINALIST_RUNS = 3  # runs of each finalist: the median of three ignores one outlier, of two it is the mean
 UNMEASURED = 1.0  # the constraint of a plan that never reported a peak: as bad as a plan twice the cap
-# Under --time-budget, what runs before the first probe (imports, the model's facts, predictions of
-# the starting points, the solver) may use this share of it; predictions past it are left to the
-# search, which makes them one plan at a time. A quarter leaves a 40 s budget room for 2-4 CPU probes.
-PRE_PROBE_SHARE = 0.25
 START_SHARE = 0.75  # the starting points' predictions stop once this share of --time-budget has passed
 UPFRONT_MAX = 64  # spaces up to this size are predicted whole before the search (the model is built once)
-
-Evaluate = Callable[[Candidate, int], ProbeResult]  # (candidate, trial number) -> what the probe reported
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """A predicted peak, or none and why (the plan is then probed unscreened, the reason recorded);
-    with the device's facts, the step's predicted time too (`StepTime.record()`)."""
-
-    peak: int | None
-    reason: str = ""
-    time: dict | None = None
-
-    @property
-    def seconds(self) -> float | None:
-        return self.time["seconds"] if self.time else None
-
-
-Predict = Callable[[Candidate], "int | Prediction | None"]  # predicted peak bytes; None: no prediction possible
-
-
-def process_started() -> float:
-    """When this process started, on the `time.monotonic()` clock: `ckrun tune`'s own imports count
-    against its budget too. Linux's /proc gives it; elsewhere, now."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])  # both count from boot
-        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.monotonic()
-    return time.monotonic() - min(max(age, 0.0), 60.0)  # a bound, should a clock disagree
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What the search may spend: new plans measured, and wall-clock seconds from `started` (for
-    `ckrun tune`, its process's start: its imports, the model's facts, predictions and the solver
-    count, the winner's training does not). No probe starts that is expected to end past the time
-    budget, the first excepted; before it, predictions and the solver may use `PRE_PROBE_SHARE` of it."""
-
-    trials: int = 20  # probes, i.e. measurements; screened and repeated proposals cost none
-    time_s: float | None = None
-    started: float = field(default_factory=lambda: time.monotonic())
-
-    def time_left(self) -> float | None:
-        return None if self.time_s is None else self.time_s - (time.monotonic() - self.started)
-
-    def before_probes_left(self) -> float | None:
-        """Seconds left of the share of the budget that the work before the first probe may use."""
-        return None if self.time_s is None else PRE_PROBE_SHARE * self.time_s - (time.monotonic() - self.started)
-
-
-def open_study(directory: Path, config: dict, resume: bool) -> tuple[optuna.Study, bool]:
-    """The study in DIR/study.journal and whether it is new; a finished or running one needs --resume."""
-    path = directory / "study.journal"
-    if path.exists() and path.stat().st_size and not resume:
-        raise InputError([Problem(Place(str(directory)), "", "already holds a study; pass --resume to continue it, "
-                                  "or --output ANOTHER_DIR to start a new one")])
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # ckrun logs each trial itself, with the plan
-    directory.mkdir(parents=True, exist_ok=True)
-    storage = JournalStorage(JournalFileBackend(str(path)))
-    study = optuna.create_study(study_name=STUDY_NAME, storage=storage, direction="maximize", load_if_exists=True)
-    config = json.loads(json.dumps(config))  # as the storage gives it back: tuples become lists
-    stored = study.user_attrs.get("config")
-    if stored is None:
-        study.set_user_attr("config", config)
-        return study, True
-    changed = sorted(k for k in config.keys() | stored.keys() if config.get(k) != stored.get(k))
-    if changed:
-        raise InputError([Problem(Place(str(directory)), "", f"--resume: this study was started with other "
-                                  f"{', '.join(changed)}; use the same recipe and options, or --output ANOTHER_DIR")])
-    return study, False
 
 
 class Tuner:
@@ -136,16 +54,13 @@ class Tuner:
         self.predicted_search = predicted  # tune --predict: predictions answer, and the log never says "probing"
         self.doing = "predicting" if predicted else "probing"
         self.evaluate, self.predict = evaluate, predict
+        self.screening = Screening(space, cap, predict)  # each plan predicted once, its answer kept
         self.first_of: dict[str, FrozenTrial] = {}  # plan key -> the trial that evaluated it
         for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             record = read_record(trial)
             if record.duplicate_of is None and record.repeat_of is None:
                 self.first_of.setdefault(record.key, trial)
         self.duplicates_in_a_row = 0
-        self.predicted: dict[str, int | None] = {}  # plan key -> predicted peak: the estimator runs once a plan
-        self.predicted_time: dict[str, dict] = {}  # plan key -> its predicted StepTime record, when timed
-        self.unscreened: dict[str, str] = {}  # plan key -> why its prediction failed (the user's code, mostly)
-        self.bounded: dict[str, object] = {}  # plan key -> its pools' lower bound (pool_floor.Floor), over the limit
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
         self.exhaustive = False  # set by start() when it queued every plan of a small space
         self.starts_cut = False  # the starting points' predictions stopped at START_SHARE of the budget
@@ -171,11 +86,11 @@ class Tuner:
         starts = self._fastest_first([p for p in self.space.starting_points(recipe, fits) if p not in first + own])
         for params in own + starts:
             self.study.enqueue_trial(params)
-        predicted = any(peak is not None for peak in self.predicted.values())
+        predicted = any(peak is not None for peak in self.screening.peaks.values())
         how = "the largest micro-batch predicted to fit" if predicted else "the whole batch (no predictions)"
         if "micro_batch" not in self.space.choices:
             how = f"the pinned micro-batch {self.space.fixed['micro_batch']}"
-        if self.predicted_time:
+        if self.screening.times:
             how += ", the predicted fastest first"
         log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
                  "; ".join(describe(self.space.candidate(p)) for p in starts))
@@ -187,22 +102,18 @@ class Tuner:
         unless it is the solver's, or predicted not to fit."""
         point = self.space.own_point(recipe)
         own = [point] if point is not None and point not in first else []
-        own = [p for p in own if not self.predict or self._predicted_to_fit(self.space.candidate(p))]
+        own = [p for p in own if not self.predict or self.screening.fits(self.space.candidate(p))]
         if own:
             log.info("tune: the recipe's own plan first: %s", describe(self.space.candidate(own[0])))
         return own
 
     def _fastest_first(self, starts: list[dict]) -> list[dict]:
         """Starting points in order of predicted step time, when there are predicted times."""
-        seconds = {json.dumps(p, sort_keys=True): self._predicted_seconds(self.space.candidate(p)) for p in starts}
+        seconds = {json.dumps(p, sort_keys=True): self.screening.seconds(self.space.candidate(p)) for p in starts}
         if not any(v is not None for v in seconds.values()):
             return starts
         return sorted(starts, key=lambda p: (seconds[json.dumps(p, sort_keys=True)] is None,
                                              seconds[json.dumps(p, sort_keys=True)] or 0.0))
-
-    def _predicted_seconds(self, candidate: Candidate) -> float | None:
-        self._prediction(candidate)
-        return (self.predicted_time.get(candidate.key) or {}).get("seconds")
 
     def _maybe_exhaustive(self, trials: int) -> None:
         """Predict every plan of a small space now; when the plans not screened out are no more than
@@ -217,7 +128,7 @@ class Tuner:
                 log.info("tune: no exhaustive search: %s before all %d plans were predicted, so TPE samples "
                          "them, each predicted as it comes", self._no_time_to_predict(), len(every))
                 return
-            peak = self._prediction(self.space.candidate(params))
+            peak = self.screening.peak(self.space.candidate(params))
             if peak is None or peak <= self.cap.screen_above:
                 fitting.append(params)
             if len(fitting) > trials:
@@ -230,14 +141,6 @@ class Tuner:
         for params in fitting + [p for p in every if p not in fitting]:
             self.study.enqueue_trial(params, skip_if_exists=True)
 
-    def _predicted_to_fit(self, candidate: Candidate) -> bool:
-        if invalid_reason(candidate, self.space):
-            return False  # no starting point is spent on a plan told invalid (a micro-batch another strategy's)
-        if candidate.plan.activation_memory_budget is not None:
-            return True  # the eager estimate bounds no compiled plan under a budget: it is measured instead
-        predicted = self._prediction(candidate)
-        return predicted is None or predicted <= self.cap.limit
-
     def _start_fits(self, candidate: Candidate) -> bool:
         """A starting point predicted to fit; past START_SHARE of the time budget no more are predicted
         (the rest of the combinations get no starting point: TPE reaches them if they are worth it)."""
@@ -249,7 +152,7 @@ class Tuner:
                 log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; TPE "
                          "goes on from those found", 100 * START_SHARE, budget.time_s)
             return False
-        return self._predicted_to_fit(candidate)
+        return self.screening.fits(candidate)
 
     def _no_time_to_predict(self) -> str | None:
         """Why no more predictions may run before the first probe: the time budget's share for them is spent."""
@@ -258,32 +161,6 @@ class Tuner:
             return None
         return (f"the {PRE_PROBE_SHARE:.0%} of --time-budget {self.budget.time_s:g} s that may pass before the first "
                 f"probe is spent")
-
-    def _prediction(self, candidate: Candidate) -> int | None:
-        if candidate.key not in self.predicted and self._bounded(candidate):
-            return self.predicted[candidate.key]
-        if candidate.key not in self.predicted:
-            # an invalid plan is never probed: asking would only log that it is (fsdp with sqrt segments)
-            invalid = invalid_reason(candidate, self.space)
-            predicted = self.predict(candidate) if self.predict and not invalid else None
-            if isinstance(predicted, Prediction):
-                if predicted.reason:
-                    self.unscreened[candidate.key] = predicted.reason
-                if predicted.time:
-                    self.predicted_time[candidate.key] = predicted.time
-                predicted = predicted.peak
-            self.predicted[candidate.key] = predicted
-        return self.predicted[candidate.key]
-
-    def _bounded(self, candidate: Candidate) -> bool:
-        """Whether the pools' lower bound (autotune/pool_floor.py) rules the plan out without a
-        prediction; its bound then stands for its predicted peak."""
-        floor = self.space.bound.over(candidate) if self.space.bound is not None else None
-        if floor is None:
-            return False
-        self.bounded[candidate.key] = floor
-        self.predicted[candidate.key] = floor.total
-        return True
 
     def run(self, budget: Budget) -> str:
         """Propose, evaluate and tell until the budget is spent; returns why it stopped."""
@@ -412,17 +289,19 @@ class Tuner:
         invalid = invalid_reason(candidate, self.space) if screen else None
         if invalid:
             return TrialRecord(**known, state="invalid", reason=invalid), UNMEASURED
-        if screen and (candidate.key in self.bounded or (candidate.key not in self.predicted and self._bounded(candidate))):
-            floor = self.bounded[candidate.key]
+        screening = self.screening
+        if screen and (candidate.key in screening.bounded or
+                       (candidate.key not in screening.peaks and screening.bound(candidate))):
+            floor = screening.bounded[candidate.key]
             reason = (f"holds at least {floor.words()} before any activation (its pools' lower bound) > limit "
                       f"{format_bytes(self.cap.limit)}; not {'predicted' if self.predicted_search else 'probed'}")
             return (TrialRecord(**known, predicted_peak=floor.total, state="screened", reason=reason),
                     self.cap.constraint(floor.total))
         # the estimate runs eager: it bounds no compiled plan's peak under a budget (not even monotonic in it)
         measure_only = candidate.plan.activation_memory_budget is not None
-        predicted = self._prediction(candidate) if screen and not measure_only else None
-        known.update(predicted_peak=predicted, unscreened=self.unscreened.get(candidate.key),
-                     predicted_s=(self.predicted_time.get(candidate.key) or {}).get("seconds"))
+        predicted = screening.peak(candidate) if screen and not measure_only else None
+        known.update(predicted_peak=predicted, unscreened=screening.unscreened.get(candidate.key),
+                     predicted_s=screening.time_of(candidate.key))
         if predicted is not None and predicted > self.cap.screen_above:
             reason = f"predicted {format_bytes(predicted)} > cap {format_bytes(self.cap.bytes)}; not probed"
             return TrialRecord(**known, state="screened", reason=reason), self.cap.constraint(predicted)
@@ -469,6 +348,3 @@ PREDICTED_WORDS = {"feasible": "predicted to fit", "over_limit": "predicted over
                    "unavailable": "no prediction"}
 
 
-def trial_records(study: optuna.Study) -> list[TrialRecord]:
-    """Every trial the search reached, as the report reads it: number, state, plan, peaks, throughput, reason."""
-    return [read_record(trial) for trial in study.get_trials(deepcopy=False) if trial.state != TrialState.WAITING]

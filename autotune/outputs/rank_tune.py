@@ -1,7 +1,7 @@
 """`ckrun tune --nproc N`: what changes when the tuned recipe trains as N ranks.
 
-The cap holds per rank (per GPU), so a probe measures a group of N ranks (autotune/rank_probe.py)
-and reads the highest peak over them. The space gains the `sharding` knob (autotune/sharding.py:
+The cap holds per rank (per GPU), so a probe measures a group of N ranks (autotune/probes/rank_probe.py)
+and reads the highest peak over them. The space gains the `sharding` knob (autotune/space/sharding.py:
 ddp, fsdp, hsdp, tp and FSDP2's knobs) and splits each rank's share of the batch into
 micro-batches. The winner trains as N ranks, started as `ckrun RECIPE --nproc N` starts them;
 tuned.yaml says so in its comment.
@@ -17,7 +17,7 @@ from runner.problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Proble
 from runner.recipe import Recipe
 from runner.train.loop import MemoryCapExceeded, RunResult
 
-from .facts import Device
+from ..space.facts import Device
 
 
 class RanksEnded(CkrunError):

@@ -4,7 +4,7 @@ A candidate has one serialisation, `request()` / `from_request()`: how the tuner
 model child, which reads it back here and builds the candidate's recipe with the same `recipe()`
 as the probe's. Its strategy goes into every file as `distributed_section` writes it, and comes
 back through the recipe's schema. Light: the model child imports this, optuna stays out. How a
-candidate reads in a log line is its knobs' to say (`autotune.knobs.describe`).
+candidate reads in a log line is its knobs' to say (`autotune.space.knobs.describe`).
 """
 
 from __future__ import annotations

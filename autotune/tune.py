@@ -1,0 +1,245 @@
+"""One tune, its input already checked: the device, the model's facts, the space, the search, then
+report.json, tuned.yaml and the training with the winner. `ckrun tune` (autotune/cli_tune.py)
+checks the command line and builds a `TuneRequest`; everything after that happens here, under the
+study directory's lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.located import located_errors
+from runner.lock import locked
+from runner.problems import EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
+from runner.recipe import Recipe
+from runner.units import format_bytes
+
+from .cap import Cap
+from .outputs.rank_tune import check_devices, rank_training, ranks_comment
+from .outputs.report import publish
+from .outputs.train import nothing_fits, train_with_fallback
+from .outputs.tuned import write_tuned
+from .probes.probe import ProbeRunner, ProbeSettings
+from .probes.screen import IsolatedPredictor, ModelChild, read_facts
+from .probes.warm import WarmServer, preload_for, warm_enough
+from .records import TrialRecord, ranked_feasible
+from .search.predicted import (CachedPredictor, local_facts, predict_settings, predicted_device, predicted_note,
+                               predicted_probe, ranked_lines)
+from .search.run import SearchSettings, search
+from .search.study import Budget, open_study
+from .space.facts import Device, ModelFacts
+from .space.knobs import KNOBS, build_space, differences, notes
+from .space.pool_knobs import bound_space
+from .space.space import Space
+
+log = logging.getLogger(__name__)
+
+
+class NothingFits(CkrunError):
+    """No plan fits under --max-mem, or every one that did went over it in training (said already)."""
+
+    exit_status = EXIT_NOTHING_FITS
+
+    def lines(self) -> list[str]:
+        return [f"ckrun tune: {self}"] if str(self) else []
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """The options of `ckrun tune` that shape the search and what follows it, named as its flags are
+    (autotune/search/predicted.py reads `gpu`, `predict`, `no_screen`, `finalists`, `seed`, `nproc`
+    and `no_solver` from it)."""
+
+    max_mem: str  # the cap as the user typed it: tuned.yaml's command and the messages repeat it
+    nproc: int = 1
+    seed: int = 0
+    finalists: int = 2
+    predict: bool = False
+    gpu: str | None = None
+    resume: bool = False
+    no_train: bool = False
+    no_solver: bool = False
+    no_screen: bool = False
+    probe_timeout: float = 600.0
+    warmup_steps: int = 2
+    timed_steps: int = 3
+    opened: dict[str, bool] = field(default_factory=dict)  # a knob flag's dest -> given: the knobs it opens
+
+    @classmethod
+    def from_args(cls, args) -> TuneOptions:
+        named = {name: getattr(args, name) for name in cls.__dataclass_fields__ if name != "opened"}
+        return cls(**named, opened={knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    """A checked `ckrun tune`: the recipe (and where its lines are), the cap and budget, the study's
+    directory and the GPU predictions are priced on, when named (--gpu)."""
+
+    source: Path
+    overrides: list[str]
+    recipe: Recipe
+    doc: object  # the recipe's located YAML document: errors name its lines
+    cap: Cap
+    budget: Budget
+    directory: Path
+    options: TuneOptions
+    gpu: object = None  # runner.predict.hardware.DeviceFacts, or None
+
+
+def tune(request: TuneRequest) -> int:
+    """Search under the study directory's lock, publish the report, then write tuned.yaml and train."""
+    directory, options = request.directory, request.options
+    with locked(directory / "tune.lock", "`ckrun tune`", "is running this study",
+                "wait for it to finish, or give this one --output ANOTHER_DIR", Place(str(directory))):
+        if not options.no_train and not options.predict:
+            _check_training_output(request)  # before the search, not an hour later
+        warm = _warm_server(request.recipe, options.nproc, directory)  # importing in the background from now on
+        try:
+            records, space, device, config, screening = _tuned_search(request, warm)
+        finally:
+            if warm is not None:
+                warm.stop()  # before training: its imports hold half a gigabyte
+        print(publish(directory, records, config, screening))
+        if options.predict and ranked_feasible(records):
+            print(ranked_lines(ranked_feasible(records)))
+        return _conclude(request, records, space, device)
+
+
+def _tuned_search(request: TuneRequest, warm: WarmServer | None) -> tuple[list[TrialRecord], Space, Device, dict, dict]:
+    """The device, the model's facts, the space, then the search: (records, space, device, config, screening)."""
+    options, recipe, cap = request.options, request.recipe, request.cap
+    settings = ProbeSettings(options.probe_timeout, options.warmup_steps, options.timed_steps, options.nproc)
+    runner = ProbeRunner(request.directory, settings, warm)
+    gpu = request.gpu
+    if options.predict and gpu is None:  # predict for this machine's GPU, named by its device child
+        gpu = local_facts(options, _device(runner, recipe))
+    device = predicted_device(gpu, options.nproc) if options.predict else _device(runner, recipe)
+    gpu = gpu or local_facts(options, device)
+    check_cap_fits(cap, device, options.max_mem)
+    if cap.meaning(device.kind):
+        log.info(cap.meaning(device.kind))
+    check_devices(device, options.nproc)
+    # the user's model runs only in this child: the tuner never builds it or runs its forward
+    model = ModelChild(recipe, runner.directory, device.kind, options.probe_timeout, screen=not options.no_screen,
+                       nproc=options.nproc, time_facts=gpu, warm=warm)
+    try:
+        with located_errors(request.doc):
+            facts = ModelFacts.from_json(read_facts(model, str(request.source)))
+        space = build_space(recipe, facts, device, options.nproc, **options.opened)
+        hopeless = bound_space(space, recipe, facts, device, cap, options.nproc)
+        if hopeless:
+            raise NothingFits(hopeless)
+        records, config, screening = _search(request, runner, space, device, model)
+    finally:
+        model.stop()
+    return records, space, device, config, screening
+
+
+def _warm_server(recipe: Recipe, nproc: int, directory: Path) -> WarmServer | None:
+    """A server that forks the probes and the model child with torch imported (autotune/probes/warm.py):
+    on a CPU, where imports are most of a small model's probe; None where children must start cold."""
+    import torch
+
+    on_cpu = recipe.train.device == "cpu" or not torch.cuda.is_available()  # counts devices, starts no CUDA
+    if not warm_enough("cpu" if on_cpu else "cuda", nproc):
+        return None
+    server = WarmServer(directory / "probes", preload_for(recipe.model))
+    server.start()
+    return server
+
+
+def _search(request: TuneRequest, runner: ProbeRunner, space: Space, device: Device,
+            model: ModelChild) -> tuple[list[TrialRecord], dict, dict]:
+    options, recipe, cap = request.options, request.recipe, request.cap
+    config = _config(request, space, device)
+    study, fresh = open_study(request.directory, config, options.resume)
+    predictor = None if options.no_screen else CachedPredictor(IsolatedPredictor(model, device.context_bytes))
+    if options.no_screen:
+        log.info("screening: off (--no-screen): every new plan is probed")
+    else:
+        log.info("screening: a plan predicted over the cap plus the margin is told infeasible without a probe; "
+                 "predictions run in a child process (%s)", model.directory)
+    if options.predict:
+        evaluate, settings = predicted_probe(predictor), predict_settings(options)
+    else:
+        evaluate = lambda candidate, number: runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
+        off = "--no-solver" if options.no_solver else None
+        if options.nproc > 1:
+            off = f"--nproc {options.nproc}: the solver plans the blocks of one process"
+        settings = SearchSettings(options.seed, options.finalists, off)
+    records = search(study, fresh, recipe, space, cap, device, request.budget, evaluate, predictor, settings)
+    screening = predictor.summary() if predictor else {"state": "off", "reason": "--no-screen"}
+    study.set_user_attr("screening", screening)  # `ckrun report` rewrites report.json with it
+    return records, config, screening
+
+
+def _conclude(request: TuneRequest, records: list[TrialRecord], space: Space, device: Device) -> int:
+    """tuned.yaml for the winner, then training (falling back down the ranking), or why nothing fits."""
+    options, cap, directory = request.options, request.cap, request.directory
+    ranked = ranked_feasible(records)
+    if not ranked:
+        raise NothingFits(nothing_fits(records, cap, space, device, directory))
+    nproc = f" --nproc {options.nproc}" if options.nproc > 1 else ""
+
+    def tuned_for(record: TrialRecord):
+        lines = notes(space, record) + [note for note in [ranks_comment(options.nproc),
+                                                          predicted_note(record) if options.predict else None] if note]
+        return write_tuned(directory, request.doc, record, cap, options.max_mem, str(request.source),
+                           request.overrides, records, lines, nproc)
+
+    print(f"ckrun tune: {differences(space, space.base, ranked[0])}")
+    if options.no_train or options.predict:
+        tuned_path, _ = tuned_for(ranked[0])
+        why = (f"--predict: measure it on the GPU with `ckrun tune {tuned_path} --max-mem {options.max_mem}{nproc}`"
+               if options.predict else f"--no-train: train it with `ckrun {tuned_path}{nproc}`")
+        log.info("tune: wrote %s; %s", tuned_path, why)
+        return 0
+    result = train_with_fallback(ranked, tuned_for, options.resume, **rank_training(options.nproc))
+    if result is None:  # RanksEnded above carries the ranks' own status
+        raise NothingFits()  # train_with_fallback said why
+    return 128 + result.stopped_by if result.stopped_by else 0  # 130/143, as `ckrun run` stops
+
+
+def _check_training_output(request: TuneRequest) -> None:
+    from runner.train.loop import prepare_output
+
+    prepare_output(Path(request.recipe.output.dir), request.options.resume, str(request.source))
+
+
+def _device(runner: ProbeRunner, recipe: Recipe) -> Device:
+    import torch
+
+    from .probes.child import device_info
+
+    # is_available() only counts devices, it creates no CUDA context; a CPU run needs no child to ask
+    if recipe.train.device == "cpu" or not torch.cuda.is_available():
+        result = device_info(recipe)  # an InputError (cuda asked for, none here) goes straight to the user
+    else:
+        result = runner.device(recipe)  # properties need CUDA initialised: that happens in a child, not here
+    if result.get("status") != "ok":
+        raise InputError([Problem(Place("<device>"), "train.device", f"cannot probe the device: {result.get('reason')}")])
+    device = Device.from_json(result)
+    log.info("tune: device %s%s", device.name, f", {format_bytes(device.total_bytes)}" if device.total_bytes else "")
+    return device
+
+
+def check_cap_fits(cap: Cap, device: Device, typed: str) -> None:
+    """A cap above what the device holds is a typo (40GB for 4GB, a GPU's size for another's): one line."""
+    if device.total_bytes and cap.bytes > device.total_bytes:
+        raise InputError([Problem(Place(f"--max-mem {typed}"), "",
+                                  f"more than the {device.name} has ({format_bytes(device.total_bytes)}); "
+                                  f"give at most --max-mem {device.total_bytes // 10**9}GB")])
+
+
+def _config(request: TuneRequest, space: Space, device: Device) -> dict:
+    """What a resumed study must share with the one it continues."""
+    options, cap = request.options, request.cap
+    measured = request.recipe.model_dump_json(include={"model", "data", "train"}, exclude={"train": {"steps", "epochs"}})
+    return {"recipe": hashlib.sha256(measured.encode()).hexdigest()[:16], "cap": cap.bytes, "margin": cap.margin,
+            "seed": options.seed, "space": {"choices": space.choices, "fixed": space.fixed}, "device": device.name,
+            "probe_steps": [options.warmup_steps, options.timed_steps],
+            **({"nproc": options.nproc} if options.nproc > 1 else {}), **({"predicted": True} if options.predict else {})}
