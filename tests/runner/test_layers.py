@@ -34,6 +34,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 
 LAYERS = [
@@ -164,18 +166,22 @@ TRAIN_LAYERS = [
 ]
 
 
-def train_layer_of(module: str) -> int:
-    short = module.removeprefix("runner.train.")
-    found = [index for index, (_, members) in enumerate(TRAIN_LAYERS) if short in members]
-    assert found, f"{module} is in no layer of train/: add it to TRAIN_LAYERS in {Path(__file__).name}"
-    return found[0]
+def sub_layer_of(module: str, package: str, layers: list[tuple[str, set[str]]]) -> int:
+    """The layer in `layers` (a folder's own, named relative to `package`) of the longest prefix of `module`."""
+    parts = module.removeprefix(f"{package}.").split(".")
+    for length in range(len(parts), 0, -1):
+        found = [index for index, (_, members) in enumerate(layers) if ".".join(parts[:length]) in members]
+        if found:
+            return found[0]
+    raise AssertionError(f"{module} is in no layer of {package}: add it to the layers of {package} in {Path(__file__).name}")
 
 
-def test_no_train_module_imports_from_a_train_layer_above_it():
-    train = [path for path in runner_files() if module_name(path).startswith("runner.train.")]
-    running_up = {(module_name(path), imported) for path in train for imported in imports_of(path)
-                  if imported.startswith("runner.train.") and train_layer_of(imported) > train_layer_of(module_name(path))}
-    assert not running_up, running_up
+def imports_running_up(package: str, layers: list[tuple[str, set[str]]]) -> set[tuple[str, str]]:
+    """(importer, imported) for each import within `package` from one of its layers above the importer's."""
+    inside = [path for path in [*runner_files(), *autotune_files()] if module_name(path).startswith(f"{package}.")]
+    return {(module_name(path), imported) for path in inside for imported in imports_of(path)
+            if imported.startswith(f"{package}.")
+            and sub_layer_of(imported, package, layers) > sub_layer_of(module_name(path), package, layers)}
 
 
 def test_every_train_module_has_one_train_layer():
@@ -327,22 +333,14 @@ AUTOTUNE_LAYERS = [
 ]
 
 
-def autotune_layer_of(module: str) -> int:
-    parts = module.removeprefix("autotune.").split(".")
-    found = [index for index, (_, members) in enumerate(AUTOTUNE_LAYERS) if parts[0] in members]
-    assert found, f"{module} is in no layer of autotune/: add it to AUTOTUNE_LAYERS in {Path(__file__).name}"
-    return found[0]
-
-
-def test_no_autotune_module_imports_from_an_autotune_layer_above_it():
-    ours = [path for path in autotune_files() if module_name(path) != "autotune"]
-    running_up = {(module_name(path), imported) for path in ours for imported in imports_of(path)
-                  if imported.startswith("autotune.") and autotune_layer_of(imported) > autotune_layer_of(module_name(path))}
-    assert not running_up, running_up
-
-
 def test_every_autotune_module_has_one_autotune_layer():
     named = [name for _, members in AUTOTUNE_LAYERS for name in members]
     assert len(named) == len(set(named)), "a name in two layers of AUTOTUNE_LAYERS"
     on_disk = {module_name(path).removeprefix("autotune.").split(".")[0] for path in autotune_files()} - {"autotune"}
     assert on_disk == set(named), "AUTOTUNE_LAYERS and autotune/'s files and folders differ"
+
+
+@pytest.mark.parametrize("package, layers", [("runner.train", TRAIN_LAYERS), ("autotune", AUTOTUNE_LAYERS)])
+def test_no_module_imports_from_a_layer_of_its_folder_above_it(package, layers):
+    running_up = imports_running_up(package, layers)
+    assert not running_up, running_up
