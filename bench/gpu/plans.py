@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/gpu/plans.py` must find it too
     sys.path.insert(0, str(REPO))
 
-from bench.gpu import plan_results, predictions, snapshot, tables  # noqa: E402
+from bench.gpu import figures, plan_results, predictions, snapshot, tables  # noqa: E402
 from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
 from bench.gpu.plan_results import REPEAT  # noqa: E402
@@ -325,7 +325,7 @@ def predict_only(campaign: Campaign, out: Path) -> int:
     write_json(out / "predicted.json", found)
     print("\n| plan | predicted (GB) |\n|---|---|")
     for key, prediction in found["predictions"].items():
-        print(f"| {key} | {tables.gb(prediction.get('peak_bytes')) or prediction.get('error')} |")
+        print(f"| {key} | {figures.gb(prediction.get('peak_bytes')) or prediction.get('error')} |")
     return 0
 
 
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repredict:
         results = json.loads(args.repredict.read_text(encoding="utf-8"))
         write_json(args.repredict, predictions.repredict(DRY_RUN if results.get("dry_run") else GPU, results))
-        print(f"{args.repredict}: {results['predictions_from']}; {tables.step_time_text(results['plans'])}")
+        print(f"{args.repredict}: {results['predictions_from']}; {figures.step_time_text(results['plans'])}")
         return 0
     if args.out is None:
         parser.error("OUT_DIR is needed")
