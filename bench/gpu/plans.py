@@ -54,7 +54,8 @@ from bench.gpu.facts import versions  # noqa: E402
 from bench.gpu.plan_results import REPEAT  # noqa: E402
 from bench.gpu.predictions import one_line  # noqa: E402
 from runner.load import load_recipe  # noqa: E402
-from runner.train.loop import MemoryCapExceeded, Trainer  # noqa: E402
+from runner.train.run.memory_cap import MemoryCapExceeded  # noqa: E402
+from runner.train.trainer import Trainer  # noqa: E402
 
 NO_OFFLOAD = "memory.offload={policy: none}"
 PLANS = {  # plan -> its memory overrides (the micro-batch comes on top); the solver's come from predictions.py

@@ -141,7 +141,7 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
     estimate = imports_of(ROOT / "runner" / "predict" / "estimate.py")
     assert {"runner.train.step", "runner.memory.apply", "runner.predict.cuda_model"} <= estimate
     assert "runner.builders.pretrained" in imports_of(ROOT / "runner" / "builders" / "checks.py")  # inside a function
-    assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "loop.py")
+    assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "trainer.py")
     assert layer_of("runner.predict.estimate") > layer_of("runner.train.step") > layer_of("runner.memory.apply")
     assert layer_of("runner.memory.apply") > layer_of("runner.builders.pretrained") > layer_of("runner.checkpoint_files")
 
@@ -158,6 +158,7 @@ TRAIN_LAYERS = [
                                     "run.guard", "run.progress", "run.start_line"}),
     ("what the loop calls", {"ranked", "checkpoint.resume", "output.export", "run.ownership", "eval.evaluate",
                              "measure.lossy"}),
+    ("the trainer", {"trainer"}),
     ("evaluation's schedule", {"eval.best", "eval.schedule"}),
     ("the loop", {"loop"}),
     ("the tuner's probe", {"measure.probe"}),

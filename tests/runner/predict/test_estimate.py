@@ -47,7 +47,7 @@ def cpu_estimator():
     "{micro_batch: 4, checkpointing: {policy: full}}",
 ])
 def test_cpu_estimate_equals_the_peak_training_measures(memory):
-    from runner.train.loop import Trainer
+    from runner.train.trainer import Trainer
 
     recipe = _recipe(f"memory: {memory}\n")
     trainer = Trainer(recipe)
@@ -199,7 +199,7 @@ train: {batch_size: 4, steps: 2, device: cpu}
 
 def test_seq2seq_targets_are_target_len_long_in_training_and_in_the_estimate():
     """The decoder's length is the target's, not the input's: both the batch and the estimate follow it."""
-    from runner.train.loop import Trainer
+    from runner.train.trainer import Trainer
 
     peaks = {}
     for target_len in (4, 24):

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=3"]
 METRICS = '''import torch
