@@ -13,7 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from runner.load import recipe_from_text
 from runner.predict.cuda_model import CachingAllocatorModel, CudaOnCpu, attention_as_on_cuda
-from runner.predict.estimate import EstimateUnavailable, Estimator, weight_init_skipped, estimate_peak
+from runner.predict.estimate import EstimateUnavailable, Estimator, estimate_peak
+from runner.predict.shapes import weight_init_skipped
 from runner.memory.tracker import LiveBytesTracker
 from runner.plan import MemoryPlan
 
