@@ -6,7 +6,8 @@ own layer or the ones below it:
                 distributed strategies and the plan's data, the checkpoint file format, the lock a
                 directory's owner holds and its holder's record, the environment variables read, the
                 tables kept in the user's cache folder)
-2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, recipe_adapters, load, located, library
+2. recipe       recipe, recipe_data, recipe_train, recipe_eval, recipe_sinks, recipe_adapters, load, located,
+                library
                 (the validated recipe and where its lines are)
 3. builders     builders/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
@@ -42,7 +43,7 @@ LAYERS = [
                      "runner.environment", "runner.yamlio", "runner.choices", "runner.policies", "runner.pool_policies",
                      "runner.strategies", "runner.plan", "runner.checkpoint_files",
                      "runner.user_cache"}),
-    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks",
+    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_eval", "runner.recipe_sinks",
                 "runner.recipe_adapters", "runner.load", "runner.located", "runner.library"}),
     ("builders", {"runner.builders", "runner.models"}),
     ("memory", {"runner.memory"}),
@@ -190,7 +191,7 @@ def test_every_train_module_has_one_train_layer():
 
 def test_the_recipe_schema_imports_nothing_from_build():
     """Validating a recipe's schema imports neither torch nor transformers nor user code: builders/ is above it."""
-    schema = ["recipe", "recipe_data", "recipe_train", "recipe_sinks", "load", "located"]
+    schema = ["recipe", "recipe_data", "recipe_train", "recipe_eval", "recipe_sinks", "load", "located"]
     found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.builders")}
              for name in schema}
     assert not any(found.values()), found
