@@ -323,7 +323,7 @@ def test_knobs_are_the_plans_new_exact_policies_and_flags():
 
     from bench.gpu import knobs
     from runner.plan import MemoryPlan
-    from runner.policies import Policy
+    from runner.policy_base import Policy
 
     class After(Policy):
         policy: Literal["after"] = "after"

@@ -1,11 +1,11 @@
 """No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
 own layer or the ones below it:
 
-1. foundations  problems, units, files, lock, lock_holder, environment, yamlio, choices, policies,
-                pool_policies, strategies, plan, checkpoint_files, user_cache (messages, YAML, the policies,
-                distributed strategies and the plan's data, the checkpoint file format, the lock a
-                directory's owner holds and its holder's record, the environment variables read, the
-                tables kept in the user's cache folder)
+1. foundations  problems, units, files, lock, lock_holder, environment, yamlio, choices, policy_base,
+                policies, pool_policies, strategies, plan, checkpoint_files, user_cache (messages, YAML,
+                the policies, distributed strategies and the plan's data, the checkpoint file format, the
+                lock a directory's owner holds and its holder's record, the environment variables read,
+                the tables kept in the user's cache folder)
 2. recipe       recipe, recipe_data, recipe_train, recipe_eval, recipe_sinks, recipe_adapters, load, located,
                 library
                 (the validated recipe and where its lines are)
@@ -40,8 +40,8 @@ from conftest import ROOT
 
 LAYERS = [
     ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.lock_holder",
-                     "runner.environment", "runner.yamlio", "runner.choices", "runner.policies", "runner.pool_policies",
-                     "runner.strategies", "runner.plan", "runner.checkpoint_files",
+                     "runner.environment", "runner.yamlio", "runner.choices", "runner.policy_base", "runner.policies",
+                     "runner.pool_policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
                      "runner.user_cache"}),
     ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_eval", "runner.recipe_sinks",
                 "runner.recipe_adapters", "runner.load", "runner.located", "runner.library"}),
