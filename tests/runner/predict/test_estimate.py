@@ -217,9 +217,9 @@ def test_a_card_too_small_for_the_step_is_predicted_with_its_unlimited_reserve(m
     """A cap (or card) the allocator outgrows: a step whose live tensors cannot fit even after releasing the
     cache keeps its unlimited reserve, which a cap check rejects, and says it runs out of memory; a card with
     room changes nothing. (What fits after a release: tests/runner/predict/test_cuda_extras.py.)"""
-    import runner.predict.estimate as estimate_module
+    from runner.predict import reserved
 
-    monkeypatch.setattr(estimate_module, "CUDA_CONTEXT_BYTES", 0)  # the tiny step is far below a real context
+    monkeypatch.setattr(reserved, "CUDA_CONTEXT_BYTES", 0)  # the tiny step is far below a real context
     estimator = Estimator(recipe_from_text(TINY_BERT), "cuda")
     free = estimator.estimate(MemoryPlan())
     roomy = estimator.estimate(MemoryPlan(max_mem=10 * free.peak_bytes))
