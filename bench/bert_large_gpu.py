@@ -19,7 +19,8 @@ import torch
 
 from runner.load import load_recipe
 from runner.predict.estimate import Estimator
-from runner.train.loop import MemoryCapExceeded, Trainer
+from runner.train.run.memory_cap import MemoryCapExceeded
+from runner.train.trainer import Trainer
 
 PLANS = {"none": "{policy: none}", "full": "{policy: full}", "every 2": "{policy: every, every: 2}",
          "selective": "{policy: selective}"}

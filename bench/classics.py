@@ -26,7 +26,7 @@ import torch
 from runner.library import resolve_recipe
 from runner.load import load_recipe
 from runner.units import format_bytes
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 CPU = ["train.device=cpu", "precision=fp32", "memory.micro_batch=null", "memory.compile=false"]
 NO_PLAN = "{policy: none}"

@@ -1,6 +1,6 @@
 """A directory one ckrun process owns at a time: a run's output.dir (run.lock), a tune's study (tune.lock).
 
-The lock is a file its holder flocks for as long as it runs and in which it records who it is:
+The lock is a file its holder flocks for as long as it runs and in which it records who it is (lock_holder.py):
 host, pid, the pid's start time and the host's boot id, what it runs and since when; a thread
 touches the file every HEARTBEAT_S seconds. The kernel drops a flock when its holder dies, so a
 holder killed by SIGKILL blocks nobody. What it leaves is its record, and a record whose lock is
@@ -30,24 +30,22 @@ import errno
 import fcntl
 import json
 import logging
-import math
 import os
 import socket
 import stat
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from .environment import DURATIONS, HEARTBEAT_ENV, seconds
+from .lock_holder import RECORD_BYTES, Holder
 from .problems import InputError, Place, Problem
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S: float | None = None  # None: CKRUN_LOCK_HEARTBEAT_S, else 5 s (tests set a number)
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
-_MOST_PID = 1 << 30  # Linux allows 2**22 pids; a record naming more was not written by ckrun
-_RECORD_BYTES = 4096  # a record ckrun writes is a few hundred bytes
 
 
 def heartbeat_s() -> float:
@@ -61,75 +59,6 @@ class LockHeld(Exception):
 class LockRefused(LockHeld):
     """What sits at the lock's path is not a lock file ckrun made (a link, a directory, a file of the
     user's): ckrun neither writes nor empties it. The message says what to do."""
-
-
-@dataclass(frozen=True)
-class Holder:
-    host: str
-    pid: int
-    started: float  # time.time() when it took the lock
-    what: str  # `ckrun tune`, `ckrun` run
-    ticks: int | None = None  # the pid's start time (/proc), so a reused pid is not mistaken for it
-    boot: str | None = None  # the host's boot id: after a reboot no pid of the record runs
-
-    @staticmethod
-    def me(what: str) -> Holder:
-        return Holder(socket.gethostname(), os.getpid(), time.time(), what, _start_ticks(os.getpid()), _boot_id())
-
-    @staticmethod
-    def parse(text: str) -> Holder | None:
-        """The record; None for an empty one, or a bare pid: the tune lock wrote only that and relied on
-        the flock alone, so a free flock says its holder is gone. ValueError for anything ckrun would not
-        have written (a pid of -1 or "abc", a file of the user's): it is neither judged nor emptied."""
-        if not text.strip() or text.strip().isdigit():
-            return None
-        try:
-            fields = json.loads(text)
-        except ValueError:
-            fields = None
-        holder = _holder(fields) if isinstance(fields, dict) else None
-        if holder is None:
-            raise ValueError(f"it holds {text.strip()[:40]!r}, not a record ckrun writes")
-        return holder
-
-    def words(self) -> str:
-        return f"pid {self.pid}" + ("" if self.host == socket.gethostname() else f" on {self.host}")
-
-    def since(self) -> str:
-        if not self.started:
-            return ""
-        when = time.localtime(self.started)
-        today = time.strftime("%Y-%m-%d") == time.strftime("%Y-%m-%d", when)
-        return time.strftime(" since %H:%M" if today else " since %Y-%m-%d %H:%M", when)
-
-    def gone_here(self) -> bool | None:
-        """Whether this host's holder has ended: True, False, or None when this host cannot tell."""
-        if self.host != socket.gethostname():
-            return None
-        if self.boot and _boot_id() and self.boot != _boot_id():
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass  # it runs, as another user
-        now = _start_ticks(self.pid)
-        return None if now is None or self.ticks is None else now != self.ticks
-
-
-def _holder(fields: dict) -> Holder | None:
-    """A Holder from a record's fields when each has the type ckrun writes (unknown fields ignored: a
-    newer ckrun's), else None."""
-    def whole(value, low, high):
-        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-    host, pid, started, what = (fields.get(key) for key in ("host", "pid", "started", "what"))
-    ticks, boot = fields.get("ticks"), fields.get("boot")
-    if not (isinstance(host, str) and host and whole(pid, 1, _MOST_PID) and isinstance(what, str)
-            and isinstance(started, int | float) and not isinstance(started, bool) and math.isfinite(started)
-            and (ticks is None or whole(ticks, -1, 1 << 62)) and (boot is None or isinstance(boot, str))):
-        return None
-    return Holder(host, pid, float(started), what, ticks, boot)
 
 
 class DirLock:
@@ -359,7 +288,7 @@ def _open_own(path: Path) -> int:
         if seen is not None and (found.st_ino, found.st_dev) != (seen.st_ino, seen.st_dev):
             os.close(fd)
             continue
-        if found.st_nlink > 1 or found.st_size > _RECORD_BYTES:
+        if found.st_nlink > 1 or found.st_size > RECORD_BYTES:
             os.close(fd)
             why = f"has {found.st_nlink} names (a hard link)" if found.st_nlink > 1 else f"holds {found.st_size} bytes"
             raise LockRefused(f"{path} {why}, so it is not a lock file ckrun made, and ckrun writes into no file it did "
@@ -392,7 +321,7 @@ def _write_record(fd: int, what: str) -> None:
 
 
 def _read(fd: int) -> Holder | None:
-    return Holder.parse(os.pread(fd, _RECORD_BYTES, 0).decode(errors="replace"))
+    return Holder.parse(os.pread(fd, RECORD_BYTES, 0).decode(errors="replace"))
 
 
 def _beating(fd: int, window: float) -> bool:
@@ -403,18 +332,3 @@ def _beating(fd: int, window: float) -> bool:
         if os.fstat(fd).st_mtime_ns != before:
             return True
     return False
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The pid's start time in clock ticks since boot (Linux /proc); None where there is no /proc."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None

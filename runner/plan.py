@@ -28,10 +28,10 @@ from .policies import (  # noqa: F401 - the plan's vocabulary, importable from h
     NoCompression,
     NoOffload,
     Offload,
-    Policy,
     SelectiveCheckpointing,
     SqrtCheckpointing,
 )
+from .policy_base import Policy, PoolPolicy
 from .pool_policies import (  # noqa: F401 - the pools' policies, importable from here too
     BF16Weights,
     ChunkedLoss,
@@ -44,7 +44,6 @@ from .pool_policies import (  # noqa: F401 - the pools' policies, importable fro
     OptimizerOffload,
     OptimizerState,
     OptimizerStep,
-    PoolPolicy,
     StepAfterBackward,
     StepInBackward,
     Weights,

@@ -14,86 +14,14 @@ and its line in the README.
 from __future__ import annotations
 
 import math
-from typing import Annotated, ClassVar, Literal, Protocol
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field
 
-from .choices import Choice, members
+from .choices import members
+from .policy_base import BlockLayout, BlockList, Policy, short_list
 
 EVERY_K = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # k for "checkpoint every k-th block": spread, not exhaustive
-
-
-class BlockLayout(Protocol):
-    """What a policy needs to know of a model's repeated blocks: how many, and the container of each
-    (runner.memory.blocks.BlockList; the tuner's model facts)."""
-
-    containers: list[str]
-
-    def __len__(self) -> int: ...
-
-
-def check_indices(key: str, indices: list[int], count: int) -> None:
-    """A ValueError naming the recipe key when an index is past the last block."""
-    for index in indices:
-        if index >= count:
-            raise ValueError(f"{key}: block {index} is out of range; the model has {count} blocks (0-{count - 1})")
-
-
-def short_list(indices: list[int], most: int = 6) -> str:
-    """'0,2,4,6,8,10,...,22': enough indices for a log line."""
-    shown = ",".join(str(i) for i in indices[:most])
-    return shown + (f",...,{indices[-1]}" if len(indices) > most else "")
-
-
-class Policy(Choice):
-    """What every policy class answers; `policy` is each subclass's literal (runner/choices.py reads
-    a tuner label back into it)."""
-
-    discriminator: ClassVar[str] = "policy"
-    block_action: ClassVar[str | None] = None
-    """What it does to each block it covers, in the words of the per-block solver and of the cost
-    table's columns (runner/predict/block_costs.py): `keep`, `recompute`, `selective`, `offload`;
-    None: nothing a single block can be given (sqrt recomputes a segment of blocks as one)."""
-    covers: ClassVar[str | None] = None
-    """The sets of blocks it can be written for, as the per-block solver writes a plan: `none`,
-    `every`, `listed` (any non-empty set, its `layers`); None: no set the solver picks (every k-th)."""
-    tuner_starts: ClassVar[tuple[str, ...]] = ()
-    """Its labels among the tuner's known-good starting points, tried before the sampler's plans."""
-
-    @classmethod
-    def on_blocks(cls, chosen: list[int], count: int) -> dict | None:
-        """Its recipe fields acting on exactly the blocks `chosen` of a model of `count` (by `covers`);
-        None: it cannot say that set of blocks."""
-        every = bool(count) and chosen == list(range(count))
-        if cls.covers == "none" and not chosen or cls.covers == "every" and every:
-            return {cls.discriminator: cls.tag()}
-        return {cls.discriminator: cls.tag(), "layers": list(chosen)} if cls.covers == "listed" and chosen else None
-
-
-class BlockList(Policy):
-    """A policy that names its blocks (`layers: [0, 2, 5]`, the tuner's `layers:0,2,5`); its kind says its
-    `section` of the plan."""
-
-    layers: list[int]
-    covers: ClassVar[str] = "listed"
-
-    @field_validator("layers")
-    @classmethod
-    def _unique(cls, layers: list[int]) -> list[int]:
-        if len(set(layers)) != len(layers):
-            raise ValueError("a block index is listed twice")
-        return sorted(layers)
-
-    def chosen(self, layout: BlockLayout) -> list[int]:
-        check_indices(f"memory.{self.section}.layers", self.layers, len(layout))
-        return list(self.layers)
-
-    def label(self) -> str:
-        return "layers:" + ",".join(map(str, self.layers))
-
-    @classmethod
-    def from_argument(cls, argument: str) -> dict:
-        return {"layers": [int(i) for i in argument.split(",")]}
 
 
 # --- activation checkpointing --------------------------------------------------------------------

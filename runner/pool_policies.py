@@ -1,8 +1,9 @@
 """Policies for the memory pools beside the activations: weights, gradients, optimizer state, the loss.
 
-Each knob is one class, in the house's way (runner/policies.py): its recipe fields (pydantic,
-discriminated by `policy`), its tuner labels (`label()` / `from_argument` / `tuner_labels`), its log
-line (`describe`), and what it is in the terms the rest of ckrun asks about:
+Each knob is one class on `PoolPolicy` (runner/policy_base.py), in the house's way
+(runner/policies.py): its recipe fields (pydantic, discriminated by `policy`), its tuner labels
+(`label()` / `from_argument` / `tuner_labels`), its log line (`describe`), and what it is in the
+terms the rest of ckrun asks about:
 
 - `pool`: the memory pool it acts on, named as the estimate's breakdown names it (`parameters`,
   `gradients`, `optimizer_state`, `loss`, `weight_casts`);
@@ -24,54 +25,10 @@ import importlib.util
 from abc import abstractmethod
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from .choices import members
-from .policies import Policy
-
-TORCHAO = "torchao"
-
-
-def library_missing(library: str | None, key: str, policy: str) -> str | None:
-    """One line saying that `key: policy` needs a package this Python does not have, or None."""
-    if library is None or importlib.util.find_spec(library) is not None:
-        return None
-    return (f"{key}: policy {policy} needs the {library} package, which is not installed: pip install "
-            f"'ckrun[lowbit]' (or pip install {library}), or leave {key} at its default")
-
-
-class PoolPolicy(Policy):
-    """What every policy of a pool answers."""
-
-    section: ClassVar[str]
-    """The memory plan's key (`weights`, `optimizer_state`, ...)."""
-    pool: ClassVar[str]
-    """The memory pool it acts on, as the estimate's breakdown names it."""
-    lossy: ClassVar[bool] = False
-    """It changes the training beyond float rounding: needs memory.allow_lossy, and its error is measured."""
-    library: ClassVar[str | None] = None
-    """The optional package it needs."""
-    active: ClassVar[bool] = True
-    """It changes anything at all (each pool's default does not)."""
-    single_process: ClassVar[bool] = True
-    """It runs in one process only: refused under a distributed strategy."""
-
-    @field_validator("policy", check_fields=False)
-    @classmethod
-    def _library_installed(cls, policy: str) -> str:
-        why = library_missing(cls.library, f"memory.{cls.section}", policy)
-        if why is not None:
-            raise ValueError(why.split(": ", 1)[1])  # the loader puts the key in front itself
-        return policy
-
-    @classmethod
-    def tuner_labels(cls) -> list[str]:
-        """The choices it offers the tuner (none when its library is missing)."""
-        return [] if library_missing(cls.library, cls.section, cls.tag()) else [cls.tag()]
-
-    def describe(self) -> str:
-        """The log line when it is applied."""
-        return self.label()
+from .policy_base import TORCHAO, PoolPolicy
 
 
 # --- weight precision ----------------------------------------------------------------------------------

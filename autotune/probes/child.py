@@ -146,7 +146,7 @@ def device_info(recipe) -> dict:
     """The device the recipe trains on and what it can do, asked once in a child so the tuner never inits CUDA."""
     import torch
     from runner.memory.measure import context_after_kernels, note_card_before_cuda
-    from runner.train.loop import pick_device
+    from runner.train.trainer import pick_device
 
     note_card_before_cuda()
     device = pick_device(recipe)

@@ -20,8 +20,9 @@ from functools import partial
 
 from runner.choices import choice_class, choice_fields
 from runner.plan import MemoryPlan
+from runner.policy_base import library_missing
 from runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload, LowBitState, MasterWeights,
-                                  POOL_KINDS, StepInBackward, library_missing)
+                                  POOL_KINDS, StepInBackward)
 from runner.units import format_bytes
 
 from .pool_floor import Bound, least, nothing_fits_line, pool_floor, pool_plan, settings

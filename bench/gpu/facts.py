@@ -9,9 +9,9 @@ Writes, each rewritten as soon as a part is measured (a call cut short keeps wha
   product here); the extra bytes flash and memory-efficient attention allocate in backward beyond
   their gradients; pinned host<->device bandwidth; the bf16 matrix rate (from the calibration).
 - OUT_DIR/calibration.json: every per-op-class rate and its share of the datasheet peak
-  (bench/gpu/calibrate.py: products by shape and dtype, convolutions, attention per kernel family,
+  (bench/gpu/kernel_rates.py: products by shape and dtype, convolutions, attention per kernel family,
   memory-bound ops, the optimizer step, host link, launch floor) and the entry they make for the time
-  model's calibration table.
+  model's calibration table (bench/gpu/calibrate.py).
   It also holds the card's measured facts (runner.predict.hardware.measure_gpu), which
   `python bench/gpu/calibrate.py OUT_DIR/calibration.json --facts-json gpu.json` writes out for
   `ckrun estimate --gpu gpu.json`.
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/gpu/facts.py` must find it too
     sys.path.insert(0, str(REPO))
 
-from bench.gpu import calibrate  # noqa: E402
+from bench.gpu import calibrate, kernel_rates  # noqa: E402
 from bench.gpu.budget import Budget, write_json  # noqa: E402
 
 MiB = 1 << 20
@@ -230,7 +230,7 @@ def calibration(cuda: bool, out: Path, found: dict) -> dict:
         results["entry_problem"] = calibrate.check_entry(results["entry"])
         write_json(path, results)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    calibrate.measure(calibrate.GPU if cuda else calibrate.DRY_RUN, device, peaks, landed)
+    kernel_rates.measure(kernel_rates.GPU if cuda else kernel_rates.DRY_RUN, device, peaks, landed)
     large = next((r for r in results["rows"] if r["kernel"] == "large" and r["dtype"] == "bf16" and r.get("rate")), None)
     return None if large is None else {"shape": large["shape"], "bf16_flops_per_s": large["rate"],
                                        "seconds": large["seconds"], "datasheet_share": large.get("share")}

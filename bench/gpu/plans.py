@@ -27,18 +27,16 @@ model (snapshot.py), when the budget leaves time for it.
 The budget (`--budget-s`): a plan starts only when the time it usually takes is left (compile: a
 cold compile, 1-2 minutes), and a watchdog writes plans.json and leaves at the deadline.
 OUT_DIR/plans.json is rewritten after every plan, so a call cut short still brings back what was
-measured. `measure_entries` is the engine: bench/gpu/knobs.py measures its plans with it too.
+measured. `measure_entries` is the engine: bench/gpu/knobs.py measures its plans with it too; each
+plan is measured by plan_measurement.py.
 `--dry-run` runs the same code at toy size on the CPU (offload and the snapshot skipped, MFU null).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,13 +46,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/gpu/plans.py` must find it too
     sys.path.insert(0, str(REPO))
 
-from bench.gpu import plan_results, predictions, snapshot, tables  # noqa: E402
+from bench.gpu import figures, plan_results, predictions, tables  # noqa: E402
 from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
+from bench.gpu.plan_measurement import SNAPSHOT_PLAN, run_plan  # noqa: E402
 from bench.gpu.plan_results import REPEAT  # noqa: E402
-from bench.gpu.predictions import one_line  # noqa: E402
 from runner.load import load_recipe  # noqa: E402
-from runner.train.loop import MemoryCapExceeded, Trainer  # noqa: E402
 
 NO_OFFLOAD = "memory.offload={policy: none}"
 PLANS = {  # plan -> its memory overrides (the micro-batch comes on top); the solver's come from predictions.py
@@ -73,9 +70,6 @@ PLANS = {  # plan -> its memory overrides (the micro-batch comes on top); the so
 PRIORITY = (("none", 1), ("none", 0), ("full", 0), ("every 2", 0), ("selective", 0), (REPEAT, 0), ("offload all", 0),
             ("solver", 1), ("full", 1), ("every 2", 1), ("selective", 1), ("offload all + full", 0), (REPEAT, 1),
             ("offload all", 1), ("offload all + full", 1), ("solver", 0), ("compile", 0), ("compile", 1))
-SNAPSHOT_PLAN = "full"  # recorded at the first micro-batch
-SNAPSHOT_FILE = "snapshot_full_mb16.json.gz"
-SNAPSHOT_STEPS = 2  # from an emptied cache: one that fills it, one that runs in it
 COMMITTED = REPO / "bench" / "gpu" / "predicted_bert_large.json"
 # bert_tiny shrunk further (tests/conftest.py's TINY_BERT): a step takes milliseconds on one core
 TINY = ("model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.vocab_size=256",
@@ -117,42 +111,7 @@ def plan_overrides(campaign: Campaign, name: str, micro: int, batch: int, solved
     return None if memory is None else [*campaign.base, micro_override, *memory]
 
 
-# --- measuring ------------------------------------------------------------------------------------
-
-
-def measure(recipe, campaign: Campaign, out: Path, record_snapshot: bool, count: bool) -> dict:
-    trainer = Trainer(recipe)
-    records = [trainer.train_step() for _ in range(campaign.warmup_steps + campaign.timed_steps)]
-    found = summarise(records, campaign.warmup_steps)
-    if record_snapshot:
-        found["snapshot"] = snapshot_step(trainer, out)
-    if count:
-        found.update(count_flops(trainer))
-    return found
-
-
-def summarise(records: list[dict], warmup: int) -> dict:
-    timed = records[warmup:]
-    largest = lambda key: max((r[key] for r in records if r.get(key) is not None), default=None)  # noqa: E731
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in timed),
-            "step_times_s": [r["step_time_s"] for r in timed],
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
-            "measured_peak_bytes": largest("peak_mem_bytes"), "peak_allocated_bytes": largest("peak_allocated_bytes"),
-            "cuda_context_bytes": largest("cuda_context_bytes"), "alloc_retries": largest("alloc_retries"),
-            "losses": [r["loss"] for r in records]}
-
-
-def count_flops(trainer: Trainer) -> dict:
-    """FLOPs of one more step, counted by dispatch (recompute included)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    try:
-        counter = FlopCounterMode(display=False)
-        with counter:
-            trainer.train_step()
-    except Exception as err:  # counting is extra: the step's measurements above stand without it
-        return {"flops": None, "flops_error": one_line(err)}
-    return {"flops": counter.get_total_flops()}
+# --- the card -------------------------------------------------------------------------------------
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -163,56 +122,6 @@ def peak_flops(device: torch.device) -> float | None:
 
     facts = this_gpu()
     return facts.peak_flops("bf16") if facts else None
-
-
-def snapshot_step(trainer: Trainer, out: Path) -> dict:
-    """Steps with the allocator's history on, written small and replayed; never ends the campaign.
-
-    The cache is emptied first: in the steady state every segment already exists, and a replay
-    that creates none tests nothing. From the live tensors' segments alone, the first recorded
-    step builds the cache again and the second runs in it, as the prediction replays a step twice."""
-    torch.cuda.empty_cache()
-    run_steps = lambda: [trainer.train_step() for _ in range(SNAPSHOT_STEPS)]  # noqa: E731
-    try:
-        start, end, records = snapshot.record_step(run_steps, trainer.device)
-        compact = snapshot.reduce(start, end, trainer.device.index or 0)
-        del start, end
-        file_bytes = snapshot.write(compact, out / SNAPSHOT_FILE)
-        found = snapshot.replay(compact)
-    except Exception as err:
-        traceback.print_exc()
-        return {"error": one_line(err)}
-    if file_bytes > 15 << 20:  # a call brings back files up to 16 MiB
-        (out / SNAPSHOT_FILE).unlink()
-        found["file_note"] = f"{file_bytes} bytes gzip'd: too large to bring back, deleted"
-    return {**found, "file": SNAPSHOT_FILE, "file_bytes": file_bytes,
-            "plan": f"{SNAPSHOT_PLAN} @ {trainer.recipe.micro_batch}",
-            "steps": SNAPSHOT_STEPS, "steps_peak_reserved_bytes": max(r["peak_mem_bytes"] for r in records),
-            "steps_peak_allocated_bytes": max(r.get("peak_allocated_bytes") or 0 for r in records)}
-
-
-def run_plan(entry: dict, campaign: Campaign, out: Path, record_snapshot: bool, count: bool) -> dict:
-    """The plan's measurements, or status oom / error with the reason; memory is released either way."""
-    if campaign.cuda:
-        # the cuBLAS handles' workspaces stay allocated (~65 MiB on an H100); more is a leak from the last plan
-        entry["allocated_before_bytes"] = torch.cuda.memory_allocated()
-    try:
-        recipe = load_recipe(campaign.recipe_path, entry["overrides"])
-        entry.update(status="ok", **measure(recipe, campaign, out, record_snapshot, count))
-    except (MemoryCapExceeded, torch.OutOfMemoryError) as err:
-        entry.update(status="oom", reason=one_line(err))
-    except Exception as err:  # one broken plan must not cost the others their measurement
-        traceback.print_exc()
-        entry.update(status="error", reason=one_line(err))
-    release(campaign.cuda)
-    return entry
-
-
-def release(cuda: bool) -> None:
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 # --- the campaign ---------------------------------------------------------------------------------
@@ -315,9 +224,7 @@ def conclude(results: dict, budget: Budget, here: dict | None = None) -> None:
 
 def predict_only(campaign: Campaign, out: Path) -> int:
     estimator = predictions.estimator_for(campaign)
-    batch = load_recipe(campaign.recipe_path, list(campaign.base)).train.batch_size
-    solved = predictions.solve(campaign, {m: plan_overrides(campaign, "none", m, batch, {})
-                                          for m in campaign.micro_batches}, estimator)
+    solved = solve_here(campaign, estimator)
     wanted = [e for e in plan_entries(campaign, None, solved) if e.get("status") != "skipped"
               and (campaign.cuda or "offload" not in e["name"])]
     found = {"versions": versions(), "recipe": campaign.recipe, "device": "cuda" if campaign.cuda else "cpu",
@@ -325,7 +232,7 @@ def predict_only(campaign: Campaign, out: Path) -> int:
     write_json(out / "predicted.json", found)
     print("\n| plan | predicted (GB) |\n|---|---|")
     for key, prediction in found["predictions"].items():
-        print(f"| {key} | {tables.gb(prediction.get('peak_bytes')) or prediction.get('error')} |")
+        print(f"| {key} | {figures.gb(prediction.get('peak_bytes')) or prediction.get('error')} |")
     return 0
 
 
@@ -335,9 +242,14 @@ def solver_plans(campaign: Campaign, committed_path: Path | None) -> dict:
         solved = json.loads(committed_path.read_text(encoding="utf-8")).get("solver")
         if solved:
             return solved
+    return solve_here(campaign)
+
+
+def solve_here(campaign: Campaign, estimator=None) -> dict:
+    """The solver's plan at each micro-batch, from `none`'s recipe there (CPU, seconds)."""
     batch = load_recipe(campaign.recipe_path, list(campaign.base)).train.batch_size
     return predictions.solve(campaign, {m: plan_overrides(campaign, "none", m, batch, {})
-                                        for m in campaign.micro_batches})
+                                        for m in campaign.micro_batches}, estimator)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repredict:
         results = json.loads(args.repredict.read_text(encoding="utf-8"))
         write_json(args.repredict, predictions.repredict(DRY_RUN if results.get("dry_run") else GPU, results))
-        print(f"{args.repredict}: {results['predictions_from']}; {tables.step_time_text(results['plans'])}")
+        print(f"{args.repredict}: {results['predictions_from']}; {figures.step_time_text(results['plans'])}")
         return 0
     if args.out is None:
         parser.error("OUT_DIR is needed")

@@ -4,7 +4,7 @@ prints at its end, one line per figure."""
 
 from __future__ import annotations
 
-from bench.gpu.tables import NOT_MEASURED, figure_texts, gb, percent, size
+from bench.gpu.figures import NOT_MEASURED, figure_texts, gb, percent, size
 
 CLASSES = ("matmul", "conv", "attention", "memory", "optimizer")
 

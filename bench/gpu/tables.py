@@ -7,8 +7,8 @@ Reads campaign.json, facts.json, calibration.json, plans.json, knobs.json and tu
 given directories (any subset, or none; a later directory's file wins: a second call's after the
 first's). Every figure (P1, P2, P4, P5, P6, the step-time prediction and the tuned plan's use of the
 cap) is written, as "not measured" where its step has not run. Without --out the markdown goes to
-stdout. plans.py and tune.py print their own table with the same functions; sections.py holds the
-newer sections and the call's summary lines.
+stdout. plans.py and tune.py print their own table with the same functions; figures.py holds the
+figures and the numbers' formats, sections.py the newer sections and the call's summary lines.
 """
 
 from __future__ import annotations
@@ -22,30 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/gpu/tables.py` must find it too
     sys.path.insert(0, str(REPO))
 
-from bench.stats import spearman  # noqa: E402
-from runner.policies import short_list  # noqa: E402
+from bench.gpu import sections  # noqa: E402
+from bench.gpu.figures import NOT_MEASURED, against_goal, cap_text, figures_table, gb, percent, size, step_time_text  # noqa: E402
+from runner.policy_base import short_list  # noqa: E402
 
 VERSION_KEYS = ("python", "torch", "cuda", "transformers", "torchvision", "optuna", "pydantic")
 
 
-# --- numbers --------------------------------------------------------------------------------------
-
-
-def gb(count) -> str:
-    return "" if count is None else f"{count / 1e9:.2f}"
-
-
-def size(count) -> str:
-    """Small amounts (workspaces, contexts) in MB, large ones in GB."""
-    if count is None:
-        return "n/a"
-    return f"{count / 1e9:.2f} GB" if abs(count) >= 1e9 else f"{count / 1e6:.1f} MB"
-
-
-def percent(fraction, signed: bool = False) -> str:
-    if fraction is None:
-        return ""
-    return f"{100 * fraction:+.1f}%" if signed else f"{100 * fraction:.1f}%"
+# --- plans ----------------------------------------------------------------------------------------
 
 
 def plan_label(memory: dict) -> str:
@@ -67,90 +51,6 @@ def _policy(part: dict) -> str:
         if key in part:  # every:2, layers:0,2: the policies' own labels (runner/policies.py)
             label += ":" + (short_list(part[key]) if key == "layers" else str(part[key]))
     return label.replace(":", " ", 1)
-
-
-
-NOT_MEASURED = "not measured"
-
-
-def _goal(value, goal: float, text: str | None = None, at_most: bool = False, goal_text: str | None = None) -> str:
-    """`0.95 (goal >= 0.97: MISSED)`; "not measured" for None."""
-    if value is None:
-        return NOT_MEASURED
-    met = value <= goal if at_most else value >= goal
-    return (f"{text or f'{value:.2f}'} (goal {'<=' if at_most else '>='} {goal_text or f'{goal:g}'}: "
-            f"{'met' if met else 'MISSED'})")
-
-
-# --- the figures ----------------------------------------------------------------------------------
-
-
-def figure_texts(found: dict) -> dict[str, str]:
-    """Each figure's result as text, "not measured" where its step has not run."""
-    plans_found = found.get("plans") or {}
-    plans = plans_found.get("figures") or {}
-    tune = (found.get("tune") or {}).get("figures") or {}
-    return {"P1": _p1(tune), "P2": _p2(tune), "P4": _p4(plans), "P5": _p5(tune), "P6": _p6(plans),
-            "cap": _cap(tune.get("cap")), "step time": step_time_text(plans_found.get("plans") or [])}
-
-
-def figures_table(found: dict) -> str:
-    texts = figure_texts(found)
-    rows = [("P1", "tuned under 40 GB / fastest uncapped plan", texts["P1"]),
-            ("P2", "tuned / HF `gradient_checkpointing_enable()`, same batch and precision", texts["P2"]),
-            ("P4", "predicted vs measured peak (reserved), absolute error: median; worst", texts["P4"]),
-            ("P5", "`ckrun tune` under 40 GB, wall time", texts["P5"]),
-            ("P6", "MFU, best eager plan; best compiled plan", texts["P6"]),
-            ("step time", "predicted vs measured step time over the plans: rank correlation; error", texts["step time"]),
-            ("cap", "tuned plan's measured peak (reserve + CUDA context) under the cap, using >= 90% of it",
-             texts["cap"])]
-    dry = any((found.get(name) or {}).get("dry_run") for name in found)
-    lines = ["## Figures", "", "| figure | what | result |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
-    if not found:
-        lines += ["", "No GPU results yet: every figure waits for a lent GPU (`bash bench/gpu/call.sh`)."]
-    elif dry:
-        lines += ["", "Dry run: toy sizes on a CPU; the goals are for BERT-large on a GPU."]
-    return "\n".join(lines)
-
-
-def _p1(tune: dict) -> str:
-    return _goal((tune.get("P1") or {}).get("value"), 0.97)
-
-
-def _p2(tune: dict) -> str:
-    return _goal((tune.get("P2") or {}).get("value"), 1.25)
-
-
-def _p4(plans: dict) -> str:
-    p4 = plans.get("P4") or {}
-    if p4.get("median_abs_error") is None:
-        return NOT_MEASURED
-    median, worst = (_goal(p4[k], goal, percent(p4[k]), at_most=True, goal_text=percent(goal))
-                     for k, goal in (("median_abs_error", 0.03), ("worst_abs_error", 0.08)))
-    return f"{median}; {worst}; {p4['plans']} plans, predicted by {p4.get('predictions_from')}"
-
-
-def _p5(tune: dict) -> str:
-    p5 = tune.get("P5") or {}
-    if p5.get("seconds") is None:
-        return NOT_MEASURED
-    text = f"{p5['seconds'] / 60:.1f} min" + ("" if p5.get("finished") else ", killed at its share of the call")
-    return _goal(p5["seconds"] / 60, 10, text, at_most=True, goal_text="10 min")
-
-
-def _p6(plans: dict) -> str:
-    p6 = plans.get("P6") or {}
-    shown = lambda kind, goal: _goal(p6.get(f"{kind}_mfu"), goal, p6.get(f"{kind}_mfu") is not None and  # noqa: E731
-                                     f"{percent(p6[f'{kind}_mfu'])} ({p6.get(f'{kind}_plan')})", goal_text=percent(goal))
-    return f"eager {shown('eager', 0.35)}; compiled {shown('compiled', 0.45)}"
-
-
-def _cap(cap: dict | None) -> str:
-    if not cap or cap.get("card_peak_bytes") is None:
-        return NOT_MEASURED
-    within = "under the cap" if cap["within_cap"] else "OVER THE CAP"
-    return f"{gb(cap['card_peak_bytes'])} GB of {gb(cap['cap_bytes'])} GB: {within}, " + \
-        _goal(cap["cap_used"], 0.9, f"{percent(cap['cap_used'])} used", goal_text="90%")
 
 
 # --- sections -------------------------------------------------------------------------------------
@@ -267,17 +167,6 @@ def plans_table(plans: dict) -> str:
     return "\n".join(lines) + "\n\n" + snapshot_line(plans.get("snapshot") or {})
 
 
-def step_time_text(plans: list[dict]) -> str:
-    """The time model against the measured steps: rank correlation and error, the calibration a GPU gives."""
-    timed = [p for p in plans if p["status"] == "ok" and p.get("predicted_step_s") and p.get("step_time_s")]
-    if len(timed) < 2:
-        return NOT_MEASURED + " (fewer than two measured plans carry a prediction)"
-    measured, predicted = [p["step_time_s"] for p in timed], [p["predicted_step_s"] for p in timed]
-    errors = sorted(abs(b / a - 1) for a, b in zip(measured, predicted, strict=True))
-    return (f"Spearman {spearman(measured, predicted):.2f}, median error {percent(errors[len(errors) // 2])}, "
-            f"worst {percent(errors[-1])} over {len(timed)} plans")
-
-
 def _solver_lines(solver: dict) -> list[str]:
     if not solver:
         return []
@@ -322,11 +211,11 @@ def tune_table(tune: dict) -> str:
                      f"{'' if median is None else f'{median:.1f}'} | {'' if search is None else f'{search:.1f}'} | "
                      f"{gb(candidate.get('max_card_peak_bytes'))} |")
     ratios = tune.get("ratios") or {}
-    lines += ["", f"- tuned / fastest uncapped: {_goal(ratios.get('tuned_vs_fastest_uncapped'), 0.97)} "
+    lines += ["", f"- tuned / fastest uncapped: {against_goal(ratios.get('tuned_vs_fastest_uncapped'), 0.97)} "
                   f"(in the searches' own probes: {_ratio(ratios.get('tuned_vs_fastest_uncapped_in_the_searches'))})",
-              f"- tuned / HF gradient checkpointing: {_goal(ratios.get('tuned_vs_hf_full_checkpointing'), 1.25)}",
+              f"- tuned / HF gradient checkpointing: {against_goal(ratios.get('tuned_vs_hf_full_checkpointing'), 1.25)}",
               f"- tuned / ckrun's full checkpointing in one pass: {_ratio(ratios.get('tuned_vs_full_checkpointing'))}",
-              f"- tuned plan's peak: {_cap(tune.get('tuned_peak'))}"]
+              f"- tuned plan's peak: {cap_text(tune.get('tuned_peak'))}"]
     if tune.get("rounds_note"):
         lines.append(f"- {tune['rounds_note']}")
     return "\n".join(lines)
@@ -353,8 +242,6 @@ def load(directories: list[Path]) -> dict:
 
 
 def render(found: dict) -> str:
-    from bench.gpu import sections  # it builds on this module's helpers
-
     parts = [header(found), figures_table(found)]
     for name, section in (("campaign", sections.campaign_table), ("facts", facts_table),
                           ("calibration", sections.calibration_table), ("plans", plans_table),

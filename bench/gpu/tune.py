@@ -15,7 +15,7 @@ what it is judged by.
    one pass, each in a fresh process, interleaved so that drift hits all alike, as many rounds (up to
    --repeats) as the budget leaves. OUT_DIR/tune.json is rewritten after every measurement.
 
-Figures (tables.py): P1 tuned / fastest uncapped >= 0.97; P2 tuned / HF full checkpointing >= 1.25;
+Figures (figures.py): P1 tuned / fastest uncapped >= 0.97; P2 tuned / HF full checkpointing >= 1.25;
 P5 the 40 GB tune's wall time <= 10 minutes; the tuned plan's peak under the cap, using >= 90% of it.
 Studies go to a directory under /tmp (hundreds of probe files); each study's report.json, tuned.yaml
 and the tail of its log are kept inside tune.json (a call brings back at most 8 files).

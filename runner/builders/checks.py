@@ -24,7 +24,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..load import AcrossSections, read_document, validate_document
 from ..problems import InputError, KeyedError, Problem, suggest
-from ..recipe import EvalSpec, ModelSpec, Recipe, infer_task
+from ..recipe import ModelSpec, Recipe, infer_task
+from ..recipe_eval import EvalSpec
 from ..recipe_data import Data
 from ..strategies import TensorParallel
 from ..yamlio import Document

@@ -244,7 +244,7 @@ def recompute_seconds(recipe: Recipe, micro_batch: int, precision: str, steps: i
     from ..builders.model import build_model
     from ..builders.optim import build_optimizer
     from ..builders.sources import stand_in_batch
-    from ..train.loop import pick_device
+    from ..train.trainer import pick_device
     from ..train.step import Precision, run_step
 
     device = device or pick_device(recipe)

@@ -10,7 +10,7 @@ CPU: the peak is the tracker's live tensor bytes, which is exactly what training
 CUDA (with or without a GPU here): the step runs on fake CPU tensors with CUDA's attention
 kernels, autocast fp32 ops, fused AdamW and activation offload reproduced (`cuda_model`), and the
 order of allocations is replayed through a model of the caching allocator to predict reserved
-bytes, which is what a cap on the card limits.
+bytes, which is what a cap on the card limits (`reserved`).
 
 Where the step runs an op whose fake kernel is known to allocate less than the real one
 (`fake_gaps.FAKE_GAPS`, e.g. an LSTM's oneDNN workspace), the estimate says so in `warnings`.
@@ -52,14 +52,13 @@ from ..recipe import Precision as PrecisionName, Recipe
 from ..train.step import Precision, label_count, run_step
 from ..problems import CkrunError, KeyedError
 from ..units import format_bytes
-from .cuda_extras import (BLAS_HANDLES_PER_STEP, CUDA_CONTEXT_BYTES, allocator_settings, cublas_workspace_bytes,
-                          target_capability)
-from .cuda_model import CudaOnCpu, in_cuda_mode, replay_within
+from .cuda_model import CudaOnCpu, in_cuda_mode
 from .compiled_updates import compiled_updates
-from .shapes import build_for_shapes
+from .shapes import batch_to_fake, build_for_shapes, weight_init_skipped
 from .fake_gaps import BatchNormStats, FakeGapWatch, WorkspaceFill
 from .device_facts import DeviceFacts
 from .real_paths import real_mask_paths
+from .reserved import cuda_reserve
 from .roofline import OpClock, StepWork
 from .routing import BalancedRouting
 from .step_time import StepShape, StepTime, step_time
@@ -133,7 +132,7 @@ class Estimator:
                 self.model = self._prepare(self._build_model())
             self.model.train()
         self.routed = BalancedRouting(self.model)  # eager experts' routing, assumed (predict/routing.py); the model is its own
-        self.batch, self.batch_only = _to_fake(self._stand_in_batch(), self.fake_mode)
+        self.batch, self.batch_only = batch_to_fake(self._stand_in_batch(), self.fake_mode)
         gaps = FakeGapWatch()  # watched once, in the warm-up: a plan changes how often ops run, not which
         self._optimizers: dict[tuple, PlannedOptimizer] = {}  # each optimizer a plan asks for, warmed up once
         self.optimizer = self._optimizing(recipe.memory, gaps).optimizer
@@ -304,39 +303,14 @@ class Estimator:
             notes.append(lora_note(self.model, self.recipe.model.lora))
         if not self.cuda:
             return Estimate(live, breakdown, notes, live, "cpu")
-        capability, measured = target_capability()
-        if self.facts is not None and self.facts.capability and not measured:
-            capability, measured = self.facts.capability, True
-        workspace = cublas_workspace_bytes(capability)
-        expandable, ignored = allocator_settings(plan.allocator)
-        allocator, limited = replay_within(tracker.events, CPU, baseline, self._allocator_capacity(plan),
-                                           kept=(workspace,) * BLAS_HANDLES_PER_STEP, expandable=expandable)
-        reserved = allocator.peak_reserved
-        breakdown["cublas_workspaces"] = workspace * BLAS_HANDLES_PER_STEP
-        breakdown["allocator_cache"] = reserved - live - breakdown["cublas_workspaces"]
-        gpu = f"sm{capability[0]}{capability[1]}" + ("" if measured else " (assumed: no GPU here)")
-        if self.facts is not None and self.facts.capability == capability:
-            gpu = f"sm{capability[0]}{capability[1]}, {self.facts.name}"
-        notes.append(f"CUDA caching allocator model{' with expandable segments' if expandable else ''}: "
-                     f"{format_bytes(reserved)} reserved for {format_bytes(live)} of live tensors and "
-                     f"{BLAS_HANDLES_PER_STEP} cuBLAS workspaces of {format_bytes(workspace)} ({gpu}); the CUDA "
-                     f"context (~0.8 GB on an H100 once a step's kernels are loaded) is not included")
-        if limited:
-            notes.append(f"the step {limited}")
-        if ignored:
-            notes.append(f"PYTORCH_CUDA_ALLOC_CONF settings not modelled: {', '.join(ignored)}")
+        reserve = cuda_reserve(tracker.events, baseline, live, plan, self.facts)
+        breakdown["cublas_workspaces"] = reserve.workspace_bytes
+        breakdown["allocator_cache"] = reserve.reserved_bytes - live - reserve.workspace_bytes
+        notes += reserve.notes
         host = tracker.peak_by_device.get(str(HOST), 0) - optimizer_host
         if plan.offload.moves and host > 0:
             notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")
-        return Estimate(reserved, breakdown, notes, live, "cuda")
-
-    def _allocator_capacity(self, plan: MemoryPlan) -> int | None:
-        """What the allocator may hold: the named card's memory or the plan's cap, whichever is less, less
-        the CUDA context (as runner/train/run/memory_cap.py limits it); None when neither is known."""
-        limits = [int(plan.max_mem)] if plan.max_mem is not None else []
-        if self.facts is not None and self.facts.memory_bytes:
-            limits.append(self.facts.memory_bytes)
-        return min(limits) - CUDA_CONTEXT_BYTES if limits else None
+        return Estimate(reserve.reserved_bytes, breakdown, notes, live, "cuda")
 
 
 def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:
@@ -356,48 +330,6 @@ def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:
         notes.append(f"memory.loss {plan.loss.label()}: one piece's logits (and their float32 copy and gradient) "
                      "live at a time, recomputed in the backward")
     return notes
-
-
-# --- building on fake tensors --------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def weight_init_skipped():
-    """torch.nn.init's in-place initialisers as no-ops while building: fake weights have no values
-    to set, and some (trunc_normal_'s rejection loop) read them, which fake tensors cannot."""
-    tables = [vars(torch.nn.init)]
-    try:  # transformers 5 keeps its own references to the originals
-        from transformers.initialization import TORCH_INIT_FUNCTIONS
-
-        tables.append(TORCH_INIT_FUNCTIONS)
-    except ImportError:
-        pass
-    saved = [(table, name, function) for table in tables for name, function in list(table.items())
-             if name.endswith("_") and not name.startswith("_") and callable(function)]
-    for table, name, _ in saved:
-        table[name] = lambda tensor, *args, **kwargs: tensor
-    try:
-        yield
-    finally:
-        for table, name, function in saved:
-            table[name] = function
-
-
-def _to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch.Tensor]]:
-    """The batch as fake tensors, and the inputs the model is not given.
-
-    An all-ones attention mask is left out of the model's inputs: transformers skips such a mask
-    in a real run (so SDPA may use flash attention), but cannot tell it is all ones on fake
-    tensors. It still counts as memory, as part of the batch."""
-    inputs = dict(batch.inputs)
-    dropped = []
-    mask = inputs.get("attention_mask")
-    if mask is not None and bool(mask.all()):
-        dropped.append(inputs.pop("attention_mask"))
-    fake = lambda t: fake_mode.from_tensor(t)  # noqa: E731
-    positions = None if batch.positions is None else fake(batch.positions)
-    return (Batch({k: fake(v) for k, v in inputs.items()}, fake(batch.labels), batch.by_keyword, positions),
-            [fake(t) for t in dropped])
 
 
 def _micro_batch(plan: MemoryPlan, batch_size: int) -> int:

@@ -1,4 +1,5 @@
-"""A model built for its shapes under the estimator's fake mode: fake CPU tensors, no weights read.
+"""A model and batch built for their shapes under the estimator's fake mode: fake CPU tensors, no
+weights read or initialised (`weight_init_skipped`), the batch's values made fake (`batch_to_fake`).
 
 A builder that reads tensor values (torchvision's RegNet computes its stage widths with torch and
 `.tolist()`) is run by its own code on real tensors, each parameter moved to the meta device as it
@@ -17,9 +18,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensorMode,
     unset_fake_temporarily,
 )
 
+from ..builders.data import Batch
 from ..builders.model import build_model
 from ..recipe import ModelSpec
 
@@ -91,3 +94,45 @@ def _parameters_on_meta():
         yield
     finally:
         nn.Module.register_parameter = register
+
+
+# --- the batch, and the weights not initialised ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def weight_init_skipped():
+    """torch.nn.init's in-place initialisers as no-ops while building: fake weights have no values
+    to set, and some (trunc_normal_'s rejection loop) read them, which fake tensors cannot."""
+    tables = [vars(torch.nn.init)]
+    try:  # transformers 5 keeps its own references to the originals
+        from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+        tables.append(TORCH_INIT_FUNCTIONS)
+    except ImportError:
+        pass
+    saved = [(table, name, function) for table in tables for name, function in list(table.items())
+             if name.endswith("_") and not name.startswith("_") and callable(function)]
+    for table, name, _ in saved:
+        table[name] = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        for table, name, function in saved:
+            table[name] = function
+
+
+def batch_to_fake(batch: Batch, fake_mode: FakeTensorMode) -> tuple[Batch, list[torch.Tensor]]:
+    """The batch as fake tensors, and the inputs the model is not given.
+
+    An all-ones attention mask is left out of the model's inputs: transformers skips such a mask
+    in a real run (so SDPA may use flash attention), but cannot tell it is all ones on fake
+    tensors. It still counts as memory, as part of the batch."""
+    inputs = dict(batch.inputs)
+    dropped = []
+    mask = inputs.get("attention_mask")
+    if mask is not None and bool(mask.all()):
+        dropped.append(inputs.pop("attention_mask"))
+    fake = lambda t: fake_mode.from_tensor(t)  # noqa: E731
+    positions = None if batch.positions is None else fake(batch.positions)
+    return (Batch({k: fake(v) for k, v in inputs.items()}, fake(batch.labels), batch.by_keyword, positions),
+            [fake(t) for t in dropped])

@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass, field
 from .device_facts import DeviceFacts
 from .roofline import STEP_PHASES, Ledger, StepWork, price
 
-LANGUAGE_TASKS = ("masked_lm", "causal_lm", "seq2seq")
-
 
 @dataclass(frozen=True)
 class BlockTime:

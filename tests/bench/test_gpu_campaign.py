@@ -323,7 +323,7 @@ def test_knobs_are_the_plans_new_exact_policies_and_flags():
 
     from bench.gpu import knobs
     from runner.plan import MemoryPlan
-    from runner.policies import Policy
+    from runner.policy_base import Policy
 
     class After(Policy):
         policy: Literal["after"] = "after"
@@ -424,7 +424,7 @@ def _probed(candidate: dict, *samples_per_s: float) -> dict:
 
 def test_tune_verdict_compares_medians_with_the_goals():
     """tune_verdict's ratios and tables' lines from given probe results (the dry run itself: below)."""
-    from bench.gpu import tables, tune, tune_verdict
+    from bench.gpu import figures, tables, tune, tune_verdict
 
     setup = tune.DRY_RUN
     recipe = tune.full_checkpointing(setup)["recipe"]
@@ -441,7 +441,7 @@ def test_tune_verdict_compares_medians_with_the_goals():
     assert ratios["tuned_vs_hf_full_checkpointing"] == pytest.approx(95 / 70)
     assert ratios["tuned_vs_full_checkpointing"] == pytest.approx(95 / 75)
     assert results["tuned_peak"]["within_cap"] and results["tuned_peak"]["cap_used"] == pytest.approx(0.95)
-    table, figures = tables.tune_table(results), tables.figures_table({"tune": results})
+    table, figures = tables.tune_table(results), figures.figures_table({"tune": results})
     assert "tuned / fastest uncapped: 0.96 (goal >= 0.97: MISSED)" in table
     assert "tuned / HF gradient checkpointing: 1.36 (goal >= 1.25: met)" in table
     assert "| tuned | micro-batch 8, checkpointing full, fp32 | 90.0, 100.0 | 95.0 | 99.0 | 0.10 |" in table
@@ -507,7 +507,7 @@ def test_reduce_keeps_the_steps_events_and_block_addresses():
 def test_predicted_step_times_are_compared_with_the_measured_ones():
     """The plans table puts the time model beside the measured steps: per card, ranked and as an error."""
     from bench.gpu.plan_results import step_on
-    from bench.gpu.tables import step_time_text
+    from bench.gpu.figures import step_time_text
 
     assert step_on({"NVIDIA H100 80GB HBM3": 0.2, "NVIDIA H200": 0.18}, "NVIDIA H200") == 0.18
     assert step_on({"NVIDIA H100 80GB HBM3": 0.2}, "NVIDIA L4") is None and step_on(0.3, "any") == 0.3

@@ -16,7 +16,7 @@ import pytest
 from runner.builders.model import build_model, count_parameters
 from runner.builders.checks import load_checked
 from runner.load import load_recipe
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("**/*.yaml"))

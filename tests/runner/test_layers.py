@@ -1,11 +1,13 @@
 """No import runs back up the house. runner/'s layers, lowest first; a module imports only from its
 own layer or the ones below it:
 
-1. foundations  problems, units, files, lock, environment, yamlio, choices, policies, pool_policies,
-                strategies, plan, checkpoint_files, user_cache (messages, YAML, the policies, distributed
-                strategies and the plan's data, the checkpoint file format, the lock a directory's
-                owner holds, the environment variables read, the tables kept in the user's cache folder)
-2. recipe       recipe, recipe_data, recipe_train, recipe_sinks, recipe_adapters, load, located, library
+1. foundations  problems, units, files, lock, lock_holder, environment, yamlio, choices, policy_base,
+                policies, pool_policies, strategies, plan, checkpoint_files, user_cache (messages, YAML,
+                the policies, distributed strategies and the plan's data, the checkpoint file format, the
+                lock a directory's owner holds and its holder's record, the environment variables read,
+                the tables kept in the user's cache folder)
+2. recipe       recipe, recipe_data, recipe_train, recipe_eval, recipe_sinks, recipe_adapters, load, located,
+                library
                 (the validated recipe and where its lines are)
 3. builders     builders/, models/ (model, data, optimizer from a recipe)
 4. memory       memory/ (a plan applied to a built model; its peak measured)
@@ -39,10 +41,11 @@ import pytest
 from conftest import ROOT
 
 LAYERS = [
-    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.environment", "runner.yamlio",
-                     "runner.choices", "runner.policies", "runner.pool_policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
+    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.lock_holder",
+                     "runner.environment", "runner.yamlio", "runner.choices", "runner.policy_base", "runner.policies",
+                     "runner.pool_policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
                      "runner.user_cache"}),
-    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_sinks",
+    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_eval", "runner.recipe_sinks",
                 "runner.recipe_adapters", "runner.load", "runner.located", "runner.library"}),
     ("builders", {"runner.builders", "runner.models"}),
     ("memory", {"runner.memory"}),
@@ -143,7 +146,7 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
     estimate = imports_of(ROOT / "runner" / "predict" / "estimate.py")
     assert {"runner.train.step", "runner.memory.apply", "runner.predict.cuda_model"} <= estimate
     assert "runner.builders.pretrained" in imports_of(ROOT / "runner" / "builders" / "checks.py")  # inside a function
-    assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "loop.py")
+    assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "trainer.py")
     assert layer_of("runner.predict.estimate") > layer_of("runner.train.step") > layer_of("runner.memory.apply")
     assert layer_of("runner.memory.apply") > layer_of("runner.builders.pretrained") > layer_of("runner.checkpoint_files")
 
@@ -160,6 +163,7 @@ TRAIN_LAYERS = [
                                     "run.guard", "run.progress", "run.start_line"}),
     ("what the loop calls", {"ranked", "checkpoint.resume", "output.export", "run.ownership", "eval.evaluate",
                              "measure.lossy"}),
+    ("the trainer", {"trainer"}),
     ("evaluation's schedule", {"eval.best", "eval.schedule"}),
     ("the loop", {"loop"}),
     ("the tuner's probe", {"measure.probe"}),
@@ -193,7 +197,7 @@ def test_every_train_module_has_one_train_layer():
 
 def test_the_recipe_schema_imports_nothing_from_build():
     """Validating a recipe's schema imports neither torch nor transformers nor user code: builders/ is above it."""
-    schema = ["recipe", "recipe_data", "recipe_train", "recipe_sinks", "load", "located"]
+    schema = ["recipe", "recipe_data", "recipe_train", "recipe_eval", "recipe_sinks", "load", "located"]
     found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.builders")}
              for name in schema}
     assert not any(found.values()), found

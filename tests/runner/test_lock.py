@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import runner.lock as lock_module
-from runner.lock import DirLock, Holder, LockHeld, LockRefused
+from runner.lock import DirLock, LockHeld, LockRefused
+from runner.lock_holder import Holder, boot_id, start_ticks
 from runner.problems import InputError
 
 HOLD = """
@@ -76,7 +77,7 @@ def test_a_record_left_by_an_ended_or_reused_pid_is_reported_and_taken_over(tmp_
 
 def test_a_live_process_named_in_a_free_lock_is_not_taken_over(tmp_path):
     parent = os.getppid()
-    _record(tmp_path, pid=parent, ticks=lock_module._start_ticks(parent), boot=lock_module._boot_id())
+    _record(tmp_path, pid=parent, ticks=start_ticks(parent), boot=boot_id())
     with pytest.raises(LockHeld, match="it runs, though it no longer locks"):
         _lock(tmp_path).acquire()
 

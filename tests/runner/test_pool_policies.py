@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from runner import pool_policies
 from runner.choices import choice_fields
 from runner.plan import MemoryPlan, StepFacts, plan_problems
-from runner.pool_policies import POOL_KINDS, PoolPolicy
+from runner.policy_base import PoolPolicy
+from runner.pool_policies import POOL_KINDS
 
 
 def test_every_pool_policy_class_is_in_its_union_and_says_its_pool():

@@ -15,7 +15,8 @@ import torch
 from ...memory import nvml
 from ...memory.measure import card_peak, cuda_context_bytes
 from ...recipe import Recipe
-from ..loop import MemoryCapExceeded, Trainer
+from ..run.memory_cap import MemoryCapExceeded
+from ..trainer import Trainer
 from .measurement import Measurement
 
 

@@ -11,7 +11,7 @@ from runner.load import recipe_from_text
 from runner.memory.apply import apply_plan
 from runner.memory.blocks import find_blocks
 from runner.plan import MemoryPlan
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import tiny_llama_recipe
 from tests.runner.memory.generated_models import LAYERS, Stack
 

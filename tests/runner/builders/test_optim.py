@@ -17,7 +17,7 @@ from conftest import BERT_TINY, TINY_BERT, read_metrics
 from runner.builders.optim import build_optimizer, build_scheduler
 from runner.load import load_recipe
 from runner.recipe_train import TORCH_OPTIMIZERS
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 
 def test_the_named_optimizers_are_torchs_own():

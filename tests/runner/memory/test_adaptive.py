@@ -15,7 +15,7 @@ from runner.builders.data import Batch
 from runner.load import load_recipe
 from runner.memory.adaptive import batch_length
 from runner.plan import MemoryPlan
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 SHORT, LONG = 12, 32  # bucket max_len, and the longest line (data.seq_len)
 BUCKETS = f"memory.adaptive=[{{max_len: {SHORT}, checkpointing: {{policy: none}}}}]"

@@ -20,7 +20,7 @@ from runner.memory import allocator
 from runner.memory.allocator import ALLOC_ENV, ALLOC_ENVS, apply_allocator
 from runner.memory.torch_features import functorch_config, missing_budget
 from runner.plan import MemoryPlan
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SETTING = "expandable_segments:True"
@@ -130,7 +130,7 @@ def test_the_probe_child_gets_it_in_its_environment(tmp_path):
 @pytest.mark.cuda
 def test_on_cuda_the_allocator_runs_with_it(tmp_path):
     """In a fresh process: the trainer sets it before CUDA starts, and the allocator's segments expand."""
-    code = (f"from runner.load import load_recipe; from runner.train.loop import Trainer; import torch\n"
+    code = (f"from runner.load import load_recipe; from runner.train.trainer import Trainer; import torch\n"
             f"t = Trainer(load_recipe({BERT_TINY!r}, ['memory.allocator={SETTING}', 'train.device=cuda', "
             f"'output.dir={tmp_path}']))\nt.train_step()\n"
             "print(all(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")

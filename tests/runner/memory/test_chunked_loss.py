@@ -17,7 +17,7 @@ from runner.memory.chunked_loss import SplitHead
 from runner.plan import ChunkedLoss, MemoryPlan
 from runner.predict.estimate import Estimator
 from runner.problems import InputError
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from tests.runner.memory.tiny_lm import GPT2, LLAMA, identical, recipe, train
 
 U = 2.0 ** -24  # float32's unit roundoff

@@ -253,7 +253,7 @@ def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
     """The estimator runs the same hooks on fake tensors: its CPU peak is the peak a real step measures."""
     from runner.load import load_recipe
     from runner.predict.estimate import estimate_peak
-    from runner.train.loop import Trainer
+    from runner.train.trainer import Trainer
 
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"memory.compression={{policy: {policy}}}", "memory.allow_lossy=true",
                                      f"output.dir={tmp_path}"])
@@ -270,7 +270,7 @@ def test_an_exact_pass_that_runs_out_of_memory_leaves_the_error_unmeasured(tmp_p
     """The exact plan keeps every activation: where that does not fit, training goes on, and says so."""
     import runner.train.measure.lossy
     from runner.load import load_recipe
-    from runner.train.loop import Trainer
+    from runner.train.trainer import Trainer
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -18,7 +18,7 @@ from runner.plan import MemoryPlan
 from runner.predict.estimate import Estimator
 from runner.problems import InputError
 from tests.runner.memory.tiny_lm import WIDE, identical, recipe, train
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runner.load import recipe_from_text
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao (the lowbit extra) is not installed")

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT
 from runner.checkpoint_files import MARKER, CheckpointError
 from runner.load import load_recipe_document
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from runner.train.checkpoint.sharded import is_sharded, load_sharded, pick_sharded, save_sharded
 from runner.parallel.ranks import SINGLE
 

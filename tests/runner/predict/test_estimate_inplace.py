@@ -12,7 +12,7 @@ from estimate_models import INPLACE_OPS, INPLACE_PLACES
 from runner.builders.resolve import BuildError
 from runner.load import recipe_from_text
 from runner.predict.estimate import estimate_peak
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 
 def _recipe_text(where: str, op: str, policy: str, precision: str) -> str:

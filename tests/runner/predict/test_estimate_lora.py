@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import ROOT
 from runner.load import recipe_from_text
 from runner.predict.estimate import estimate_peak
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import tiny_llama_recipe
 
 PLANS = ["{}", "{checkpointing: {policy: full}}", "{checkpointing: {policy: every, every: 2}}",

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import read_metrics
 from runner.predict.estimate import estimate_peak
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from tests.runner.memory.tiny_lm import GPT2, HAS_TORCHAO, LLAMA, recipe
 
 KNOBS = [

@@ -11,7 +11,7 @@ import torch
 from conftest import read_metrics
 from runner.load import recipe_from_text
 from runner.train.output.export import finish_run
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import commit_of, offline_cache, put_in_cache, save_tiny_llama, tiny_llama_recipe
 
 REPO = "tiny-org/tiny-llama"

@@ -5,7 +5,7 @@ import torch
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from runner.train.checkpoint import store
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from runner.train.checkpoint.store import CheckpointError, complete_checkpoints, load_latest, save_checkpoint
 
 

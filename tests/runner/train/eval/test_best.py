@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 # loss falls on this data, so with mode max the first evaluations are the best ones
 BEST = ["train.steps=6", "train.scheduler={name: constant}", "output.checkpoint_every=2"]

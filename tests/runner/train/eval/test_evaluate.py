@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from runner.cli import main
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 MODELS = {  # dropout, BatchNorm, random draws in eval mode: each a way for evaluation to leak into training
     "cnn": ["model={source: python, name: 'user_models:small_cnn', config: {num_classes: 4}}",

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=3"]
 METRICS = '''import torch
@@ -187,7 +187,7 @@ def test_a_ctrl_c_stop_evaluates_the_weights_it_leaves(tmp_path, ckrun, monkeypa
 
 
 def test_early_stopping_on_perplexity_when_the_loss_is_past_exps_range():
-    from runner.recipe import EarlyStopping
+    from runner.recipe_eval import EarlyStopping
     from runner.train.eval.early_stop import EarlyStop
 
     early = EarlyStop(EarlyStopping(metric="perplexity", patience=1))

@@ -45,7 +45,7 @@ def test_exact_adamw_measures_zero_and_only_the_optimizer_is_measured():
     ("{weights: {policy: bf16}, optimizer_step: {policy: in_backward}, allow_lossy: true}", "bf16"),
 ])
 def test_a_lossy_optimizers_error_is_logged_and_reported_by_a_probe(memory, precision, caplog):
-    with caplog.at_level(logging.INFO, logger="runner.train.loop"):
+    with caplog.at_level(logging.INFO, logger="runner.train.trainer"):
         measured = probe(recipe(memory, WIDE, precision), warmup_steps=2, timed_steps=1)
     # below the update itself: embeddings keep full-precision moments (LowBitState.full_precision_embeddings)
     assert measured.status == "ok" and measured.update_error is not None and 0 < measured.update_error < 1

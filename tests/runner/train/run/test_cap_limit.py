@@ -13,7 +13,7 @@ import torch
 
 from conftest import BERT_TINY
 from runner.memory import measure
-from runner.train import loop
+from runner.train.trainer import Trainer
 from runner.train.run import memory_cap
 
 GB = 10**9
@@ -34,8 +34,8 @@ def test_over_the_cap_on_cuda_names_the_reserve_and_the_context():
     trainer = types.SimpleNamespace(recipe=types.SimpleNamespace(memory=types.SimpleNamespace(max_mem=40 * GB)),
                                     device=torch.device("cuda", 0), step=3, limited_at_context=800 * MB)
     record = {"peak_mem_bytes": 39_500 * MB, "cuda_context_bytes": 900 * MB}
-    with pytest.raises(loop.MemoryCapExceeded) as caught:
-        loop.Trainer._check_cap(trainer, record)
+    with pytest.raises(memory_cap.MemoryCapExceeded) as caught:
+        Trainer._check_cap(trainer, record)
     assert str(caught.value) == ("memory cap 40.0 GB exceeded: step 3 peaked at 40.4 GB (allocator reserve "
                                  "39.5 GB + CUDA context 900.0 MB)")
 
@@ -49,7 +49,7 @@ def test_cuda_the_first_steps_kernels_are_already_in_the_limits_context(tmp_path
     total = torch.cuda.get_device_properties(0).total_memory
     recipe = load_recipe(BERT_TINY, ["train.device=cuda", "precision=bf16", f"memory.max_mem={total // 2}",
                                      f"output.dir={tmp_path}"])
-    trainer = loop.Trainer(recipe)
+    trainer = Trainer(recipe)
     limited = trainer.limited_at_context
     records = [trainer.train_step() for _ in range(2)]
     # the model's own kernels (embedding, GELU, the loss) still load in step 1: tens of MB, not ~150

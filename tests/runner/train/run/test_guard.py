@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import BERT_TINY, TINY_BERT
 from runner.problems import EXIT_NON_FINITE
 from runner.train.run import guard
-from runner.train.loop import Trainer
+from runner.train.trainer import Trainer
 from runner.train.output.directory import strict_record
 
 
@@ -136,13 +136,13 @@ def test_a_batch_far_too_large_for_memory_is_one_line(tmp_path, ckrun):
 
 
 def test_running_out_of_memory_inside_a_step_is_one_line(tmp_path, ckrun, monkeypatch):
-    from runner.train import loop
+    from runner.train import trainer
 
     def allocator_fails(*args, **kwargs):  # the exact error torch's CPU allocator raises
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
                            "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(loop, "run_step", allocator_fails)
+    monkeypatch.setattr(trainer, "run_step", allocator_fails)
     out = tmp_path / "run"
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=3", f"output.dir={out}")
     assert code == 3 and len(err.splitlines()) == 1, err
