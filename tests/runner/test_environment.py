@@ -5,7 +5,7 @@ recipe). Generated: every variable, with hostile values."""
 
 from __future__ import annotations
 
-import time
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -29,20 +29,25 @@ HOSTILE = st.one_of(
     st.text(max_size=12))
 
 
-@settings(max_examples=300, deadline=5000)
+@settings(max_examples=300, deadline=None)
 @given(group=st.sampled_from(range(len(GROUPS))), data=st.data(), value=HOSTILE)
 def test_every_variable_is_used_or_refused_in_one_line_naming_it(group, data, value):
     environ = dict(GROUPS[group])
     name = data.draw(st.sampled_from(sorted(environ)))
     environ[name] = value
-    started = time.monotonic()
+    tracemalloc.start()
     try:
         check_environment(environ)
     except InputError as err:
         [problem] = err.problems
         assert "\n" not in str(problem)
         assert problem.key in GROUPS[group] or (problem.key == "" and problem.place.file == "SLURM"), problem
-    assert time.monotonic() - started < 2  # bounded: nothing expanded in memory
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    # bounded: nothing expanded in memory. Counted, not timed (a 2 s bound fails by chance on a busy
+    # machine): the longest list allowed, 100,000 hosts, peaks at 13 MB; 'gpu[1-300000000]' took gigabytes
+    assert peak < 64 << 20, f"{peak:,} bytes"
 
 
 def test_the_groups_as_given_pass():
