@@ -105,6 +105,8 @@ def test_expandable_segments_grow_a_free_tail_instead_of_reserving_a_new_segment
 # drawn by a seeded run: the release unmapped the large pool's 17 MiB free tail inside a page that a live
 # block shares, so the next 3 MiB mapped a new page; torch unmaps whole free pages only
 @example(expandable=True, capacity_mib=1, operations=[(True, 0, 3 << 20), (True, 1, 512), (True, 2, 3 << 20)])
+@example(expandable=False, capacity_mib=1, operations=[(True, 0, 15 << 20), (False, 0, 512), (True, 0, 512),
+                                                        (False, 0, 512), (True, 0, 3 << 20)])  # see the end
 def test_a_card_too_small_for_the_cache_releases_it_and_retries(expandable, capacity_mib, operations):
     """With a capacity the allocator gives cached segments back when a new one would not fit, as torch's
     does after a failed cudaMalloc: the books still balance, the reserve never passes the capacity unless
