@@ -52,7 +52,7 @@ def whole_number(name: str, low: int, high: int | None = None, environ: Mapping[
     text = environ.get(name, "").strip()
     if not text:
         return default
-    value = int(text) if text.isascii() and text.lstrip("+-").isdigit() and len(text) < 20 else None
+    value = int(text) if re.fullmatch(r"[+-]?[0-9]{1,18}", text) else None  # one sign at most: '--0' is no number
     if value is None or value < low or (high is not None and value > high):
         bounds = f"from {low} to {high}" if high is not None else f"of {low} or more"
         raise problem(name, f"must be a whole number {bounds}, not {text!r}{'; ' + fix if fix else ''}")

@@ -130,7 +130,8 @@ def _candidate_groups(model: nn.Module, in_containers: bool) -> dict[type, dict]
             if in_containers or not isinstance(child, CONTAINERS):
                 by_class[type(child)].append((_join(name, child_name), child))
         for cls, members in by_class.items():
-            members = [(n, m) for n, m in members if id(m) not in taken]
+            held = {n for n, _ in groups.get(cls, {"members": []})["members"]}
+            members = [(n, m) for n, m in members if id(m) not in taken and not _inside(n, held)]
             if len(members) < (2 if in_containers else 3):
                 continue
             taken.update(id(m) for _, m in members)
@@ -138,6 +139,14 @@ def _candidate_groups(model: nn.Module, in_containers: bool) -> dict[type, dict]
             group["members"] += members
             group["params"] += sum(count_parameters(m) for _, m in members)
     return groups
+
+
+def _inside(name: str, held: set[str]) -> bool:
+    """Whether `name` lies inside one of `held`: a group's members never nest (Sequentials of Sequentials
+    made '1' and '1.0' one class's blocks, checkpointed twice over). Modules come outer first, so a
+    member found later can lie inside one found earlier, never hold it; the outer one is kept."""
+    parts = name.split(".")
+    return any(".".join(parts[:end]) in held for end in range(1, len(parts)))
 
 
 def _beside(groups: dict[type, dict], best_class: type, best: dict) -> list[tuple[str, nn.Module]]:

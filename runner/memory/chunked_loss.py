@@ -12,8 +12,9 @@ loss keeps every piece's logits; Liger's fused linear cross-entropy recomputes, 
 
 Exact up to float summation order: the loss is the sum of the pieces' sums, and the projection's
 weight gradient the sum of the pieces' contributions, where the whole computation sums each in one
-reduction; every logit and every other gradient is computed by the same operations on the same
-values. With `chunks: 1` the arithmetic is the same as the model's own.
+reduction; every logit and every other gradient is the same sum of the same values, though the
+matrix kernel may order a logit's terms otherwise for a piece's fewer rows (the last bit differs).
+With `chunks: 1` the arithmetic is the same as the model's own.
 
 Refused, in one line, where the split would not compute the model's loss: a model without an
 output projection that is one plain nn.Linear (classifiers, vision models, user models without

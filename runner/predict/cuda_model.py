@@ -179,7 +179,7 @@ class CachingAllocatorModel:
       growing its free tail block rather than reserving a new segment;
     - with a `capacity` (the card less its CUDA context, or a cap's memory fraction): a new segment
       that would pass it first makes the allocator release every cached segment no block of which is
-      in use (expandable: unmap each pool's free tail) and retry, as `release_cached_blocks` does
+      in use (expandable: unmap the whole pages of each pool's free tail) and retry, as `release_cached_blocks` does
       after a failed cudaMalloc; `releases` counts those, `over_capacity` says a retry still failed
       (the step runs out of memory). Without a capacity, segments are never returned and the reserved
       bytes only grow: on a card too small for them the allocator would have released and retried.
@@ -306,17 +306,31 @@ class CachingAllocatorModel:
                 block = self._blocks[(segment, offset)]
                 if block is keep:
                     continue
-                if self.expandable and block.next is None:  # a pool's free tail: unmapped
-                    self._unlist(small, block)
-                    self._last_block[segment] = block.prev
-                    if block.prev is not None:
-                        block.prev.next = None
-                    self._mapped[segment] -= block.size
-                    self.reserved -= block.size
+                if self.expandable and block.next is None:  # a pool's free tail: its whole pages unmapped
+                    self._unmap_tail(small, block)
                 elif not self.expandable and block.prev is None and block.next is None:  # a whole segment
                     self._unlist(small, block)
                     self.reserved -= block.size
         self.over_capacity |= self.reserved + nbytes > self.capacity
+
+    def _unmap_tail(self, small: bool, block: _Block) -> None:
+        """Unmap the pages of a pool's free tail that no live block touches, as ExpandableSegment::unmap
+        does: a page the tail shares with a live block stays mapped (a seeded run found the whole tail
+        unmapped, so the next request mapped a fresh page and the reserve passed the unlimited one)."""
+        page = SMALL_SEGMENT if small else LARGE_SEGMENT
+        unmapped = self._mapped[block.segment] - -(-block.offset // page) * page
+        if unmapped <= 0:
+            return
+        self._unlist(small, block)
+        self._mapped[block.segment] -= unmapped
+        self.reserved -= unmapped
+        if unmapped < block.size:
+            block.size -= unmapped
+            self._list(small, block)
+            return
+        self._last_block[block.segment] = block.prev
+        if block.prev is not None:
+            block.prev.next = None
 
     def _merge(self, block: _Block, neighbour: _Block) -> _Block:
         first, second = (neighbour, block) if neighbour.offset < block.offset else (block, neighbour)

@@ -5,7 +5,7 @@ recipe). Generated: every variable, with hostile values."""
 
 from __future__ import annotations
 
-import time
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -25,24 +25,29 @@ GROUPS = [OWN, TORCHRUN, SLURM]
 HOSTILE = st.one_of(
     st.sampled_from(["", " ", "abc", "nan", "-nan", "inf", "-inf", "-1", "0", "1e9", "1" * 40, "0x10", "3.5", "+2",
                      "١", "²", "gpu[1-300000000]", "gpu[1-3000000]x[1-3000000]", "a[b-c]", "gpu[9-1]", "[", "]",
-                     "gpu[1-2", "\x00", "🙂", "65536", "2" * 5]),
+                     "gpu[1-2", "\x00", "🙂", "65536", "2" * 5, "--0", "+-1"]),
     st.text(max_size=12))
 
 
-@settings(max_examples=300, deadline=5000)
+@settings(max_examples=300, deadline=None)
 @given(group=st.sampled_from(range(len(GROUPS))), data=st.data(), value=HOSTILE)
 def test_every_variable_is_used_or_refused_in_one_line_naming_it(group, data, value):
     environ = dict(GROUPS[group])
     name = data.draw(st.sampled_from(sorted(environ)))
     environ[name] = value
-    started = time.monotonic()
+    tracemalloc.start()
     try:
         check_environment(environ)
     except InputError as err:
         [problem] = err.problems
         assert "\n" not in str(problem)
         assert problem.key in GROUPS[group] or (problem.key == "" and problem.place.file == "SLURM"), problem
-    assert time.monotonic() - started < 2  # bounded: nothing expanded in memory
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    # bounded: nothing expanded in memory. Counted, not timed (a 2 s bound fails by chance on a busy
+    # machine): the longest list allowed, 100,000 hosts, peaks at 13 MB; 'gpu[1-300000000]' took gigabytes
+    assert peak < 64 << 20, f"{peak:,} bytes"
 
 
 def test_the_groups_as_given_pass():
@@ -54,6 +59,8 @@ def test_the_groups_as_given_pass():
     ({"WORLD_SIZE": "2"}, "environment: RANK: is unset, but WORLD_SIZE is set ('2'), which makes this process one "
                           "rank of a group; start the ranks with torchrun or `ckrun --nproc N`, or unset WORLD_SIZE"),
     ({**TORCHRUN, "RANK": "x"}, "environment: RANK: must be a whole number from 0 to 1, not 'x'"),
+    # drawn by a seeded run of the property above: two signs passed the check and int() raised
+    ({**TORCHRUN, "LOCAL_RANK": "--0"}, "environment: LOCAL_RANK: must be a whole number from 0 to 1, not '--0'"),
     ({"CKRUN_IMPORT_TIMEOUT": "nan"}, "environment: CKRUN_IMPORT_TIMEOUT: must be a number of seconds above 0, "
                                       "not 'nan'"),
     ({**SLURM, "SLURM_STEP_NODELIST": "gpu[1-300000000]"}, "environment: SLURM_STEP_NODELIST: 'gpu[1-300000000]' "

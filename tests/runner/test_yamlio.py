@@ -64,10 +64,10 @@ def alias_bomb(levels: int) -> str:
 def test_alias_bomb_is_refused_before_it_expands():
     import time
 
-    started = time.perf_counter()
+    started = time.process_time()  # CPU seconds: what expanding would burn, and what no busy machine stretches
     (line,) = problems_of(alias_bomb(12))  # 9**12 = 282 billion values if built
     assert "values with aliases expanded" in line and line.startswith("r.yaml:")
-    assert time.perf_counter() - started < 5
+    assert time.process_time() - started < 5
 
 
 def test_aliases_within_the_limits_still_work():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 import torch
 import torchvision
 import transformers
@@ -154,9 +154,15 @@ def _trees():
                                                       st.lists(inner, min_size=1, max_size=4)), max_leaves=24)
 
 
+def _seq(*kids: nn.Module) -> nn.Sequential:
+    return nn.Sequential(*kids)
+
+
 def test_blocks_never_nest_whatever_the_tree():
     @settings(max_examples=150, deadline=None)
     @given(_trees())
+    # drawn by a seeded run: the root's two Sequentials and the second one's own two were one group, nested
+    @example(_seq(_seq(nn.Linear(1, 1)), _seq(_seq(nn.Linear(1, 1)), _seq(nn.Linear(1, 1)))))
     def check(model):
         try:
             blocks = find_blocks(model)

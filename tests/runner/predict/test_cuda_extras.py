@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from runner.predict.cuda_extras import (
     MiB,
@@ -102,10 +102,16 @@ def test_expandable_segments_grow_a_free_tail_instead_of_reserving_a_new_segment
 @given(expandable=st.booleans(), capacity_mib=st.integers(1, 200), operations=st.lists(
     st.tuples(st.booleans(), st.integers(0, 11), st.sampled_from([512, 700_000, 1 << 20, 3 << 20, 15 << 20,
                                                                      40 << 20])), max_size=60))
+# drawn by a seeded run: the release unmapped the large pool's 17 MiB free tail inside a page that a live
+# block shares, so the next 3 MiB mapped a new page; torch unmaps whole free pages only
+@example(expandable=True, capacity_mib=1, operations=[(True, 0, 3 << 20), (True, 1, 512), (True, 2, 3 << 20)])
+@example(expandable=False, capacity_mib=1, operations=[(True, 0, 15 << 20), (False, 0, 512), (True, 0, 512),
+                                                        (False, 0, 512), (True, 0, 3 << 20)])  # see the end
 def test_a_card_too_small_for_the_cache_releases_it_and_retries(expandable, capacity_mib, operations):
     """With a capacity the allocator gives cached segments back when a new one would not fit, as torch's
     does after a failed cudaMalloc: the books still balance, the reserve never passes the capacity unless
-    the live blocks themselves cannot fit (then it says so), and it never reserves more than without."""
+    the live blocks themselves cannot fit (then it says so), and where they fit it never reserves more
+    than without (until its first release it is the same; there the unlimited one passed the capacity)."""
     capacity = capacity_mib << 20
     limited, unlimited, live = CachingAllocatorModel(expandable, capacity), CachingAllocatorModel(expandable), {}
     for allocate, key, nbytes in operations:
@@ -119,9 +125,16 @@ def test_a_card_too_small_for_the_cache_releases_it_and_retries(expandable, capa
         elif not allocate and key in live:
             del live[key]
         _check_bookkeeping(limited, live)
+        if expandable:  # pages are mapped and unmapped whole
+            small = sum(limited._mapped[s] for flag, s in limited._grown.items() if flag)
+            assert small % SMALL_SEGMENT == 0 and (limited.reserved - small) % LARGE_SEGMENT == 0
         if not limited.over_capacity:
             assert limited.reserved <= capacity
-    assert limited.peak_reserved <= max(unlimited.peak_reserved, capacity)
+    if not limited.over_capacity:
+        assert limited.peak_reserved <= min(unlimited.peak_reserved, capacity)
+    # past the capacity the step runs out of memory (replay_within then reports the unlimited one), and what
+    # a release leaves can cost more later than keeping it would have: a seeded run drew a free 16 MiB
+    # segment released for a 2 MiB one, then a 20 MiB one reserved for 3 MiB that the 16 MiB would have held
     if limited.peak_reserved < unlimited.peak_reserved:
         assert limited.releases > 0
     if unlimited.peak_allocated > capacity:

@@ -101,7 +101,8 @@ def test_a_metric_that_fails_is_one_line_naming_it(records, ckrun, metric, line)
 def test_a_failing_metric_keeps_the_training_so_far(records, ckrun, monkeypatch, metric, line):
     # the run ended in one line, but the checkpoint due at that step was never written and metrics.jsonl was
     # moved aside as an attempt with nothing to resume; a metric that hung hung the run silently
-    monkeypatch.setenv("CKRUN_USER_CODE_TIMEOUT", "1")
+    if metric == "hangs":  # the others must return, and on a busy machine even a quick call may pass 1 s
+        monkeypatch.setenv("CKRUN_USER_CODE_TIMEOUT", "1")
     run, folder = records
     out = folder / "run"
     code, _, err = ckrun(*run, "train.steps=4", "output.checkpoint_every=2",
