@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from autotune import child
+from autotune.probes import child
 from autotune.records import ProbeResult
 
 # activation memory kept, and step time, relative to no checkpointing
