@@ -95,9 +95,8 @@ def run_grid(path: Path, overrides: list[str], flags: list[str], directory: Path
         result = runner.probe(candidate.recipe(recipe, 10**12), number)  # no cap: measure everything
         rows.append({"key": candidate.key, "label": describe(candidate), "micro_batch": candidate.plan.micro_batch,
                      "checkpointing": candidate.plan.checkpointing.label(), "precision": candidate.precision,
-                     "status": result["status"],
-                     "peak": result.get("measured_peak_bytes"), "speed": result.get("samples_per_s"),
-                     "reason": result.get("reason")})
+                     "status": result.status, "peak": result.measured_peak_bytes, "speed": result.samples_per_s,
+                     "reason": result.reason})
         logging.info("grid %d/%d: %s: %s", number + 1, space.size, describe(candidate), _row_text(rows[-1]))
     return rows
 
@@ -139,7 +138,7 @@ def confirm(path: Path, overrides: list[str], directory: Path, plans: dict[str, 
     for round_ in range(CONFIRM):
         for index, (name, key) in enumerate(plans.items()):
             result = runner.probe(candidates[key].recipe(recipe, 10**12), round_ * len(plans) + index)
-            speeds[name].append(result.get("samples_per_s", 0.0))
+            speeds[name].append(result.samples_per_s or 0.0)
     return {name: {"median": statistics.median(values), "runs": values} for name, values in speeds.items()}
 
 
