@@ -245,12 +245,11 @@ def _meshes_outside_fake_mode():
 def _gradient_bytes(recipe: Recipe) -> tuple[int, int]:
     """(the bytes of the model's gradients, as DDP's buckets hold them; one FSDP unit's unsharded gradients
     as reduce-scattered, fp32: ckrun reduces in fp32): the largest block's, or the whole model's when it has
-    no repeated blocks (then it is one unit). From one build on the meta device."""
+    no repeated blocks (then it is one unit). From one build on fake tensors: nothing of the model is allocated."""
     from ..memory.blocks import find_blocks
-    from .shapes import build_for_shapes
+    from .shapes import model_for_counting
 
-    with torch.device("meta"):
-        model = build_for_shapes(recipe.model)
+    model = model_for_counting(recipe.model)
     whole = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     try:
         units = [block.module for block in find_blocks(model, recipe.memory.blocks)]

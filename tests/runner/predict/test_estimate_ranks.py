@@ -6,6 +6,8 @@ with measured per-rank peaks is in tests/runner/parallel/test_ranks.py (slow: it
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -133,3 +135,32 @@ def test_fsdp_gathered_parameters_are_freed_after_each_block():
     layer_parameters = 4 * 256 * 256 + 3 * 256 * 512 + 2 * 256
     per_block = (peaks[6] - peaks[2]) / 4
     assert 8 * layer_parameters <= per_block < 8 * layer_parameters + 2 * layer_parameters / 2
+
+
+BIG_LLAMA = LLAMA.replace("vocab_size: 256, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2",
+                          "vocab_size: 32000, hidden_size: 2048, intermediate_size: 8192, num_hidden_layers: 8")
+BIG_LLAMA_FP32_BYTES = 4 * (8 * (4 * 2048 * 2048 + 3 * 2048 * 8192 + 2 * 2048) + 2 * 32000 * 2048 + 2048)  # 2.7 GB
+
+
+# the estimate in a process of its own, which then says the most it held resident (Linux: kB)
+MEASURED_ESTIMATE = """
+import resource, sys
+from runner.cli import main
+code = main(sys.argv[1:])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_estimate_holds_none_of_the_models_weights(tmp_path, strategy):
+    """`estimate --nproc` runs on fake tensors: the whole process stays under the model's fp32 weights. (The
+    gradient sizes behind DDP's buckets and FSDP's in-flight reduce-scatter were once counted on a model built
+    by name on the CPU, real: a 13B model on 64 ranks was killed at 24 GB with no line.)"""
+    recipe = tmp_path / "big.yaml"
+    recipe.write_text(BIG_LLAMA.replace("seq_len: 32", "seq_len: 8") + f"distributed: {{strategy: {strategy}}}\n")
+    done = subprocess.run([sys.executable, "-c", MEASURED_ESTIMATE, "estimate", str(recipe), "--gpu", "a100",
+                           "--nproc", "8", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["breakdown"]["parameters"] > 0
+    assert int(done.stderr.splitlines()[-1]) < BIG_LLAMA_FP32_BYTES
