@@ -279,13 +279,17 @@ class Estimator:
 
     # --- reporting -------------------------------------------------------------------------------
 
+    def _weights_held(self, plan: MemoryPlan, precision: str) -> str:
+        """What the weights' bytes are, one line (a split model's says what its rank holds: per_rank.py)."""
+        return plan.weights.holds(precision)
+
     def _result(self, tracker: LiveBytesTracker, baseline: int, plan: MemoryPlan, precision: str,
                 planned: PlannedOptimizer) -> Estimate:
         live = tracker.peak_bytes
         breakdown = tracker.breakdown_at_peak
         notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
                  f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists",
-                 *pool_notes(plan, precision, self.cuda)]
+                 self._weights_held(plan, precision), *pool_notes(plan, precision, self.cuda)]
         optimizer_host = getattr(planned.optimizer, "host_bytes", lambda: 0)()
         if optimizer_host:
             notes.append(f"memory.optimizer_offload {plan.optimizer_offload.label()}: {format_bytes(optimizer_host)} "
@@ -314,8 +318,9 @@ class Estimator:
 
 
 def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:
-    """What the estimate's numbers mean for the plan's weights, optimizer and loss, one line each."""
-    notes = [plan.weights.holds(precision)]
+    """What the estimate's numbers mean for the plan's optimizer and loss, one line each (the weights':
+    `Estimator._weights_held`)."""
+    notes = []
     lossy = [policy.label() for policy in plan.pool_policies() if policy.lossy]
     if lossy:
         notes.append(f"{', '.join(lossy)}: lossy; training logs how far the weights' update moved from exact AdamW "

@@ -105,7 +105,8 @@ class RankPredictor:
             _set_reshard(estimator.model, share.memory.sharding)
             with _meshes_outside_fake_mode(), self._dropped_on_failure(share):
                 estimate = estimator.estimate(share.memory, share.precision)
-            estimate = _add_reduce_in_flight(estimate, self._gradients(share)[1])
+            if _fully_sharded(estimator.model):  # tp alone reduce-scatters nothing
+                estimate = _add_reduce_in_flight(estimate, self._gradients(share)[1])
         else:
             with self._dropped_on_failure(share):
                 estimate = self.estimator(share).estimate(share.memory, share.precision)
@@ -166,7 +167,8 @@ class RankPredictor:
         return self.meshes[strategy.label()]
 
     def _gradients(self, share: Recipe) -> tuple[int, int]:
-        key = json.dumps([share.model.model_dump(mode="json"), share.memory.blocks], sort_keys=True)
+        key = json.dumps([share.model.model_dump(mode="json"), share.memory.blocks,
+                          share.distributed.model_dump(mode="json")], sort_keys=True)
         if key not in self.gradients:
             self.gradients[key] = _gradient_bytes(share)
         return self.gradients[key]
@@ -219,6 +221,23 @@ class _ShardedEstimator(Estimator):
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         return place_on_mesh(model, self.recipe, self.mesh, torch.device("cpu"), self.source)
 
+    def _weights_held(self, plan, precision: str) -> str:
+        """FSDP2's mixed precision gathers each unit's weights already in `precision`, so autocast casts none."""
+        if precision == "fp32" or plan.weights.holds_bf16 or not _fully_sharded(self.model):
+            return super()._weights_held(plan, precision)  # fp32, bf16 weights, or tp alone (autocast casts)
+        kept = plan.sharding is not None and not plan.sharding.reshard_after_forward
+        between = "kept from its forward to its backward" if kept else "freed after its forward and gathered again for its backward"
+        return (f"weights: this rank's fp32 shards (4 B a parameter of its share) for the optimizer; FSDP2 gathers "
+                f"each block's weights in {precision} (its mixed precision; autocast casts none), {between}")
+
+
+def _fully_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
 
 @contextlib.contextmanager
 def _meshes_outside_fake_mode():
@@ -245,7 +264,8 @@ def _meshes_outside_fake_mode():
 def _gradient_bytes(recipe: Recipe) -> tuple[int, int]:
     """(the bytes of the model's gradients, as DDP's buckets hold them; one FSDP unit's unsharded gradients
     as reduce-scattered, fp32: ckrun reduces in fp32): the largest block's, or the whole model's when it has
-    no repeated blocks (then it is one unit). From one build on fake tensors: nothing of the model is allocated."""
+    no repeated blocks (then it is one unit), of a tensor-parallel rank its split layers' share. From one
+    build on fake tensors: nothing of the model is allocated."""
     from ..memory.blocks import find_blocks
     from .shapes import model_for_counting
 
@@ -255,7 +275,23 @@ def _gradient_bytes(recipe: Recipe) -> tuple[int, int]:
         units = [block.module for block in find_blocks(model, recipe.memory.blocks)]
     except ValueError:
         units = [model]
-    return whole, max(sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in units) * 4
+    split, tensor = _split_parameters(model, recipe), getattr(recipe.distributed, "tensor", 1)
+    return whole, max(sum(p.numel() // (tensor if id(p) in split else 1) for p in unit.parameters() if p.requires_grad)
+                      for unit in units) * 4
+
+
+def _split_parameters(model: torch.nn.Module, recipe: Recipe) -> set[int]:
+    """The ids of the parameters tensor parallelism splits over a tensor group (wrap.split_layers' plan): each
+    split layer's weight, and a colwise layer's bias (a rowwise layer's bias is added whole on every rank)."""
+    from ..builders.tensor_plan import resolve
+    from ..strategies import TensorParallel
+
+    if not isinstance(recipe.distributed, TensorParallel):
+        return set()
+    modules = dict(model.named_modules())
+    return {id(parameter) for name, style in resolve(model, recipe.distributed)[0].items()
+            for kind, parameter in modules[name].named_parameters(recurse=False)
+            if kind == "weight" or style == "colwise"}
 
 
 def _add_reduce_in_flight(estimate: Estimate, in_flight: int) -> Estimate:

