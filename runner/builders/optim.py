@@ -29,19 +29,48 @@ def optimizer_over(params: list[torch.Tensor], train: TrainSpec, device: torch.d
     side of an optimizer offload runs (a CPU-only run keeps the unfused kernels its baseline uses)."""
     spec = train.optimizer
     if spec.name == "sgd":
+        one_by_one = _one_by_one(params, torch.optim.SGD)
         return torch.optim.SGD(decay_groups(params, spec.weight_decay), lr=spec.lr, momentum=spec.momentum,
-                               nesterov=spec.nesterov)
+                               nesterov=spec.nesterov, **one_by_one)
     if spec.name == "adamw":
-        fused = device.type == "cuda" or fused_on_cpu
+        one_by_one = _one_by_one(params, torch.optim.AdamW)
+        fused = (device.type == "cuda" or fused_on_cpu) and not one_by_one
         log.debug("AdamW %s: %s", "fused" if fused else "foreach", "fused kernels need CUDA" if not fused else "on CUDA")
         return torch.optim.AdamW(decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                 fused=fused or None)
+                                 **(one_by_one or {"fused": fused or None}))
     if spec.name in EIGHT_BIT:
         import bitsandbytes
 
         optimizer_class = getattr(bitsandbytes.optim, EIGHT_BIT[spec.name])
         return optimizer_class(decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps)
     return _torch_optimizer(spec, params)
+
+
+def _one_by_one(params: list[torch.Tensor], optimizer_class: type) -> dict:
+    """foreach and fused off, where `optimizer_class` takes them, for parameters that mix DTensors with plain
+    tensors (tensor parallelism alone splits some layers and leaves the norms and embeddings whole): DTensor
+    refuses plain operands, so no fused or foreach kernel takes both, and torch's default picks foreach on
+    CUDA. {} otherwise."""
+    if len({_is_dtensor(p) for p in params}) < 2:
+        return {}
+    takes = inspect.signature(optimizer_class.__init__).parameters
+    log.info("%s steps parameter by parameter (no fused or foreach kernel): tensor parallelism's split layers are "
+             "DTensors beside plain tensors, and one kernel cannot take both", optimizer_class.__name__)
+    return {option: False for option in ("foreach", "fused") if option in takes}
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+@functools.cache
+def _dtensor_class() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed has no DTensor
+        return None
+    return DTensor
 
 
 def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
@@ -58,7 +87,7 @@ def _torch_optimizer(spec: TorchOptimizer, params: list[nn.Parameter]) -> torch.
     decay = inspect.signature(optimizer_class.__init__).parameters.get("weight_decay")
     groups = params if decay is None else decay_groups(params, arguments.pop("weight_decay", decay.default))
     try:
-        return optimizer_class(groups, **arguments)
+        return optimizer_class(groups, **arguments, **_one_by_one(params, optimizer_class))
     except (ValueError, TypeError, RuntimeError) as err:
         raise BuildError("train.optimizer.name", f"torch.optim.{spec.name} cannot train this model: "
                          f"{' '.join(str(err).split())[:200]}") from None

@@ -150,3 +150,26 @@ def test_warmup_steps_and_warmup_ratio_are_one_or_the_other(ckrun):
     code, _, err = ckrun("validate", BERT_TINY, *TINY_BERT, "train.scheduler={name: cosine, warmup_steps: 3, warmup_ratio: 0.1}")
     assert code == 2 and "train.scheduler.warmup_ratio: give train.scheduler.warmup_steps or train.scheduler.warmup_ratio, " \
                          "not both" in err, err
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "RAdam"])
+def test_split_layers_beside_whole_ones_step_one_by_one(optimizer):
+    """Tensor parallelism alone leaves norms and embeddings plain tensors beside the split layers' DTensors;
+    no fused or foreach kernel takes both (DTensor refuses plain operands), so such an optimizer steps them
+    one by one, and the step updates both kinds. Fused AdamW on the CPU stands for the GPU's fused AdamW."""
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    from runner.builders.optim import optimizer_over
+    from runner.predict.per_rank import fake_process_group
+    from runner.recipe import TrainSpec
+
+    with fake_process_group(2):
+        mesh = DeviceMesh("cpu", [0, 1])
+        split = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+        whole = torch.nn.Parameter(torch.ones(4, 4))  # a matrix, as an embedding is: one decay group with the split one
+        train = TrainSpec.model_validate({"batch_size": 1, "steps": 1, "optimizer": {"name": optimizer, "lr": 0.1}})
+        step = optimizer_over([split, whole], train, torch.device("cpu"), fused_on_cpu=True)
+        split.grad, whole.grad = torch.ones_like(split), torch.ones_like(whole)
+        step.step()
+        assert split.to_local().lt(1).all() and whole.lt(1).all()
+        assert step.defaults["foreach"] is False  # on CUDA torch's default (None) picks foreach, which fails the same way
