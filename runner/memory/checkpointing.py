@@ -48,7 +48,7 @@ def apply_checkpointing(blocks: BlockList, policy: Checkpointing) -> Undo:
     for region in policy.regions(blocks):
         block = blocks[region[0]]
         undos.append(wrap_forward(block.module, _checkpointed,
-                                  _context_fns([block.module], policy.kept_ops(), block.name), block.name))
+                                  _context_fns([block.module], policy, block.name), block.name))
     return undo_all(undos)
 
 
@@ -60,7 +60,7 @@ def apply_switched(blocks: BlockList, policies: list[Checkpointing], active: Cal
     undos = [_kv_cache_off(blocks.root)] if any(chosen) else []
     for index in sorted(set().union(*chosen)):
         module = blocks[index].module
-        contexts = {k: _context_fns([module], p.kept_ops(), blocks[index].name)
+        contexts = {k: _context_fns([module], p, blocks[index].name)
                     for k, p in enumerate(policies) if index in chosen[k]}
         undos.append(wrap_forward(module, _switched, contexts, active, blocks[index].name))
     return undo_all(undos)
@@ -148,21 +148,28 @@ class _Contexts(NamedTuple):
     selective: SelectiveBlock | None = None
 
 
-def _context_fns(modules: list[nn.Module], save_ops: frozenset[str] | None, name: str = "") -> _Contexts:
-    """Eager: the buffers replayed (below) and, when asked, selective caching of what the block leaves
-    alone (selective.py). Under compile the partitioner recomputes on a functional graph that applies
-    buffer updates once, and context_fn may only give dispatch modes: the static policy alone."""
+def _context_fns(modules: list[nn.Module], policy: Checkpointing | None, name: str = "") -> _Contexts:
+    """Eager: the buffers replayed (below) and, when the policy keeps ops, selective caching of what the
+    block leaves alone (selective.py). Under compile the partitioner recomputes on a functional graph that
+    applies buffer updates once, and context_fn may only give dispatch modes: the static policy alone."""
     slots = _buffer_slots(modules)
-    selective = None if save_ops is None else SelectiveBlock(save_ops, name, lambda: _BufferReplay(slots).untouched())
-    compiled = noop_context_fn if save_ops is None else functools.partial(
-        create_selective_checkpoint_contexts, static_policy(save_ops))
+    save_ops = None if policy is None else policy.kept_ops()
+    if save_ops is None:
+        return _Contexts(_eager_contexts(slots, None), noop_context_fn)
+    stride = policy.kept_mm_stride()
+    selective = SelectiveBlock(save_ops, name, lambda: _BufferReplay(slots).untouched(), stride)
+    return _Contexts(_eager_contexts(slots, selective),
+                     lambda: create_selective_checkpoint_contexts(static_policy(save_ops, stride)), selective)
 
+
+def _eager_contexts(slots: list[tuple[nn.Module, str]], selective: SelectiveBlock | None) -> Callable:
+    """checkpoint's eager context_fn: the block's buffers replayed around its selective cache, if any."""
     def eager():
         replay = _BufferReplay(slots)
         forward_context, recompute_context = selective.context_fn() if selective else (contextlib.nullcontext(),) * 2
         # outside the selective cache: its clones and copies would otherwise count as ops of the block
         return _nested(replay.forward(), forward_context), _nested(replay.recompute(), recompute_context)
-    return _Contexts(eager, compiled, selective)
+    return eager
 
 
 @contextlib.contextmanager

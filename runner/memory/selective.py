@@ -76,18 +76,26 @@ def _draws_random(func, args, kwargs) -> bool:
     return dropout_p != 0
 
 
-def static_policy(save_ops: frozenset[str]):
-    """The policy under torch.compile, which functionalises the graph (no in-place writes to learn)."""
-    def policy(ctx, func, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if cacheable(func, args, kwargs, save_ops) else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
+def kept_product(call: OpCall, mm_stride: int) -> bool:
+    """Whether a cacheable call stays cached under a stride over matrix products: an mm is kept when it
+    is the block's first, (1 + stride)-th, ... (memory.checkpointing.mm_kept_every); every other op is."""
+    func, occurrence = call
+    return op_name(func) != "mm" or occurrence % mm_stride == 0
+
+
+def static_policy(save_ops: frozenset[str], mm_stride: int = 1) -> _CallPolicy:
+    """The policy of one checkpointed forward under torch.compile, which functionalises the graph (no
+    in-place writes to learn): every cacheable call, matrix products at the stride."""
+    return _CallPolicy(lambda call, args, kwargs: cacheable(call[0], args, kwargs, save_ops)
+                       and kept_product(call, mm_stride))
 
 
 class SelectiveBlock:
     """One block's selective checkpointing: the op calls it caches, learnt per input signature."""
 
-    def __init__(self, save_ops: frozenset[str], name: str, keep_state: Callable[[], contextlib.AbstractContextManager] | None = None):
-        self.save_ops, self.name = save_ops, name
+    def __init__(self, save_ops: frozenset[str], name: str, keep_state: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 mm_stride: int = 1):
+        self.save_ops, self.name, self.mm_stride = save_ops, name, mm_stride
         self.keep_state = keep_state  # makes a context that puts the block's buffers back after the learning forward
         self.cached_by_signature: dict[tuple, frozenset[OpCall]] = {}
         self.cached: frozenset[OpCall] = frozenset()
@@ -103,7 +111,8 @@ class SelectiveBlock:
         self.cached = self.cached_by_signature[signature]
 
     def context_fn(self):
-        forward, recompute = create_selective_checkpoint_contexts(_CallPolicy(self.cached))
+        cached = self.cached
+        forward, recompute = create_selective_checkpoint_contexts(_CallPolicy(lambda call, *_: call in cached))
         # checkpoint(respect_saved_tensors_hooks=True) sets this on SAC's own mode only, and ckrun nests that
         # mode in its buffer replay: set here, so what SAC caches passes through offload's and compression's
         # hooks as checkpoint_options() asks (torch >= 2.14 has the attribute; older torch always bypasses)
@@ -126,7 +135,7 @@ class SelectiveBlock:
         finally:
             _learning.depth -= 1
         self._report(watch.refused)
-        return watch.safe()
+        return frozenset(call for call in watch.safe() if kept_product(call, self.mm_stride))
 
     def _report(self, refused: dict[str, str]) -> None:
         new = {op: why for op, why in refused.items() if op not in self.reported}
@@ -137,20 +146,21 @@ class SelectiveBlock:
 
 
 class _CallPolicy:
-    """SAC's policy for one checkpointed forward: counts each op's calls, as SAC keys its cache.
+    """SAC's policy for one checkpointed forward: counts each op's calls, as SAC keys its cache, and keeps
+    the calls `keeps(call, args, kwargs)` names.
 
     torch >= 2.14 asks it once per op in the forward; torch 2.11 asks before each op in the forward
     and again in the recompute (`ctx.is_recompute`), where the answers must match: one count per phase."""
 
-    def __init__(self, cached: frozenset[OpCall]):
-        self.cached = cached
+    def __init__(self, keeps: Callable[[OpCall, tuple, dict], bool]):
+        self.keeps = keeps
         self.counts = {False: Counter(), True: Counter()}
 
     def __call__(self, ctx, func, *args, **kwargs):
         counts = self.counts[bool(getattr(ctx, "is_recompute", False))]
         call = (func, counts[func])
         counts[func] += 1
-        return CheckpointPolicy.MUST_SAVE if call in self.cached else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if self.keeps(call, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _OpWatch(TorchDispatchMode):

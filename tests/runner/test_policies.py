@@ -109,6 +109,14 @@ def test_each_tuner_choice_reads_back_as_its_policy_and_acts_on_real_blocks(coun
         assert getattr(MemoryPlan.model_validate({key: choice_fields(kind, label), "allow_lossy": True}), key).label() == label
 
 
+@given(stride=st.integers(1, 64))
+def test_selective_at_a_product_stride_reads_back_from_its_label(stride):
+    """A recipe's selective plan keeps its stride through the tuner's label (its starting plan, tuned.yaml)."""
+    policy = MemoryPlan.model_validate({"checkpointing": {"policy": "selective", "mm_kept_every": stride}}).checkpointing
+    again = MemoryPlan.model_validate({"checkpointing": choice_fields(CHECKPOINTING, policy.label())}).checkpointing
+    assert again == policy
+
+
 @settings(max_examples=60, deadline=None)
 @given(count=st.integers(1, 30), data=st.data())
 def test_a_policy_written_for_a_set_of_blocks_acts_on_exactly_those(count, data):

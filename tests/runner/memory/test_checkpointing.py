@@ -248,6 +248,25 @@ def test_saved_bytes_fall_and_selective_keeps_matmuls():
     assert selective_backward == backward < full_backward
 
 
+def test_selective_at_a_product_stride_recomputes_every_second_matmul():
+    """mm_kept_every 2 (torchtitan's 'selective op'): of each block's three products the 1st and 3rd stay
+    cached and the 2nd is recomputed, so the backward runs one more product per block (FLOPs counted: 2 x
+    batch x width x width) and the forward leaves one product's output less per block alive."""
+    def run(checkpointing):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False),
+                                              nn.Tanh(), nn.Linear(16, 16, bias=False)) for _ in range(4)])
+        apply_plan(model, plan(checkpointing), "cpu")
+        with FlopCounterMode(display=False) as counter:  # the forwards are the same under both: the difference is the backward's
+            with SavedBytes(model) as saved:
+                loss = model(torch.randn(8, 16, requires_grad=True)).sum()
+            loss.backward()
+        return counter.get_total_flops(), saved.bytes
+    kept_all, every_second = run({"policy": "selective"}), run({"policy": "selective", "mm_kept_every": 2})
+    assert every_second[0] - kept_all[0] == 4 * 2 * 8 * 16 * 16
+    assert every_second[1] < kept_all[1]
+
+
 def chain(blocks: int = 16, width: int = 64):
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)])
 
