@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,9 +36,25 @@ def _json(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def call(tmp_path_factory) -> tuple[Path, str]:
-    """The whole campaign dry, as a lent GPU's call runs it: (its $OUT, what it printed)."""
-    out, kept = tmp_path_factory.mktemp("gpu-campaign"), tmp_path_factory.mktemp("kept")
+def call(tmp_path_factory, worker_id) -> tuple[Path, str]:
+    """The whole campaign dry, as a lent GPU's call runs it: (its $OUT, what it printed). Run once for all
+    of pytest-xdist's workers (it takes 80-90 s of CPU, and each worker given one of these tests ran it):
+    the first to ask runs it under a lock in the run's shared temporary folder, the others read it. The
+    tests only read what it wrote."""
+    if worker_id == "master":  # no xdist: this process's own folder
+        return _dry_call(tmp_path_factory.mktemp("gpu-campaign"))
+    shared = tmp_path_factory.getbasetemp().parent / "gpu-campaign"  # pytest-N/: this run's, every worker's
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "printed.txt").is_file():
+            shared.mkdir(exist_ok=True)
+            _, printed = _dry_call(shared / "out")
+            (shared / "printed.txt").write_text(printed, encoding="utf-8")
+    return shared / "out", (shared / "printed.txt").read_text(encoding="utf-8")
+
+
+def _dry_call(out: Path) -> tuple[Path, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    kept = out.with_name(out.name + "-kept")
     done = children.run(["bash", str(ROOT / "bench" / "gpu" / "call.sh"), "--dry-run"], cwd=ROOT,
                         env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
                              "CKRUN_CAMPAIGN_KEPT": str(kept)})

@@ -152,7 +152,7 @@ sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])  # one path; ddp: -m slow
 def test_a_rank_estimate_holds_none_of_the_models_weights(tmp_path, strategy):
     """`estimate --nproc` runs on fake tensors: the whole process stays under the model's fp32 weights. (The
     gradient sizes behind DDP's buckets and FSDP's in-flight reduce-scatter were once counted on a model built
