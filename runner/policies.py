@@ -54,7 +54,7 @@ class CheckpointingPolicy(Policy):
         """aten ops whose outputs its recompute keeps instead of recomputing; None: it keeps none."""
         return None
 
-    def kept_mm_stride(self) -> int:
+    def kept_product_stride(self) -> int:
         """Of a block's matrix products (aten.mm) that `kept_ops` names, it keeps every n-th (1: all)."""
         return 1
 
@@ -161,10 +161,11 @@ class SelectiveCheckpointing(CheckpointingPolicy):
                                  "_scaled_dot_product_flash_attention_for_cpu"]
     )
     """aten ops whose outputs are kept; every other op in a block is recomputed in backward."""
-    mm_kept_every: int = Field(1, ge=1)
-    """Of each block's matrix products (aten.mm, in the order its forward runs them), keep every n-th
-    output, the first included, and recompute the others: 1 keeps them all; 2 is torchtitan's
-    'selective op' (it recomputes every second mm), about half the products' bytes for one in two
+    products_kept_every: int = Field(1, ge=1)
+    """Of each block's matrix products and convolutions (aten mm, addmm, bmm, baddbmm, convolution, each
+    op counted on its own in the order the forward runs it), keep every n-th output, the first
+    included, and recompute the others: 1 keeps them all; 2 on a model whose blocks multiply with mm
+    (Llama, GPT) is torchtitan's 'selective op', about half the products' bytes for one in two
     recomputed."""
     caches_ops: ClassVar[bool] = True
     block_action: ClassVar[str] = "selective"
@@ -173,18 +174,22 @@ class SelectiveCheckpointing(CheckpointingPolicy):
     def kept_ops(self) -> frozenset[str]:
         return frozenset(self.save_ops)
 
-    def kept_mm_stride(self) -> int:
-        return self.mm_kept_every
+    def kept_product_stride(self) -> int:
+        return self.products_kept_every
 
     def label(self) -> str:
-        return "selective" if self.mm_kept_every == 1 else f"selective:{self.mm_kept_every}"
+        return "selective" if self.products_kept_every == 1 else f"selective:{self.products_kept_every}"
 
     @classmethod
     def from_argument(cls, argument: str) -> dict:
-        return {"mm_kept_every": int(argument)}
+        return {"products_kept_every": int(argument)}
+
+    @classmethod
+    def tuner_labels(cls, layout: BlockLayout) -> list[str]:
+        return ["selective", "selective:2"]  # every product kept, or every second (torchtitan's 'selective op')
 
     def describe(self, layout: BlockLayout) -> str:
-        stride = f" (of mm, every {_ordinal(self.mm_kept_every)} one)" if self.mm_kept_every > 1 else ""
+        stride = f" (of products, every {_ordinal(self.products_kept_every)})" if self.products_kept_every > 1 else ""
         return f"selective: keeping outputs of {', '.join(self.save_ops)}{stride}; recomputing the rest"
 
 

@@ -156,7 +156,7 @@ def _context_fns(modules: list[nn.Module], policy: Checkpointing | None, name: s
     save_ops = None if policy is None else policy.kept_ops()
     if save_ops is None:
         return _Contexts(_eager_contexts(slots, None), noop_context_fn)
-    stride = policy.kept_mm_stride()
+    stride = policy.kept_product_stride()
     selective = SelectiveBlock(save_ops, name, lambda: _BufferReplay(slots).untouched(), stride)
     return _Contexts(_eager_contexts(slots, selective),
                      lambda: create_selective_checkpoint_contexts(static_policy(save_ops, stride)), selective)

@@ -76,26 +76,31 @@ def _draws_random(func, args, kwargs) -> bool:
     return dropout_p != 0
 
 
-def kept_product(call: OpCall, mm_stride: int) -> bool:
-    """Whether a cacheable call stays cached under a stride over matrix products: an mm is kept when it
-    is the block's first, (1 + stride)-th, ... (memory.checkpointing.mm_kept_every); every other op is."""
+# the ops a stride over products counts, each on its own: a block's 1st, 3rd, ... mm, and its 1st, 3rd, ... convolution
+PRODUCT_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution"})
+
+
+def kept_product(call: OpCall, product_stride: int) -> bool:
+    """Whether a cacheable call stays cached under a stride over products (memory.checkpointing.
+    products_kept_every): a product op's call is kept when it is that op's first in the block, its
+    (1 + stride)-th, ...; every other op is kept as before."""
     func, occurrence = call
-    return op_name(func) != "mm" or occurrence % mm_stride == 0
+    return op_name(func) not in PRODUCT_OPS or occurrence % product_stride == 0
 
 
-def static_policy(save_ops: frozenset[str], mm_stride: int = 1) -> _CallPolicy:
+def static_policy(save_ops: frozenset[str], product_stride: int = 1) -> _CallPolicy:
     """The policy of one checkpointed forward under torch.compile, which functionalises the graph (no
     in-place writes to learn): every cacheable call, matrix products at the stride."""
     return _CallPolicy(lambda call, args, kwargs: cacheable(call[0], args, kwargs, save_ops)
-                       and kept_product(call, mm_stride))
+                       and kept_product(call, product_stride))
 
 
 class SelectiveBlock:
     """One block's selective checkpointing: the op calls it caches, learnt per input signature."""
 
     def __init__(self, save_ops: frozenset[str], name: str, keep_state: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 mm_stride: int = 1):
-        self.save_ops, self.name, self.mm_stride = save_ops, name, mm_stride
+                 product_stride: int = 1):
+        self.save_ops, self.name, self.product_stride = save_ops, name, product_stride
         self.keep_state = keep_state  # makes a context that puts the block's buffers back after the learning forward
         self.cached_by_signature: dict[tuple, frozenset[OpCall]] = {}
         self.cached: frozenset[OpCall] = frozenset()
@@ -135,7 +140,7 @@ class SelectiveBlock:
         finally:
             _learning.depth -= 1
         self._report(watch.refused)
-        return frozenset(call for call in watch.safe() if kept_product(call, self.mm_stride))
+        return frozenset(call for call in watch.safe() if kept_product(call, self.product_stride))
 
     def _report(self, refused: dict[str, str]) -> None:
         new = {op: why for op, why in refused.items() if op not in self.reported}

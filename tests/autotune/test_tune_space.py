@@ -25,18 +25,19 @@ def test_cpu_space_of_a_12_block_model():
     recipe, space = _space(12)
     assert space.choices == {
         "micro_batch": [1, 2, 3, 4, 6, 12],
-        "checkpointing": ["none", "full", "every:2", "every:3", "every:4", "every:6", "every:8", "sqrt", "selective"],
+        "checkpointing": ["none", "full", "every:2", "every:3", "every:4", "every:6", "every:8", "sqrt", "selective",
+                          "selective:2"],
         "loss": ["whole", "chunked:8"],  # its head is one Linear; in_backward needs no clipping, offload a GPU
     }
     assert space.fixed == {"offload": "none", "precision": "fp32", "compile": False, "weights": "fp32",
                            "optimizer_state": "full", "optimizer_step": "after", "optimizer_offload": "none"}
-    assert space.size == 108
+    assert space.size == 120
 
 
 def test_two_blocks_leave_out_every_k_and_sqrt():
     # with 2 blocks sqrt makes one segment and checkpoints nothing: the same plan as none
     _, space = _space(2)
-    assert space.choices["checkpointing"] == ["none", "full", "selective"]
+    assert space.choices["checkpointing"] == ["none", "full", "selective", "selective:2"]
 
 
 def test_cuda_searches_offload_and_flags_add_precision_and_compile():

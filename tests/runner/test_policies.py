@@ -112,7 +112,7 @@ def test_each_tuner_choice_reads_back_as_its_policy_and_acts_on_real_blocks(coun
 @given(stride=st.integers(1, 64))
 def test_selective_at_a_product_stride_reads_back_from_its_label(stride):
     """A recipe's selective plan keeps its stride through the tuner's label (its starting plan, tuned.yaml)."""
-    policy = MemoryPlan.model_validate({"checkpointing": {"policy": "selective", "mm_kept_every": stride}}).checkpointing
+    policy = MemoryPlan.model_validate({"checkpointing": {"policy": "selective", "products_kept_every": stride}}).checkpointing
     again = MemoryPlan.model_validate({"checkpointing": choice_fields(CHECKPOINTING, policy.label())}).checkpointing
     assert again == policy
 

@@ -248,22 +248,32 @@ def test_saved_bytes_fall_and_selective_keeps_matmuls():
     assert selective_backward == backward < full_backward
 
 
-def test_selective_at_a_product_stride_recomputes_every_second_matmul():
-    """mm_kept_every 2 (torchtitan's 'selective op'): of each block's three products the 1st and 3rd stay
-    cached and the 2nd is recomputed, so the backward runs one more product per block (FLOPs counted: 2 x
-    batch x width x width) and the forward leaves one product's output less per block alive."""
+def _product_blocks(layer, shape):
+    """Four blocks of three products (`layer()` each) with Tanh between, and an input of `shape`."""
+    blocks = [nn.Sequential(layer(), nn.Tanh(), layer(), nn.Tanh(), layer()) for _ in range(4)]
+    return nn.Sequential(*blocks), torch.randn(*shape, requires_grad=True)
+
+
+@pytest.mark.parametrize("layer, shape", [(lambda: nn.Linear(16, 16, bias=False), (8, 16)),
+                                          (lambda: nn.Conv2d(4, 4, 3, padding=1, bias=False), (2, 4, 6, 6))],
+                         ids=["mm", "convolution"])
+def test_selective_at_a_product_stride_recomputes_every_second_product(layer, shape):
+    """products_kept_every 2 (on mm: torchtitan's 'selective op'): of each block's three products the 1st
+    and 3rd stay cached and the 2nd is recomputed, so the backward runs one more product per block (its
+    FLOPs counted) and the forward leaves one product's output less per block alive."""
     def run(checkpointing):
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False),
-                                              nn.Tanh(), nn.Linear(16, 16, bias=False)) for _ in range(4)])
+        model, x = _product_blocks(layer, shape)
         apply_plan(model, plan(checkpointing), "cpu")
         with FlopCounterMode(display=False) as counter:  # the forwards are the same under both: the difference is the backward's
             with SavedBytes(model) as saved:
-                loss = model(torch.randn(8, 16, requires_grad=True)).sum()
+                loss = model(x).sum()
             loss.backward()
         return counter.get_total_flops(), saved.bytes
-    kept_all, every_second = run({"policy": "selective"}), run({"policy": "selective", "mm_kept_every": 2})
-    assert every_second[0] - kept_all[0] == 4 * 2 * 8 * 16 * 16
+    kept_all, every_second = run({"policy": "selective"}), run({"policy": "selective", "products_kept_every": 2})
+    with FlopCounterMode(display=False) as one:
+        layer()(torch.randn(*shape))
+    assert every_second[0] - kept_all[0] == 4 * one.get_total_flops()
     assert every_second[1] < kept_all[1]
 
 

@@ -19,7 +19,7 @@ from runner.plan import MemoryPlan
 from tests.runner.memory.generated_models import BETWEEN, LAYERS, Stack
 
 POLICIES = [{"policy": "full"}, {"policy": "every", "every": 2}, {"policy": "layers", "layers": [1]},
-            {"policy": "sqrt"}, {"policy": "selective"}, {"policy": "selective", "mm_kept_every": 2}]
+            {"policy": "sqrt"}, {"policy": "selective"}, {"policy": "selective", "products_kept_every": 2}]
 
 layer_lists = st.lists(st.sampled_from(LAYERS), min_size=1, max_size=4)
 stacks = st.lists(st.tuples(layer_lists, st.sampled_from(BETWEEN)), min_size=2, max_size=6)
