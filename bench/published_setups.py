@@ -6,10 +6,7 @@ two setups. QUICK: two toy setups through the same code, for tests."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "bench" / "published"
 DLE_BERT = "https://github.com/NVIDIA/DeepLearningExamples/tree/master/PyTorch/LanguageModeling/BERT"
 DLE_RN50 = "https://github.com/NVIDIA/DeepLearningExamples/tree/master/PyTorch/Classification/ConvNets/resnet50v1.5"
 TITAN = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"

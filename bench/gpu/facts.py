@@ -156,20 +156,9 @@ def probe_pinned_bandwidth(mib: int = 512) -> dict:
     """Pinned host<->device copy rates, median of 5 timed copies after a warm-up."""
     host = torch.empty(mib * MiB, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(mib * MiB, dtype=torch.uint8, device="cuda")
-    rates = {}
-    for name, copy in (("h2d", lambda: device.copy_(host, non_blocking=True)),
-                       ("d2h", lambda: host.copy_(device, non_blocking=True))):
-        copy()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            copy()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        rates[f"pinned_{name}_bytes_per_s"] = mib * MiB / sorted(times)[2]
-    return rates
+    copies = {"h2d": lambda: device.copy_(host, non_blocking=True), "d2h": lambda: host.copy_(device, non_blocking=True)}
+    return {f"pinned_{name}_bytes_per_s": mib * MiB / kernel_rates.seconds(copy, cuda=True, repeats=5, warmup=1)
+            for name, copy in copies.items()}
 
 
 PROBES = {"context": probe_context, "cublas": probe_cublas_workspace, "attention": probe_attention_scratch,

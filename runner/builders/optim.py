@@ -51,26 +51,12 @@ def _one_by_one(params: list[torch.Tensor], optimizer_class: type) -> dict:
     tensors (tensor parallelism alone splits some layers and leaves the norms and embeddings whole): DTensor
     refuses plain operands, so no fused or foreach kernel takes both, and torch's default picks foreach on
     CUDA. {} otherwise."""
-    if len({_is_dtensor(p) for p in params}) < 2:
+    if len({getattr(p, "device_mesh", None) is None for p in params}) < 2:  # a DTensor has its mesh (grad_norm.py)
         return {}
     takes = inspect.signature(optimizer_class.__init__).parameters
     log.info("%s steps parameter by parameter (no fused or foreach kernel): tensor parallelism's split layers are "
              "DTensors beside plain tensors, and one kernel cannot take both", optimizer_class.__name__)
     return {option: False for option in ("foreach", "fused") if option in takes}
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    dtensor = _dtensor_class()
-    return dtensor is not None and isinstance(tensor, dtensor)
-
-
-@functools.cache
-def _dtensor_class() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed has no DTensor
-        return None
-    return DTensor
 
 
 def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:

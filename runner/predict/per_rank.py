@@ -21,7 +21,7 @@ The fake process group is a torch testing API; where a torch lacks it, the predi
 
 `tune --predict --nproc N` asks for many plans of one recipe: `RankPredictor` makes what no plan changes
 once and keeps it (the fake group; a mesh per strategy; per layout, `layout_key`, the estimator with its
-split fake model and warmed-up optimizer; per model its gradient bytes), and applies each plan to the
+split fake model and warmed-up optimizer, and the gradient bytes counted on it), and applies each plan to the
 kept model as `Estimator.estimate` does for one process. reshard_after_forward is set on the kept model
 per plan (FSDP2's `set_reshard_after_forward`, the state `fully_shard` gives for the same value), so
 `fsdp` and `fsdp:keep` share one build. A generated test holds that a kept predictor answers every
@@ -37,7 +37,7 @@ from dataclasses import replace
 
 import torch
 
-from ..parallel.mesh import build_mesh
+from ..parallel.mesh import TENSOR_DIM, build_mesh
 from ..parallel.ranks import check_world
 from ..parallel.wrap import place_on_mesh
 from ..plan import Sharding
@@ -73,7 +73,7 @@ class RankPredictor:
     (`tune --predict --nproc N`'s trials). What no plan changes is made once and kept (module docstring):
     the fake process group; a strategy's device mesh; per layout (`layout_key`: the strategy, memory.sharding,
     memory.blocks and, for FSDP2's mixed precision, the precision) the estimator, with its fake model split
-    over the mesh and its optimizer warmed up; per model its gradient bytes. A plan is then applied to the
+    over the mesh and its optimizer warmed up (DDP's gradient bytes counted on it). A plan is then applied to the
     kept model and removed again, as `Estimator.estimate` does for one process. Use it as a context manager:
     leaving it takes the fake group down."""
 
@@ -81,7 +81,6 @@ class RankPredictor:
         self.nproc, self.device, self.facts, self.source = nproc, device, facts, source
         self.estimators: dict[str, Estimator] = {}
         self.meshes: dict[str, object] = {}
-        self.gradients: dict[str, tuple[int, int]] = {}  # model key -> (all gradient bytes, the largest unit's fp32)
         self._group = contextlib.ExitStack()
 
     def __enter__(self) -> RankPredictor:
@@ -106,12 +105,13 @@ class RankPredictor:
             with _meshes_outside_fake_mode(), self._dropped_on_failure(share):
                 estimate = estimator.estimate(share.memory, share.precision)
             if _fully_sharded(estimator.model):  # tp alone reduce-scatters nothing
-                estimate = _add_reduce_in_flight(estimate, self._gradients(share)[1])
+                estimate = _add_reduce_in_flight(estimate, _unit_gradient_bytes(estimator.model, share.memory.blocks))
         else:
+            estimator = self.estimator(share)
             with self._dropped_on_failure(share):
-                estimate = self.estimator(share).estimate(share.memory, share.precision)
-            if self._buckets(share):
-                estimate = _add_gradient_buckets(estimate, self._gradients(share)[0])
+                estimate = estimator.estimate(share.memory, share.precision)
+            if estimator.ddp_gradient_bytes:
+                estimate = _add_gradient_buckets(estimate, estimator.ddp_gradient_bytes)
         estimate.notes.insert(0, f"one of {self.nproc} ranks ({strategy.label()}): its share of "
                                  f"{share.train.batch_size} samples of the global batch {recipe.train.batch_size}")
         return estimate
@@ -151,8 +151,9 @@ class RankPredictor:
                 return _ShardedEstimator(share, self.device, self._mesh(share.distributed), self.source, self.facts)
         estimator = Estimator(share, self.device, self.facts)
         estimator.world_size = self.nproc
-        if self._buckets(share):
-            estimator.ddp_gradient_bytes = self._gradients(share)[0]
+        if self._buckets(share):  # counted on the built model, before any plan changes its parameters
+            estimator.ddp_gradient_bytes = sum(p.numel() * p.element_size() for p in estimator.model.parameters()
+                                               if p.requires_grad)
         return estimator
 
     def _buckets(self, share: Recipe) -> bool:
@@ -166,12 +167,6 @@ class RankPredictor:
             self.meshes[strategy.label()] = build_mesh(strategy, self.nproc, "cpu")
         return self.meshes[strategy.label()]
 
-    def _gradients(self, share: Recipe) -> tuple[int, int]:
-        key = json.dumps([share.model.model_dump(mode="json"), share.memory.blocks,
-                          share.distributed.model_dump(mode="json")], sort_keys=True)
-        if key not in self.gradients:
-            self.gradients[key] = _gradient_bytes(share)
-        return self.gradients[key]
 
 
 def rank_share(recipe: Recipe, nproc: int) -> Recipe:
@@ -261,37 +256,29 @@ def _meshes_outside_fake_mode():
         DeviceMesh.__init__ = init
 
 
-def _gradient_bytes(recipe: Recipe) -> tuple[int, int]:
-    """(the bytes of the model's gradients, as DDP's buckets hold them; one FSDP unit's unsharded gradients
-    as reduce-scattered, fp32: ckrun reduces in fp32): the largest block's, or the whole model's when it has
-    no repeated blocks (then it is one unit), of a tensor-parallel rank its split layers' share. From one
-    build on fake tensors: nothing of the model is allocated."""
+def _unit_gradient_bytes(model: torch.nn.Module, blocks) -> int:
+    """One FSDP unit's unsharded gradients as reduce-scattered (fp32: ckrun reduces in fp32), counted on the
+    rank's split model: the largest block's, or the whole model's when it has no repeated blocks (then it
+    is one unit)."""
     from ..memory.blocks import find_blocks
-    from .shapes import model_for_counting
 
-    model = model_for_counting(recipe.model)
-    whole = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     try:
-        units = [block.module for block in find_blocks(model, recipe.memory.blocks)]
+        units = [block.module for block in find_blocks(model, blocks)]
     except ValueError:
         units = [model]
-    split, tensor = _split_parameters(model, recipe), getattr(recipe.distributed, "tensor", 1)
-    return whole, max(sum(p.numel() // (tensor if id(p) in split else 1) for p in unit.parameters() if p.requires_grad)
-                      for unit in units) * 4
+    return max(sum(_rank_piece(p) for p in unit.parameters() if p.requires_grad) for unit in units) * 4
 
 
-def _split_parameters(model: torch.nn.Module, recipe: Recipe) -> set[int]:
-    """The ids of the parameters tensor parallelism splits over a tensor group (wrap.split_layers' plan): each
-    split layer's weight, and a colwise layer's bias (a rowwise layer's bias is added whole on every rank)."""
-    from ..builders.tensor_plan import resolve
-    from ..strategies import TensorParallel
-
-    if not isinstance(recipe.distributed, TensorParallel):
-        return set()
-    modules = dict(model.named_modules())
-    return {id(parameter) for name, style in resolve(model, recipe.distributed)[0].items()
-            for kind, parameter in modules[name].named_parameters(recurse=False)
-            if kind == "weight" or style == "colwise"}
+def _rank_piece(parameter: torch.Tensor) -> int:
+    """Its elements a rank reduce-scatters: split over the mesh's tensor dimension where tensor parallelism
+    shards it (a colwise or rowwise layer's weight, a colwise bias), whole otherwise (FSDP's own shards are
+    unsharded gradients at the reduce-scatter)."""
+    mesh = getattr(parameter, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if TENSOR_DIM not in names:
+        return parameter.numel()
+    dim = names.index(TENSOR_DIM)
+    return parameter.numel() // (mesh.size(dim) if parameter.placements[dim].is_shard() else 1)
 
 
 def _add_reduce_in_flight(estimate: Estimate, in_flight: int) -> Estimate:

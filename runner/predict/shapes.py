@@ -40,14 +40,6 @@ def build_for_shapes(spec: ModelSpec) -> torch.nn.Module:
     return build_reading_values(lambda: build_model(spec, CPU, weights=False))
 
 
-def model_for_counting(spec: ModelSpec) -> torch.nn.Module:
-    """The model on fake tensors of a mode of its own, weights not initialised: for counting its parameters
-    and blocks outside an estimate. `torch.device("meta")` would not do: `build_for_shapes` builds on the
-    CPU by name, which overrides a device context, and a 13B model came out real (50 GB)."""
-    with FakeTensorMode(allow_non_fake_inputs=True), weight_init_skipped():
-        return build_for_shapes(spec)
-
-
 def _fake_like(model: torch.nn.Module) -> torch.nn.Module:
     """`model`'s meta tensors as fake CPU tensors of the active fake mode, each shared one (tied weights)
     made once, requires_grad kept: what building under the mode gives, without moving a fake tensor."""
