@@ -118,8 +118,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
                 sinks.write({"step": trainer.step, "resumed_with_changes": changes})
             result.stopped_early = evaluations.stopped_already()
             while trainer.step < total and not result.stopped_early and not stop_agreed(stop, trainer.ranks):
-                record = trainer.train_step()
-                sinks.write(record)  # before the check, so the line of a non-finite step shows where it happened
+                record = sinks.write(trainer.train_step())  # before the check, so the line of a non-finite step shows where it happened
                 watch.check(record)
                 _note(result, record)
                 progress.update(record)

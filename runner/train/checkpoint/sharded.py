@@ -35,6 +35,7 @@ import torch
 from ...checkpoint_files import MARKER, CheckpointError
 from ...parallel.ranks import Ranks, any_rank, barrier
 from ...files import save_torch
+from ..output.numbers import plain_record
 from .fingerprint import fingerprint
 from .store import (fsync_path, checkpoint_dir, clear_final, complete_checkpoints, prune, restore_rng_state,
                          rng_state)
@@ -156,8 +157,11 @@ def _options(trainer, **settings):
 
 
 def _trainer_state(trainer) -> dict:
-    return {"step": trainer.step, "world_size": trainer.ranks.world_size, "scheduler": trainer.scheduler.state_dict(),
-            "scaler": trainer.scaler.state_dict() if trainer.scaler else {}, "recipe": fingerprint(trainer.recipe)}
+    """As JSON takes it: a torchao optimizer's scheduler state holds its learning rates as tensors."""
+    return plain_record({"step": trainer.step, "world_size": trainer.ranks.world_size,
+                         "scheduler": trainer.scheduler.state_dict(),
+                         "scaler": trainer.scaler.state_dict() if trainer.scaler else {},
+                         "recipe": fingerprint(trainer.recipe)})
 
 
 def _write_synced(path: Path, text: str) -> None:

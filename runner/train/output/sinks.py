@@ -34,6 +34,7 @@ from ...problems import one_line
 from ...recipe import OutputSpec
 from ...recipe_sinks import SinkSection, TensorBoardSink
 from .directory import Ended, MetricsLog, RunInfo, Sink
+from .numbers import plain_record
 from .trackers import TRACKERS
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,15 @@ class Sinks:
             self.threads.update(dict.fromkeys(set(threading.enumerate()) - self.opening[1], name))
             self.opening = None
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict) -> dict:
+        """Write `record` as plain numbers (numbers.py: a library's tensor learning rate becomes a float)
+        and return it as written."""
+        record = plain_record(record)
         for sink in self.required:
             sink.write(record)
         for name in list(self.optional):
             self._guarded(name, f"failed at step {record['step']}", lambda sink: sink.write(record))
+        return record
 
     def close(self, ended: Ended) -> None:
         try:
