@@ -1,7 +1,7 @@
 """ckrun's memory plan inside your own training loop: ask for a plan under a cap, apply it to your model
 in place, undo it.
 
-    from autotune.api import auto_checkpoint
+    from ckrun.autotune.api import auto_checkpoint
 
     applied = auto_checkpoint(model, batch, memory_budget="8GB")   # plan and apply; the log says which and why
     for batch in loader:                                           # your loop, unchanged
@@ -40,11 +40,11 @@ import torch
 from pydantic import ByteSize, TypeAdapter, ValidationError
 from torch import nn
 
-from runner.memory.apply import AppliedPlan, apply_plan
-from runner.plan import MemoryPlan, NoCheckpointing, NoOffload
-from runner.problems import CkrunError, InputError, first_line, one_line
-from runner.recipe import Recipe
-from runner.units import format_bytes
+from ckrun.runner.memory.apply import AppliedPlan, apply_plan
+from ckrun.runner.plan import MemoryPlan, NoCheckpointing, NoOffload
+from ckrun.runner.problems import CkrunError, InputError, first_line, one_line
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.units import format_bytes
 
 from .cap import Cap
 
@@ -163,8 +163,8 @@ def apply_memory_plan(model: nn.Module, planned: PlannedMemory, device: str | No
 
 
 def _predicted(recipe: Recipe, given, device: str, cap: Cap) -> PlannedMemory:
-    from runner.cli.estimate import plan_lines_quiet
-    from runner.predict.estimate import EstimateUnavailable
+    from ckrun.runner.cli.estimate import plan_lines_quiet
+    from ckrun.runner.predict.estimate import EstimateUnavailable
 
     try:
         with plan_lines_quiet():  # the estimator applies every plan it prices: those lines are not the plan
@@ -180,7 +180,7 @@ def _predicted(recipe: Recipe, given, device: str, cap: Cap) -> PlannedMemory:
 def _fastest_under(estimator, cap: Cap) -> PlannedMemory:
     """No plan where that is predicted to fit, else the solver's plan for the recipe's micro-batch (a
     given batch is fed whole) and precision, as `ckrun tune` proposes it (autotune/search/solver.py)."""
-    from runner.predict.block_costs import cost_table
+    from ckrun.runner.predict.block_costs import cost_table
 
     from .search.solver import propose
 
@@ -202,9 +202,9 @@ def _fastest_under(estimator, cap: Cap) -> PlannedMemory:
 
 
 def _estimator(recipe: Recipe, given, device: str):
-    from runner.predict.estimate import Estimator
-    from runner.predict.given import GivenModelEstimator
-    from runner.predict.hardware import this_cpu, this_gpu
+    from ckrun.runner.predict.estimate import Estimator
+    from ckrun.runner.predict.given import GivenModelEstimator
+    from ckrun.runner.predict.hardware import this_cpu, this_gpu
 
     facts = this_cpu() if device == "cpu" else this_gpu()  # block times for the solver, predicted
     if given is None:
@@ -217,8 +217,8 @@ def _estimator(recipe: Recipe, given, device: str):
 
 def _measured(recipe: str | Path, overrides: list[str], max_mem, cap: Cap, output, tune_args: list[str]) -> PlannedMemory:
     """`ckrun tune RECIPE --max-mem ... --no-train` through the CLI's own code; its winner's memory section."""
-    from runner.library import resolve_recipe
-    from runner.load import load_recipe
+    from ckrun.runner.library import resolve_recipe
+    from ckrun.runner.load import load_recipe
 
     from .cli_tune import COMMAND
 
@@ -261,8 +261,8 @@ def _cap(max_mem, margin: float) -> Cap:
 
 
 def _recipe_settings(recipe: str | Path, overrides: list[str]) -> Recipe:
-    from runner.builders.checks import load_checked
-    from runner.library import resolve_recipe
+    from ckrun.runner.builders.checks import load_checked
+    from ckrun.runner.library import resolve_recipe
 
     try:
         return load_checked(resolve_recipe(str(recipe)), overrides)[0]
@@ -273,7 +273,7 @@ def _recipe_settings(recipe: str | Path, overrides: list[str]) -> Recipe:
 def _given_settings(model: nn.Module, batch, precision: str, optimizer, grad_clip, blocks) -> Recipe:
     """The training settings of a given model and batch in the recipe's schema. Its model and data
     sections only name the model's class and a task: the estimator copies the model and takes the batch."""
-    from runner.predict.given import BatchError, batch_size
+    from ckrun.runner.predict.given import BatchError, batch_size
 
     try:
         size = batch_size(batch)

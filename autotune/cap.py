@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from runner.units import format_bytes
+from ckrun.runner.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ import optuna
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
-from runner.cli import Command
-from runner.problems import InputError, Place, Problem
-from runner.train.output.curves import report_run
-from runner.train.output.directory import METRICS
+from ckrun.runner.cli import Command
+from ckrun.runner.problems import InputError, Place, Problem
+from ckrun.runner.train.output.curves import report_run
+from ckrun.runner.train.output.directory import METRICS
 
 from .outputs.report import publish
 from .search.study import STUDY_NAME, trial_records

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from runner.builders.checks import load_checked
-from runner.cli import Command, gpu_names
-from runner.library import DEFAULT_RECIPE, resolve_recipe
-from runner.parallel.slurm import check_environment
-from runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, InputError, Place, Problem
-from runner.recipe import Recipe
-from runner.units import format_bytes
-from runner.yamlio import dump_yaml
+from ckrun.runner.builders.checks import load_checked
+from ckrun.runner.cli import Command, gpu_names
+from ckrun.runner.library import DEFAULT_RECIPE, resolve_recipe
+from ckrun.runner.parallel.slurm import check_environment
+from ckrun.runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS, InputError, Place, Problem
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.units import format_bytes
+from ckrun.runner.yamlio import dump_yaml
 
 from .cap import Cap
 from .outputs.rank_tune import check_ranks

@@ -11,11 +11,11 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.located import located_errors
-from runner.lock import locked
-from runner.problems import EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
-from runner.recipe import Recipe
-from runner.units import format_bytes
+from ckrun.runner.located import located_errors
+from ckrun.runner.lock import locked
+from ckrun.runner.problems import EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.units import format_bytes
 
 from .cap import Cap
 from .outputs.rank_tune import check_devices, rank_training, ranks_comment
@@ -87,7 +87,7 @@ class TuneRequest:
     budget: Budget
     directory: Path
     options: TuneOptions
-    gpu: object = None  # runner.predict.hardware.DeviceFacts, or None
+    gpu: object = None  # ckrun.runner.predict.hardware.DeviceFacts, or None
 
 
 def tune(request: TuneRequest) -> int:
@@ -113,18 +113,18 @@ def _tuned_search(request: TuneRequest, warm: WarmServer | None) -> tuple[list[T
     """The device, the model's facts, the space, then the search: (records, space, device, config, screening)."""
     options, recipe, cap = request.options, request.recipe, request.cap
     settings = ProbeSettings(options.probe_timeout, options.warmup_steps, options.timed_steps, options.nproc)
-    runner = ProbeRunner(request.directory, settings, warm)
+    probe_runner = ProbeRunner(request.directory, settings, warm)
     gpu = request.gpu
     if options.predict and gpu is None:  # predict for this machine's GPU, named by its device child
-        gpu = local_facts(options, _device(runner, recipe))
-    device = predicted_device(gpu, options.nproc) if options.predict else _device(runner, recipe)
+        gpu = local_facts(options, _device(probe_runner, recipe))
+    device = predicted_device(gpu, options.nproc) if options.predict else _device(probe_runner, recipe)
     gpu = gpu or local_facts(options, device)
     check_cap_fits(cap, device, options.max_mem)
     if cap.meaning(device.kind):
         log.info(cap.meaning(device.kind))
     check_devices(device, options.nproc)
     # the user's model runs only in this child: the tuner never builds it or runs its forward
-    model = ModelChild(recipe, runner.directory, device.kind, options.probe_timeout, screen=not options.no_screen,
+    model = ModelChild(recipe, probe_runner.directory, device.kind, options.probe_timeout, screen=not options.no_screen,
                        nproc=options.nproc, time_facts=gpu, warm=warm)
     try:
         with located_errors(request.doc):
@@ -133,7 +133,7 @@ def _tuned_search(request: TuneRequest, warm: WarmServer | None) -> tuple[list[T
         hopeless = bound_space(space, recipe, facts, device, cap, options.nproc)
         if hopeless:
             raise NothingFits(hopeless)
-        records, config, screening = _search(request, runner, space, device, model)
+        records, config, screening = _search(request, probe_runner, space, device, model)
     finally:
         model.stop()
     return records, space, device, config, screening
@@ -152,7 +152,7 @@ def _warm_server(recipe: Recipe, nproc: int, directory: Path) -> WarmServer | No
     return server
 
 
-def _search(request: TuneRequest, runner: ProbeRunner, space: Space, device: Device,
+def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, device: Device,
             model: ModelChild) -> tuple[list[TrialRecord], dict, dict]:
     options, recipe, cap = request.options, request.recipe, request.cap
     config = _config(request, space, device)
@@ -166,7 +166,7 @@ def _search(request: TuneRequest, runner: ProbeRunner, space: Space, device: Dev
     if options.predict:
         evaluate, settings = predicted_probe(predictor), predict_settings(options)
     else:
-        evaluate = lambda candidate, number: runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
+        evaluate = lambda candidate, number: probe_runner.probe(candidate.recipe(recipe, cap.bytes), number)  # noqa: E731
         off = "--no-solver" if options.no_solver else None
         if options.nproc > 1:
             off = f"--nproc {options.nproc}: the solver plans the blocks of one process"
@@ -205,12 +205,12 @@ def _conclude(request: TuneRequest, records: list[TrialRecord], space: Space, de
 
 
 def _check_training_output(request: TuneRequest) -> None:
-    from runner.train.loop import prepare_output
+    from ckrun.runner.train.loop import prepare_output
 
     prepare_output(Path(request.recipe.output.dir), request.options.resume, str(request.source))
 
 
-def _device(runner: ProbeRunner, recipe: Recipe) -> Device:
+def _device(probe_runner: ProbeRunner, recipe: Recipe) -> Device:
     import torch
 
     from .probes.child import device_info
@@ -219,7 +219,7 @@ def _device(runner: ProbeRunner, recipe: Recipe) -> Device:
     if recipe.train.device == "cpu" or not torch.cuda.is_available():
         result = device_info(recipe)  # an InputError (cuda asked for, none here) goes straight to the user
     else:
-        result = runner.device(recipe)  # properties need CUDA initialised: that happens in a child, not here
+        result = probe_runner.device(recipe)  # properties need CUDA initialised: that happens in a child, not here
     if result.get("status") != "ok":
         raise InputError([Problem(Place("<device>"), "train.device", f"cannot probe the device: {result.get('reason')}")])
     device = Device.from_json(result)

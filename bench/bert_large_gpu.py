@@ -17,10 +17,10 @@ import statistics
 
 import torch
 
-from runner.load import load_recipe
-from runner.predict.estimate import Estimator
-from runner.train.run.memory_cap import MemoryCapExceeded
-from runner.train.trainer import Trainer
+from ckrun.runner.load import load_recipe
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.train.run.memory_cap import MemoryCapExceeded
+from ckrun.runner.train.trainer import Trainer
 
 PLANS = {"none": "{policy: none}", "full": "{policy: full}", "every 2": "{policy: every, every: 2}",
          "selective": "{policy: selective}"}

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from runner.library import resolve_recipe
-from runner.load import load_recipe
-from runner.units import format_bytes
-from runner.train.trainer import Trainer
+from ckrun.runner.library import resolve_recipe
+from ckrun.runner.load import load_recipe
+from ckrun.runner.units import format_bytes
+from ckrun.runner.train.trainer import Trainer
 
 CPU = ["train.device=cpu", "precision=fp32", "memory.micro_batch=null", "memory.compile=false"]
 NO_PLAN = "{policy: none}"

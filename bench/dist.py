@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runner.strategies import strategy_from_label  # noqa: E402 - after the path that finds it
+from ckrun.runner.strategies import strategy_from_label  # noqa: E402 - after the path that finds it
 
 LLAMA = str(ROOT / "recipes" / "llama_1b.yaml")
 # 4 layers x 256, 4 heads (each also its own key/value head, so tp:4 splits them), vocab 8192, seq 128
@@ -36,7 +36,7 @@ CONFIGS = [(1, "none"), (2, "ddp"), (2, "fsdp"), (2, "hsdp:1"), (2, "tp:2"),
 
 def ckrun(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "runner.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ckrun", *args], env=env, capture_output=True, text=True,
                           check=True, timeout=1800)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from runner.cli import main
+from ckrun.runner.cli import main
 
 RECIPE = "recipes/bert_tiny.yaml"
 MODELS = {

@@ -41,7 +41,7 @@ def one_run(train: bool) -> dict:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         load = os.getloadavg()[0]
         started = time.monotonic()
-        process = subprocess.Popen([sys.executable, "-m", "runner", *COMMAND, *([] if train else ["--no-train"])],
+        process = subprocess.Popen([sys.executable, "-m", "ckrun", *COMMAND, *([] if train else ["--no-train"])],
                                    cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
         tuned_at, said = None, []

@@ -26,9 +26,9 @@ import torch
 import torchvision
 from PIL import Image
 
-from runner.builders.data import Shape
-from runner.builders.image_loader import ImageFolderSource, usable_cores
-from runner.recipe import ImageFolderData
+from ckrun.runner.builders.data import Shape
+from ckrun.runner.builders.image_loader import ImageFolderSource, usable_cores
+from ckrun.runner.recipe import ImageFolderData
 
 
 def write_images(root: Path, count: int, size: int) -> None:

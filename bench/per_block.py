@@ -24,12 +24,12 @@ import os
 import statistics
 from pathlib import Path
 
-from autotune.probes.probe import ProbeRunner, ProbeSettings
-from autotune.search.solver import frontier
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
-from runner.predict.estimate import Estimator
-from runner.units import format_bytes
+from ckrun.autotune.probes.probe import ProbeRunner, ProbeSettings
+from ckrun.autotune.search.solver import frontier
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/gpt2.yaml"
@@ -74,10 +74,10 @@ def plans_to_measure(recipe, estimator, limit: int, peaks: dict, timed_steps: in
 
 def measure(recipe, plans: dict[str, MemoryPlan], rounds: int, out: Path, settings: ProbeSettings) -> dict:
     """Each plan probed `rounds` times, interleaved so that they share the machine's moods."""
-    runner, runs = ProbeRunner(out, settings), {name: [] for name in plans}
+    probe_runner, runs = ProbeRunner(out, settings), {name: [] for name in plans}
     for round_ in range(rounds):
         for index, (name, plan) in enumerate(plans.items()):
-            result = runner.probe(recipe.model_copy(update={"memory": plan}), round_ * len(plans) + index)
+            result = probe_runner.probe(recipe.model_copy(update={"memory": plan}), round_ * len(plans) + index)
             if result.status != "ok":
                 raise SystemExit(f"{name}: {result.status}: {result.reason}")
             runs[name].append({"speed": result.samples_per_s, "peak": result.measured_peak_bytes})
@@ -111,7 +111,7 @@ def main() -> None:
                         help="where the limit lies from full's peak (0) to every:2's (1); default 0.6")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("runner.memory").setLevel(logging.WARNING)  # the estimator applies plans many times
+    logging.getLogger("ckrun.runner.memory").setLevel(logging.WARNING)  # the estimator applies plans many times
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every probe child
     rounds, settings = (1, ProbeSettings(warmup_steps=1, timed_steps=1)) if args.quick else \
         (args.rounds, ProbeSettings(warmup_steps=2, timed_steps=5))

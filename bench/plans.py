@@ -19,13 +19,13 @@ import time
 
 import torch
 
-from runner.builders.sources import build_data
-from runner.builders.model import build_model
-from runner.builders.optim import build_optimizer
-from runner.load import load_recipe
-from runner.memory.apply import apply_plan
-from runner.memory.measure import SavedBytes
-from runner.train.step import call_model, loss_sum, make_precision, run_step
+from ckrun.runner.builders.sources import build_data
+from ckrun.runner.builders.model import build_model
+from ckrun.runner.builders.optim import build_optimizer
+from ckrun.runner.load import load_recipe
+from ckrun.runner.memory.apply import apply_plan
+from ckrun.runner.memory.measure import SavedBytes
+from ckrun.runner.train.step import call_model, loss_sum, make_precision, run_step
 
 POLICIES = {
     "none": "{policy: none}", "full": "{policy: full}", "every 2": "{policy: every, every: 2}",

@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
-from runner.predict.estimate import Estimator
-from runner.predict.hardware import resolve_device
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.hardware import resolve_device
 
 CONTEXT = 0.8e9
 CARDS = {name: resolve_device(key).memory_bytes for name, key in (("L4", "l4"), ("A100 40GB", "a100-40gb"),

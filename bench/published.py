@@ -209,7 +209,7 @@ def _gpu_name(gpu: str) -> str:
 
 
 def device_lines(setups) -> list[str]:
-    from runner.predict.hardware import resolve_device
+    from ckrun.runner.predict.hardware import resolve_device
 
     lines = []
     for gpu in sorted({s.gpu for s in setups}):

@@ -39,7 +39,7 @@ class Setup:
     """The memory of the card the source's run trained on (GiB): a bound where no figure is given."""
 
     def command(self, python: str = "ckrun") -> list[str]:
-        head = [python, "-m", "runner"] if python != "ckrun" else ["ckrun"]
+        head = [python, "-m", "ckrun"] if python != "ckrun" else ["ckrun"]
         nproc = ["--nproc", str(self.nproc)] if self.nproc else []
         return [*head, "estimate", f"bench/published/{self.recipe}.yaml", "--gpu", self.gpu, "--json", *nproc,
                 *self.overrides]

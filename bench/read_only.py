@@ -1,6 +1,6 @@
 """How long ckrun's read-only commands take, as a user meets them: each a fresh process.
 
-Each command runs as `python -m runner ARGS` (the code the `ckrun` script runs, from the checkout
+Each command runs as `python -m ckrun ARGS` (the code the `ckrun` script runs, from the checkout
 named by --code), the rounds interleaved so that the commands share the machine's moods. The user
 cache folder (XDG_CACHE_HOME: ls's parameter counts, validate's passed model checks) is what makes
 a command fast or slow, so each row says which it had: "cold", a new empty folder for every run
@@ -64,10 +64,10 @@ def commands(recipe: str, python_recipe: str, quick: bool) -> list[Command]:
 
 
 def run_once(args: list[str], code: Path, cache: Path) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one `python -m runner ARGS`; a failure stops the benchmark."""
+    """(wall seconds, CPU seconds) of one `python -m ckrun ARGS`; a failure stops the benchmark."""
     env = {**os.environ, "PYTHONPATH": str(code), "XDG_CACHE_HOME": str(cache)}
     before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "runner", *args], cwd=code, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "ckrun", *args], cwd=code, env=env, capture_output=True, text=True)
     wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"ckrun {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -128,7 +128,7 @@ def markdown(rows: list[Command], run: dict) -> str:
     lines = ["## Read-only commands: wall and CPU time", "",
              f"`{run['command']}` on {run['started']}, {code_version(Path(run['code']))}: {cpu_model()}, "
              f"{os.cpu_count()} cores (load average {run['load'][0]:.1f} at the start, {run['load'][1]:.1f} at the "
-             f"end), {versions()}. Each command a fresh `python -m runner` process, runs: {run['runs']}, interleaved; "
+             f"end), {versions()}. Each command a fresh `python -m ckrun` process, runs: {run['runs']}, interleaved; "
              "wall and CPU (user + sys, children included) are medians. Cache: the user cache folder "
              "(XDG_CACHE_HOME) was new and empty for every run (cold), or filled by one untimed run of the same "
              "command first (warm). Goal (issue 26): `ls` under 1 s, `validate` of a library recipe under 2 s.", "",

@@ -6,7 +6,7 @@ Two measurements, each in fresh processes:
 - parts: in one `python` process, the seconds of `from mlflow.tracking import MlflowClient`, of the
   first use of a new SQLite store (MLflow creates its tables and alembic runs every migration), and
   of creating the experiment and the run and logging the recipe's params.
-- runs: `python -m runner bert_tiny` (tiny, 3 steps on the CPU, from the checkout --code names) with
+- runs: `python -m ckrun bert_tiny` (tiny, 3 steps on the CPU, from the checkout --code names) with
   and without `output.sinks: [mlflow]`, and with --before the same from another checkout; "first
   step" is the wall time from the process's start until metrics.jsonl holds step 1 (polled every
   20 ms), "end" until the process exits (the end waits for the sink to take every record). MLflow
@@ -79,7 +79,7 @@ def timed_run(python: str, code: Path, sinks: bool, cache: Path | None = None) -
     """(seconds until metrics.jsonl holds step 1, seconds until the process exits); `cache`: the user
     cache folder (None: a new one)."""
     out = Path(tempfile.mkdtemp(prefix="sink-start-")) / "run"
-    args = [python, "-m", "runner", "bert_tiny", *TINY, f"output.dir={out}",
+    args = [python, "-m", "ckrun", "bert_tiny", *TINY, f"output.dir={out}",
             *(["output.sinks=[mlflow]"] if sinks else [])]
     env = {**os.environ, "PYTHONPATH": str(code), "MLFLOW_DISABLE_TELEMETRY": "true",
            "XDG_CACHE_HOME": str(cache or tempfile.mkdtemp(prefix="sink-start-cache-"))}

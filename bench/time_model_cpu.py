@@ -28,11 +28,11 @@ import torch
 
 from bench.doc_sections import write_section
 from bench.stats import spearman
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
-from runner.predict.estimate import Estimator
-from runner.predict.hardware import this_cpu
-from runner.train.measure.probe import probe
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.hardware import this_cpu
+from ckrun.runner.train.measure.probe import probe
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {

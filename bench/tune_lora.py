@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.doc_sections import write_section
-from runner.cli import main as ckrun
+from ckrun.runner.cli import main as ckrun
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/llama_1b_lora.yaml"

@@ -5,7 +5,7 @@ its step time on H100, A100-40GB and L4 device facts, computed once and cached, 
 is a fixed number. For each problem (BERT-large, GPT-2 medium, a 1B Llama, ViT-L/16, ResNet-50)
 every plan of the tuner's space (the grid) is scored; for each device three caps are set, their
 limits (cap minus the 5 % margin) 15 %, 50 % and 85 % of the way from the grid's smallest peak to
-its largest (or to the card's memory); then `autotune.search.run.search`, the code `ckrun tune` runs,
+its largest (or to the card's memory); then `ckrun.autotune.search.run.search`, the code `ckrun tune` runs,
 searches with a quarter of the grid's probes in all (the finalists' re-runs included), its
 probes answered by the oracle, and again with seeded +-3 % noise on each answer's throughput.
 
@@ -35,26 +35,26 @@ from pathlib import Path
 
 import torch
 
-from autotune.cap import Cap
+from ckrun.autotune.cap import Cap
 from bench.doc_sections import write_section
-from autotune.probes.model_child import model_facts
-from autotune.search.predicted import CONTEXT_BYTES
-from autotune.records import ProbeResult
-from autotune.records import ranked_feasible
-from autotune.search.run import SearchSettings, search
-from autotune.space.candidate import Candidate
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space, describe
-from autotune.space.pool_knobs import POOL_KNOBS
-from autotune.search.study import Budget, Prediction, open_study
-from autotune.search.tuner import FINALIST_RUNS
-from runner.files import write_atomic
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
-from runner.predict.estimate import EstimateUnavailable, Estimator
-from runner.predict.hardware import GPUS
-from runner.problems import first_line
-from runner.units import format_bytes
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.search.predicted import CONTEXT_BYTES
+from ckrun.autotune.records import ProbeResult
+from ckrun.autotune.records import ranked_feasible
+from ckrun.autotune.search.run import SearchSettings, search
+from ckrun.autotune.space.candidate import Candidate
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space, describe
+from ckrun.autotune.space.pool_knobs import POOL_KNOBS
+from ckrun.autotune.search.study import Budget, Prediction, open_study
+from ckrun.autotune.search.tuner import FINALIST_RUNS
+from ckrun.runner.files import write_atomic
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict.estimate import EstimateUnavailable, Estimator
+from ckrun.runner.predict.hardware import GPUS
+from ckrun.runner.problems import first_line
+from ckrun.runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEMS = {  # name: (recipe, overrides, knobs pinned: none, the tuner's whole space)
@@ -125,7 +125,7 @@ class OraclePredictor:
         return Prediction(answer["peak"], time=answer["times"][self.device] if self.guided else None)
 
     def frontier(self, request: dict) -> dict:
-        from autotune.search.solver import frontier
+        from ckrun.autotune.search.solver import frontier
 
         key = json.dumps([self.device, request], sort_keys=True)
         if key not in self.oracle.frontiers:
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--oracle-only", action="store_true", help="fill the oracle caches, search nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for name in ("autotune", "runner", "optuna"):
+    for name in ("ckrun", "optuna"):
         logging.getLogger(name).setLevel(logging.WARNING)  # the searches' own lines: thousands
     args.out.mkdir(parents=True, exist_ok=True)
     problems = QUICK if args.quick else {k: PROBLEMS[k] for k in args.problems}

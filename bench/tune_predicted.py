@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from autotune.cap import Cap
+from ckrun.autotune.cap import Cap
 from bench.doc_sections import write_section
 from bench.tune_oracle import Oracle, grid_answers, problem_space
-from runner.cli import main as ckrun
-from runner.load import load_recipe
+from ckrun.runner.cli import main as ckrun
+from ckrun.runner.load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

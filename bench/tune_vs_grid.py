@@ -31,18 +31,18 @@ import statistics
 import time
 from pathlib import Path
 
-from autotune.cap import Cap
-from autotune.probes.child import device_info
-from autotune.probes.probe import ProbeRunner, ProbeSettings
-from autotune.probes.model_child import model_facts
-from autotune.space.candidate import Candidate
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space, describe
-from autotune.search.tuner import FINALIST_RUNS
-from runner.cli import main as ckrun
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
-from runner.units import format_bytes
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.probes.child import device_info
+from ckrun.autotune.probes.probe import ProbeRunner, ProbeSettings
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.space.candidate import Candidate
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space, describe
+from ckrun.autotune.search.tuner import FINALIST_RUNS
+from ckrun.runner.cli import main as ckrun
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGIN = 0.05
@@ -89,10 +89,10 @@ def _space(path: Path, overrides: list[str], flags: list[str]):
 def run_grid(path: Path, overrides: list[str], flags: list[str], directory: Path) -> list[dict]:
     """Every plan of the space, measured the way the tuner measures (one child per plan)."""
     recipe, space = _space(path, overrides, flags)
-    runner, rows = ProbeRunner(directory, SETTINGS), []
+    probe_runner, rows = ProbeRunner(directory, SETTINGS), []
     for number, params in enumerate(space.all_params()):
         candidate = space.candidate(params)
-        result = runner.probe(candidate.recipe(recipe, 10**12), number)  # no cap: measure everything
+        result = probe_runner.probe(candidate.recipe(recipe, 10**12), number)  # no cap: measure everything
         rows.append({"key": candidate.key, "label": describe(candidate), "micro_batch": candidate.plan.micro_batch,
                      "checkpointing": candidate.plan.checkpointing.label(), "precision": candidate.precision,
                      "status": result.status, "peak": result.measured_peak_bytes, "speed": result.samples_per_s,
@@ -134,10 +134,10 @@ def confirm(path: Path, overrides: list[str], directory: Path, plans: dict[str, 
     """Each named plan (by key) probed CONFIRM times, interleaved so that they share the machine's moods."""
     recipe = load_recipe(path, overrides)
     candidates = {key: _candidate(key) for key in plans.values()}  # the solver's plans are not in the grid
-    runner, speeds = ProbeRunner(directory, SETTINGS), {name: [] for name in plans}
+    probe_runner, speeds = ProbeRunner(directory, SETTINGS), {name: [] for name in plans}
     for round_ in range(CONFIRM):
         for index, (name, key) in enumerate(plans.items()):
-            result = runner.probe(candidates[key].recipe(recipe, 10**12), round_ * len(plans) + index)
+            result = probe_runner.probe(candidates[key].recipe(recipe, 10**12), round_ * len(plans) + index)
             speeds[name].append(result.samples_per_s or 0.0)
     return {name: {"median": statistics.median(values), "runs": values} for name, values in speeds.items()}
 

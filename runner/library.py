@@ -18,7 +18,7 @@ DEFAULT_RECIPE = "bert_tiny"
 
 
 def library_root() -> Path:
-    return Path(str(resources.files("recipes")))
+    return Path(str(resources.files("ckrun.recipes")))
 
 
 def library_recipes() -> dict[str, Path]:

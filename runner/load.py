@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from .environment import IMPORT_ROOTS_ENV
 from .problems import InputError, KeyedError, Problem, dotted, suggest
 from .recipe import Recipe
 from .yamlio import Document, apply_overrides, load_document, parse_document
@@ -42,16 +43,18 @@ _IMPORT_ROOTS: list[str] = []  # folders added for user code, in the order they 
 def add_import_root(folder: str | Path) -> None:
     """Let `package.module:factory` be found in `folder` (the recipe's, the working directory), as
     `python recipe_dir/script.py` would: appended to sys.path after installed packages (so a user's
-    file never shadows a library), and to PYTHONPATH for the tuner's child processes."""
+    file never shadows a library, nor ckrun: a `runner.py` or `ckrun/` there is the user's own), and
+    to CKRUN_IMPORT_ROOTS for ckrun's child processes, which start with `python -P` (no working
+    directory first) and append these folders the same way when they import ckrun."""
     folder = str(Path(folder).resolve())
     if folder in _IMPORT_ROOTS:
         return
     _IMPORT_ROOTS.append(folder)
     if folder not in sys.path:
         sys.path.append(folder)
-    inherited = os.environ.get("PYTHONPATH", "")
+    inherited = os.environ.get(IMPORT_ROOTS_ENV, "")
     if folder not in inherited.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [inherited, folder]))
+        os.environ[IMPORT_ROOTS_ENV] = os.pathsep.join(filter(None, [inherited, folder]))
 
 
 def import_roots() -> list[str]:

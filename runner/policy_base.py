@@ -18,7 +18,7 @@ from .choices import Choice
 
 class BlockLayout(Protocol):
     """What a policy needs to know of a model's repeated blocks: how many, and the container of each
-    (runner.memory.blocks.BlockList; the tuner's model facts)."""
+    (ckrun.runner.memory.blocks.BlockList; the tuner's model facts)."""
 
     containers: list[str]
 

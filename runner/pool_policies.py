@@ -359,4 +359,4 @@ OPTIMIZER_OFFLOAD: tuple[type[OptimizerOffloadPolicy], ...] = members(OptimizerO
 LOSS: tuple[type[LossPolicy], ...] = members(Loss)
 POOL_KINDS = {"weights": WEIGHTS, "optimizer_state": OPTIMIZER_STATE, "optimizer_step": OPTIMIZER_STEP,
               "optimizer_offload": OPTIMIZER_OFFLOAD, "loss": LOSS}
-"""The plan's key -> the classes of its union: a tuner label reads back with runner.choices.choice_fields."""
+"""The plan's key -> the classes of its union: a tuner label reads back with ckrun.runner.choices.choice_fields."""

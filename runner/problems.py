@@ -5,7 +5,7 @@ Every user-facing error in ckrun is a `CkrunError`: it carries its exit status a
 say it. Bad input is an `InputError` of `Problem`s: where it is (a file with line and column, or a
 command-line override), the dotted key, and what to do; `KeyedError` is one problem whose key is
 known where it is raised but whose line is not yet (runner/located.py finds it). The CLI's one
-map (`runner.cli.ending`) prints the lines and exits with the status; nothing here raises a
+map (`ckrun.runner.cli.ending`) prints the lines and exits with the status; nothing here raises a
 traceback at the user.
 """
 

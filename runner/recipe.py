@@ -1,6 +1,6 @@
 """The recipe schema: model, data, training, precision, memory plan and output.
 
-A recipe is plain data; `runner.load` turns a YAML file into one and reports every problem
+A recipe is plain data; `ckrun.runner.load` turns a YAML file into one and reports every problem
 with its file, line and key. The schema needs nothing but the recipe: what only the named classes,
 files and code can tell (a transformers config, a factory's arguments, a dataset's columns) is
 checked right after it by runner/builders/checks.py, so `ckrun validate` still catches it before
@@ -304,7 +304,7 @@ class Recipe(Strict):
         return self
 
     def step_facts(self) -> StepFacts:
-        """What of this recipe besides its memory section the plan's rules read (runner.plan.plan_problems)."""
+        """What of this recipe besides its memory section the plan's rules read (ckrun.runner.plan.plan_problems)."""
         return StepFacts(batch_size=self.train.batch_size, grad_clip=self.train.grad_clip is not None,
                          precision=self.precision, adamw=type(self.train.optimizer) is AdamW,
                          distributed=not isinstance(self.distributed, SingleProcess))

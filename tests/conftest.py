@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from runner.cli import main
+from ckrun.runner.cli import main
 
 # Tiny models gain nothing from threads, and OpenMP spinning on a shared 2-core machine can
 # make them many times slower: one thread keeps the suite fast and its timing steady.
@@ -53,7 +53,7 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def lstm_step_reaches(op: str) -> bool:
     """Whether a real LSTM step reaches `op` on this torch (oneDNN may be absent or bypassed on some builds)."""
-    from runner.predict.fake_gaps import FakeGapWatch
+    from ckrun.runner.predict.fake_gaps import FakeGapWatch
 
     watch = FakeGapWatch()
     lstm = torch.nn.LSTM(8, 8, batch_first=True)
@@ -74,7 +74,7 @@ def _own_user_cache(monkeypatch, tmp_path_factory):
 def _logger_levels_restored():
     """A benchmark's main() run in-process quiets ckrun's loggers (bench/tune_oracle.py sets them to
     WARNING); put them back, so a later test on the same worker still sees the INFO lines it checks."""
-    names = ("runner", "autotune", "optuna")
+    names = ("ckrun", "ckrun.runner", "ckrun.autotune", "optuna")
     levels = {name: logging.getLogger(name).level for name in names}
     yield
     for name, level in levels.items():

@@ -13,7 +13,7 @@ from functools import cache
 import pytest
 
 from conftest import ROOT
-from runner.predict.hardware import known_names
+from ckrun.runner.predict.hardware import known_names
 
 README = ROOT / "README.md"
 DEVELOPING = ROOT / "docs" / "DEVELOPING.md"
@@ -140,8 +140,8 @@ def _missing_name(span: str) -> str | None:
     """Why a code span naming a class, constant or function names nothing in the code; None if it does
     (or is no such name: a recipe key, a value, a command)."""
     defined, imported, source = _defined()
-    if span.startswith(("runner.", "autotune.", "bench.")):  # a dotted path into the code: its last name
-        parts = span.split(".")
+    if span.startswith(("ckrun.runner.", "ckrun.autotune.", "bench.")):  # a dotted path into the code: its last name
+        parts = span.removeprefix("ckrun.").split(".")
         return None if parts[-1] in defined or ROOT.joinpath(*parts).with_suffix(".py").is_file() else span
     match = re.fullmatch(r"([A-Za-z_]\w*)(\(.*\))?", span)
     if match is None or span in NOT_OURS:
@@ -164,8 +164,8 @@ def test_every_class_function_and_constant_the_guide_names_is_in_the_code():
 def test_the_name_check_finds_what_is_gone():
     assert _missing_name("NoSuchStrategy") == "NoSuchStrategy"
     assert _missing_name("no_such_function()") == "no_such_function()"
-    assert _missing_name("runner.predict.efficiency.no_such_entry") == "runner.predict.efficiency.no_such_entry"
-    assert _missing_name("runner.predict.efficiency.write_entry") is None
+    assert _missing_name("ckrun.runner.predict.efficiency.no_such_entry") == "ckrun.runner.predict.efficiency.no_such_entry"
+    assert _missing_name("ckrun.runner.predict.efficiency.write_entry") is None
     assert _missing_name("memory.sharding") is None and _missing_name("ParallelDims") is None
     assert _paths("`bench/gpu/tables.py OUT/x.json --out docs/benchmarks_gpu.md` and `/tmp/p` `gpu.json`") == \
         {"bench/gpu/tables.py", "docs/benchmarks_gpu.md"}

@@ -13,9 +13,9 @@ import os
 import signal
 from pathlib import Path
 
-from runner.problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Problem
-from runner.recipe import Recipe
-from runner.train.loop import MemoryCapExceeded, RunResult
+from ckrun.runner.problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Problem
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.train.loop import MemoryCapExceeded, RunResult
 
 from ..space.facts import Device
 
@@ -42,7 +42,7 @@ class RanksOverCap(MemoryCapExceeded):
 
 def check_ranks(recipe: Recipe, source: str, nproc: int) -> None:
     """--nproc: a rank count the recipe's global batch splits over, and not already under torchrun."""
-    from runner.parallel.ranks import check_world
+    from ckrun.runner.parallel.ranks import check_world
 
     if nproc < 1:
         raise InputError([Problem(Place("--nproc"), "", f"needs a rank count of 1 or more, got {nproc}")])
@@ -75,7 +75,7 @@ def rank_training(nproc: int) -> dict:
         return {}
 
     def train_ranks(recipe: Recipe, source: str, resume: bool = False) -> RunResult:
-        from runner.train.run.ownership import launch_owned
+        from ckrun.runner.train.run.ownership import launch_owned
 
         code = launch_owned(recipe, source, [source, *(["--resume"] if resume else [])], nproc, resume)
         if code == EXIT_OVER_CAP:
@@ -90,7 +90,7 @@ def rank_training(nproc: int) -> dict:
 
 def _run_result(recipe: Recipe, stopped_by: int | None) -> RunResult:
     """What rank 0's metrics.jsonl says of the run (the ranks' records are reduced: the highest peak)."""
-    from runner.train.output.directory import METRICS, read_metrics_lines
+    from ckrun.runner.train.output.directory import METRICS, read_metrics_lines
 
     path = Path(recipe.output.dir) / METRICS
     records = [r for r in (read_metrics_lines(path)[0] if path.exists() else []) if "loss" in r]

@@ -14,8 +14,8 @@ import logging
 import statistics
 from pathlib import Path
 
-from runner.files import write_atomic
-from runner.units import format_bytes
+from ckrun.runner.files import write_atomic
+from ckrun.runner.units import format_bytes
 
 from ..cap import Cap
 from ..records import TrialRecord, plans, ranked_feasible

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from runner.plan import FullCheckpointing, MemoryPlan
-from runner.recipe import Recipe
-from runner.train.run.guard import stop_line
-from runner.train.loop import MemoryCapExceeded, RunResult, train
-from runner.units import format_bytes
+from ckrun.runner.plan import FullCheckpointing, MemoryPlan
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.train.run.guard import stop_line
+from ckrun.runner.train.loop import MemoryCapExceeded, RunResult, train
+from ckrun.runner.units import format_bytes
 
 from .report import summary
 from ..space.facts import Device

@@ -4,8 +4,8 @@ A fresh process per candidate means a crash, an out-of-memory or a hang costs on
 the tuner, and every measurement starts from an empty allocator. The tuner starts it as the leader
 of a new session, so killing its process group also takes anything it started (compile workers).
 
-    python -m autotune.probes.child probe  RECIPE.json RESULT.json --parent PID --trial N --warmup W --timed T
-    python -m autotune.probes.child device RECIPE.json RESULT.json --parent PID
+    python -m ckrun.autotune.probes.child probe  RECIPE.json RESULT.json --parent PID --trial N --warmup W --timed T
+    python -m ckrun.autotune.probes.child device RECIPE.json RESULT.json --parent PID
 
 With `--nproc N` (N > 1) the probe runs as a torchrun group of N ranks: this process starts them
 and combines their results, each rank being this module again (autotune/probes/rank_probe.py).
@@ -33,8 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
-from runner.files import write_atomic
-from runner.problems import first_line
+from ckrun.runner.files import write_atomic
+from ckrun.runner.problems import first_line
 
 from ..records import ProbeResult
 
@@ -72,7 +72,7 @@ def _rank_probe(args, recipe_json: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m autotune.probes.child")
+    parser = argparse.ArgumentParser(prog="python -m ckrun.autotune.probes.child")
     parser.add_argument("what", choices=["probe", "device"])
     parser.add_argument("recipe", help="the candidate recipe as JSON")
     parser.add_argument("result", help="where the result JSON goes")
@@ -98,7 +98,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def recipe_from_json(text: str):
-    from runner.recipe import Recipe
+    from ckrun.runner.recipe import Recipe
 
     return Recipe.model_validate_json(text)  # JSON mode: strict fields accept lists for tuples
 
@@ -106,7 +106,7 @@ def recipe_from_json(text: str):
 def _guarded(work):
     """Turn every failure into a result the tuner can record: the reason is one line, the rest is logged.
     `work` returns a ProbeResult, or the device's facts (a plain dict, as `Device.from_json` reads them)."""
-    from runner.problems import InputError
+    from ckrun.runner.problems import InputError
 
     try:
         return work()
@@ -123,7 +123,7 @@ def _is_out_of_memory(err: Exception) -> bool:
     """CUDA's and the CPU allocator's errors alike: a probe on the CPU that runs out is over the cap, not broken."""
     if "torch" not in sys.modules:  # not imported means not even started: only Python itself can have run out
         return isinstance(err, MemoryError)
-    from runner.builders.oom import is_out_of_memory
+    from ckrun.runner.builders.oom import is_out_of_memory
 
     return is_out_of_memory(err)
 
@@ -137,7 +137,7 @@ def _probe(recipe_json: str, trial: int, warmup: int, timed: int) -> ProbeResult
 
 def measure(recipe, warmup: int, timed: int) -> ProbeResult:
     """Warm-up and timed steps of `recipe`, with `measured_peak_bytes`, the number held against the cap."""
-    from runner.train.measure.probe import probe
+    from ckrun.runner.train.measure.probe import probe
 
     return ProbeResult.of(probe(recipe, warmup, timed, source="<candidate>"))
 
@@ -145,8 +145,8 @@ def measure(recipe, warmup: int, timed: int) -> ProbeResult:
 def device_info(recipe) -> dict:
     """The device the recipe trains on and what it can do, asked once in a child so the tuner never inits CUDA."""
     import torch
-    from runner.memory.measure import context_after_kernels, note_card_before_cuda
-    from runner.train.trainer import pick_device
+    from ckrun.runner.memory.measure import context_after_kernels, note_card_before_cuda
+    from ckrun.runner.train.trainer import pick_device
 
     note_card_before_cuda()
     device = pick_device(recipe)

@@ -6,7 +6,7 @@ predicted peak per plan. Both run the user's code (the factory; the forward, on 
 both happen here, in a child that leads its own process group, never in the tuner: a hang, a
 segfault or an `os._exit` in the user's code then costs a timeout and a line in the report.
 
-    python -m autotune.probes.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--nproc N] [--facts-only]
+    python -m ckrun.autotune.probes.model_child RECIPE.json DIR --parent PID --device cpu|cuda [--nproc N] [--facts-only]
         [--time-facts FACTS.json]
 
 Protocol (files are written atomically; the tuner waits for each with a timeout):
@@ -17,11 +17,11 @@ Protocol (files are written atomically; the tuner waits for each with a timeout)
    `distributed:` section, null for one process: autotune/space/candidate.py), each answered in
    DIR/answer-N.json (with --nproc N, the peak of one of N ranks under that strategy:
    runner/predict/per_rank.py); with --time-facts (a device's
-   `runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
+   `ckrun.runner.predict.hardware.DeviceFacts`), the answer's `time` holds the step's predicted time on
    it (`StepTime.record()`). End of input ends the child. A request with `"frontier": {"pairs":
    [[micro_batch, precision], ...], "limit": BYTES, "offload": bool, "timed_steps": K, "base": {plan},
    "context": BYTES (added back in its lines), "deadline": T (time.monotonic() to stop at, or null)}`
-   instead asks for the solver's per-block plans (`autotune.search.solver.frontier`, which times blocks in a
+   instead asks for the solver's per-block plans (`ckrun.autotune.search.solver.frontier`, which times blocks in a
    short real run): answered with `proposals` (Proposal records) and `lines` (its reasons).
 Every answer has a `status` ("ok", "bad_input", "unavailable" or "crash") and, unless ok, a
 one-line `reason`. The child leaves with `os._exit` after its last answer: the tuner never waits
@@ -38,9 +38,9 @@ import time
 import traceback
 from pathlib import Path
 
-from runner.files import write_atomic
+from ckrun.runner.files import write_atomic
 
-from runner.problems import first_line
+from ckrun.runner.problems import first_line
 
 from .child import die_with_parent, recipe_from_json, finish
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build() -> dict:
         nonlocal estimator
-        from runner.predict.estimate import Estimator
+        from ckrun.runner.predict.estimate import Estimator
 
         if args.nproc > 1:
             estimator = _ranks(recipe, args.nproc, args.device, _time_facts(args.time_facts))
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m autotune.probes.model_child")
+    parser = argparse.ArgumentParser(prog="python -m ckrun.autotune.probes.model_child")
     parser.add_argument("recipe", help="the recipe as JSON")
     parser.add_argument("directory", help="where facts.json, ready.json and answer-N.json go")
     parser.add_argument("--parent", type=int, required=True, help="the tuner's pid; its death ends this process")
@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 def _time_facts(path: str | None):
     if path is None:
         return None
-    from runner.predict.hardware import load_facts
+    from ckrun.runner.predict.hardware import load_facts
 
     return load_facts(Path(path))
 
@@ -106,8 +106,8 @@ def model_facts(recipe, nproc: int = 1) -> dict:
     from torch import nn
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    from runner.builders.model import BuildError, build_model
-    from runner.memory.blocks import find_blocks
+    from ckrun.runner.builders.model import BuildError, build_model
+    from ckrun.runner.memory.blocks import find_blocks
 
     from ..space.tp_facts import tensor_facts
 
@@ -128,7 +128,7 @@ def model_facts(recipe, nproc: int = 1) -> dict:
 
 def _head_refusal(model) -> str | None:
     """Why memory.loss chunked cannot split the model's head (one line), or None where it can."""
-    from runner.memory.chunked_loss import output_projection
+    from ckrun.runner.memory.chunked_loss import output_projection
 
     try:
         output_projection(model)
@@ -150,7 +150,7 @@ def parameter_facts(model) -> dict:
 
 def facts_answer(recipe, nproc: int = 1) -> dict:
     """The model's facts, once the user's code passes the checks the tuner leaves to this child."""
-    from runner.builders.checks import user_code_problems
+    from ckrun.runner.builders.checks import user_code_problems
 
     problems = user_code_problems(recipe)
     if problems:
@@ -176,7 +176,7 @@ class _Ranks:
     group, each layout's split model and warmed-up optimizer) is made once (runner/predict/per_rank.py)."""
 
     def __init__(self, recipe, nproc: int, device: str, facts):
-        from runner.predict.per_rank import RankPredictor
+        from ckrun.runner.predict.per_rank import RankPredictor
 
         self.recipe, self.predictor = recipe, RankPredictor(nproc, device, facts)
 
@@ -184,8 +184,8 @@ class _Ranks:
 def _ranks(recipe, nproc: int, device: str, facts) -> _Ranks:
     """Ready once the layout the tuner tries first is built and warmed up: the recipe's own strategy, or
     ddp for strategy none (every rank a share of the batch, as `check_world` reads none under --nproc)."""
-    from runner.predict.per_rank import rank_share
-    from runner.strategies import SingleProcess, strategy_from_label
+    from ckrun.runner.predict.per_rank import rank_share
+    from ckrun.runner.strategies import SingleProcess, strategy_from_label
 
     ranks = _Ranks(recipe, nproc, device, facts)
     first = recipe.model_copy(update={"distributed": strategy_from_label("ddp")}) \
@@ -201,7 +201,7 @@ def _rank_estimate(ranks: _Ranks, candidate, nproc: int):
 
 
 def _frontier(estimator, request: dict) -> dict:
-    from runner.plan import MemoryPlan
+    from ckrun.runner.plan import MemoryPlan
 
     from ..search.solver import frontier
 
@@ -214,7 +214,7 @@ def _frontier(estimator, request: dict) -> dict:
 
 
 def _unavailable() -> tuple[type, ...]:
-    from runner.predict.estimate import EstimateUnavailable
+    from ckrun.runner.predict.estimate import EstimateUnavailable
 
     return (EstimateUnavailable, ValueError)  # fake tensors cannot run it, or the plan does not apply
 
@@ -222,8 +222,8 @@ def _unavailable() -> tuple[type, ...]:
 def _answer(work, expected: tuple[type, ...]) -> dict:
     """Every failure as an answer the tuner records: a bad recipe key is bad input, an `expected`
     failure means no prediction, anything else is the user's code crashing; each in one line."""
-    from runner.builders.model import BuildError
-    from runner.problems import InputError
+    from ckrun.runner.builders.model import BuildError
+    from ckrun.runner.problems import InputError
 
     try:
         return work()

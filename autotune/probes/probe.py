@@ -17,16 +17,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.files import write_atomic
-from runner.memory.allocator import allocator_env
-from runner.recipe import Recipe
+from ckrun.runner.files import write_atomic
+from ckrun.runner.memory.allocator import allocator_env
+from ckrun.runner.recipe import Recipe
 
 from ..records import ProbeResult
 from .warm import Cold, Forked, WarmServer, note_launch, start_child
 
 log = logging.getLogger(__name__)
 
-CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of autotune.probes.child (same arguments)
+CHILD_ENV = "CKRUN_PROBE_CHILD"  # test hook: a module to run instead of ckrun.autotune.probes.child (same arguments)
 
 
 COLD_COMPILE_S = 300.0  # a cold torch.compile of BERT-large took 1-2 minutes on an H100 (2026-11-22)
@@ -84,7 +84,7 @@ class ProbeRunner:
         log_path.write_text("", encoding="utf-8")
         # only a CPU tune has a warm server; a compiled probe or a group of ranks starts cold even there
         warm = self.warm if self.settings.nproc == 1 and not recipe.memory.compile else None
-        process = start_child(os.environ.get(CHILD_ENV, "autotune.probes.child"), argv, log_path, child_env(recipe), warm)
+        process = start_child(os.environ.get(CHILD_ENV, "ckrun.autotune.probes.child"), argv, log_path, child_env(recipe), warm)
         note_launch(self.directory, what, trial, process.pid)
         code = _wait(process, timeout_s)
         if trial is not None and (code is None or code < 0):

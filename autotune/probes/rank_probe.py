@@ -1,7 +1,7 @@
 """A probe of `ckrun tune --nproc N`: one candidate measured by N ranks, a torchrun group of its own.
 
 The probe child (autotune/probes/child.py) becomes the group's agent: it starts N ranks through torchrun's
-launcher (`runner.parallel.launch.start_ranks`, a fresh rendezvous on a free port, so no two probes
+launcher (`ckrun.runner.parallel.launch.start_ranks`, a fresh rendezvous on a free port, so no two probes
 ever share a process group), each rank being the same child module under torchrun's environment.
 Every rank measures the steps together with the others (the trainer reduces a step's record over
 the ranks: the slowest rank's time, the highest peak) and writes RESULT.rank-K.json. The agent
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from runner.files import write_atomic
+from ckrun.runner.files import write_atomic
 
 from ..records import ProbeResult
 
@@ -47,7 +47,7 @@ def run_group(command: list[str], result: Path, nproc: int) -> ProbeResult:
     """As the agent: run the ranks, wait for them, and combine what each reported."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from runner.parallel.launch import start_ranks
+    from ckrun.runner.parallel.launch import start_ranks
 
     for rank in range(nproc):
         rank_result_path(result, rank).unlink(missing_ok=True)  # a killed probe's files are not this one's

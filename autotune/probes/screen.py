@@ -24,10 +24,10 @@ import os
 import time
 from pathlib import Path
 
-from runner.files import write_atomic
-from runner.predict.cuda_extras import CAPABILITY_ENV
-from runner.problems import InputError, Place, Problem
-from runner.recipe import Recipe
+from ckrun.runner.files import write_atomic
+from ckrun.runner.predict.cuda_extras import CAPABILITY_ENV
+from ckrun.runner.problems import InputError, Place, Problem
+from ckrun.runner.recipe import Recipe
 
 from .probe import exit_words, kill_group
 from .warm import note_launch
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAULTS = 2  # predictions that hang or kill the child before screening is turned off for the rest
 POLL_S = 0.05
-CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of autotune.probes.model_child (same protocol)
+CHILD_ENV = "CKRUN_MODEL_CHILD"  # test hook: a module to run instead of ckrun.autotune.probes.model_child (same protocol)
 
 
 class ModelChild:
@@ -51,7 +51,7 @@ class ModelChild:
         self.warm = warm  # a CPU tune's warm server forks this child (autotune/probes/warm.py)
         self.recipe, self.probes, self.device_kind, self.nproc = recipe, probes, device_kind, nproc
         self.timeout_s, self.screen = timeout_s, screen
-        self.time_facts = time_facts  # runner.predict.hardware.DeviceFacts: predictions carry step times
+        self.time_facts = time_facts  # ckrun.runner.predict.hardware.DeviceFacts: predictions carry step times
         self.directory = probes / "model"
         self.log_path = self.directory / "model.log"
         self.process: Cold | Forked | None = None
@@ -76,7 +76,7 @@ class ModelChild:
         argv = [str(recipe_path), str(self.directory), "--parent", str(os.getpid()), "--device", self.device_kind,
                 "--nproc", str(self.nproc), *([] if self.screen else ["--facts-only"]), *timing]
         warm = self.warm if not gpu else None
-        self.process = start_child(os.environ.get(CHILD_ENV, "autotune.probes.model_child"), argv, self.log_path,
+        self.process = start_child(os.environ.get(CHILD_ENV, "ckrun.autotune.probes.model_child"), argv, self.log_path,
                                    self.environment(gpu), warm, requests=True)
         note_launch(self.probes, "model", None, self.process.pid)
 

@@ -15,7 +15,7 @@ allocator settings and the hidden GPUs must be in place when the child starts CU
 probe's caches are configured at import, and torchrun starts --nproc ranks itself. A server that
 cannot start or dies is logged once and the children start cold, as before.
 
-    python -m autotune.probes.warm FD MODULE [MODULE ...]   # FD: its end of a SOCK_SEQPACKET pair; MODULEs preloaded
+    python -m ckrun.autotune.probes.warm FD MODULE [MODULE ...]   # FD: its end of a SOCK_SEQPACKET pair; MODULEs preloaded
                                                      # (MODULE:NAME also gets NAME from it)
 
 Messages are JSON, one per packet. Tuner -> server: {"module", "argv", "env", "cwd"} with the
@@ -38,11 +38,14 @@ import time
 import traceback
 from pathlib import Path
 
+import ckrun
+from ckrun.runner.environment import IMPORT_ROOTS_ENV
+
 log = logging.getLogger(__name__)
 
 PACKET = 1 << 20  # a request's environment and arguments fit in far less
 START_TIMEOUT_S = 300.0  # the server's imports on a very busy machine; then children start cold
-PRELOAD = ("torch", "runner.train.measure.probe", "runner.predict.estimate", "autotune.probes.child", "autotune.probes.model_child")
+PRELOAD = ("torch", "ckrun.runner.train.measure.probe", "ckrun.runner.predict.estimate", "ckrun.autotune.probes.child", "ckrun.autotune.probes.model_child")
 SOURCE_MODULES = {"torchvision": ("torchvision.models",)}
 
 
@@ -113,7 +116,7 @@ class WarmServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.directory / "warm.log", "a", encoding="utf-8") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", __spec__.name, str(theirs.fileno()), *self.modules], pass_fds=[theirs.fileno()],
+                [sys.executable, "-P", "-m", __spec__.name, str(theirs.fileno()), *self.modules], pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         theirs.close()
         self.socket = ours
@@ -208,8 +211,8 @@ def start_child(module: str, argv: list[str], log_path: Path, env: dict[str, str
             return Forked(server, pid, os.fdopen(write, "w", encoding="utf-8") if requests else None)
         if write is not None:
             os.close(write)
-    with open(log_path, "a", encoding="utf-8") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log_file, stderr=subprocess.STDOUT,
+    with open(log_path, "a", encoding="utf-8") as log_file:  # -P: see runner/load.py's add_import_root
+        process = subprocess.Popen([sys.executable, "-P", "-m", module, *argv], stdout=log_file, stderr=subprocess.STDOUT,
                                    stdin=subprocess.PIPE if requests else subprocess.DEVNULL, start_new_session=True,
                                    env=env, text=requests or None)
     return Cold(process)
@@ -288,6 +291,7 @@ def _become(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         _search_python_path(request["env"].get("PYTHONPATH", ""))
+        ckrun.append_import_roots(request["env"].get(IMPORT_ROOTS_ENV, ""))  # added since the server started
         argv = list(request["argv"])
         if "--parent" in argv:  # its parent is this server, which lives exactly as long as the tuner
             argv[argv.index("--parent") + 1] = str(os.getppid())

@@ -1,7 +1,7 @@
 """The solver's frontier for a tune: one per-block plan per micro-batch and precision, probed first.
 
 The model child (which already holds the estimator, the model built once on fake tensors) runs
-`autotune.search.solver.frontier`: per-block costs from the estimator and a short timed run (or, with
+`ckrun.autotune.search.solver.frontier`: per-block costs from the estimator and a short timed run (or, with
 `timed_steps` 0, the estimator's predicted block times), then the solver. Its plans become points of the space (`Space.add_proposals`), so TPE explores around them.
 They are computed once per study and kept in its user attributes: a resumed study gets the same
 plans, hence the same choices, even though a new timed run could rank the blocks differently.

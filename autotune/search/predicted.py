@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from runner.predict.hardware import DeviceFacts, UnknownDevice, resolve_device
-from runner.problems import InputError, Place, Problem
-from runner.units import format_bytes
+from ckrun.runner.predict.hardware import DeviceFacts, UnknownDevice, resolve_device
+from ckrun.runner.problems import InputError, Place, Problem
+from ckrun.runner.units import format_bytes
 
 from ..records import ProbeResult, TrialRecord
 from .run import SearchSettings

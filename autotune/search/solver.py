@@ -2,7 +2,7 @@
 activations, which recompute them and which offload them, for the least predicted step time under
 the cap.
 
-The costs are `runner.predict.block_costs.CostTable`: per block the bytes each choice leaves for
+The costs are `ckrun.runner.predict.block_costs.CostTable`: per block the bytes each choice leaves for
 backward and the seconds it adds. A plan's predicted peak is the bytes no choice changes plus the
 blocks' bytes; and in backward, a block that recomputes (or fetches back) holds all of its
 activations again on top of the bytes of the blocks before it. So the solver is an exact dynamic
@@ -32,10 +32,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runner.memory.blocks import short_list
-from runner.plan import POLICY_FIELDS, FullCheckpointing, MemoryPlan, Policy
-from runner.predict.block_costs import CostTable
-from runner.units import format_bytes
+from ckrun.runner.memory.blocks import short_list
+from ckrun.runner.plan import POLICY_FIELDS, FullCheckpointing, MemoryPlan, Policy
+from ckrun.runner.predict.block_costs import CostTable
+from ckrun.runner.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class _Deadlined:
 def _solve_pairs(estimator, pairs, limit, base, offload, timed_steps, seconds, deadline, context, proposals,
                  lines) -> None:
     """`frontier`'s loop: its proposals and lines appended as they come (so a stop keeps those made)."""
-    from runner.predict.block_costs import cost_table
+    from ckrun.runner.predict.block_costs import cost_table
 
     show = lambda n: format_bytes(n + context)  # noqa: E731
     for precision in dict.fromkeys(p for _, p in pairs):

@@ -19,7 +19,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from runner.problems import InputError, Place, Problem
+from ckrun.runner.problems import InputError, Place, Problem
 
 from ..records import ProbeResult, TrialRecord, read_record
 from ..space.candidate import Candidate

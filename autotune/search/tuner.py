@@ -23,7 +23,7 @@ import time
 import optuna
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from runner.units import format_bytes
+from ckrun.runner.units import format_bytes
 
 from ..cap import Cap
 from ..records import ProbeResult, TrialRecord, ranked_feasible, read_record, store_record

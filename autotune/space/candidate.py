@@ -4,7 +4,7 @@ A candidate has one serialisation, `request()` / `from_request()`: how the tuner
 model child, which reads it back here and builds the candidate's recipe with the same `recipe()`
 as the probe's. Its strategy goes into every file as `distributed_section` writes it, and comes
 back through the recipe's schema. Light: the model child imports this, optuna stays out. How a
-candidate reads in a log line is its knobs' to say (`autotune.space.knobs.describe`).
+candidate reads in a log line is its knobs' to say (`ckrun.autotune.space.knobs.describe`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
-from runner.plan import MemoryPlan
-from runner.recipe import Recipe
-from runner.strategies import Distributed, Strategy
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.strategies import Distributed, Strategy
 
 _STRATEGY = TypeAdapter(Distributed)
 

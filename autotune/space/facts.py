@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.memory.blocks import Block, BlockList
+from ckrun.runner.memory.blocks import Block, BlockList
 
 from .tp_facts import TensorFacts
 

@@ -20,12 +20,12 @@ import logging
 
 from optuna.distributions import FloatDistribution
 
-from runner.choices import choice_class, choice_fields
-from runner.plan import MemoryPlan
-from runner.policies import (CHECKPOINTING, AllBlocksOffload, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
+from ckrun.runner.choices import choice_class, choice_fields
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.policies import (CHECKPOINTING, AllBlocksOffload, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
                              offload_choices)
-from runner.recipe import Recipe
-from runner.units import format_bytes
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.units import format_bytes
 
 from .candidate import Candidate
 from .facts import Device, ModelFacts
@@ -271,7 +271,7 @@ def add_compile(space: Space, asked: Asked) -> None:
 
 def add_budget(space: Space, asked: Asked) -> None:
     """compile's activation_memory_budget, wherever a plan may compile."""
-    from runner.memory.torch_features import missing_budget
+    from ckrun.runner.memory.torch_features import missing_budget
 
     if not space.searched("compile") and not space.fixed.get("compile"):
         return

@@ -26,10 +26,10 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from runner.choices import choice_class, choice_fields
-from runner.plan import MemoryPlan, StepFacts, gradients_final, plan_problems
-from runner.pool_policies import POOL_KINDS
-from runner.units import format_bytes
+from ckrun.runner.choices import choice_class, choice_fields
+from ckrun.runner.plan import MemoryPlan, StepFacts, gradients_final, plan_problems
+from ckrun.runner.pool_policies import POOL_KINDS
+from ckrun.runner.units import format_bytes
 
 from .facts import ParameterFacts
 

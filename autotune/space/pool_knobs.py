@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from runner.choices import choice_class, choice_fields
-from runner.plan import MemoryPlan
-from runner.policy_base import library_missing
-from runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload, LowBitState, MasterWeights,
+from ckrun.runner.choices import choice_class, choice_fields
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.policy_base import library_missing
+from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload, LowBitState, MasterWeights,
                                   POOL_KINDS, StepInBackward)
-from runner.units import format_bytes
+from ckrun.runner.units import format_bytes
 
 from .pool_floor import Bound, least, nothing_fits_line, pool_floor, pool_plan, settings
 from .space import Asked, Knob, Space

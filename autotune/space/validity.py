@@ -1,7 +1,7 @@
 """Why a candidate cannot run, said before anything is probed: such a plan is told infeasible and
 never run. Every rule is asked of its owner, never written again here: the recipe's schema (a
 candidate's recipe validated as the probe's child validates it), the check every rank makes before
-it starts (runner.parallel.ranks.check_world: the strategy lays out the ranks, the batch and the
+it starts (ckrun.runner.parallel.ranks.check_world: the strategy lays out the ranks, the batch and the
 micro-batch split over its data-parallel groups), and what the memory layer applies on this device.
 """
 
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import ValidationError
 
-from runner.memory.apply import check_combination
-from runner.parallel.ranks import check_world
-from runner.problems import InputError, KeyedError
+from ckrun.runner.memory.apply import check_combination
+from ckrun.runner.parallel.ranks import check_world
+from ckrun.runner.problems import InputError, KeyedError
 
 from .candidate import Candidate
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def invalid_reason(candidate: Candidate, space: Space) -> str | None:
     """Why `candidate` cannot run, said before anything is probed (it is told infeasible, never run):
-    what the recipe's schema refuses (runner.plan.plan_problems; fsdp with fp16 or with segments that
+    what the recipe's schema refuses (ckrun.runner.plan.plan_problems; fsdp with fp16 or with segments that
     span blocks), what the ranks refuse (the strategy's layout, a micro-batch that does not divide a
     rank's share), the rules the probe's child would meet, then what this device or torch lacks."""
     if space.base is not None:

@@ -73,7 +73,7 @@ def calibration_entry(rows: list[dict], versions: dict, applies_to: str) -> dict
 
 def applies_to(device_name: str, capability: str | None) -> str:
     """ckrun's key for the card (`h100`), else its compute capability (`sm90`), else `*`; `cpu` in a dry run."""
-    from runner.predict import hardware
+    from ckrun.runner.predict import hardware
 
     if device_name.startswith("cpu"):
         return "cpu"
@@ -89,7 +89,7 @@ def applies_to(device_name: str, capability: str | None) -> str:
 def check_entry(entry: dict) -> str | None:
     """None where runner/predict's table takes the entry (or has no table yet to ask), else why not."""
     try:
-        from runner.predict.efficiency import CalibrationEntry
+        from ckrun.runner.predict.efficiency import CalibrationEntry
     except ImportError:
         return None
     try:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.write:
         try:
-            from runner.predict.efficiency import CalibrationEntry, write_entry
+            from ckrun.runner.predict.efficiency import CalibrationEntry, write_entry
         except ImportError:
             print("calibrate.py: this checkout's runner/predict has no calibration table (efficiency.py)",
                   file=sys.stderr)

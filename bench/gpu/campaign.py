@@ -212,14 +212,14 @@ def run_steps(out: Path, names: list[str], budget: Budget, dry_run: bool, steps:
     out.mkdir(parents=True, exist_ok=True)
     record = {"dry_run": dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "accounting": accounting(steps),
               "steps_asked": names, "steps": [], "nvidia_smi": _nvidia_smi(out)}
-    runner = Runner(out, budget, dry_run, record)
-    watchdog = budget.arm(runner.at_deadline, call.DEADLINE_EXIT)
-    runner.write()
+    campaign = Runner(out, budget, dry_run, record)
+    watchdog = budget.arm(campaign.at_deadline, call.DEADLINE_EXIT)
+    campaign.write()
     for step in (s for s in steps if s.name in names):
-        runner.run(step)
+        campaign.run(step)
     record["summary"] = summary(out)
     record["next"] = next_call(record)
-    runner.write()
+    campaign.write()
     watchdog.set()  # done in time: a caller that goes on (a test) must not be ended at the deadline
     return record
 

@@ -12,7 +12,7 @@ Writes, each rewritten as soon as a part is measured (a call cut short keeps wha
   (bench/gpu/kernel_rates.py: products by shape and dtype, convolutions, attention per kernel family,
   memory-bound ops, the optimizer step, host link, launch floor) and the entry they make for the time
   model's calibration table (bench/gpu/calibrate.py).
-  It also holds the card's measured facts (runner.predict.hardware.measure_gpu), which
+  It also holds the card's measured facts (ckrun.runner.predict.hardware.measure_gpu), which
   `python bench/gpu/calibrate.py OUT_DIR/calibration.json --facts-json gpu.json` writes out for
   `ckrun estimate --gpu gpu.json`.
 `--dry-run` runs the same code at toy size on the CPU (the CUDA-only parts report null; gpu.json
@@ -67,7 +67,7 @@ def versions() -> dict:
 
 
 def _allocator_in_effect() -> str | None:
-    from runner.memory.allocator import settings_in_effect
+    from ckrun.runner.memory.allocator import settings_in_effect
 
     return settings_in_effect()
 
@@ -92,8 +92,8 @@ def _used_beyond_allocator() -> int:
 def probe_context() -> dict:
     """Context right after init, then after the kernels a BERT step needs have been loaded, both as
     the card's used memory and as ckrun measures it (NVML per process where it can)."""
-    from runner.memory import nvml
-    from runner.memory.measure import context_after_kernels, cuda_context_bytes, note_card_before_cuda
+    from ckrun.runner.memory import nvml
+    from ckrun.runner.memory.measure import context_after_kernels, cuda_context_bytes, note_card_before_cuda
 
     note_card_before_cuda()  # as the trainer does: what else holds the card, before our context joins it
     device = torch.device("cuda", 0)
@@ -192,7 +192,7 @@ def run_part(part) -> dict:
 def device_facts(cuda: bool) -> tuple[object, str, object]:
     """(the peaks the calibration's shares are of, what they are, this card's measured facts: this
     CPU's in a dry run)."""
-    from runner.predict import hardware
+    from ckrun.runner.predict import hardware
 
     measured = hardware.measure_gpu() if cuda else hardware.this_cpu()
     datasheet = hardware.this_gpu() if cuda else None

@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from runner.load import load_recipe  # noqa: E402
-from runner.memory.measure import cuda_context_bytes, note_card_before_cuda  # noqa: E402
-from runner.problems import first_line  # noqa: E402
+from ckrun.runner.load import load_recipe  # noqa: E402
+from ckrun.runner.memory.measure import cuda_context_bytes, note_card_before_cuda  # noqa: E402
+from ckrun.runner.problems import first_line  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 

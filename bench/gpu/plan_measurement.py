@@ -19,9 +19,9 @@ import torch
 
 from bench.gpu import snapshot
 from bench.gpu.predictions import one_line
-from runner.load import load_recipe
-from runner.train.run.memory_cap import MemoryCapExceeded
-from runner.train.trainer import Trainer
+from ckrun.runner.load import load_recipe
+from ckrun.runner.train.run.memory_cap import MemoryCapExceeded
+from ckrun.runner.train.trainer import Trainer
 
 SNAPSHOT_PLAN = "full"  # recorded at the first micro-batch
 SNAPSHOT_FILE = "snapshot_full_mb16.json.gz"

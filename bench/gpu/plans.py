@@ -51,7 +51,7 @@ from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
 from bench.gpu.plan_measurement import SNAPSHOT_PLAN, run_plan  # noqa: E402
 from bench.gpu.plan_results import REPEAT  # noqa: E402
-from runner.load import load_recipe  # noqa: E402
+from ckrun.runner.load import load_recipe  # noqa: E402
 
 NO_OFFLOAD = "memory.offload={policy: none}"
 PLANS = {  # plan -> its memory overrides (the micro-batch comes on top); the solver's come from predictions.py
@@ -118,7 +118,7 @@ def peak_flops(device: torch.device) -> float | None:
     """The card's dense bf16 peak from ckrun's GPU table (MFU's denominator); None for a card it lacks."""
     if device.type != "cuda":
         return None
-    from runner.predict.hardware import this_gpu
+    from ckrun.runner.predict.hardware import this_gpu
 
     facts = this_gpu()
     return facts.peak_flops("bf16") if facts else None

@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from runner.load import load_recipe
-from runner.predict.estimate import Estimator
-from runner.predict.hardware import GPUS
+from ckrun.runner.load import load_recipe
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.hardware import GPUS
 
 TIMED_ON = ("h100", "h200")  # the kinds this workplace lends; the plans call picks its own card's
 
@@ -68,14 +68,14 @@ def cards(campaign) -> dict:
         return {GPUS[g].name: GPUS[g] for g in TIMED_ON}
     import platform
 
-    from runner.predict.hardware import this_cpu
+    from ckrun.runner.predict.hardware import this_cpu
 
     return {f"cpu ({platform.machine()})": this_cpu()}  # as bench/gpu/facts.py's versions() names a CPU
 
 
 def solve(campaign, none_overrides: dict[int, list[str]], estimator: Estimator | None = None) -> dict:
     """The solver's plan per micro-batch (see the module docstring), from `none`'s recipe at each."""
-    from autotune.search.solver import frontier
+    from ckrun.autotune.search.solver import frontier
 
     estimator = estimator or estimator_for(campaign)
     recipe = load_recipe(campaign.recipe_path, list(campaign.base))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from runner.predict.cuda_model import SMALL_SIZE, CachingAllocatorModel
+from ckrun.runner.predict.cuda_model import SMALL_SIZE, CachingAllocatorModel
 
 MAX_ENTRIES = 200_000  # the ring buffer's size: a BERT-large step makes ~50k events; more would wrap
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free")

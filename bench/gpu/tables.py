@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/g
 
 from bench.gpu import sections  # noqa: E402
 from bench.gpu.figures import NOT_MEASURED, against_goal, cap_text, figures_table, gb, percent, size, step_time_text  # noqa: E402
-from runner.policy_base import short_list  # noqa: E402
+from ckrun.runner.policy_base import short_list  # noqa: E402
 
 VERSION_KEYS = ("python", "torch", "cuda", "transformers", "torchvision", "optuna", "pydantic")
 

@@ -42,12 +42,12 @@ if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/g
 
 from pydantic import ByteSize, TypeAdapter  # noqa: E402
 
-from autotune.probes.probe import ProbeRunner, ProbeSettings  # noqa: E402
+from ckrun.autotune.probes.probe import ProbeRunner, ProbeSettings  # noqa: E402
 from bench.gpu import tables, tune_verdict  # noqa: E402
 from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
 from bench.gpu.plans import TINY  # noqa: E402
-from runner.load import load_recipe  # noqa: E402
+from ckrun.runner.load import load_recipe  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ REPORT_S = 20  # `ckrun report` after a search was killed
 def run_tuner(setup: Setup, cap: str, limit_s: float, study: Path, log_path: Path) -> dict:
     """`ckrun tune ... --no-train` in its own process group, killed at `limit_s`."""
     budget = f"{max(10, int(limit_s - SLACK_S))}s"
-    command = [sys.executable, "-m", "runner", "tune", setup.recipe, *setup.base, "--max-mem", cap,
+    command = [sys.executable, "-m", "ckrun", "tune", setup.recipe, *setup.base, "--max-mem", cap,
                "--time-budget", budget, "--no-train", "--output", str(study), *setup.tune_flags]
     print(f"tune: {' '.join(command[1:])} (hard limit {limit_s:.0f} s)", flush=True)
     started = time.monotonic()
@@ -99,7 +99,7 @@ def run_tuner(setup: Setup, cap: str, limit_s: float, study: Path, log_path: Pat
     if not (study / "report.json").exists() and (study / "study.journal").exists():
         # killed before it wrote its report: `ckrun report` writes it from the study's journal
         try:
-            subprocess.run([sys.executable, "-m", "runner", "report", str(study)], cwd=REPO, capture_output=True,
+            subprocess.run([sys.executable, "-m", "ckrun", "report", str(study)], cwd=REPO, capture_output=True,
                            timeout=REPORT_S)
         except subprocess.TimeoutExpired:
             found["report_note"] = f"`ckrun report` did not finish in {REPORT_S} s"
@@ -201,9 +201,9 @@ RUN_KEYS = ("status", "samples_per_s", "step_time_s", "card_peak_bytes", "peak_m
 def measure(candidate: dict, setup: Setup, work: Path, number: int, limit_s: float) -> dict:
     if candidate["role"] == "hf_full_checkpointing":
         return measure_hf(setup, work, number, limit_s)
-    runner = ProbeRunner(work, ProbeSettings(limit_s, setup.warmup_steps, setup.timed_steps, compile_timeout_s=limit_s))
+    probe_runner = ProbeRunner(work, ProbeSettings(limit_s, setup.warmup_steps, setup.timed_steps, compile_timeout_s=limit_s))
     # a row of tune.json, as hf_loop.py's result is: the fields the probe set
-    return runner.probe(candidate["recipe"], number).model_dump(mode="json", exclude_defaults=True)
+    return probe_runner.probe(candidate["recipe"], number).model_dump(mode="json", exclude_defaults=True)
 
 
 def measure_hf(setup: Setup, work: Path, number: int, limit_s: float) -> dict:

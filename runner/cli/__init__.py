@@ -38,16 +38,16 @@ class Command:
 # here as well as in the module so that listing the verbs imports none of them: tune's module pulls
 # in optuna and torch, seconds before `ckrun --help` could answer. A test keeps the two equal.
 VERBS: dict[str, tuple[str, str]] = {
-    "run": ("runner.cli.run", "train a recipe (the default verb: `ckrun RECIPE` is `ckrun run RECIPE`)"),
-    "validate": ("runner.cli.validate", "check a recipe and report every problem, one line each"),
-    "show": ("runner.cli.show", "print the resolved recipe as YAML (or its blocks with --blocks)"),
-    "estimate": ("runner.cli.estimate", "predict a training step's peak memory and time on fake tensors (no GPU, no real memory)"),
-    "tune": ("autotune.cli_tune", "search memory plans under a cap, write tuned.yaml, then train with the fastest"),
-    "report": ("autotune.cli_report", "draw a run's training curves, or print a tuning study's Pareto table and plot"),
-    "ls": ("runner.cli.ls", "list the recipe library: name, family, parameter count, description"),
-    "cp": ("runner.cli.cp", "copy a library recipe (with its comments) to a file you can edit"),
-    "schema": ("runner.cli.schema", "print the recipe's JSON Schema, for completion and checks in an editor"),
-    "tokenizer": ("runner.cli.tokenizer", "train a byte-level BPE tokenizer (GPT-2's kind) on local text for data.tokenizer"),
+    "run": ("ckrun.runner.cli.run", "train a recipe (the default verb: `ckrun RECIPE` is `ckrun run RECIPE`)"),
+    "validate": ("ckrun.runner.cli.validate", "check a recipe and report every problem, one line each"),
+    "show": ("ckrun.runner.cli.show", "print the resolved recipe as YAML (or its blocks with --blocks)"),
+    "estimate": ("ckrun.runner.cli.estimate", "predict a training step's peak memory and time on fake tensors (no GPU, no real memory)"),
+    "tune": ("ckrun.autotune.cli_tune", "search memory plans under a cap, write tuned.yaml, then train with the fastest"),
+    "report": ("ckrun.autotune.cli_report", "draw a run's training curves, or print a tuning study's Pareto table and plot"),
+    "ls": ("ckrun.runner.cli.ls", "list the recipe library: name, family, parameter count, description"),
+    "cp": ("ckrun.runner.cli.cp", "copy a library recipe (with its comments) to a file you can edit"),
+    "schema": ("ckrun.runner.cli.schema", "print the recipe's JSON Schema, for completion and checks in an editor"),
+    "tokenizer": ("ckrun.runner.cli.tokenizer", "train a byte-level BPE tokenizer (GPT-2's kind) on local text for data.tokenizer"),
 }
 
 

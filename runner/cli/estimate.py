@@ -117,7 +117,7 @@ def plan_lines_quiet():
     2 of 2 blocks") would only repeat the recipe above the prediction (or, for autotune/api.py, the plan
     it picks). Warnings still show; -v shows all."""
     # the plan; FSDP's sharding; model.lora's line, which a note repeats
-    logs = [logging.getLogger(name) for name in ("runner.memory", "runner.parallel", "runner.builders.adapters")]
+    logs = [logging.getLogger(name) for name in ("ckrun.runner.memory", "ckrun.runner.parallel", "ckrun.runner.builders.adapters")]
     levels = [plan_log.level for plan_log in logs]
     for plan_log in logs:
         if not plan_log.isEnabledFor(logging.DEBUG):

@@ -98,7 +98,7 @@ def apply_plan(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -
 
 
 def check_combination(plan: MemoryPlan, device: torch.device, facts: StepFacts | None = None) -> None:
-    """What a plan cannot do here: its fields' combinations (runner.plan.plan_problems; with `facts`, with
+    """What a plan cannot do here: its fields' combinations (ckrun.runner.plan.plan_problems; with `facts`, with
     the rest of the recipe too), then what needs CUDA or a torch feature this torch lacks. A ValueError
     whose message starts with the key to change."""
     problem = plan_problem(plan, facts)

@@ -66,16 +66,16 @@ def refuse_written_inputs(name: str, versions: list[tuple[torch.Tensor, int]]) -
 def apply_segments(blocks: BlockList, checkpointed: list[list[int]], context_for: Callable, early_stop: bool) -> Undo:
     """Each region, a run of blocks, checkpointed as one unit; `context_for(modules)` gives the
     checkpoint's context_fn over those modules (their buffers replayed)."""
-    runner = _SegmentRunner(early_stop)
+    segment_runner = _SegmentRunner(early_stop)
     undos = []
     for segment in checkpointed:
         context_fn = context_for([blocks[i].module for i in segment])
         for position, index in enumerate(segment):
-            undos.append(wrap_forward(blocks[index].module, runner.wrapper, segment, position, context_fn, blocks[index].name))
+            undos.append(wrap_forward(blocks[index].module, segment_runner.wrapper, segment, position, context_fn, blocks[index].name))
     if blocks.root is not None and checkpointed:
-        handle = blocks.root.register_forward_hook(runner.after_model, always_call=True)
+        handle = blocks.root.register_forward_hook(segment_runner.after_model, always_call=True)
         undos.append(handle.remove)
-    undos.append(runner.abandon)
+    undos.append(segment_runner.abandon)
     return undo_all(undos)
 
 

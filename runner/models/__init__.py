@@ -1,1 +1,1 @@
-"""Small models shipped with ckrun, reachable from a recipe as `runner.models.MODULE:FACTORY`."""
+"""Small models shipped with ckrun, reachable from a recipe as `ckrun.runner.models.MODULE:FACTORY`."""

@@ -2,7 +2,7 @@
 
 Each factory takes keyword arguments only, so a recipe's `model.config` (or an override such as
 `model.config.depth=4`) can resize it. The repeated blocks are their own classes and nothing
-else in a model shares a block's class, so `runner.memory.blocks.find_blocks` finds exactly the
+else in a model shares a block's class, so `ckrun.runner.memory.blocks.find_blocks` finds exactly the
 blocks a plan's indices count, with no `memory.blocks` needed.
 
 - `conv20`: 20 Conv-BN-ReLU blocks that keep the image size, the `checkpoint_sequential` example.

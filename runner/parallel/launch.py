@@ -1,6 +1,6 @@
 """`ckrun RECIPE --nproc N`: start N ranks on this machine with torchrun's own launcher.
 
-This is what `torchrun --standalone --nproc-per-node N -m runner.cli run RECIPE ...` does (the
+This is what `torchrun --standalone --nproc-per-node N -m ckrun run RECIPE ...` does (the
 elastic agent, a c10d rendezvous on a free local port), called in-process through
 `torch.distributed.launcher.elastic_launch` so that ckrun, not torchrun, says how the run ended.
 Under srun with one task per node (runner/parallel/slurm.py) each task starts its node's N ranks and
@@ -10,7 +10,7 @@ the nodes meet at a static rendezvous on the step's first host, as `torchrun --n
   loss, 5 cannot write, 1 a bug); a rank killed by a signal gives 128 + that signal;
 - signals: SIGINT/SIGTERM/SIGHUP to ckrun reach every rank (the agent passes them on); each rank
   stops after the step in flight, the ranks agree on which, and the status is 130/143.
-Nothing here trains: the ranks are fresh `python -m runner.cli run ...` processes that join the
+Nothing here trains: the ranks are fresh `python -m ckrun run ...` processes that join the
 group themselves (runner/parallel/ranks.py), exactly as under a torchrun the user started.
 """
 
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def rank_command(argv: list[str], verbose: bool = False) -> list[str]:
-    """What each rank runs: this ckrun's `run` verb with the same recipe, overrides and flags."""
-    return ["-m", "runner.cli", *(["-v"] if verbose else []), "run", *argv]
+    """What each rank runs: this ckrun's `run` verb with the same recipe, overrides and flags (-P: the working
+    directory is not searched before ckrun's own modules; the user's folders come after, see ckrun/__init__.py)."""
+    return ["-P", "-m", "ckrun", *(["-v"] if verbose else []), "run", *argv]
 
 
 def start_ranks(command: list[str], nproc: int, step: Step | None = None) -> None:

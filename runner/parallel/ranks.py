@@ -94,7 +94,7 @@ def join(recipe: Recipe, source: str = "<recipe>") -> Ranks:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend, timeout=TIMEOUT)
     if not ranks.is_main:
-        logging.getLogger("runner").setLevel(logging.WARNING)  # one log, rank 0's; problems still show
+        logging.getLogger("ckrun").setLevel(logging.WARNING)  # one log, rank 0's; problems still show
     mesh = build_mesh(strategy, ranks.world_size, "cuda" if backend == "nccl" else "cpu")
     joined = Ranks(ranks.rank, ranks.world_size, ranks.local_rank, joined=True,
                    data=data_coordinate(strategy, ranks.rank, ranks.world_size), mesh=mesh)

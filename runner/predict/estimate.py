@@ -3,7 +3,7 @@
 `Estimator(recipe, device)` builds the model, optimizer and a batch of the recipe's shapes once
 on fake tensors (sizes and dtypes, no data: seconds even for large models), runs one untracked
 warm-up step so the optimizer state exists as in every later step, then `estimate(plan)` applies
-the plan, runs `runner.train.step.run_step` (the training code itself: micro-batches, autocast,
+the plan, runs `ckrun.runner.train.step.run_step` (the training code itself: micro-batches, autocast,
 clipping, optimizer step) under `LiveBytesTracker`, and removes the plan again.
 
 CPU: the peak is the tracker's live tensor bytes, which is exactly what training on CPU reports.

@@ -15,7 +15,7 @@ one (`datasheet_tops(..., device_name=)`, torch 2.15 and later), with a note.
 
 The achievable share of each peak comes per class of kernel from the calibration table
 (runner/predict/efficiency.py, calibration.json: literature figures until a GPU campaign measures
-a card). A measured facts file (`python -m runner.predict.hardware OUT.json`, or
+a card). A measured facts file (`python -m ckrun.runner.predict.hardware OUT.json`, or
 `bench/gpu/facts.py`) gives achieved figures with efficiencies of 1.
 """
 
@@ -65,7 +65,7 @@ def known_names() -> list[str]:
 
 
 def load_facts(path: Path) -> DeviceFacts:
-    """Measured facts: `python -m runner.predict.hardware OUT.json`, a GPU campaign's (`python bench/gpu/calibrate.py
+    """Measured facts: `python -m ckrun.runner.predict.hardware OUT.json`, a GPU campaign's (`python bench/gpu/calibrate.py
     OUT/calibration.json --facts-json FILE`), or written by hand with the same fields."""
     try:
         return DeviceFacts.model_validate(json.loads(path.read_text(encoding="utf-8")))
@@ -209,12 +209,12 @@ class _tf32:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m runner.predict.hardware OUT.json`: this GPU's measured facts, for `--gpu OUT.json`."""
+    """`python -m ckrun.runner.predict.hardware OUT.json`: this GPU's measured facts, for `--gpu OUT.json`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not torch.cuda.is_available():
-        print("usage: python -m runner.predict.hardware OUT.json   (on a machine with a GPU)", file=sys.stderr)
+        print("usage: python -m ckrun.runner.predict.hardware OUT.json   (on a machine with a GPU)", file=sys.stderr)
         return 2
     facts = measure_gpu()
     Path(args[0]).write_text(facts.model_dump_json(indent=1), encoding="utf-8")

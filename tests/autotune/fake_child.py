@@ -1,4 +1,4 @@
-"""A probe child for tests: autotune.probes.child itself (its arguments, parent watchdog, fault hook and
+"""A probe child for tests: ckrun.autotune.probes.child itself (its arguments, parent watchdog, fault hook and
 atomic result) with only the measurement replaced by a formula, so that a study's outcome does
 not depend on how busy the machine is. The tuner runs it when CKRUN_PROBE_CHILD=fake_child and
 this folder is on PYTHONPATH. FAKE_PROBE_SECONDS makes each probe take that long."""
@@ -7,8 +7,8 @@ import json
 import os
 import time
 
-from autotune.probes import child
-from autotune.records import ProbeResult
+from ckrun.autotune.probes import child
+from ckrun.autotune.records import ProbeResult
 
 # activation memory kept, and step time, relative to no checkpointing
 KEPT = {"none": 1.0, "full": 0.25, "sqrt": 0.5, "selective": 0.55}

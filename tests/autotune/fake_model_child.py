@@ -1,4 +1,4 @@
-"""A model child for tests: the protocol of autotune.probes.model_child (facts.json, ready.json, one
+"""A model child for tests: the protocol of ckrun.autotune.probes.model_child (facts.json, ready.json, one
 answer-N.json per request line) without torch, faulting where FAKE_MODEL_FAULTS says.
 
 FAKE_MODEL_FAULTS=STAGE:KIND[,...]: STAGE is `facts`, `ready` or the number of a request (counted
@@ -66,7 +66,7 @@ COMMUNICATION_S = {"ddp": 0.002, "fsdp": 0.010, "hsdp": 0.006, "tp": 0.008}
 
 
 def ranked(request: dict, nproc: int) -> dict:
-    from autotune.space.candidate import Candidate  # the request must read back as the tuner's typed candidate
+    from ckrun.autotune.space.candidate import Candidate  # the request must read back as the tuner's typed candidate
 
     candidate = Candidate.from_request(request)
     plan, strategy = candidate.plan, candidate.strategy

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from autotune.api import MemoryPlanError, PlannedMemory, apply_memory_plan, auto_checkpoint, plan_memory
+from ckrun.autotune.api import MemoryPlanError, PlannedMemory, apply_memory_plan, auto_checkpoint, plan_memory
 from conftest import BERT_TINY, TINY_BERT
-from runner.memory.tracker import LiveBytesTracker
-from runner.plan import MemoryPlan
+from ckrun.runner.memory.tracker import LiveBytesTracker
+from ckrun.runner.plan import MemoryPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = (ROOT / "README.md").read_text().split("## Your own training loop", 1)[1].split("\n## ", 1)[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.cap import Cap
+from ckrun.autotune.cap import Cap
 from conftest import BERT_TINY, TINY_BERT
 from tune_helpers import use_fake_child
 

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from autotune.probes.probe import ProbeRunner, ProbeSettings
+from ckrun.autotune.probes.probe import ProbeRunner, ProbeSettings
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
-from runner.load import load_recipe
+from ckrun.runner.load import load_recipe
 from tune_helpers import launches, survivors
 
 
@@ -50,7 +50,7 @@ def test_a_rank_that_crashes_or_hangs_costs_its_probe_and_leaves_no_process(tmp_
 @pytest.mark.slow
 def test_tune_with_two_ranks_writes_a_tuned_yaml_that_trains_as_two_ranks(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "runner.cli", "tune", BERT_TINY, *TINY_BERT, "train.steps=3",
+    command = [sys.executable, "-m", "ckrun", "tune", BERT_TINY, *TINY_BERT, "train.steps=3",
                f"output.dir={tmp_path / 'run'}", "--output", str(tmp_path / "tune"), "--max-mem", "1500kB",
                "--trials", "3", "--finalists", "0", "--nproc", "2"]
     done = children.run(command, env=env)

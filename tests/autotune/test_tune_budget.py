@@ -15,17 +15,17 @@ from pathlib import Path
 import torch
 from hypothesis import given, settings, strategies as st
 
-from autotune.cap import Cap
-from autotune.space.candidate import Candidate
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space
-from autotune.records import ProbeResult
-from autotune.records import ranked_feasible
-from autotune.search.run import SearchSettings, search
-from autotune.space.sharding import ShardingChoice
-from autotune.search.study import Budget, Prediction, open_study
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.space.candidate import Candidate
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space
+from ckrun.autotune.records import ProbeResult
+from ckrun.autotune.records import ranked_feasible
+from ckrun.autotune.search.run import SearchSettings, search
+from ckrun.autotune.space.sharding import ShardingChoice
+from ckrun.autotune.search.study import Budget, Prediction, open_study
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
+from ckrun.runner.load import load_recipe
 
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=4)
 FACTS = ModelFacts.from_json({"container_name": "encoder.layer", "blocks": [f"encoder.layer.{i}" for i in range(4)],

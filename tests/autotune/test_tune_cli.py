@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.cli import main
-from runner.load import load_recipe
-from runner.train.measure.probe import probe
+from ckrun.runner.cli import main
+from ckrun.runner.load import load_recipe
+from ckrun.runner.train.measure.probe import probe
 from tune_helpers import launches, report, survivors
 
 

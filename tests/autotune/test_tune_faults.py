@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.records import TrialRecord
-from autotune.tune import check_cap_fits
-from autotune.space.facts import Device
-from autotune.cap import Cap
-from autotune.outputs.train import train_with_fallback
+from ckrun.autotune.records import TrialRecord
+from ckrun.autotune.tune import check_cap_fits
+from ckrun.autotune.space.facts import Device
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.outputs.train import train_with_fallback
 from conftest import BERT_TINY, TINY_BERT
-from runner.problems import InputError
-from runner.train.loop import MemoryCapExceeded, RunResult
+from ckrun.runner.problems import InputError
+from ckrun.runner.train.loop import MemoryCapExceeded, RunResult
 from tune_helpers import launches, survivors, trials_by_number, use_fake_child
 
 
@@ -78,7 +78,7 @@ def test_a_cap_larger_than_the_card_is_refused():
 
 def _tuned_for(record):
     """What tune's own tuned_for returns: the tuned.yaml path of a ranked trial and its recipe."""
-    from runner.load import load_recipe
+    from ckrun.runner.load import load_recipe
 
     return Path(f"tuned-{record.number}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
 
@@ -126,7 +126,7 @@ def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
 def test_a_probe_that_runs_out_of_host_or_device_memory_is_recorded_as_oom(error):
     """On the CPU a plan over the machine's memory fails in the CPU allocator: still a plan that does
     not fit, which the search learns from, not a crash."""
-    from autotune.probes.child import _guarded
+    from ckrun.autotune.probes.child import _guarded
 
     def step():
         raise error

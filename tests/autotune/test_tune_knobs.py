@@ -4,18 +4,18 @@ and never ruled out from its neighbours: a non-monotonic peak is found by measur
 
 import pytest
 
-from autotune.cap import Cap
-from autotune.probes.model_child import model_facts
-from autotune.records import ranked_feasible
-from autotune.records import ProbeResult
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space
-from autotune.search.study import Budget, open_study, trial_records
-from autotune.search.tuner import Tuner
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.records import ranked_feasible
+from ckrun.autotune.records import ProbeResult
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space
+from ckrun.autotune.search.study import Budget, open_study, trial_records
+from ckrun.autotune.search.tuner import Tuner
 from tune_helpers import valid_points
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
-from runner.memory.torch_features import missing_budget
+from ckrun.runner.load import load_recipe
+from ckrun.runner.memory.torch_features import missing_budget
 
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from conftest import ROOT
-from runner.cli import main
+from ckrun.runner.cli import main
 from tune_helpers import report
 
 LLAMA_LORA = str(ROOT / "recipes" / "llama_1b_lora.yaml")

@@ -4,11 +4,11 @@ the starting points stay exact, and a lossy winner's tuned.yaml says so with its
 import pytest
 import yaml
 
-from autotune.probes.model_child import model_facts
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
+from ckrun.runner.load import load_recipe
 
 from tune_helpers import report, valid_points
 
@@ -39,7 +39,7 @@ def test_allow_lossy_searches_it_and_each_lossy_plan_opts_in():
 
 
 def test_a_lossy_winner_is_marked_with_its_gradient_error(tmp_path, monkeypatch):
-    from runner.cli import main
+    from ckrun.runner.cli import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # the recipe pins compression (with its opt-in): every plan tried is lossy, so the winner is too
@@ -79,7 +79,7 @@ def test_a_lossy_optimizer_winner_is_marked_with_its_update_error(tmp_path, monk
     """The pool knobs' lossy policies (here the recipe's own 8-bit AdamW, pinned): each probe measures
     the update's error against exact AdamW, and tuned.yaml says it."""
     pytest.importorskip("torchao")
-    from runner.cli import main
+    from ckrun.runner.cli import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code = main(["tune", BERT_TINY, *TINY_BERT, "memory.optimizer_state={policy: 8bit}", "memory.allow_lossy=true",

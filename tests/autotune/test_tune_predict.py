@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import BERT_TINY, TINY_BERT
-from runner.cli import main
+from ckrun.runner.cli import main
 from tune_helpers import launches, report
 
 # the tiny BERT for a GPU: bf16, 4 blocks, batch 16; its peaks sit just above the CUDA context

@@ -10,20 +10,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.records import TrialRecord
-from autotune.probes.rank_probe import combine
-from autotune.records import ProbeResult
-from autotune.outputs.rank_tune import check_devices, check_ranks, ranks_comment
-from autotune.space.sharding import ShardingChoice
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space, describe
-from autotune.space.validity import invalid_reason
-from autotune.outputs.tuned import tuned_data
+from ckrun.autotune.records import TrialRecord
+from ckrun.autotune.probes.rank_probe import combine
+from ckrun.autotune.records import ProbeResult
+from ckrun.autotune.outputs.rank_tune import check_devices, check_ranks, ranks_comment
+from ckrun.autotune.space.sharding import ShardingChoice
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space, describe
+from ckrun.autotune.space.validity import invalid_reason
+from ckrun.autotune.outputs.tuned import tuned_data
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
-from runner.problems import InputError
-from runner.recipe import Recipe
-from runner.yamlio import Document
+from ckrun.runner.load import load_recipe
+from ckrun.runner.problems import InputError
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.yamlio import Document
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "test")
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=2)
@@ -166,8 +166,8 @@ def test_an_invalid_plan_is_not_predicted_so_the_log_never_says_it_is_probed():
     it cannot model) while the trial marked it invalid; an invalid plan is never asked about."""
     import optuna
 
-    from autotune.cap import Cap
-    from autotune.search.tuner import Tuner
+    from ckrun.autotune.cap import Cap
+    from ckrun.autotune.search.tuner import Tuner
 
     space = build_space(_recipe("train.batch_size=8"), FACTS, CPU, nproc=2)
     asked = []

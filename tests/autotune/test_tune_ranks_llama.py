@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.space.candidate import Candidate
+from ckrun.autotune.space.candidate import Candidate
 from conftest import ROOT
-from runner.cli import main
-from runner.load import recipe_from_text
-from runner.plan import MemoryPlan
-from runner.strategies import strategy_from_label
+from ckrun.runner.cli import main
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.strategies import strategy_from_label
 from test_tune_sharding import TINY_LLAMA, _llama
 from tune_helpers import report
 
@@ -27,7 +27,7 @@ SMALL_LLAMA = ["model.config.hidden_size=256", "model.config.intermediate_size=6
 def test_the_model_child_predicts_one_rank_of_four_under_each_strategy():
     """Each request goes through Candidate.request() and back, as the tuner sends it; sharding the
     parameters over more ranks lowers a rank's peak: fsdp over 4 below hsdp over groups of 2 below ddp."""
-    from autotune.probes.model_child import _predict, _ranks
+    from ckrun.autotune.probes.model_child import _predict, _ranks
 
     ranks = _ranks(_llama(), 4, "cpu", None)  # what the child builds before it says it is ready
     peaks = {}

@@ -35,7 +35,7 @@ def _first_evaluations(directory):
 def test_killed_study_resumes_to_the_same_winner(ckrun, monkeypatch, tmp_path):
     env = {**os.environ, **use_fake_child(monkeypatch, seconds=1.5)}
     cut = tmp_path / "cut"
-    tuner = subprocess.Popen([sys.executable, "-m", "runner", *_args(cut)], cwd=ROOT, env=env,
+    tuner = subprocess.Popen([sys.executable, "-m", "ckrun", *_args(cut)], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         children.wait_until(lambda: len(_probed(cut)) >= 3, tuner, "its third probe")

@@ -8,12 +8,12 @@ import time
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from autotune.probes.screen import MAX_FAULTS, IsolatedPredictor, ModelChild
-from autotune.space.candidate import Candidate
-from autotune.search.study import Prediction
+from ckrun.autotune.probes.screen import MAX_FAULTS, IsolatedPredictor, ModelChild
+from ckrun.autotune.space.candidate import Candidate
+from ckrun.autotune.search.study import Prediction
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
 from tune_helpers import HERE, launches, survivors
 
 RECIPE = load_recipe(BERT_TINY, TINY_BERT)
@@ -60,7 +60,7 @@ def test_any_fault_costs_a_plan_its_screening_never_the_tuner(tmp_path_factory, 
 
 
 def test_on_cuda_the_child_predicts_with_the_gpus_hidden_and_the_cards_capability(tmp_path, monkeypatch):
-    from runner.predict.cuda_extras import CAPABILITY_ENV, target_capability
+    from ckrun.runner.predict.cuda_extras import CAPABILITY_ENV, target_capability
 
     (tmp_path / "device.result.json").write_text('{"status": "ok", "capability": "8.0"}')
     child = ModelChild(RECIPE, tmp_path, "cuda", TIMEOUT_S, screen=True)

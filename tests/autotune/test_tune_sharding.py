@@ -11,17 +11,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autotune.space.candidate import Candidate
-from autotune.records import TrialRecord, read_record, store_record
-from autotune.space.sharding import ShardingChoice
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space
-from autotune.space.tp_facts import TensorFacts, tensor_facts
-from autotune.space.validity import invalid_reason
+from ckrun.autotune.space.candidate import Candidate
+from ckrun.autotune.records import TrialRecord, read_record, store_record
+from ckrun.autotune.space.sharding import ShardingChoice
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space
+from ckrun.autotune.space.tp_facts import TensorFacts, tensor_facts
+from ckrun.autotune.space.validity import invalid_reason
 from conftest import BERT_TINY, ROOT, TINY_BERT
-from runner.load import load_recipe
-from runner.plan import MemoryPlan, Sharding
-from runner.strategies import DataParallel, FullySharded, HybridSharded, TensorParallel
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan, Sharding
+from ckrun.runner.strategies import DataParallel, FullySharded, HybridSharded, TensorParallel
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "test")
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=8)
@@ -86,7 +86,7 @@ def test_a_mistyped_label_is_refused_not_read_as_something_else(label):
 def test_an_older_studys_trial_reads_back_typed_with_its_plan_key(tmp_path):
     """A journal written before the types: its record's strategy was the label, its params the old
     labels, its key the label in `distributed`; resumed, each is the same plan as now."""
-    from autotune.search.study import open_study
+    from ckrun.autotune.search.study import open_study
 
     study, _ = open_study(tmp_path, {}, resume=False)
     space = build_space(load_recipe(BERT_TINY, TINY_BERT), _facts(None), CPU, nproc=2)
@@ -145,8 +145,8 @@ def test_a_pinned_strategy_offers_its_own_variants_with_its_own_fields():
 
 
 def test_a_pinned_layout_the_ranks_do_not_fit_is_refused_before_anything_starts():
-    from autotune.outputs.rank_tune import check_ranks
-    from runner.problems import InputError
+    from ckrun.autotune.outputs.rank_tune import check_ranks
+    from ckrun.runner.problems import InputError
 
     with pytest.raises(InputError, match="shard groups of 3 ranks do not divide 4 ranks; use 2 or 4"):
         check_ranks(_llama("train.batch_size=12", "distributed={strategy: hsdp, shard: 3}"), "r.yaml", 4)
@@ -172,9 +172,9 @@ def test_a_candidate_reaches_the_model_child_as_it_left(strategy, knobs):
 
 
 def test_tuned_yaml_writes_the_whole_distributed_section_and_the_knobs_of_a_sharded_winner():
-    from runner.yamlio import Document
+    from ckrun.runner.yamlio import Document
 
-    from autotune.outputs.tuned import tuned_data
+    from ckrun.autotune.outputs.tuned import tuned_data
 
     doc = Document(data={"model": {}, "distributed": {"strategy": "tp", "tensor": 4, "plan": {"a": "colwise"}}},
                    text="", source="r.yaml")
@@ -188,7 +188,7 @@ def test_tuned_yaml_writes_the_whole_distributed_section_and_the_knobs_of_a_shar
 
 
 def test_the_model_child_asks_the_tensor_plan_check_for_each_size_the_ranks_offer():
-    from runner.builders.model import build_model
+    from ckrun.runner.builders.model import build_model
 
     llama = TensorFacts.from_json(json.loads(json.dumps(tensor_facts(build_model(_llama().model, "meta"), 4))))
     assert llama == TensorFacts("LlamaForCausalLM", {2: None, 4: HEADS})
@@ -204,8 +204,8 @@ def test_tune_predict_on_four_ranks_ranks_every_strategy_and_writes_the_winners_
     """`ckrun tune --nproc 4 --predict` through the CLI: the model child (tests/autotune/fake_model_child.py)
     reads each request back as a typed Candidate and prices it by formula (ddp never fits the cap,
     hsdp:2 keeping its gathered blocks is fastest); the space of 42 plans is predicted whole."""
-    from runner.cli import main
-    from runner.load import recipe_from_text
+    from ckrun.runner.cli import main
+    from ckrun.runner.load import recipe_from_text
     from tune_helpers import HERE, report
 
     monkeypatch.setenv("CKRUN_MODEL_CHILD", "fake_model_child")

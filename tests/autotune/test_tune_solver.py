@@ -8,16 +8,16 @@ import logging
 
 import pytest
 
-from autotune.cap import Cap
-from autotune.probes.model_child import model_facts
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import build_space
-from autotune.search.study import Budget, open_study, trial_records
-from autotune.search.tuner import Tuner
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space
+from ckrun.autotune.search.study import Budget, open_study, trial_records
+from ckrun.autotune.search.tuner import Tuner
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
 
 CAP = Cap(2_500_000, 0.05)
 
@@ -66,7 +66,7 @@ def test_a_small_space_is_predicted_whole_and_searched_exhaustively(tmp_path, ca
     formula = lambda c: measure(json.loads(c.recipe(recipe, 10**12).model_dump_json()), 1, 1).peak_mem_bytes  # noqa: E731
     study, _ = open_study(tmp_path, {}, False)
     tuner = Tuner(study, space, CAP, _probe(recipe), predict=formula)
-    with caplog.at_level(logging.INFO, logger="autotune.search.tuner"):
+    with caplog.at_level(logging.INFO, logger="ckrun.autotune.search.tuner"):
         tuner.start(recipe, [], trials)
     fitting = [p for p in space.all_params() if formula(space.candidate(p)) <= CAP.screen_above]
     assert ("exhaustive search" in caplog.text) is exhaustive

@@ -6,19 +6,19 @@ import json
 import pytest
 from optuna.trial import TrialState
 
-from autotune.cli_tune import parse_duration
-from autotune.probes.model_child import model_facts
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import KNOBS, build_space, describe
-from autotune.cap import Cap
-from autotune.records import ProbeResult
-from autotune.search.study import Budget, Prediction, open_study, trial_records
-from autotune.search.tuner import Tuner
-from autotune.records import ranked_feasible
+from ckrun.autotune.cli_tune import parse_duration
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import KNOBS, build_space, describe
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.records import ProbeResult
+from ckrun.autotune.search.study import Budget, Prediction, open_study, trial_records
+from ckrun.autotune.search.tuner import Tuner
+from ckrun.autotune.records import ranked_feasible
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
-from runner.load import load_recipe
-from runner.problems import InputError
+from ckrun.runner.load import load_recipe
+from ckrun.runner.problems import InputError
 
 CAP = Cap(2_500_000, 0.05)  # the formula puts no-plan at micro_batch 8 at 4.2 MB: most plans must shrink
 
@@ -213,7 +213,7 @@ def test_the_time_budget_bounds_search_and_re_runs(tmp_path, setting, monkeypatc
     so far), re-runs included; only the first probe may overrun, since a plan must be measured."""
     recipe, space = setting
     clock = Clock()
-    monkeypatch.setattr("autotune.search.study.time.monotonic", clock)
+    monkeypatch.setattr("ckrun.autotune.search.study.time.monotonic", clock)
     budget = Budget(trials=20, time_s=budget_s)
     study, _ = open_study(tmp_path, {}, False)
     tuner = Tuner(study, space, CAP, Slow(recipe, clock, probe_s))
@@ -250,7 +250,7 @@ def test_the_budget_counts_from_the_process_start_so_imports_count_too():
     import subprocess
     import sys
 
-    code = "import time; time.sleep(1.5); from autotune.search.study import process_started; " \
+    code = "import time; time.sleep(1.5); from ckrun.autotune.search.study import process_started; " \
            "print(time.monotonic() - process_started())"
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 1.5 <= age < 60
@@ -276,12 +276,12 @@ def test_the_work_before_the_first_probe_keeps_to_its_share_of_the_budget(tmp_pa
                                                                           budget_s, spent_s):
     """Under --time-budget, the solver and the whole-space predictions run only within PRE_PROBE_SHARE of
     it (the model's facts already took `spent_s`); the starting points are predicted regardless."""
-    from autotune.search.frontier import solver_points
-    from autotune.search.study import PRE_PROBE_SHARE
+    from ckrun.autotune.search.frontier import solver_points
+    from ckrun.autotune.search.study import PRE_PROBE_SHARE
 
     recipe, space = setting
     clock = Clock()
-    monkeypatch.setattr("autotune.search.study.time.monotonic", clock)
+    monkeypatch.setattr("ckrun.autotune.search.study.time.monotonic", clock)
     budget = Budget(trials=20, time_s=budget_s, started=clock.now - spent_s)
     study, fresh = open_study(tmp_path, {}, False)
     predictor = Timed(clock, 0.5)

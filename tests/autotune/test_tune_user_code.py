@@ -64,7 +64,7 @@ def tune(directory, recipe, *flags):
     """`ckrun tune` as a user runs it, the user's module on PYTHONPATH; a hang (no CPU used) fails the test."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH")) if p),
            "OMP_NUM_THREADS": "1"}
-    return children.run([sys.executable, "-m", "runner", "tune", recipe, "--max-mem", "1GB", "--output",
+    return children.run([sys.executable, "-m", "ckrun", "tune", recipe, "--max-mem", "1GB", "--output",
                          str(directory / "tune"), *flags], cwd=ROOT, env=env)
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from autotune.probes.warm import WarmServer, start_child
+from ckrun.autotune.probes.warm import WarmServer, start_child
 from tune_helpers import HERE, survivors, wait_for
 
 
@@ -65,7 +65,7 @@ def test_the_parent_watch_follows_the_server_and_a_killed_tuner_takes_every_chil
     tuner = textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
-        from autotune.probes.warm import WarmServer, start_child
+        from ckrun.autotune.probes.warm import WarmServer, start_child
         server = WarmServer(Path({str(tmp_path)!r}), ["json"])
         server.start()
         child = start_child("warm_target", [{str(tmp_path / 'seen.json')!r}, "--parent", str(os.getpid()),
@@ -115,8 +115,8 @@ def test_a_server_that_dies_under_a_running_child_is_noticed(server, tmp_path):
 def test_a_preload_that_fails_leaves_the_server_serving(tmp_path):
     """MODULE:NAME gets NAME too (transformers' modeling modules load on that); one that cannot be
     imported is the children's to report, in their own logs, not the server's end."""
-    from autotune.probes.warm import preload_for
-    from runner.recipe import ModelSpec
+    from ckrun.autotune.probes.warm import preload_for
+    from ckrun.runner.recipe import ModelSpec
 
     assert preload_for(ModelSpec(source="transformers", name="BertForMaskedLM"))[0] == "transformers:BertForMaskedLM"
     warm = WarmServer(tmp_path, ["json:dumps", "no_such_module_anywhere", "json:no_such_name"])

@@ -12,7 +12,7 @@ def main() -> int:
     out = args[0]
     option = lambda name: args[args.index(name) + 1] if name in args else None  # noqa: E731
     if option("--parent"):
-        from autotune.probes.child import die_with_parent
+        from ckrun.autotune.probes.child import die_with_parent
 
         die_with_parent(int(option("--parent")))
     seen = {"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WARM_TEST"),

@@ -339,8 +339,8 @@ def test_knobs_are_the_plans_new_exact_policies_and_flags():
     from pydantic import Field
 
     from bench.gpu import knobs
-    from runner.plan import MemoryPlan
-    from runner.policy_base import Policy
+    from ckrun.runner.plan import MemoryPlan
+    from ckrun.runner.policy_base import Policy
 
     class After(Policy):
         policy: Literal["after"] = "after"
@@ -450,7 +450,7 @@ def test_tune_verdict_compares_medians_with_the_goals():
     candidates = [_probed(tuned, 90, 100), _probed(uncapped, 100, 98), _probed(tune.full_checkpointing(setup), 70, 80),
                   _probed(tune.hf_candidate(setup), 60, 80)]
     results = {"recipe": "r.yaml", "cap_text": "100MB", "cap_bytes": 100_000_000,
-               "tune": {"exit_code": 0, "timed_out": False, "seconds": 200.0, "command": ["-m", "runner", "tune"]}}
+               "tune": {"exit_code": 0, "timed_out": False, "seconds": 200.0, "command": ["-m", "ckrun", "tune"]}}
     tune_verdict.conclude(results, candidates)
     ratios = results["ratios"]
     assert ratios["tuned_vs_fastest_uncapped"] == pytest.approx(95 / 99)

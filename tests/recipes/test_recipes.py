@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.builders.model import build_model, count_parameters
-from runner.builders.checks import load_checked
-from runner.load import load_recipe
-from runner.train.trainer import Trainer
+from ckrun.runner.builders.model import build_model, count_parameters
+from ckrun.runner.builders.checks import load_checked
+from ckrun.runner.load import load_recipe
+from ckrun.runner.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("**/*.yaml"))
@@ -68,9 +68,9 @@ SHRINK = {
     "resnet152": TINY_RESNET,
     "vit_b_16": [TINY_VIT, "data.task=image_classification", "data.image_size=32"],
     "vit_l_16": [TINY_VIT, "data.task=image_classification", "data.image_size=32"],
-    "runner.models.classics:conv20": ["model.config.width=8", "model.config.depth=4", "data.image_size=16"],
-    "runner.models.classics:cifar_cnn": ["model.config.width=8"],
-    "runner.models.classics:transformer_stack": TEXT + [
+    "ckrun.runner.models.classics:conv20": ["model.config.width=8", "model.config.depth=4", "data.image_size=16"],
+    "ckrun.runner.models.classics:cifar_cnn": ["model.config.width=8"],
+    "ckrun.runner.models.classics:transformer_stack": TEXT + [
         "model.config.width=64", "model.config.depth=2", "model.config.heads=2", "model.config.vocab_size=512",
         "model.config.max_len=32", "data.vocab_size=512",
     ],

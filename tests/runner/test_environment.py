@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import BERT_TINY, TINY_BERT
-from runner.environment import DURATIONS
-from runner.parallel.slurm import check_environment
-from runner.problems import InputError
+from ckrun.runner.environment import DURATIONS
+from ckrun.runner.parallel.slurm import check_environment
+from ckrun.runner.problems import InputError
 
 TORCHRUN = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500"}

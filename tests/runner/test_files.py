@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import BERT_TINY, TINY_BERT
-from runner.files import os_errors_kept, save_torch
+from ckrun.runner.files import os_errors_kept, save_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def test_a_file_size_limit_while_saving_is_status_5(tmp_path):
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # the checkpoint is larger
 
-    done = subprocess.run([sys.executable, "-m", "runner.cli", BERT_TINY, *TINY_BERT, "train.steps=1",
+    done = subprocess.run([sys.executable, "-m", "ckrun", BERT_TINY, *TINY_BERT, "train.steps=1",
                            f"output.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
                           preexec_fn=limit, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 5, done.stderr

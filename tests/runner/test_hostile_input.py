@@ -2,7 +2,7 @@
 
 Generated, not listed: every key of every bundled recipe set to every YAML type and to boundary
 values, random bytes and YAML-like text as files, random `key=value` overrides. Each run goes
-through the real CLI (`runner.cli.main`, in-process for speed; a few real subprocesses too), under
+through the real CLI (`ckrun.runner.cli.main`, in-process for speed; a few real subprocesses too), under
 a time limit, and must print no traceback and only problem lines.
 """
 
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import children
 from conftest import BERT_TINY, ROOT
-from runner.cli import main
+from ckrun.runner.cli import main
 
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 # a call's work in CPU seconds (the largest recipe's validate takes 5), which no load on the machine stretches;
@@ -227,7 +227,7 @@ def test_hostile_input_through_a_real_process(tmp_path, content, overrides, expe
     recipe = tmp_path / "hostile.yaml"
     recipe.write_bytes(content)
     overrides = [o.replace("\x00", "\x01") for o in overrides]  # a real argv cannot hold NUL
-    done = children.run([sys.executable, "-m", "runner", "validate", str(recipe), *overrides])
+    done = children.run([sys.executable, "-m", "ckrun", "validate", str(recipe), *overrides])
     assert_contract(done.returncode, done.stdout, done.stderr, str(recipe), 0)
     assert done.returncode == 2 and expected in done.stderr
     assert len(done.stderr.splitlines()) == max(1, len(overrides))

@@ -41,18 +41,18 @@ import pytest
 from conftest import ROOT
 
 LAYERS = [
-    ("foundations", {"runner.problems", "runner.units", "runner.files", "runner.lock", "runner.lock_holder",
-                     "runner.environment", "runner.yamlio", "runner.choices", "runner.policy_base", "runner.policies",
-                     "runner.pool_policies", "runner.strategies", "runner.plan", "runner.checkpoint_files",
-                     "runner.user_cache"}),
-    ("recipe", {"runner.recipe", "runner.recipe_data", "runner.recipe_train", "runner.recipe_eval", "runner.recipe_sinks",
-                "runner.recipe_adapters", "runner.load", "runner.located", "runner.library"}),
-    ("builders", {"runner.builders", "runner.models"}),
-    ("memory", {"runner.memory"}),
-    ("parallel", {"runner.parallel"}),
-    ("train", {"runner.train"}),
-    ("predict", {"runner.predict"}),
-    ("cli", {"runner.cli", "runner.__main__", "runner"}),
+    ("foundations", {"ckrun.runner.problems", "ckrun.runner.units", "ckrun.runner.files", "ckrun.runner.lock", "ckrun.runner.lock_holder",
+                     "ckrun.runner.environment", "ckrun.runner.yamlio", "ckrun.runner.choices", "ckrun.runner.policy_base", "ckrun.runner.policies",
+                     "ckrun.runner.pool_policies", "ckrun.runner.strategies", "ckrun.runner.plan", "ckrun.runner.checkpoint_files",
+                     "ckrun.runner.user_cache"}),
+    ("recipe", {"ckrun.runner.recipe", "ckrun.runner.recipe_data", "ckrun.runner.recipe_train", "ckrun.runner.recipe_eval", "ckrun.runner.recipe_sinks",
+                "ckrun.runner.recipe_adapters", "ckrun.runner.load", "ckrun.runner.located", "ckrun.runner.library"}),
+    ("builders", {"ckrun.runner.builders", "ckrun.runner.models"}),
+    ("memory", {"ckrun.runner.memory"}),
+    ("parallel", {"ckrun.runner.parallel"}),
+    ("train", {"ckrun.runner.train"}),
+    ("predict", {"ckrun.runner.predict"}),
+    ("cli", {"ckrun.runner.cli", "ckrun.runner"}),
 ]
 
 # (importer, imported) -> why it may run up a layer
@@ -60,13 +60,14 @@ ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:
+    """A file's installed module name: runner/ and autotune/ are ckrun.runner and ckrun.autotune."""
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(["ckrun", *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
 
 def imports_of(path: Path) -> set[str]:
     """Every module `path` imports, absolute, relative ones resolved; `from X import name` counts
-    as X.name when that is a module of ours (`from runner.train.checkpoint import store`), else as X."""
+    as X.name when that is a module of ours (`from ckrun.runner.train.checkpoint import store`), else as X."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -88,11 +89,11 @@ def _from_module(path: Path, node: ast.ImportFrom) -> str:
 
 
 def _is_ours(module: str) -> bool:
-    return module.split(".")[0] in ("runner", "autotune")
+    return module.split(".")[:2] in (["ckrun", "runner"], ["ckrun", "autotune"])
 
 
 def _is_module(name: str) -> bool:
-    path = ROOT.joinpath(*name.split("."))
+    path = ROOT.joinpath(*name.removeprefix("ckrun.").split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
@@ -121,13 +122,13 @@ def crossings() -> set[tuple[str, str]]:
     for path in runner_files():
         importer = module_name(path)
         for imported in imports_of(path):
-            if imported.split(".")[0] == "autotune" or layer_of(imported) > layer_of(importer):
+            if imported.startswith("ckrun.autotune") or layer_of(imported) > layer_of(importer):
                 found.add((importer, imported))
     return found
 
 
 def test_no_runner_module_imports_from_a_layer_above_it_or_from_autotune():
-    running_up = {(a, b): f"{LAYERS[layer_of(a)][0]} imports {LAYERS[layer_of(b)][0] if b.startswith('runner') else 'autotune'}"
+    running_up = {(a, b): f"{LAYERS[layer_of(a)][0]} imports {LAYERS[layer_of(b)][0] if b.startswith('ckrun.runner') else 'autotune'}"
                   for a, b in crossings() - ALLOWED.keys()}
     assert not running_up, running_up
 
@@ -144,11 +145,11 @@ def test_every_runner_module_has_a_layer():
 def test_the_walk_sees_relative_lazy_and_from_package_imports():
     """The checker itself: on the real files it must find the imports known to be there."""
     estimate = imports_of(ROOT / "runner" / "predict" / "estimate.py")
-    assert {"runner.train.step", "runner.memory.apply", "runner.predict.cuda_model"} <= estimate
-    assert "runner.builders.pretrained" in imports_of(ROOT / "runner" / "builders" / "checks.py")  # inside a function
-    assert "runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "trainer.py")
-    assert layer_of("runner.predict.estimate") > layer_of("runner.train.step") > layer_of("runner.memory.apply")
-    assert layer_of("runner.memory.apply") > layer_of("runner.builders.pretrained") > layer_of("runner.checkpoint_files")
+    assert {"ckrun.runner.train.step", "ckrun.runner.memory.apply", "ckrun.runner.predict.cuda_model"} <= estimate
+    assert "ckrun.runner.builders.pretrained" in imports_of(ROOT / "runner" / "builders" / "checks.py")  # inside a function
+    assert "ckrun.runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "trainer.py")
+    assert layer_of("ckrun.runner.predict.estimate") > layer_of("ckrun.runner.train.step") > layer_of("ckrun.runner.memory.apply")
+    assert layer_of("ckrun.runner.memory.apply") > layer_of("ckrun.runner.builders.pretrained") > layer_of("ckrun.runner.checkpoint_files")
 
 
 # runner/train/'s own layers, lowest first: a module of train/ imports only train/ modules of its own
@@ -158,7 +159,7 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
 TRAIN_LAYERS = [
     ("step and saved state", {"step", "checkpoint", "checkpoint.store", "checkpoint.fingerprint", "checkpoint.sharded",
                               "run.memory_cap", "measure", "measure.measurement", "measure.update_error", "eval",
-                              "eval.metrics", "eval.early_stop", "output", "run"}),
+                              "eval.metrics", "eval.early_stop", "output", "output.numbers", "run"}),
     ("what a run writes and says", {"output.directory", "output.trackers", "output.sinks", "output.curves",
                                     "run.guard", "run.progress", "run.start_line"}),
     ("what the loop calls", {"ranked", "checkpoint.resume", "output.export", "run.ownership", "eval.evaluate",
@@ -191,14 +192,14 @@ def imports_running_up(package: str, layers: list[tuple[str, set[str]]]) -> set[
 def test_every_train_module_has_one_train_layer():
     named = [short for _, members in TRAIN_LAYERS for short in members]
     assert len(named) == len(set(named)), "a module named in two layers of TRAIN_LAYERS"
-    on_disk = {module_name(path).removeprefix("runner.train.") for path in (ROOT / "runner" / "train").rglob("*.py")}
-    assert on_disk - {"runner.train"} == set(named), "TRAIN_LAYERS and runner/train/'s files differ"
+    on_disk = {module_name(path).removeprefix("ckrun.runner.train.") for path in (ROOT / "runner" / "train").rglob("*.py")}
+    assert on_disk - {"ckrun.runner.train"} == set(named), "TRAIN_LAYERS and runner/train/'s files differ"
 
 
 def test_the_recipe_schema_imports_nothing_from_build():
     """Validating a recipe's schema imports neither torch nor transformers nor user code: builders/ is above it."""
     schema = ["recipe", "recipe_data", "recipe_train", "recipe_eval", "recipe_sinks", "load", "located"]
-    found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("runner.builders")}
+    found = {name: {m for m in imports_of(ROOT / "runner" / f"{name}.py") if m.startswith("ckrun.runner.builders")}
              for name in schema}
     assert not any(found.values()), found
 
@@ -210,8 +211,8 @@ def test_the_developers_guide_lists_the_same_layers():
     items = re.findall(r"^\d\. (.*?)(?=^\d\. |^\s*$)", layout, re.M | re.S)
     assert len(items) == len(LAYERS), items
     for item, (name, members) in zip(items, LAYERS, strict=True):
-        for module in members - {"runner"}:
-            short = module.removeprefix("runner.")
+        for module in members - {"ckrun.runner"}:
+            short = module.removeprefix("ckrun.runner.")
             shown = f"`{short}`" if ROOT.joinpath("runner", f"{short}.py").is_file() else f"`{short}/`"
             assert shown in item, f"docs/DEVELOPING.md's layer {name} does not name {shown}: {item!r}"
 
@@ -263,12 +264,12 @@ def test_every_circle_exception_is_still_an_import():
 def test_the_circle_walk_finds_each_circle_once():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert _circles({"a": {"b"}, "b": {"a", "c"}, "c": {"b"}}) == [["a", "b", "a"], ["b", "c", "b"]]
-    assert "runner.train.checkpoint.fingerprint" in import_graph()["runner.train.checkpoint.resume"]  # the walk reads our modules
+    assert "ckrun.runner.train.checkpoint.fingerprint" in import_graph()["ckrun.runner.train.checkpoint.resume"]  # the walk reads our modules
 
 
 def private_names_used(path: Path, source: str | None = None) -> set[str]:
     """`module._name` for each private name `path` takes from another module of ours: `from X import
-    _name`, or `_name` read as an attribute of a module of ours it imported (`import runner.x as x;
+    _name`, or `_name` read as an attribute of a module of ours it imported (`import ckrun.runner.x as x;
     x._name`, `from runner import x; x._name`). Dunder names are public protocol, not private."""
     tree = ast.parse(path.read_text(encoding="utf-8") if source is None else source)
     me, modules, found = module_name(path), {}, set()
@@ -294,7 +295,7 @@ def _is_private(name: str) -> bool:
 
 
 def _module_read(node: ast.expr, modules: dict[str, str]) -> str | None:
-    """The module of ours `node` names (`x`, `runner.train.x`), given the names imported as modules."""
+    """The module of ours `node` names (`x`, `ckrun.runner.train.x`), given the names imported as modules."""
     chain = []
     while isinstance(node, ast.Attribute):
         chain.append(node.attr)
@@ -315,10 +316,10 @@ def test_no_private_name_is_imported_across_modules():
 
 def test_the_private_name_walk_sees_each_form():
     """The checker itself, on a made-up module of runner/memory/ (absolute, relative, attribute reads)."""
-    source = ("from runner.units import _x\nfrom .offload import _y, ok\nimport runner.files\nimport runner.lock as l\n"
-              "from runner.train import step\nrunner.files._z(); l._w; step.__name__; _own = 1; self._v\n")
+    source = ("from ckrun.runner.units import _x\nfrom .offload import _y, ok\nimport ckrun.runner.files\nimport ckrun.runner.lock as l\n"
+              "from ckrun.runner.train import step\nckrun.runner.files._z(); l._w; step.__name__; _own = 1; self._v\n")
     assert private_names_used(ROOT / "runner" / "memory" / "made_up.py", source) == {
-        "runner.units._x", "runner.memory.offload._y", "runner.files._z", "runner.lock._w"}
+        "ckrun.runner.units._x", "ckrun.runner.memory.offload._y", "ckrun.runner.files._z", "ckrun.runner.lock._w"}
 
 
 # autotune/'s own layers, lowest first, as runner/train/ has them: its folders name ideas (space/,
@@ -340,11 +341,11 @@ AUTOTUNE_LAYERS = [
 def test_every_autotune_module_has_one_autotune_layer():
     named = [name for _, members in AUTOTUNE_LAYERS for name in members]
     assert len(named) == len(set(named)), "a name in two layers of AUTOTUNE_LAYERS"
-    on_disk = {module_name(path).removeprefix("autotune.").split(".")[0] for path in autotune_files()} - {"autotune"}
+    on_disk = {module_name(path).removeprefix("ckrun.autotune.").split(".")[0] for path in autotune_files()} - {"ckrun"}
     assert on_disk == set(named), "AUTOTUNE_LAYERS and autotune/'s files and folders differ"
 
 
-@pytest.mark.parametrize("package, layers", [("runner.train", TRAIN_LAYERS), ("autotune", AUTOTUNE_LAYERS)])
+@pytest.mark.parametrize("package, layers", [("ckrun.runner.train", TRAIN_LAYERS), ("ckrun.autotune", AUTOTUNE_LAYERS)])
 def test_no_module_imports_from_a_layer_of_its_folder_above_it(package, layers):
     running_up = imports_running_up(package, layers)
     assert not running_up, running_up

@@ -12,11 +12,11 @@ import pytest
 
 import children
 
-from runner import library
-from runner.cli import ls
-from runner.cli.ls import format_count
-from runner.library import library_recipes, resolve_recipe
-from runner.problems import InputError
+from ckrun.runner import library
+from ckrun.runner.cli import ls
+from ckrun.runner.cli.ls import format_count
+from ckrun.runner.library import library_recipes, resolve_recipe
+from ckrun.runner.problems import InputError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -187,7 +187,7 @@ def test_a_recipe_path_that_is_not_a_readable_file_is_one_line(tmp_path, ckrun):
 
 def _ls_in_a_child() -> tuple[str, list[str]]:
     """(exit status and the heavy modules `ckrun ls` imported, its table's lines), in a fresh interpreter."""
-    code = ("import contextlib, io, sys\nfrom runner.cli import main\n"
+    code = ("import contextlib, io, sys\nfrom ckrun.runner.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()) as out: status = main(['ls'])\n"
             "print(status, sorted(m for m in ('torch', 'transformers', 'torchvision') if m in sys.modules))\n"
             "print(out.getvalue(), end='')")
@@ -264,14 +264,14 @@ class Editable:  # as setuptools' editable finder: the packages found by a meta 
 
 sys.path = [p for p in sys.path if p not in ("", ROOT)]
 sys.meta_path.insert(0, Editable)  # before any other finder of these names (a shared venv's own editable install)
-from runner.cli import main
+from ckrun.runner.cli import main
 with contextlib.redirect_stdout(io.StringIO()): status = main(['ls'])
 print(status, sorted(m for m in ('torch', 'transformers', 'torchvision') if m in sys.modules))
 """
 
 
 def test_ls_is_warm_under_an_editable_install(tmp_path):
-    """issue 36 point 9: the classic_* recipes' module (runner.models.classics) is found through the
+    """issue 36 point 9: the classic_* recipes' module (ckrun.runner.models.classics) is found through the
     editable finder, so their counts are kept and a second ls imports nothing heavy (it built them every time)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = EDITABLE.format(root=str(ROOT))

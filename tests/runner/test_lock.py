@@ -16,14 +16,14 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import runner.lock as lock_module
-from runner.lock import DirLock, LockHeld, LockRefused
-from runner.lock_holder import Holder, boot_id, start_ticks
-from runner.problems import InputError
+import ckrun.runner.lock as lock_module
+from ckrun.runner.lock import DirLock, LockHeld, LockRefused
+from ckrun.runner.lock_holder import Holder, boot_id, start_ticks
+from ckrun.runner.problems import InputError
 
 HOLD = """
 import sys, time
-from runner.lock import DirLock
+from ckrun.runner.lock import DirLock
 lock = DirLock(sys.argv[1], "`ckrun` run", "is training into it")
 lock.acquire()
 print("held", flush=True)
@@ -69,7 +69,7 @@ def test_a_record_left_by_an_ended_or_reused_pid_is_reported_and_taken_over(tmp_
             {"pid": os.getppid(), "boot": "another boot"}]  # the host rebooted since
     for fields in left:
         _record(tmp_path, **fields)
-        with caplog.at_level(logging.WARNING, logger="runner.lock"), _lock(tmp_path):
+        with caplog.at_level(logging.WARNING, logger="ckrun.runner.lock"), _lock(tmp_path):
             pass
         assert "which has ended (killed before it could let go); taking it over" in caplog.text
         caplog.clear()
@@ -99,7 +99,7 @@ def test_another_hosts_record_is_judged_by_its_heartbeat(tmp_path, monkeypatch, 
     finally:
         stop.set()
     beating.join()  # its last touch done: a sleep instead let a late one land in the next window on a busy machine
-    with caplog.at_level(logging.WARNING, logger="runner.lock"), _lock(tmp_path):
+    with caplog.at_level(logging.WARNING, logger="ckrun.runner.lock"), _lock(tmp_path):
         pass
     assert "pid 4242 on node7" in caplog.text and "did not beat for 1 s" in caplog.text
 
@@ -213,7 +213,7 @@ def test_a_bad_heartbeat_variable_is_one_line(tmp_path, monkeypatch):
 
 def test_deleting_the_lock_file_lets_no_second_holder_in(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.1)
-    caplog.set_level(logging.WARNING, logger="runner.lock")
+    caplog.set_level(logging.WARNING, logger="ckrun.runner.lock")
     with DirLock(tmp_path / "run.lock", "`ckrun` run", "is training into it", whole_directory=True):
         (tmp_path / "run.lock").unlink()
         with pytest.raises(LockHeld, match="^another process is training into it$"):

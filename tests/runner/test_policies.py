@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from runner import policies
-from runner.plan import POLICY_FIELDS, MemoryPlan, plan_problems
-from runner.policies import (CHECKPOINTING, COMPRESSION, OFFLOAD, CheckpointingPolicy, CompressionPolicy, OffloadPolicy,
+from ckrun.runner import policies
+from ckrun.runner.plan import POLICY_FIELDS, MemoryPlan, plan_problems
+from ckrun.runner.policies import (CHECKPOINTING, COMPRESSION, OFFLOAD, CheckpointingPolicy, CompressionPolicy, OffloadPolicy,
                              checkpointing_choices, compression_choices, offload_choices, sqrt_segments)
-from runner.choices import choice_fields
-from runner.recipe_data import SECTIONS as DATA_SECTIONS
+from ckrun.runner.choices import choice_fields
+from ckrun.runner.recipe_data import SECTIONS as DATA_SECTIONS
 
 
 @dataclass

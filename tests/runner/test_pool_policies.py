@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runner import pool_policies
-from runner.choices import choice_fields
-from runner.plan import MemoryPlan, StepFacts, plan_problems
-from runner.policy_base import PoolPolicy
-from runner.pool_policies import POOL_KINDS
+from ckrun.runner import pool_policies
+from ckrun.runner.choices import choice_fields
+from ckrun.runner.plan import MemoryPlan, StepFacts, plan_problems
+from ckrun.runner.policy_base import PoolPolicy
+from ckrun.runner.pool_policies import POOL_KINDS
 
 
 def test_every_pool_policy_class_is_in_its_union_and_says_its_pool():

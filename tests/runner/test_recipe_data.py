@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from conftest import BERT_TINY
-from runner.load import load_recipe
-from runner.problems import InputError
-from runner.recipe import Recipe
-from runner.recipe_data import SECTIONS, Task, TokenisedFiles, sources_for
+from ckrun.runner.load import load_recipe
+from ckrun.runner.problems import InputError
+from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe_data import SECTIONS, Task, TokenisedFiles, sources_for
 
 MODELS = {"masked_lm": "BertForMaskedLM", "causal_lm": "GPT2LMHeadModel", "seq2seq": "T5ForConditionalGeneration",
           "sequence_classification": "BertForSequenceClassification", "image_classification": "ViTForImageClassification"}

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ByteSize, TypeAdapter
 
-from runner.units import format_bytes
+from ckrun.runner.units import format_bytes
 
 
 @given(st.integers(0, 10**16))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner import user_cache
+from ckrun.runner import user_cache
 
 
 def is_int(value) -> bool:

@@ -1,7 +1,7 @@
 import pytest
 
-from runner.problems import InputError
-from runner.yamlio import apply_overrides, parse_document
+from ckrun.runner.problems import InputError
+from ckrun.runner.yamlio import apply_overrides, parse_document
 
 
 def problems_of(text: str) -> list[str]:
@@ -102,7 +102,7 @@ def test_control_characters_are_located(char):
 
 
 def test_non_utf8_bytes_and_oversized_files_are_refused(tmp_path):
-    from runner.yamlio import MAX_FILE_BYTES, load_document
+    from ckrun.runner.yamlio import MAX_FILE_BYTES, load_document
 
     cases = {"latin1.yaml": b"a: 1\nb: caf\xe9\n", "big.yaml": b"a: 1\n" + b"#" * MAX_FILE_BYTES,
              "utf16.yaml": "a: 1\n".encode("utf-16")}

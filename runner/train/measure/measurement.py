@@ -1,4 +1,4 @@
-"""What measuring a plan found (`runner.train.measure.probe.probe`), as a type of its own: the probe
+"""What measuring a plan found (`ckrun.runner.train.measure.probe.probe`), as a type of its own: the probe
 child imports it, and the tuner reads it, without importing torch or the trainer."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .measurement import Measurement
 def probe(recipe: Recipe, warmup_steps: int = 2, timed_steps: int = 3, source: str = "<probe>") -> Measurement:
     """The peak and the throughput of `recipe`'s plan, or `over_cap` with the step that broke the cap.
 
-    `card_peak_bytes` is what the cap limits (`runner.memory.measure.card_peak`): the allocator's
+    `card_peak_bytes` is what the cap limits (`ckrun.runner.memory.measure.card_peak`): the allocator's
     reserve plus the CUDA context on CUDA, the live tensor bytes on CPU.
 
     The peak is measured in the warm-up steps (on CPU the tracker watches the first two, the

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.cap import Cap
-from autotune.records import TrialRecord
-from autotune.outputs.report import caveats, format_table, plot
-from autotune.records import ranked_feasible
-from autotune.outputs.tuned import provenance
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.records import TrialRecord
+from ckrun.autotune.outputs.report import caveats, format_table, plot
+from ckrun.autotune.records import ranked_feasible
+from ckrun.autotune.outputs.tuned import provenance
 
 CONFIG = {"cap": 100_000_000, "margin": 0.05}
 
@@ -89,7 +89,7 @@ def test_every_legend_entry_of_the_plot_is_drawn_in_view(tmp_path, monkeypatch, 
 def test_a_budget_that_stopped_before_a_fitting_plan_does_not_say_nothing_fits(tmp_path):
     """The first probe went over the cap and the time budget ended the search: plans never measured
     may fit, so the line says the budget stopped it, not "nothing fits"."""
-    from autotune.outputs.train import nothing_fits
+    from ckrun.autotune.outputs.train import nothing_fits
 
     over = TrialRecord(state="over_cap", number=0, key="a", label="micro_batch 16, checkpointing none, fp32",
                        plan={"micro_batch": 16}, precision="fp32", measured_peak=104_700_000)

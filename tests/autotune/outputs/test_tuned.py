@@ -9,12 +9,12 @@ import re
 
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from autotune.records import TrialRecord
-from autotune.outputs.tuned import tuned_data, tuned_text
+from ckrun.autotune.records import TrialRecord
+from ckrun.autotune.outputs.tuned import tuned_data, tuned_text
 from conftest import ROOT
-from runner.load import recipe_from_text
-from runner.plan import MemoryPlan, plan_problems
-from runner.yamlio import apply_overrides, load_document, parse_document
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.plan import MemoryPlan, plan_problems
+from ckrun.runner.yamlio import apply_overrides, load_document, parse_document
 
 RECIPES = sorted((ROOT / "recipes").glob("**/*.yaml"))
 CHECKPOINTING = [{"policy": "none"}, {"policy": "full"}, {"policy": "every", "every": 2}, {"policy": "sqrt"},
@@ -88,7 +88,7 @@ def test_a_flow_style_recipe_is_dumped_and_the_log_says_why(caplog):
                          "task: image_classification}, train: {batch_size: 2}}  # one line\n", "flow.yaml")
     winner = TrialRecord(state="feasible", plan=MemoryPlan().model_dump(mode="json"), precision="bf16")
     expected = tuned_data(doc, winner, "1GB")
-    with caplog.at_level(logging.INFO, logger="autotune.outputs.tuned"):
+    with caplog.at_level(logging.INFO, logger="ckrun.autotune.outputs.tuned"):
         text = tuned_text(doc, expected)
     assert parse_document(text, "tuned.yaml").data == expected
     assert any("without the recipe's own comments" in r.message and "start a line" in r.message for r in caplog.records)

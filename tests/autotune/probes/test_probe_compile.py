@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from autotune.probes.probe import COLD_COMPILE_S, ProbeRunner, ProbeSettings, child_env
+from ckrun.autotune.probes.probe import COLD_COMPILE_S, ProbeRunner, ProbeSettings, child_env
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
+from ckrun.runner.load import load_recipe
 
 EAGER = load_recipe(BERT_TINY, TINY_BERT)
 COMPILED = load_recipe(BERT_TINY, [*TINY_BERT, "memory.compile=true"])
@@ -24,9 +24,9 @@ def test_compile_probes_get_their_own_timeout(tmp_path, monkeypatch, settings, e
     given = []
     monkeypatch.setattr(ProbeRunner, "_run", lambda self, what, recipe, stem, extra, timeout_s, trial:
                         given.append(timeout_s) or '{"status": "ok"}')
-    runner = ProbeRunner(tmp_path, settings)
-    runner.probe(EAGER, 0)
-    runner.probe(COMPILED, 1)
+    probe_runner = ProbeRunner(tmp_path, settings)
+    probe_runner.probe(EAGER, 0)
+    probe_runner.probe(COMPILED, 1)
     assert given == [eager_s, compiled_s]
 
 
@@ -44,8 +44,8 @@ def test_a_second_compiled_probe_loads_what_the_first_compiled(tmp_path, monkeyp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     # on the CPU the first two steps run under the live-bytes tracker, a dispatch mode dynamo does not
     # trace under: the third step is the one that compiles
-    runner = ProbeRunner(tmp_path / "study", ProbeSettings(timeout_s=300, warmup_steps=2, timed_steps=2))
-    first, second = runner.probe(COMPILED, 0), runner.probe(COMPILED, 1)
+    probe_runner = ProbeRunner(tmp_path / "study", ProbeSettings(timeout_s=300, warmup_steps=2, timed_steps=2))
+    first, second = probe_runner.probe(COMPILED, 0), probe_runner.probe(COMPILED, 1)
     assert first.status == second.status == "ok", (first, second)
     assert any((tmp_path / "inductor").rglob("*")), "nothing was cached"
     assert second.probe_s < first.probe_s, (first.probe_s, second.probe_s)

@@ -7,8 +7,8 @@ import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from autotune.search.solver import Option, plan_for, solve
-from runner.plan import MemoryPlan
+from ckrun.autotune.search.solver import Option, plan_for, solve
+from ckrun.runner.plan import MemoryPlan
 
 
 def brute_force(blocks: list[list[Option]], budget: int) -> float | None:
@@ -76,8 +76,8 @@ def test_whenever_full_checkpointing_is_predicted_to_fit_the_solver_proposes_a_p
                                                                                    head, slack):
     """A language model's base_bytes is mostly its head and loss (logits), gone before any block
     recomputes: a recompute must not be charged its activations on top of them."""
-    from autotune.search.solver import propose
-    from runner.predict.block_costs import BlockCost, CostTable
+    from ckrun.autotune.search.solver import propose
+    from ckrun.runner.predict.block_costs import BlockCost, CostTable
 
     base = 100_000 + head
     costs = [BlockCost(i, f"h.{i}", keep, recompute, keep // 2, None, None, 0.01, 0.01, 0.01, None)
@@ -95,7 +95,7 @@ def test_whenever_full_checkpointing_is_predicted_to_fit_the_solver_proposes_a_p
 
 
 def test_the_blocks_choices_are_what_the_policy_types_declare():
-    from autotune.search.solver import actions
+    from ckrun.autotune.search.solver import actions
 
     assert [(a.name, a.field, a.per_block) for a in actions()] == [
         ("recompute", "checkpointing", True), ("selective", "checkpointing", False), ("offload", "offload", True)]
@@ -106,9 +106,9 @@ def test_a_policy_type_that_can_name_its_blocks_is_planned_block_by_block(monkey
     """No list of the solver's names the choices: once selective checkpointing says it can act on some
     blocks (`on_blocks`), the solver weighs it per block against recompute, and picks it where its
     costs are lower; until then it is only the every-block alternative."""
-    from autotune.search.solver import propose
-    from runner.plan import SelectiveCheckpointing
-    from runner.predict.block_costs import BlockCost, CostTable
+    from ckrun.autotune.search.solver import propose
+    from ckrun.runner.plan import SelectiveCheckpointing
+    from ckrun.runner.predict.block_costs import BlockCost, CostTable
 
     # selective saves nearly as much as recompute at a tenth of its time; 4 blocks, room for 2 kept
     costs = [BlockCost(i, f"h.{i}", 1000, 100, 150, None, None, 0.01, 0.01, 0.001, None) for i in range(4)]
@@ -140,10 +140,10 @@ def test_every_limit_the_solver_names_is_the_tunes_limit_context_included(blocks
     import re
     from types import SimpleNamespace
 
-    import runner.predict.block_costs as block_costs
-    from autotune.search.solver import frontier
-    from runner.predict.block_costs import BlockCost, CostTable
-    from runner.units import format_bytes
+    import ckrun.runner.predict.block_costs as block_costs
+    from ckrun.autotune.search.solver import frontier
+    from ckrun.runner.predict.block_costs import BlockCost, CostTable
+    from ckrun.runner.units import format_bytes
 
     base, recompute = 100_000, 1_000
     costs = [BlockCost(i, f"h.{i}", keep, recompute, keep // 2, None, None, 0.01, 0.01, 0.01, None)
@@ -174,8 +174,8 @@ def test_the_solvers_time_ends_between_any_two_estimates(monkeypatch):
     import time as clock
     from types import SimpleNamespace
 
-    from autotune.search.solver import frontier
-    from runner.predict import block_costs
+    from ckrun.autotune.search.solver import frontier
+    from ckrun.runner.predict import block_costs
 
     def slow(plan, precision):
         clock.sleep(0.05)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.search.solver import frontier
+from ckrun.autotune.search.solver import frontier
 from conftest import BERT_TINY, TINY_BERT
-from runner.builders.model import build_model
-from runner.load import load_recipe
-from runner.memory.apply import apply_plan
-from runner.plan import MemoryPlan
-from runner.builders.sources import stand_in_batch
-from runner.predict.estimate import Estimator
-from runner.train.step import call_model, loss_sum
+from ckrun.runner.builders.model import build_model
+from ckrun.runner.load import load_recipe
+from ckrun.runner.memory.apply import apply_plan
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.builders.sources import stand_in_batch
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.train.step import call_model, loss_sum
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,17 @@ from functools import cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autotune.cli_tune import add_arguments
-from autotune.space.facts import Device, ModelFacts
-from autotune.space.knobs import KNOBS, build_space, describe
-from autotune.probes.model_child import model_facts
-from autotune.space.space import UNSAID, Space, grid_of
+from ckrun.autotune.cli_tune import add_arguments
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import KNOBS, build_space, describe
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.space.space import UNSAID, Space, grid_of
 from conftest import BERT_TINY, TINY_BERT
-from runner.choices import choice_class, choice_fields
-from runner.load import load_recipe
-from runner.plan import MemoryPlan
-from runner.pool_policies import POOL_KINDS
-from runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices, compression_choices
+from ckrun.runner.choices import choice_class, choice_fields
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.pool_policies import POOL_KINDS
+from ckrun.runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices, compression_choices
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
 GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x", "12.8")

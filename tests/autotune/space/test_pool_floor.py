@@ -11,15 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autotune.cap import Cap
-from autotune.space.facts import Device, ModelFacts, ParameterFacts
-from autotune.space.knobs import build_space
-from autotune.probes.model_child import model_facts
-from autotune.space.pool_floor import Bound, nothing_fits_line, pool_floor, pool_plan
-from autotune.space.pool_knobs import bound_space, start_settings
-from autotune.search.tuner import Tuner
-from runner.plan import plan_problems
-from runner.predict.estimate import Estimator
+from ckrun.autotune.cap import Cap
+from ckrun.autotune.space.facts import Device, ModelFacts, ParameterFacts
+from ckrun.autotune.space.knobs import build_space
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.space.pool_floor import Bound, nothing_fits_line, pool_floor, pool_plan
+from ckrun.autotune.space.pool_knobs import bound_space, start_settings
+from ckrun.autotune.search.tuner import Tuner
+from ckrun.runner.plan import plan_problems
+from ckrun.runner.predict.estimate import Estimator
 from tests.runner.memory.tiny_lm import HAS_TORCHAO, WIDE, recipe
 
 GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x", "12.8", 800_000_000)

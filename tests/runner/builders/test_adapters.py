@@ -7,11 +7,11 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT
-from runner.load import recipe_from_text
-from runner.memory.apply import apply_plan
-from runner.memory.blocks import find_blocks
-from runner.plan import MemoryPlan
-from runner.train.trainer import Trainer
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.memory.apply import apply_plan
+from ckrun.runner.memory.blocks import find_blocks
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import tiny_llama_recipe
 from tests.runner.memory.generated_models import LAYERS, Stack
 
@@ -126,10 +126,10 @@ def test_lora_on_a_model_peft_has_no_default_for_names_its_layers(ckrun, tmp_pat
 
 def test_qlora_on_a_cpu_is_one_line_before_any_weight_is_read():
     """Where bitsandbytes is installed the schema lets quantize_base through; building on a CPU then refuses."""
-    from runner.builders.adapters import pretrained_settings
-    from runner.builders.resolve import BuildError
-    from runner.recipe import ModelSpec
-    from runner.recipe_adapters import LoraSpec
+    from ckrun.runner.builders.adapters import pretrained_settings
+    from ckrun.runner.builders.resolve import BuildError
+    from ckrun.runner.recipe import ModelSpec
+    from ckrun.runner.recipe_adapters import LoraSpec
 
     spec = ModelSpec(source="transformers", name="LlamaForCausalLM", pretrained="org/name",
                      lora=LoraSpec.model_construct(**{**LoraSpec().model_dump(), "quantize_base": "nf4"}))
@@ -151,20 +151,20 @@ def test_lora_without_peft_installed_is_one_line(ckrun, monkeypatch):
 def test_a_new_head_trains_beside_the_adapter_or_the_log_says_it_never_will(tmp_path, caplog):
     """A classifier from a causal LM's weights: its head starts random. peft trains a sequence classifier's head
     itself (modules_to_save); a head it does not know stays frozen, which the log says, naming the fix."""
-    from runner.builders.model import build_model
-    from runner.recipe import ModelSpec
+    from ckrun.runner.builders.model import build_model
+    from ckrun.runner.recipe import ModelSpec
     from tests.runner.builders.hub_cache import save_tiny_llama
 
     files = save_tiny_llama(tmp_path / "causal")
     spec = ModelSpec(source="transformers", name="LlamaForSequenceClassification", pretrained=str(files),
                      config={"num_labels": 3, "pad_token_id": 0}, lora={})
-    with caplog.at_level("WARNING", logger="runner.builders.adapters"):
+    with caplog.at_level("WARNING", logger="ckrun.runner.builders.adapters"):
         model = build_model(spec)
     assert any("score.modules_to_save" in name for name, p in model.named_parameters() if p.requires_grad)
-    assert not [r for r in caplog.records if r.name == "runner.builders.adapters"]
-    with caplog.at_level("WARNING", logger="runner.builders.adapters"):
+    assert not [r for r in caplog.records if r.name == "ckrun.runner.builders.adapters"]
+    with caplog.at_level("WARNING", logger="ckrun.runner.builders.adapters"):
         build_model(spec.model_copy(update={"name": "LlamaForTokenClassification"}))
-    (said,) = [r.getMessage() for r in caplog.records if r.name == "runner.builders.adapters"]
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "ckrun.runner.builders.adapters"]
     assert said.startswith("model.lora: 2 weights the pretrained model lacks start random and stay frozen, so they "
                            "never train (e.g. score.")
     assert "add [score] to model.lora.modules_to_save" in said

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import children
 from conftest import BERT_TINY, ROOT
-from runner import user_cache
-from runner.builders import check_cache
-from runner.load import load_recipe
+from ckrun.runner import user_cache
+from ckrun.runner.builders import check_cache
+from ckrun.runner.load import load_recipe
 
 
 def table() -> dict:
@@ -23,7 +23,7 @@ def table() -> dict:
 
 def test_a_second_validate_imports_neither_torch_nor_transformers(ckrun):
     assert ckrun("validate", BERT_TINY)[0] == 0
-    code = ("import sys\nfrom runner.cli import main\nstatus = main(['validate', 'bert_tiny'])\n"
+    code = ("import sys\nfrom ckrun.runner.cli import main\nstatus = main(['validate', 'bert_tiny'])\n"
             "print(status, sorted(m for m in ('torch', 'transformers', 'torchvision') if m in sys.modules))")
     done = children.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.stdout.splitlines()[-1] == "0 []", done.stderr[-2000:]

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from conftest import BERT_TINY, ROOT
-from runner.builders.data import Shape
-from runner.builders.image_loader import ImageFolderSource
-from runner.builders.model import BuildError
-from runner.recipe import ImageFolderData
+from ckrun.runner.builders.data import Shape
+from ckrun.runner.builders.image_loader import ImageFolderSource
+from ckrun.runner.builders.model import BuildError
+from ckrun.runner.recipe import ImageFolderData
 
 TEXT_RECIPE = Path(BERT_TINY).read_text()
 SMALL = ["data.seq_len=32", "train.batch_size=4", "train.steps=2", "train.device=cpu", "model.config.hidden_size=32",

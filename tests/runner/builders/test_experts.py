@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from runner.builders.experts import GroupedMmOnFake
+from ckrun.runner.builders.experts import GroupedMmOnFake
 from tests.runner.memory.moe_models import FAMILIES, moe_config
 
 

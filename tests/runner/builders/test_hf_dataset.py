@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.builders.data import Shape
-from runner.builders.hf_dataset import dataset_source
-from runner.builders.resolve import BuildError
-from runner.recipe import DatasetData
+from ckrun.runner.builders.data import Shape
+from ckrun.runner.builders.hf_dataset import dataset_source
+from ckrun.runner.builders.resolve import BuildError
+from ckrun.runner.recipe import DatasetData
 
 datasets = pytest.importorskip("datasets")
 datasets.disable_progress_bars()
@@ -57,7 +57,7 @@ def losses(out: Path) -> list[float]:
 
 @pytest.mark.parametrize("kind", ["save_to_disk", "parquet"])
 def test_a_saved_dataset_and_a_parquet_file_train_a_classifier(tmp_path, ckrun, caplog, kind):
-    caplog.set_level(logging.INFO, logger="runner")
+    caplog.set_level(logging.INFO, logger="ckrun")
     if kind == "save_to_disk":
         datasets.DatasetDict(train=reviews(), validation=reviews(8, seed=1)).save_to_disk(str(tmp_path / "reviews"))
         data = f"{{source: dataset, paths: [{tmp_path / 'reviews'}], seq_len: 32}}"
@@ -77,7 +77,7 @@ def test_a_saved_dataset_and_a_parquet_file_train_a_classifier(tmp_path, ckrun, 
 
 def test_tokens_are_cached_in_the_user_cache_and_remade_when_the_data_changes(tmp_path, ckrun, caplog, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
-    caplog.set_level(logging.INFO, logger="runner")
+    caplog.set_level(logging.INFO, logger="ckrun")
     parquet = tmp_path / "data" / "text.parquet"
     parquet.parent.mkdir()
     reviews().to_parquet(str(parquet))
@@ -105,7 +105,7 @@ def test_tokens_are_cached_in_the_user_cache_and_remade_when_the_data_changes(tm
 def test_an_unwritable_cache_folder_costs_only_the_cache(tmp_path, ckrun, caplog, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     (tmp_path / "user-cache").write_text("")  # a file where the folder should be: nothing can be written there
-    caplog.set_level(logging.INFO, logger="runner")
+    caplog.set_level(logging.INFO, logger="ckrun")
     (tmp_path / "data").mkdir()
     reviews().to_json(str(tmp_path / "data" / "train.jsonl"))
     data = f"data={{source: dataset, paths: ['{tmp_path}/data/*.jsonl'], seq_len: 16}}"

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import ROOT, read_metrics
-from runner.builders.hub import hub_name
+from ckrun.runner.builders.hub import hub_name
 from tests.runner.builders.hub_cache import (
     FROM_HUB, TINY_CONFIG, commit_of, offline_cache, put_in_cache, save_tiny_llama,
 )
@@ -49,8 +49,8 @@ def test_a_bf16_checkpoint_trains_from_fp32_master_weights_as_its_estimate_says(
     other arithmetic than the recipe says."""
     import torch
 
-    from runner.builders.model import build_model
-    from runner.recipe import ModelSpec
+    from ckrun.runner.builders.model import build_model
+    from ckrun.runner.recipe import ModelSpec
 
     files = save_tiny_llama(tmp_path / "saved", dtype=torch.bfloat16)
     put_in_cache(hub, "tiny-org/bf16", files, commit_of("bf16"))
@@ -135,7 +135,7 @@ def test_an_unreachable_hub_falls_back_to_the_cache_as_transformers_does(ckrun, 
 
 def _child(args: list[str], env: dict) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))} | env
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=environment, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ckrun", *args], cwd=ROOT, env=environment, capture_output=True,
                           text=True, timeout=600)
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 from PIL import Image
 
-from runner.builders.image_folder import ContainedImageFolder
+from ckrun.runner.builders.image_folder import ContainedImageFolder
 
 
 def _tree(root, layout: dict[str, int]) -> None:

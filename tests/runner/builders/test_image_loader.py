@@ -20,9 +20,9 @@ from PIL import Image
 
 import children
 from conftest import ROOT, read_metrics
-from runner.builders.data import Shape, epoch_rows
-from runner.builders.image_loader import ImageFolderSource, StepLoader, StepRows, choose_workers
-from runner.recipe import ImageFolderData
+from ckrun.runner.builders.data import Shape, epoch_rows
+from ckrun.runner.builders.image_loader import ImageFolderSource, StepLoader, StepRows, choose_workers
+from ckrun.runner.recipe import ImageFolderData
 from test_data_faults import CNN_SMALL, image_recipe, image_root
 
 
@@ -92,7 +92,7 @@ def test_a_loader_started_at_any_step_gives_that_steps_rows(seed, start, batch_s
 
 
 def test_the_automatic_worker_count_is_logged_with_its_reason(caplog, monkeypatch):
-    import runner.builders.image_loader as image_loader
+    import ckrun.runner.builders.image_loader as image_loader
 
     caplog.set_level("INFO")
     for cores, expected in [(1, 0), (2, 0), (3, 2), (6, 5), (64, 8)]:
@@ -152,7 +152,7 @@ def test_a_stopped_run_leaves_no_worker_behind(tmp_path, stop):
     one to shut them down: they notice their parent is gone and exit."""
     recipe, out = image_recipe(tmp_path, jpeg_root(tmp_path)), tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, "-m", "runner", str(recipe), *CNN_SMALL[:-2], "data.workers=2",
+    child = subprocess.Popen([sys.executable, "-m", "ckrun", str(recipe), *CNN_SMALL[:-2], "data.workers=2",
                               "train.steps=100000", f"output.dir={out}"], stderr=subprocess.PIPE, text=True, env=env,
                              start_new_session=True)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from runner.builders.model_config import check_transformers_config
+from ckrun.runner.builders.model_config import check_transformers_config
 
 DEBERTA = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=128,
                max_position_embeddings=64)
@@ -31,7 +31,7 @@ def test_the_cli_validates_them(tmp_path, ckrun):
 @pytest.mark.parametrize("value", [[], {}, [1, 2], 3.5, "no-such-dtype"])
 def test_a_config_value_transformers_takes_but_cannot_write_out_is_named(value):
     # BertConfig(dtype=[]) is made, then to_dict() raises IndexError: every save and fingerprint calls it
-    from runner.problems import KeyedError
+    from ckrun.runner.problems import KeyedError
 
     given = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, dtype=value)
     try:

@@ -42,7 +42,7 @@ def test_a_forward_that_fails_on_fake_tensors_is_one_line_without_torchs_log(ckr
     """torch logs the failing fake kernel with its traceback before it raises; the check's line says it all.
     Drawn by a seeded run of the hostile-input property, which saw the log only at the first such config
     (the check's verdict is kept): the kept verdicts are cleared here."""
-    from runner.builders.model_config import _trial_build
+    from ckrun.runner.builders.model_config import _trial_build
 
     _trial_build.cache_clear()
     code, _, err = ckrun("validate", BERT_TINY, "model.config.max_position_embeddings=0")
@@ -109,8 +109,8 @@ def test_a_name_that_is_not_callable_is_refused_at_validate(ckrun, user_models):
 
 
 def test_torchvision_assertions_are_build_errors():
-    from runner.builders.model import BuildError, build_model
-    from runner.recipe import ModelSpec
+    from ckrun.runner.builders.model import BuildError, build_model
+    from ckrun.runner.recipe import ModelSpec
 
     spec = ModelSpec(source="torchvision", name="vit_b_16", config={"image_size": 250})
     with pytest.raises(BuildError) as caught:
@@ -126,8 +126,8 @@ class NotATensor:
     ("truncated", "cannot be read"), ("pickled object", "holds pickled Python objects, not only tensors"),
 ])
 def test_unreadable_local_weights_are_one_line_without_torch_advice(tmp_path, content, expected):
-    from runner.builders.model import BuildError, build_model
-    from runner.recipe import ModelSpec
+    from ckrun.runner.builders.model import BuildError, build_model
+    from ckrun.runner.recipe import ModelSpec
 
     weights = tmp_path / "weights"
     weights.mkdir()
@@ -156,8 +156,8 @@ TINY_LLAMA = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 
 def test_a_shape_rule_only_a_forward_meets_is_found_at_validate(kv_heads, fits):
     """Grouped-query attention builds with any key/value head count; only a forward trips on one
     that does not divide the heads, so validation runs one on the meta device."""
-    from runner.builders.checks import deep_problems
-    from runner.load import recipe_from_text
+    from ckrun.runner.builders.checks import deep_problems
+    from ckrun.runner.load import recipe_from_text
 
     config = {**TINY_LLAMA, "num_key_value_heads": kv_heads}
     text = f"model: {{source: transformers, name: LlamaForCausalLM, config: {config}}}\n" \
@@ -172,8 +172,8 @@ def test_a_shape_rule_only_a_forward_meets_is_found_at_validate(kv_heads, fits):
 @settings(max_examples=25, deadline=None)
 @given(positions=st.integers(8, 64), seq_len=st.integers(1, 96), in_eval=st.booleans())
 def test_a_sequence_longer_than_the_position_table_is_refused_at_validate(positions, seq_len, in_eval):
-    from runner.builders.checks import deep_problems
-    from runner.load import recipe_from_text
+    from ckrun.runner.builders.checks import deep_problems
+    from ckrun.runner.load import recipe_from_text
 
     data = f"data: {{source: synthetic, seq_len: 4}}\neval: {{data: {{source: synthetic, seq_len: {seq_len}}}}}" \
         if in_eval else f"data: {{source: synthetic, seq_len: {seq_len}}}"

@@ -14,10 +14,10 @@ import torch
 from transformers import optimization
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.builders.optim import build_optimizer, build_scheduler
-from runner.load import load_recipe
-from runner.recipe_train import TORCH_OPTIMIZERS
-from runner.train.trainer import Trainer
+from ckrun.runner.builders.optim import build_optimizer, build_scheduler
+from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe_train import TORCH_OPTIMIZERS
+from ckrun.runner.train.trainer import Trainer
 
 
 def test_the_named_optimizers_are_torchs_own():
@@ -159,9 +159,9 @@ def test_split_layers_beside_whole_ones_step_one_by_one(optimizer):
     one by one, and the step updates both kinds. Fused AdamW on the CPU stands for the GPU's fused AdamW."""
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 
-    from runner.builders.optim import optimizer_over
-    from runner.predict.per_rank import fake_process_group
-    from runner.recipe import TrainSpec
+    from ckrun.runner.builders.optim import optimizer_over
+    from ckrun.runner.predict.per_rank import fake_process_group
+    from ckrun.runner.recipe import TrainSpec
 
     with fake_process_group(2):
         mesh = DeviceMesh("cpu", [0, 1])

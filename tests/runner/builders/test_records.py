@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.builders.data import Shape
-from runner.builders.records import RecordsSource
-from runner.builders.resolve import BuildError
-from runner.recipe import RecordsData
+from ckrun.runner.builders.data import Shape
+from ckrun.runner.builders.records import RecordsSource
+from ckrun.runner.builders.resolve import BuildError
+from ckrun.runner.recipe import RecordsData
 
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=3"]
 WORDS = {"pos": ["apple", "sunny", "happy"], "neg": ["zebra", "storm", "awful"], "mid": ["table", "chair", "grey"]}
@@ -41,7 +41,7 @@ def entropy(labels: list[str]) -> float:
 def test_classification_from_jsonl_learns_real_labels(tmp_path, ckrun, caplog):
     data = labelled_jsonl(tmp_path / "train.jsonl")
     labels = [json.loads(line)["label"] for line in data.read_text().splitlines()]
-    caplog.set_level(logging.INFO, logger="runner")
+    caplog.set_level(logging.INFO, logger="ckrun")
     code, _, err = ckrun(BERT_TINY, *CLASSIFIER, f"data={{source: records, paths: [{data}], seq_len: 32}}",
                          "train.steps=40", "train.scheduler={name: constant}", "train.optimizer.lr=3e-3",
                          f"output.dir={tmp_path / 'run'}")
@@ -54,7 +54,7 @@ def test_classification_from_jsonl_learns_real_labels(tmp_path, ckrun, caplog):
 
 
 def test_csv_integer_labels_and_held_out_records(tmp_path, ckrun, caplog):
-    caplog.set_level(logging.INFO, logger="runner")
+    caplog.set_level(logging.INFO, logger="ckrun")
     rows = ["text,label", '"apple, sunny",1', "zebra storm,0", "", '"multi\nline",2', "grey,0"]
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
     (tmp_path / "valid.jsonl").write_text('{"text": "apple", "label": "1"}\n')  # ids follow the training data's
@@ -147,8 +147,8 @@ def test_masked_lm_masks_with_the_tokenizers_mask_id(tmp_path, ckrun, mask):
     data = f"data={{source: text, paths: [{tmp_path}/corpus.txt], tokenizer: {tokenizer}, seq_len: 32}}"
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
     if mask:
-        from runner.builders.data import TextFilesSource
-        from runner.recipe import TextFilesData
+        from ckrun.runner.builders.data import TextFilesSource
+        from ckrun.runner.recipe import TextFilesData
 
         assert code == 0, err
         spec = TextFilesData(source="text", paths=[str(tmp_path / "corpus.txt")], tokenizer=str(tokenizer), seq_len=32)

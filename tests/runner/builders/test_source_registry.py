@@ -14,10 +14,10 @@ import torch
 from PIL import Image
 from pydantic import Field
 
-from runner.builders.data import Batch, BatchSource, Shape
-from runner.builders.sources import SOURCES
-from runner.choices import Strict
-from runner.recipe_data import Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, TextFilesData
+from ckrun.runner.builders.data import Batch, BatchSource, Shape
+from ckrun.runner.builders.sources import SOURCES
+from ckrun.runner.choices import Strict
+from ckrun.runner.recipe_data import Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, TextFilesData
 
 
 def schema_literals(data=Data) -> set[str]:

@@ -77,8 +77,8 @@ def test_local_safetensors_weights_are_loaded(tmp_path, ckrun, monkeypatch):
     model = torchvision.models.resnet18(num_classes=10)
     torch.nn.init.constant_(model.fc.bias, 0.25)
     save_file(model.state_dict(), str(weights / "model.safetensors"))
-    from runner.builders.model import build_model
-    from runner.load import load_recipe
+    from ckrun.runner.builders.model import build_model
+    from ckrun.runner.load import load_recipe
 
     recipe = load_recipe(BERT_TINY, [*RESNET, f"model.pretrained={weights}"])
     built = build_model(recipe.model)

@@ -4,7 +4,7 @@ masked out of attention and carries no label."""
 import torch
 from hypothesis import given, settings, strategies as st
 
-from runner.builders.data import IGNORE, Shape, _generator, padded_batch
+from ckrun.runner.builders.data import IGNORE, Shape, _generator, padded_batch
 
 
 @settings(max_examples=40, deadline=None)

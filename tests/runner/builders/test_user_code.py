@@ -110,8 +110,8 @@ def test_an_import_that_crashes_or_hangs_is_refused_in_one_line(user_folder, ckr
 
 
 def _ckrun_process(recipe: Path, notice_s: float = 10.0, **environ: str) -> subprocess.Popen:
-    program = (f"import runner.builders.user_code as u; u.NOTICE_AFTER_S = {notice_s}; "
-               "from runner.cli import entry; entry()")
+    program = (f"import ckrun.runner.builders.user_code as u; u.NOTICE_AFTER_S = {notice_s}; "
+               "from ckrun.runner.cli import entry; entry()")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(recipe.parent)]), **environ}
     return subprocess.Popen([sys.executable, "-c", program, "run", str(recipe)], stderr=subprocess.PIPE, text=True,
                             env=env)
@@ -161,7 +161,7 @@ def test_a_factory_that_never_returns_is_ended_in_one_line_naming_it(tmp_path):
 def test_torch_is_loaded_before_the_fork_only_when_the_module_imports_it_itself(tmp_path, source, loads_torch):
     # else the fork imports torch (seconds) and the real import after it imports torch again
     (tmp_path / "own_code.py").write_text(source)
-    code = ("import sys\nfrom runner.builders.user_code import check_import\ncheck_import('own_code')\n"
+    code = ("import sys\nfrom ckrun.runner.builders.user_code import check_import\ncheck_import('own_code')\n"
             "print('torch' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     done = children.run([sys.executable, "-c", code], cwd=tmp_path, env=env)

@@ -23,7 +23,7 @@ train: {batch_size: 4, steps: 2, device: cpu}
 def ckrun_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """The CLI in a fresh interpreter that, like the `ckrun` script, searches neither cwd nor a script's folder (-P)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # ckrun itself only: not the user's folders
-    return children.run([sys.executable, "-P", "-m", "runner.cli", *args], cwd=cwd, env=env)
+    return children.run([sys.executable, "-P", "-m", "ckrun", *args], cwd=cwd, env=env)
 
 
 @pytest.mark.parametrize("module_in", ["the recipe's folder", "the working directory"])

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import BERT_TINY, TINY_BERT
-from runner.builders.checks import load_checked
-from runner.builders.records import read_examples
-from runner.builders.resolve import BuildError
-from runner.problems import InputError
-from runner.recipe import RecordsData
+from ckrun.runner.builders.checks import load_checked
+from ckrun.runner.builders.records import read_examples
+from ckrun.runner.builders.resolve import BuildError
+from ckrun.runner.problems import InputError
+from ckrun.runner.recipe import RecordsData
 
 FIELDS = ["text", "label", "other"]
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.builders.make_tokenizer import train_tokenizer
-from runner.builders.tokenizer_facts import tokenizer_facts
+from ckrun.runner.builders.make_tokenizer import train_tokenizer
+from ckrun.runner.builders.tokenizer_facts import tokenizer_facts
 
 LINES = ["the cat sat on the mat", "a dog ate the bone", "birds sing in the morning", "ships sail at dawn"]
 
@@ -127,8 +127,8 @@ def test_every_size_and_id_pair_gets_its_verdict(tokens, model, eos, sets_eos):
     from types import SimpleNamespace
     from unittest.mock import patch
 
-    from runner.builders import vocab
-    from runner.builders.tokenizer_facts import TokenizerFacts
+    from ckrun.runner.builders import vocab
+    from ckrun.runner.builders.tokenizer_facts import TokenizerFacts
 
     given_config = {"eos_token_id": eos} if sets_eos else {}
     recipe = SimpleNamespace(data=SimpleNamespace(tokenizer="tok", vocab_size=None), eval=None,

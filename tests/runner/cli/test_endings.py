@@ -1,4 +1,4 @@
-"""Every way a command ends on purpose is a CkrunError, and runner.cli.ending is the one map from it
+"""Every way a command ends on purpose is a CkrunError, and ckrun.runner.cli.ending is the one map from it
 to an exit status and the lines on stderr, for every verb. A new error class must be added here
 with its status and lines, or the first test fails."""
 
@@ -8,21 +8,21 @@ import pkgutil
 import pytest
 import torch
 
-import autotune
-import runner
-from autotune.api import MemoryPlanError
-from autotune.tune import NothingFits
-from autotune.outputs.rank_tune import RanksEnded, RanksOverCap
-from runner.builders.resolve import BuildError
-from runner.checkpoint_files import CheckpointError
-from runner.cli import UsageError, ending
-from runner.load import AcrossSections
-from runner.predict.estimate import EstimateUnavailable
-from runner.predict.hardware import UnknownDevice
-from runner.problems import EXIT_STATUSES, CkrunError, InputError, KeyedError, Place, Problem
-from runner.train.run.guard import NonFiniteLoss
-from runner.train.loop import MemoryCapExceeded, OutOfMemory
-from runner.train.output.directory import OutputError
+from ckrun import autotune, runner
+from ckrun.autotune.api import MemoryPlanError
+from ckrun.autotune.tune import NothingFits
+from ckrun.autotune.outputs.rank_tune import RanksEnded, RanksOverCap
+from ckrun.runner.builders.resolve import BuildError
+from ckrun.runner.checkpoint_files import CheckpointError
+from ckrun.runner.cli import UsageError, ending
+from ckrun.runner.load import AcrossSections
+from ckrun.runner.predict.estimate import EstimateUnavailable
+from ckrun.runner.predict.hardware import UnknownDevice
+from ckrun.runner.problems import EXIT_STATUSES, CkrunError, InputError, KeyedError, Place, Problem
+from ckrun.runner.train.run.guard import NonFiniteLoss
+from ckrun.runner.train.loop import MemoryCapExceeded, OutOfMemory
+from ckrun.runner.train.output.directory import OutputError
+from ckrun.runner.train.output.numbers import RecordValueError
 
 PROBLEM = Problem(Place("r.yaml", 3, 1), "train.steps", "input should be greater than 0")
 CAP, OOM, NAN = MemoryCapExceeded(1000, 2000, 3), OutOfMemory(2, "no memory", torch.device("cpu")), NonFiniteLoss(5, float("nan"))
@@ -46,6 +46,9 @@ EXAMPLES = {
     NonFiniteLoss: (NAN, 4, [f"ckrun: {NAN}"]),
     OutputError: (OutputError(28, "cannot write m.jsonl: No space left on device"), 5,
                   ["ckrun: cannot write m.jsonl: No space left on device"]),
+    RecordValueError: (RecordValueError("lr", object()), 1,
+                       ["ckrun: the run's record 'lr' holds a builtins.object (no shape), not a number; it cannot be "
+                        "written to metrics.jsonl or a checkpoint"]),
     RanksEnded: (RanksEnded(4), 4, []),  # each rank said why already
     # the Python API's (autotune/api.py): raised at the caller, never a verb's ending, but one line like the rest
     MemoryPlanError: (MemoryPlanError("nothing fits\nwithin 1 MB"), 2, ["ckrun: nothing fits within 1 MB"]),

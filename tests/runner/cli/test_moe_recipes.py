@@ -15,7 +15,7 @@ from tests.runner.memory.moe_models import FAMILIES, moe_config
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_recipes_validate_estimate_and_train(tmp_path, ckrun, caplog, family, precision):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     recipe = tmp_path / "moe.yaml"
     recipe.write_text(f"model: {{source: transformers, name: {FAMILIES[family][0]}, "
                       f"config: {json.dumps(moe_config(family, experts=8))}}}\n"

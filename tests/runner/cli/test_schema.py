@@ -11,10 +11,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner.cli import main
-from runner.library import library_recipes
-from runner.load import recipe_from_text
-from runner.problems import InputError
+from ckrun.runner.cli import main
+from ckrun.runner.library import library_recipes
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.problems import InputError
 
 
 @pytest.fixture(scope="module")

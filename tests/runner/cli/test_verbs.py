@@ -19,9 +19,9 @@ import children
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runner.cli
-from runner.cli import VERBS, main
-from runner.library import library_recipes
+import ckrun.runner.cli
+from ckrun.runner.cli import VERBS, main
+from ckrun.runner.library import library_recipes
 
 ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("optuna", "transformers")
@@ -33,21 +33,21 @@ def python(*args: str, path: tuple[str, ...] = ()) -> subprocess.CompletedProces
 
 
 def imported_modules(*args: str, path: tuple[str, ...] = ()) -> set[str]:
-    """Every module `python -m runner.cli ARGS` imports by an import statement, from `python -X importtime`."""
-    done = python("-X", "importtime", "-m", "runner.cli", *args, path=path)
+    """Every module `python -m ckrun ARGS` imports by an import statement, from `python -X importtime`."""
+    done = python("-X", "importtime", "-m", "ckrun", *args, path=path)
     # lines look like "import time:       123 |        456 |     package.module" (nesting by indent)
     names = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert "runner.cli" in names, done.stderr[-2000:]  # the parse found the CLI, so an absence below is real
+    assert "ckrun.runner.cli" in names, done.stderr[-2000:]  # the parse found the CLI, so an absence below is real
     return names
 
 
 def verbs_loaded(*args: str) -> set[str]:
     """The verb modules in sys.modules after `ckrun ARGS` (importlib.import_module escapes -X importtime)."""
-    code = (f"import sys\nfrom runner.cli import main\ntry:\n    main({list(args)!r})\nexcept SystemExit:\n    pass\n"
+    code = (f"import sys\nfrom ckrun.runner.cli import main\ntry:\n    main({list(args)!r})\nexcept SystemExit:\n    pass\n"
             "print('MODULES', *sys.modules)")
     done = python("-c", code)
     loaded = set(done.stdout.rpartition("MODULES ")[2].split())
-    assert "runner.cli" in loaded, done.stderr[-2000:]
+    assert "ckrun.runner.cli" in loaded, done.stderr[-2000:]
     return {module for module, _ in VERBS.values()} & loaded
 
 
@@ -58,7 +58,7 @@ def heavy(names: set[str], *packages: str) -> list[str]:
 def test_help_imports_neither_optuna_nor_transformers():
     assert heavy(imported_modules("--help"), *HEAVY, "torch") == []
     assert verbs_loaded("--help") == set()  # not even the verbs' own modules
-    assert verbs_loaded("validate", "--help") == {"runner.cli.validate"}
+    assert verbs_loaded("validate", "--help") == {"ckrun.runner.cli.validate"}
 
 
 def test_validate_imports_only_what_its_recipe_needs(tmp_path):
@@ -75,7 +75,7 @@ def test_validate_imports_only_what_its_recipe_needs(tmp_path):
 
 
 def test_the_verb_table_matches_every_verb_module():
-    modules = {f"runner.cli.{m.name}" for m in pkgutil.iter_modules(runner.cli.__path__) if m.name != "__main__"}
+    modules = {f"ckrun.runner.cli.{m.name}" for m in pkgutil.iter_modules(ckrun.runner.cli.__path__) if m.name != "__main__"}
     plugins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["ckrun.commands"]
     assert modules | {value.split(":")[0] for value in plugins.values()} == {module for module, _ in VERBS.values()}
     for name, (module, help_line) in VERBS.items():
@@ -150,7 +150,7 @@ def _scratch_file(name: str):
 
 @pytest.mark.parametrize("name", sorted(library_recipes()))
 def test_library_names_are_recipes_not_verbs(name):
-    assert runner.cli._verb_and_argv([name], {}) == ("run", ["run", name])
+    assert ckrun.runner.cli._verb_and_argv([name], {}) == ("run", ["run", name])
 
 
 def test_a_recipe_typo_nearer_a_library_name_than_a_verb_lists_the_recipes():
@@ -203,7 +203,7 @@ def test_help_is_still_argparse_help(capsys):
 @pytest.mark.parametrize("verb", ["estimate", "tune"])
 def test_gpu_help_names_every_gpu_of_the_device_table(capsys, verb):
     """The --gpu help is read from runner/predict/hardware.py's table, in both verbs that take it."""
-    from runner.predict.hardware import known_names
+    from ckrun.runner.predict.hardware import known_names
 
     with pytest.raises(SystemExit):
         main([verb, "--help"])

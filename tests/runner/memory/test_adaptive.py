@@ -11,11 +11,11 @@ from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.builders.data import Batch
-from runner.load import load_recipe
-from runner.memory.adaptive import batch_length
-from runner.plan import MemoryPlan
-from runner.train.trainer import Trainer
+from ckrun.runner.builders.data import Batch
+from ckrun.runner.load import load_recipe
+from ckrun.runner.memory.adaptive import batch_length
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.train.trainer import Trainer
 
 SHORT, LONG = 12, 32  # bucket max_len, and the longest line (data.seq_len)
 BUCKETS = f"memory.adaptive=[{{max_len: {SHORT}, checkpointing: {{policy: none}}}}]"
@@ -108,8 +108,8 @@ def test_a_bad_bucket_is_one_line(tmp_path, ckrun):
 def test_bucket_for_a_length():
     plan = MemoryPlan.model_validate({"adaptive": [{"max_len": 8, "checkpointing": {"policy": "none"}},
                                                    {"max_len": 16, "checkpointing": {"policy": "none"}}]})
-    from runner.memory.adaptive import PlanSwitch
-    from runner.memory.blocks import BlockList
+    from ckrun.runner.memory.adaptive import PlanSwitch
+    from ckrun.runner.memory.blocks import BlockList
 
     switch = PlanSwitch(plan, BlockList("", []))
     assert [switch.bucket_for(n) for n in (1, 8, 9, 16, 17, None)] == [0, 0, 1, 1, 2, 2]
@@ -132,7 +132,7 @@ def test_each_new_batch_length_is_measured(tmp_path):
 
 
 def test_a_probe_measures_the_longest_batch_of_each_bucket(tmp_path):
-    from runner.train.measure.probe import SCAN_STEPS, probe, warmup_steps_for
+    from ckrun.runner.train.measure.probe import SCAN_STEPS, probe, warmup_steps_for
 
     lossy_free = recipe(tmp_path, BUCKETS, "memory.checkpointing={policy: full}")
     trainer = Trainer(lossy_free)

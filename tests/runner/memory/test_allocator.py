@@ -15,12 +15,12 @@ from pydantic import ValidationError
 
 import children
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
-from runner.memory import allocator
-from runner.memory.allocator import ALLOC_ENV, ALLOC_ENVS, apply_allocator
-from runner.memory.torch_features import functorch_config, missing_budget
-from runner.plan import MemoryPlan
-from runner.train.trainer import Trainer
+from ckrun.runner.load import load_recipe
+from ckrun.runner.memory import allocator
+from ckrun.runner.memory.allocator import ALLOC_ENV, ALLOC_ENVS, apply_allocator
+from ckrun.runner.memory.torch_features import functorch_config, missing_budget
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.train.trainer import Trainer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SETTING = "expandable_segments:True"
@@ -96,7 +96,7 @@ def test_this_torch_reports_the_plans_setting_over_both_environment_variables():
     """The real read-back, in a fresh process (torch parses its settings once per process): the
     environment names other settings in both variables, the plan's win; and a process that made torch
     parse them before ckrun set its own is caught."""
-    code = ("import logging; from runner.memory import allocator as a\n"
+    code = ("import logging; from ckrun.runner.memory import allocator as a\n"
             "logging.basicConfig(level=logging.WARNING, format='%(levelname)s')\n"
             f"early = a.settings_in_effect() if {{early}} else None\n"
             f"print(a.apply_allocator({SETTING!r}, 'cuda'), a.settings_in_effect())")
@@ -119,7 +119,7 @@ def test_malformed_settings_are_refused(bad):
 
 
 def test_the_probe_child_gets_it_in_its_environment(tmp_path):
-    from autotune.probes.probe import child_env
+    from ckrun.autotune.probes.probe import child_env
 
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"memory.allocator={SETTING}"])
     assert [child_env(recipe)[name] for name in ALLOC_ENVS] == [SETTING, SETTING]
@@ -130,7 +130,7 @@ def test_the_probe_child_gets_it_in_its_environment(tmp_path):
 @pytest.mark.cuda
 def test_on_cuda_the_allocator_runs_with_it(tmp_path):
     """In a fresh process: the trainer sets it before CUDA starts, and the allocator's segments expand."""
-    code = (f"from runner.load import load_recipe; from runner.train.trainer import Trainer; import torch\n"
+    code = (f"from ckrun.runner.load import load_recipe; from ckrun.runner.train.trainer import Trainer; import torch\n"
             f"t = Trainer(load_recipe({BERT_TINY!r}, ['memory.allocator={SETTING}', 'train.device=cuda', "
             f"'output.dir={tmp_path}']))\nt.train_step()\n"
             "print(all(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")
@@ -162,7 +162,7 @@ def test_budget_is_set_before_the_first_compiled_step(tmp_path):
 
 
 def test_the_estimate_models_the_plans_allocator_over_the_environments(monkeypatch):
-    from runner.predict.cuda_extras import allocator_settings
+    from ckrun.runner.predict.cuda_extras import allocator_settings
 
     monkeypatch.setenv(ALLOC_ENV, "max_split_size_mb:128")
     assert allocator_settings(SETTING) == (True, [])

@@ -9,10 +9,10 @@ import torchvision
 import transformers
 from torch import nn
 
-from runner.cli.show import print_blocks
-from runner.memory.blocks import find_blocks
-from runner.problems import InputError
-from runner.recipe import Recipe
+from ckrun.runner.cli.show import print_blocks
+from ckrun.runner.memory.blocks import find_blocks
+from ckrun.runner.problems import InputError
+from ckrun.runner.recipe import Recipe
 
 SMALL = dict(hidden_size=64, num_attention_heads=2, intermediate_size=128)
 

@@ -14,11 +14,11 @@ import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from runner.memory.apply import apply_plan
-from runner.memory.blocks import find_blocks
-from runner.policies import sqrt_segments
-from runner.memory.measure import SavedBytes
-from runner.plan import MemoryPlan
+from ckrun.runner.memory.apply import apply_plan
+from ckrun.runner.memory.blocks import find_blocks
+from ckrun.runner.policies import sqrt_segments
+from ckrun.runner.memory.measure import SavedBytes
+from ckrun.runner.plan import MemoryPlan
 
 TEXT = dict(vocab_size=100, max_position_embeddings=32)
 
@@ -201,7 +201,7 @@ def test_remove_puts_the_model_back_and_a_new_plan_applies():
 
 def test_decisions_are_logged(caplog):
     model, _ = bert()
-    with caplog.at_level(logging.INFO, logger="runner.memory"):
+    with caplog.at_level(logging.INFO, logger="ckrun.runner.memory"):
         apply_plan(model, plan({"policy": "every", "every": 2}), "cpu").remove()
     assert "checkpointing 2 of 4 blocks (every 2nd: 0,2)" in caplog.text
 
@@ -398,7 +398,7 @@ def test_selective_recomputes_attention_that_draws_dropout():
     # recompute skip that draw and shift every later dropout mask of the block
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from runner.memory.selective import static_policy
+    from ckrun.runner.memory.selective import static_policy
 
     policy = static_policy(frozenset({"mm", "_scaled_dot_product_efficient_attention"}))
     attention = torch.ops.aten._scaled_dot_product_efficient_attention.default

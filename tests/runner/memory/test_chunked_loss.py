@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 from torch import nn
 
-from runner.builders.data import IGNORE
-from runner.memory.chunked_loss import SplitHead
-from runner.plan import ChunkedLoss, MemoryPlan
-from runner.predict.estimate import Estimator
-from runner.problems import InputError
-from runner.train.trainer import Trainer
+from ckrun.runner.builders.data import IGNORE
+from ckrun.runner.memory.chunked_loss import SplitHead
+from ckrun.runner.plan import ChunkedLoss, MemoryPlan
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.problems import InputError
+from ckrun.runner.train.trainer import Trainer
 from tests.runner.memory.tiny_lm import GPT2, LLAMA, identical, recipe, train
 
 U = 2.0 ** -24  # float32's unit roundoff

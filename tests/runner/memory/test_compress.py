@@ -16,14 +16,14 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import BERT_TINY, TINY_BERT
-from runner.memory.apply import apply_plan
-from runner.memory.blocks import find_blocks, wrap_forward
-from runner.memory.compress import ActivationCompression, apply_compression, to_fp8
-from runner.memory.compress import FP8
-from runner.policies import CastCompression
-from runner.memory.tracker import LiveBytesTracker
-from runner.memory.offload import ActivationOffload, CopyTransport, ModuleStorages
-from runner.plan import MemoryPlan
+from ckrun.runner.memory.apply import apply_plan
+from ckrun.runner.memory.blocks import find_blocks, wrap_forward
+from ckrun.runner.memory.compress import ActivationCompression, apply_compression, to_fp8
+from ckrun.runner.memory.compress import FP8
+from ckrun.runner.policies import CastCompression
+from ckrun.runner.memory.tracker import LiveBytesTracker
+from ckrun.runner.memory.offload import ActivationOffload, CopyTransport, ModuleStorages
+from ckrun.runner.plan import MemoryPlan
 
 POLICIES = ["bf16"] + (["fp8"] if FP8 is not None else [])
 
@@ -251,9 +251,9 @@ def test_training_reports_the_gradient_error(tmp_path, ckrun, caplog):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
     """The estimator runs the same hooks on fake tensors: its CPU peak is the peak a real step measures."""
-    from runner.load import load_recipe
-    from runner.predict.estimate import estimate_peak
-    from runner.train.trainer import Trainer
+    from ckrun.runner.load import load_recipe
+    from ckrun.runner.predict.estimate import estimate_peak
+    from ckrun.runner.train.trainer import Trainer
 
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"memory.compression={{policy: {policy}}}", "memory.allow_lossy=true",
                                      f"output.dir={tmp_path}"])
@@ -268,13 +268,13 @@ def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
 
 def test_an_exact_pass_that_runs_out_of_memory_leaves_the_error_unmeasured(tmp_path, monkeypatch, caplog):
     """The exact plan keeps every activation: where that does not fit, training goes on, and says so."""
-    import runner.train.measure.lossy
-    from runner.load import load_recipe
-    from runner.train.trainer import Trainer
+    import ckrun.runner.train.measure.lossy
+    from ckrun.runner.load import load_recipe
+    from ckrun.runner.train.trainer import Trainer
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(runner.train.measure.lossy, "gradient_error", out_of_memory)
+    monkeypatch.setattr(ckrun.runner.train.measure.lossy, "gradient_error", out_of_memory)
     caplog.set_level(logging.INFO)
     trainer = Trainer(load_recipe(BERT_TINY, [*TINY_BERT, "memory.compression={policy: bf16}", "memory.allow_lossy=true",
                                               f"output.dir={tmp_path}"]))

@@ -15,7 +15,7 @@ import children
 import pytest
 import torch
 
-from runner.memory import measure, nvml
+from ckrun.runner.memory import measure, nvml
 
 GB = 10**9
 DEVICE = torch.device("cuda", 0)
@@ -102,7 +102,7 @@ def test_cuda_another_process_on_the_card_is_not_counted_as_ours(tmp_path):
                                "print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        code = ("from runner.memory.measure import note_card_before_cuda, context_after_kernels\n"
+        code = ("from ckrun.runner.memory.measure import note_card_before_cuda, context_after_kernels\n"
                 "import torch; note_card_before_cuda(); print(context_after_kernels(torch.device('cuda', 0)))")
         done = children.run([sys.executable, "-c", code])
         assert done.returncode == 0, done.stderr[-2000:]

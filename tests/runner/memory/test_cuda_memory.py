@@ -44,9 +44,9 @@ def test_prediction_is_close_to_the_allocator_peak(tmp_path, ckrun):
 def test_an_out_of_memory_step_gives_its_memory_back():
     import gc
 
-    from runner.load import load_recipe
-    from runner.train.run.memory_cap import MemoryCapExceeded
-    from runner.train.trainer import Trainer
+    from ckrun.runner.load import load_recipe
+    from ckrun.runner.train.run.memory_cap import MemoryCapExceeded
+    from ckrun.runner.train.trainer import Trainer
 
     # a batch whose activations cannot fit under a 2 GB cap: the allocator stops at the cap mid-step
     recipe = load_recipe(BERT_TINY, [*SMALL_BERT, "train.batch_size=1024", "memory.max_mem=2GB"])

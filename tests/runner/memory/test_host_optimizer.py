@@ -10,15 +10,15 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from runner.builders.optim import build_scheduler
-from runner.memory.host_optimizer import HostOffloadOptimizer, offloaded_share
-from runner.memory.measure import PeakMeter
-from runner.memory.optimizers import build_planned_optimizer
-from runner.plan import MemoryPlan
-from runner.predict.estimate import Estimator
-from runner.problems import InputError
+from ckrun.runner.builders.optim import build_scheduler
+from ckrun.runner.memory.host_optimizer import HostOffloadOptimizer, offloaded_share
+from ckrun.runner.memory.measure import PeakMeter
+from ckrun.runner.memory.optimizers import build_planned_optimizer
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.problems import InputError
 from tests.runner.memory.tiny_lm import WIDE, identical, recipe, train
-from runner.train.trainer import Trainer
+from ckrun.runner.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from runner.builders.experts import EAGER, GROUPED, experts_modules, implementation
-from runner.memory.apply import apply_plan
-from runner.memory.blocks import find_blocks
-from runner.plan import MemoryPlan
+from ckrun.runner.builders.experts import EAGER, GROUPED, experts_modules, implementation
+from ckrun.runner.memory.apply import apply_plan
+from ckrun.runner.memory.blocks import find_blocks
+from ckrun.runner.plan import MemoryPlan
 from tests.runner.memory.moe_models import FAMILIES, VOCAB, moe_model
 from tests.runner.memory.test_checkpointing_generated import _differences  # what differs: losses, then tensors
 
@@ -73,7 +73,7 @@ def test_the_decoder_layers_are_the_blocks(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ckrun_runs_the_grouped_kernel_where_it_runs_and_eager_experts_where_not(family, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     assert {implementation(m) for m in experts_modules(moe_model(family))} == {GROUPED}
     assert "experts: grouped_mm (transformers' grouped kernel" in caplog.text
     # fp32 rows of 30 floats are 120 bytes: torch's grouped kernel refuses strides that are not multiples of 16

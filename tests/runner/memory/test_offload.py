@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from runner.memory.apply import apply_plan
-from runner.memory.blocks import find_blocks, wrap_forward
-from runner.memory.offload import (ActivationOffload, CopyTransport, HostPool, derived_from_parameter, device_like,
+from ckrun.runner.memory.apply import apply_plan
+from ckrun.runner.memory.blocks import find_blocks, wrap_forward
+from ckrun.runner.memory.offload import (ActivationOffload, CopyTransport, HostPool, derived_from_parameter, device_like,
                                    host_view, size_class)
-from runner.plan import MemoryPlan
+from ckrun.runner.plan import MemoryPlan
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -307,7 +307,7 @@ def test_cuda_offloaded_tensors_wait_in_pinned_host_memory():
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_a_channels_last_activation_comes_back_channels_last():
-    from runner.memory.offload import CudaTransport
+    from ckrun.runner.memory.offload import CudaTransport
 
     transport = CudaTransport(torch.device("cuda", 0))
     tensor = torch.randn(8, 32, 16, 16, device="cuda").to(memory_format=torch.channels_last)

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from runner.load import recipe_from_text
-from runner.memory.optimizers import InBackwardUpdate
-from runner.problems import InputError
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.memory.optimizers import InBackwardUpdate
+from ckrun.runner.problems import InputError
 from tests.runner.memory.tiny_lm import GPT2, LLAMA, WIDE, identical, needs_torchao, recipe, train
 
 IN_BACKWARD = "{optimizer_step: {policy: in_backward}}"

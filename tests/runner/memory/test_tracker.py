@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from runner.memory.tracker import CATEGORIES, LiveBytesTracker
+from ckrun.runner.memory.tracker import CATEGORIES, LiveBytesTracker
 
 MB = 1 << 20
 F32 = 4

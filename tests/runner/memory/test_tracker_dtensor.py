@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.memory.tracker import LiveBytesTracker
+from ckrun.runner.memory.tracker import LiveBytesTracker
 
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.plan import MemoryPlan
-from runner.predict.estimate import Estimator
-from runner.problems import InputError
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.problems import InputError
 from tests.runner.memory.tiny_lm import GPT2, WIDE, identical, needs_torchao, recipe, train
 
 UNCACHED = "weights: {policy: fp32, cast_cache: false}"

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from runner.load import recipe_from_text
-from runner.train.trainer import Trainer
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.train.trainer import Trainer
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao (the lowbit extra) is not installed")

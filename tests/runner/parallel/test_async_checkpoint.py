@@ -14,9 +14,9 @@ from pathlib import Path
 
 import children
 from conftest import ROOT, read_metrics
-from runner.checkpoint_files import MARKER
-from runner.cli import main
-from runner.train.checkpoint.store import complete_checkpoints
+from ckrun.runner.checkpoint_files import MARKER
+from ckrun.runner.cli import main
+from ckrun.runner.train.checkpoint.store import complete_checkpoints
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",
@@ -41,7 +41,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_a_kill_then_leaves_t
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SLOW_WRITER)]), "OMP_NUM_THREADS": "1",
            "CKRUN_SLOW_WRITE": "8:600"}  # the checkpoint of step 8 takes ten minutes to write
-    launcher = subprocess.Popen([sys.executable, "-m", "runner.cli", STACK, *TINY, "train.steps=100000",
+    launcher = subprocess.Popen([sys.executable, "-m", "ckrun", STACK, *TINY, "train.steps=100000",
                                  f"output.dir={out}", "--nproc", "2"], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from runner.parallel.ranks import Ranks, check_world, join
-from runner.load import load_recipe_document
-from runner.problems import InputError
+from ckrun.runner.parallel.ranks import Ranks, check_world, join
+from ckrun.runner.load import load_recipe_document
+from ckrun.runner.problems import InputError
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",

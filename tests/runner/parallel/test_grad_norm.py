@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.parallel.grad_norm import clip_gradients
+from ckrun.runner.parallel.grad_norm import clip_gradients
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runner.parallel.launch import _first_failure_status
+from ckrun.runner.parallel.launch import _first_failure_status
 
 CAUSES = [2, 3, 4, 5, -signal.SIGKILL, -signal.SIGSEGV]  # a rank's own status, or a signal from outside
 CONSEQUENCES = [1, -signal.SIGTERM]  # a peer vanished (gloo), or the agent stopping the survivors
@@ -29,7 +29,7 @@ def test_the_status_is_a_cause_whenever_a_rank_had_one(causes, consequences, sec
 AFTER_SIGTERM = """
 import os, signal, threading, time
 from pathlib import Path
-import runner.parallel.launch as launch
+import ckrun.runner.parallel.launch as launch
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 beat = DynamicRendezvousHandler._keep_alive

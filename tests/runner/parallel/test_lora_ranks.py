@@ -16,7 +16,7 @@ from tests.runner.builders.hub_cache import tiny_llama_recipe
 
 def _ckrun(recipe, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return children.run([sys.executable, "-m", "runner.cli", str(recipe), *map(str, args)], env=env, cwd=ROOT)
+    return children.run([sys.executable, "-m", "ckrun", str(recipe), *map(str, args)], env=env, cwd=ROOT)
 
 
 @pytest.mark.slow  # three runs, two of them launching 2 ranks: 2.5 minutes on 2 cores

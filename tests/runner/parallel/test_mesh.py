@@ -9,13 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from runner.builders.model import build_model
-from runner.load import load_recipe_document
-from runner.parallel.mesh import data_coordinate
-from runner.parallel.ranks import Ranks, join
-from runner.builders.tensor_plan import matches, resolve
-from runner.problems import InputError
-from runner.strategies import HybridSharded, TensorParallel, strategy_from_label
+from ckrun.runner.builders.model import build_model
+from ckrun.runner.load import load_recipe_document
+from ckrun.runner.parallel.mesh import data_coordinate
+from ckrun.runner.parallel.ranks import Ranks, join
+from ckrun.runner.builders.tensor_plan import matches, resolve
+from ckrun.runner.problems import InputError
+from ckrun.runner.strategies import HybridSharded, TensorParallel, strategy_from_label
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",
@@ -112,7 +112,7 @@ def test_torchrun_ranks_an_hsdp_shard_does_not_divide_are_refused_before_joining
 
 
 def test_a_2d_layout_whose_inner_groups_span_machines_is_named():
-    from runner.parallel.mesh import node_problem
+    from ckrun.runner.parallel.mesh import node_problem
 
     assert node_problem(TensorParallel(strategy="tp", tensor=4).mesh_dims(8), 2).startswith(
         "tp groups of 4 ranks do not fit the 2 ranks of a machine")

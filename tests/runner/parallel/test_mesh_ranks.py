@@ -22,8 +22,8 @@ import shutil
 import pytest
 
 from conftest import ROOT, read_metrics
-from runner.cli import main
-from runner.train.checkpoint.store import complete_checkpoints
+from ckrun.runner.cli import main
+from ckrun.runner.train.checkpoint.store import complete_checkpoints
 from test_ranks import TINY as STACK_TINY
 from test_ranks import STACK, assert_close, ckrun_process, finish, losses
 

@@ -23,8 +23,8 @@ import pytest
 
 import children
 from conftest import ROOT, read_metrics
-from runner.cli import main
-from runner.train.checkpoint.store import complete_checkpoints
+from ckrun.runner.cli import main
+from ckrun.runner.train.checkpoint.store import complete_checkpoints
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 # 2 blocks of width 16: a step is milliseconds, so a run is mostly the ranks' start-up
@@ -43,7 +43,7 @@ def ckrun_process(*args, kill: str | None = None) -> subprocess.Popen:
     env.pop("CKRUN_KILL", None)
     if kill:
         env["CKRUN_KILL"] = kill
-    return subprocess.Popen([sys.executable, "-m", "runner.cli", *map(str, args)], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "ckrun", *map(str, args)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -22,7 +22,7 @@ RUN = [BERT_TINY, *TINY_BERT, "model.config.hidden_dropout_prob=0.0", "model.con
 
 def _ckrun(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return children.run([sys.executable, "-m", "runner.cli", *RUN, *map(str, args)], env=env, cwd=ROOT)
+    return children.run([sys.executable, "-m", "ckrun", *RUN, *map(str, args)], env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

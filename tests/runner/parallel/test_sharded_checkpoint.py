@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import ROOT
-from runner.checkpoint_files import MARKER, CheckpointError
-from runner.load import load_recipe_document
-from runner.train.trainer import Trainer
-from runner.train.checkpoint.sharded import is_sharded, load_sharded, pick_sharded, save_sharded
-from runner.parallel.ranks import SINGLE
+from ckrun.runner.checkpoint_files import MARKER, CheckpointError
+from ckrun.runner.load import load_recipe_document
+from ckrun.runner.train.trainer import Trainer
+from ckrun.runner.train.checkpoint.sharded import is_sharded, load_sharded, pick_sharded, save_sharded
+from ckrun.runner.parallel.ranks import SINGLE
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",

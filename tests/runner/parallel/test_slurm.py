@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import children
 from conftest import ROOT, read_metrics
-from runner.parallel.slurm import adopt, allocation_hint, check_node_launch, expand_hostlist, job_port, srun_step
-from runner.lock import DirLock
-from runner.problems import InputError
+from ckrun.runner.parallel.slurm import adopt, allocation_hint, check_node_launch, expand_hostlist, job_port, srun_step
+from ckrun.runner.lock import DirLock
+from ckrun.runner.problems import InputError
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",
@@ -110,7 +110,7 @@ def _tasks(args: list, count: int, per_node: bool = False) -> list[subprocess.Po
                "SLURM_PROCID": str(task), "SLURM_STEP_NUM_TASKS": str(count), "SLURM_STEP_NODELIST": "127.0.0.1",
                "SLURM_LOCALID": "0" if per_node else str(task), "SLURM_NODEID": str(task) if per_node else "0",
                "SLURM_STEP_NUM_NODES": str(count) if per_node else "1"}
-        processes.append(subprocess.Popen([sys.executable, "-m", "runner.cli", *map(str, args)], env=env, text=True,
+        processes.append(subprocess.Popen([sys.executable, "-m", "ckrun", *map(str, args)], env=env, text=True,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     return processes
 

@@ -16,7 +16,7 @@ import pytest
 
 import children
 from conftest import ROOT
-from runner.lock import DirLock
+from ckrun.runner.lock import DirLock
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",
@@ -32,7 +32,7 @@ child.wait()
 """
 CHILD = """
 import time
-import runner.parallel.supervise as supervise
+import ckrun.runner.parallel.supervise as supervise
 if {watchdog}:
     supervise._pdeathsig = lambda signum: False  # as where there is no prctl
 print(supervise.die_with_parent(), flush=True)
@@ -90,7 +90,7 @@ def test_a_supervised_process_dies_with_its_parent(watchdog):
 def test_kill_9_of_the_launcher_takes_its_ranks_and_nothing_more_is_written(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen([sys.executable, "-m", "runner.cli", STACK, *TINY, f"output.dir={out}", "--nproc", "2"],
+    launcher = subprocess.Popen([sys.executable, "-m", "ckrun", STACK, *TINY, f"output.dir={out}", "--nproc", "2"],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         metrics = out / "metrics.jsonl"

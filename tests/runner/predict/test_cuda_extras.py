@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from runner.predict.cuda_extras import (
+from ckrun.runner.predict.cuda_extras import (
     MiB,
     allocator_settings,
     cublas_workspace_bytes,
@@ -13,8 +13,8 @@ from runner.predict.cuda_extras import (
     flash_backward_scratch,
     hold_during_backward,
 )
-from runner.predict.cuda_model import SMALL_SEGMENT, LARGE_SEGMENT, CachingAllocatorModel
-from runner.memory.tracker import LiveBytesTracker
+from ckrun.runner.predict.cuda_model import SMALL_SEGMENT, LARGE_SEGMENT, CachingAllocatorModel
+from ckrun.runner.memory.tracker import LiveBytesTracker
 
 
 def test_cublas_workspace_follows_the_config_then_torch_defaults():

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from runner.predict.efficiency import (CALIBRATION_PATH, OP_CLASSES, Calibration, CalibrationEntry, calibration,
+from ckrun.runner.predict.efficiency import (CALIBRATION_PATH, OP_CLASSES, Calibration, CalibrationEntry, calibration,
                                        write_entry)
-from runner.predict.gpus import ROWS
+from ckrun.runner.predict.gpus import ROWS
 
 
 def test_every_entry_says_where_its_figures_come_from():

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from runner.load import recipe_from_text
-from runner.predict.cuda_model import CachingAllocatorModel, CudaOnCpu, attention_as_on_cuda
-from runner.predict.estimate import EstimateUnavailable, Estimator, estimate_peak
-from runner.predict.shapes import weight_init_skipped
-from runner.memory.tracker import LiveBytesTracker
-from runner.plan import MemoryPlan
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.predict.cuda_model import CachingAllocatorModel, CudaOnCpu, attention_as_on_cuda
+from ckrun.runner.predict.estimate import EstimateUnavailable, Estimator, estimate_peak
+from ckrun.runner.predict.shapes import weight_init_skipped
+from ckrun.runner.memory.tracker import LiveBytesTracker
+from ckrun.runner.plan import MemoryPlan
 
 MiB = 1 << 20
 
@@ -48,7 +48,7 @@ def cpu_estimator():
     "{micro_batch: 4, checkpointing: {policy: full}}",
 ])
 def test_cpu_estimate_equals_the_peak_training_measures(memory):
-    from runner.train.trainer import Trainer
+    from ckrun.runner.train.trainer import Trainer
 
     recipe = _recipe(f"memory: {memory}\n")
     trainer = Trainer(recipe)
@@ -179,7 +179,7 @@ def test_freed_blocks_merge_and_are_reused_best_fit():
 
 @pytest.mark.slow
 def test_bert_large_estimates_within_a_minute():
-    from runner.load import load_recipe
+    from ckrun.runner.load import load_recipe
     from pathlib import Path
 
     started = time.perf_counter()
@@ -200,7 +200,7 @@ train: {batch_size: 4, steps: 2, device: cpu}
 
 def test_seq2seq_targets_are_target_len_long_in_training_and_in_the_estimate():
     """The decoder's length is the target's, not the input's: both the batch and the estimate follow it."""
-    from runner.train.trainer import Trainer
+    from ckrun.runner.train.trainer import Trainer
 
     peaks = {}
     for target_len in (4, 24):
@@ -217,7 +217,7 @@ def test_a_card_too_small_for_the_step_is_predicted_with_its_unlimited_reserve(m
     """A cap (or card) the allocator outgrows: a step whose live tensors cannot fit even after releasing the
     cache keeps its unlimited reserve, which a cap check rejects, and says it runs out of memory; a card with
     room changes nothing. (What fits after a release: tests/runner/predict/test_cuda_extras.py.)"""
-    from runner.predict import reserved
+    from ckrun.runner.predict import reserved
 
     monkeypatch.setattr(reserved, "CUDA_CONTEXT_BYTES", 0)  # the tiny step is far below a real context
     estimator = Estimator(recipe_from_text(TINY_BERT), "cuda")

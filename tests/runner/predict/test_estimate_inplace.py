@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from estimate_models import INPLACE_OPS, INPLACE_PLACES
-from runner.builders.resolve import BuildError
-from runner.load import recipe_from_text
-from runner.predict.estimate import estimate_peak
-from runner.train.trainer import Trainer
+from ckrun.runner.builders.resolve import BuildError
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.predict.estimate import estimate_peak
+from ckrun.runner.train.trainer import Trainer
 
 
 def _recipe_text(where: str, op: str, policy: str, precision: str) -> str:
@@ -76,9 +76,9 @@ def test_sqrt_replays_a_block_that_writes_an_input_its_region_made():
     import torch
 
     from estimate_models import in_place_net
-    from runner.memory.apply import apply_plan
-    from runner.memory.blocks import find_blocks
-    from runner.plan import MemoryPlan
+    from ckrun.runner.memory.apply import apply_plan
+    from ckrun.runner.memory.blocks import find_blocks
+    from ckrun.runner.plan import MemoryPlan
 
     torch.manual_seed(0)
     model, images = in_place_net("block_input", "add_", depth=6), torch.randn(8, 3, 8, 8)

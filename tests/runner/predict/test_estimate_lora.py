@@ -8,9 +8,9 @@ import json
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT
-from runner.load import recipe_from_text
-from runner.predict.estimate import estimate_peak
-from runner.train.trainer import Trainer
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.predict.estimate import estimate_peak
+from ckrun.runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import tiny_llama_recipe
 
 PLANS = ["{}", "{checkpointing: {policy: full}}", "{checkpointing: {policy: every, every: 2}}",

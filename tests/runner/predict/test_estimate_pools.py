@@ -9,8 +9,8 @@ import json
 import pytest
 
 from conftest import read_metrics
-from runner.predict.estimate import estimate_peak
-from runner.train.trainer import Trainer
+from ckrun.runner.predict.estimate import estimate_peak
+from ckrun.runner.train.trainer import Trainer
 from tests.runner.memory.tiny_lm import GPT2, HAS_TORCHAO, LLAMA, recipe
 
 KNOBS = [

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from conftest import ROOT
-from runner.load import recipe_from_text
-from runner.predict.estimate import Estimator
-from runner.predict.hardware import DeviceFacts
-from runner.predict.per_rank import per_rank
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.hardware import DeviceFacts
+from ckrun.runner.predict.per_rank import per_rank
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",
@@ -145,7 +145,7 @@ BIG_LLAMA_FP32_BYTES = 4 * (8 * (4 * 2048 * 2048 + 3 * 2048 * 8192 + 2 * 2048) +
 # the estimate in a process of its own, which then says the most it held resident (Linux: kB)
 MEASURED_ESTIMATE = """
 import resource, sys
-from runner.cli import main
+from ckrun.runner.cli import main
 code = main(sys.argv[1:])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
 sys.exit(code)

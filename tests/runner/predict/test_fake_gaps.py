@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from conftest import lstm_step_reaches, read_metrics
-from runner.predict.fake_gaps import FAKE_GAPS
+from ckrun.runner.predict.fake_gaps import FAKE_GAPS
 
 HERE = Path(__file__).resolve().parent
 LSTM = ["model.source=python", "model.name=estimate_models:tiny_lstm", "model.config={vocab: 64, width: 32}",
@@ -39,7 +39,7 @@ def test_an_lstm_estimate_fills_in_onednns_workspace(tmp_path, ckrun, monkeypatc
 
 def test_a_layer_too_large_to_measure_keeps_the_warning(ckrun, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
-    monkeypatch.setattr("runner.predict.fake_gaps.MOST_MEASURED_FLOPS", 0)
+    monkeypatch.setattr("ckrun.runner.predict.fake_gaps.MOST_MEASURED_FLOPS", 0)
     code, out, err = ckrun("estimate", "bert_tiny", *LSTM, "train.batch_size=4", "--device", "cpu", "--json")
     assert code == 0, err
     if lstm_step_reaches("aten::mkldnn_rnn_layer"):

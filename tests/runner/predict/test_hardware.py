@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner.predict.gpus import ROWS, row_for_name
-from runner.predict.hardware import GPUS, DeviceFacts, UnknownDevice, known_names, resolve_device
+from ckrun.runner.predict.gpus import ROWS, row_for_name
+from ckrun.runner.predict.hardware import GPUS, DeviceFacts, UnknownDevice, known_names, resolve_device
 
 
 @pytest.mark.parametrize("name, key", [
@@ -108,7 +108,7 @@ def test_this_cpu_is_measured():
 
 @pytest.mark.cuda
 def test_this_gpu_measured_reads_back_as_facts(tmp_path):
-    from runner.predict.hardware import main
+    from ckrun.runner.predict.hardware import main
 
     path = tmp_path / "gpu.json"
     assert main([str(path)]) == 0
@@ -122,7 +122,7 @@ def test_this_gpu_measured_reads_back_as_facts(tmp_path):
 
 
 def test_calibrating_without_a_gpu_says_how_in_one_line(capsys):
-    from runner.predict.hardware import main
+    from ckrun.runner.predict.hardware import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

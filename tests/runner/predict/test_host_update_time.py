@@ -8,10 +8,10 @@ from functools import cache
 
 import pytest
 
-from runner.plan import MemoryPlan
-from runner.predict.estimate import Estimator
-from runner.predict.hardware import resolve_device
-from runner.predict.roofline import HOST_ADAMW_PER_S
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.hardware import resolve_device
+from ckrun.runner.predict.roofline import HOST_ADAMW_PER_S
 from tests.runner.memory.tiny_lm import WIDE, recipe
 
 H100 = resolve_device("h100")

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from runner.predict.cuda_model import CudaOnCpu
-from runner.predict.op_work import measure
-from runner.predict.roofline import OpClock
+from ckrun.runner.predict.cuda_model import CudaOnCpu
+from ckrun.runner.predict.op_work import measure
+from ckrun.runner.predict.roofline import OpClock
 
 
 def _attention_flops(device: str, rows: int, columns: int, causal: bool, heads: int = 2, dim: int = 16) -> float:
@@ -92,8 +92,8 @@ def test_a_channels_first_convolution_pays_cudnns_transposes_on_tensor_cores(cha
     """cuDNN's tensor-core convolutions run channels-last: a channels-first (NCHW) call reads and writes
     each of its tensors once more to transpose them, a channels-last one does not; in plain fp32 (no
     tensor cores) nothing is transposed."""
-    from runner.predict.hardware import DeviceFacts
-    from runner.predict.roofline import price
+    from ckrun.runner.predict.hardware import DeviceFacts
+    from ckrun.runner.predict.roofline import price
 
     facts = DeviceFacts(name="gpu", matmul_tflops={"fp32": 1e6, "tf32": 1e6, "bf16": 1e6, "fp16": 1e6},
                         memory_gbs=1.0, capability=(8, 0), memory_efficiency=1.0, launch_us=0.0)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from runner.load import recipe_from_text
-from runner.predict import per_rank as per_rank_module
-from runner.predict.estimate import Estimator
-from runner.predict.hardware import DeviceFacts
-from runner.predict.per_rank import RankPredictor, layout_key, per_rank, rank_share
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.predict import per_rank as per_rank_module
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.hardware import DeviceFacts
+from ckrun.runner.predict.per_rank import RankPredictor, layout_key, per_rank, rank_share
 
 FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 1.0, "tf32": 1.0, "bf16": 4.0, "fp16": 4.0},
                     memory_gbs=100.0, peer_gbs=50.0, capability=(9, 0), memory_bytes=80 * 10**9)
@@ -106,7 +106,7 @@ def test_cpu_offload_for_a_gpu_is_refused_as_unpredictable_not_as_a_cpu_run(monk
     """Issue 35: every `,cpu` plan of `tune --predict --nproc 8 --gpu h100` was 'unavailable' because the
     check asked this machine (no GPU) instead of the named one; the refusal now says what is missing,
     before anything is built."""
-    from runner.predict.estimate import EstimateUnavailable
+    from ckrun.runner.predict.estimate import EstimateUnavailable
 
     counted = Counted(monkeypatch)
     offloaded = recipe_from_text(LLAMA + "distributed: {strategy: fsdp}\nmemory: {sharding: {offload: cpu}}\n")

@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from runner.builders.experts import EAGER
-from runner.load import recipe_from_text
-from runner.predict.estimate import Estimator
-from runner.predict.routing import BalancedRouting, balanced_routing
-from runner.train.trainer import Trainer
+from ckrun.runner.builders.experts import EAGER
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.routing import BalancedRouting, balanced_routing
+from ckrun.runner.train.trainer import Trainer
 from tests.runner.memory.moe_models import FAMILIES, moe_config
 
 # Real routings of tiny Mixtrals measured 0.99 to 1.012 of the balanced estimate (3 seeds, steps 2-4,

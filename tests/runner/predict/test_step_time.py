@@ -10,13 +10,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from runner.load import recipe_from_text
-from runner.plan import MemoryPlan
-from runner.predict import estimate as estimate_module
-from runner.predict.estimate import Estimator
-from runner.predict.efficiency import Efficiency
-from runner.predict.hardware import DeviceFacts
-from runner.predict.roofline import OpClock, StepWork, price
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.predict import estimate as estimate_module
+from ckrun.runner.predict.estimate import Estimator
+from ckrun.runner.predict.efficiency import Efficiency
+from ckrun.runner.predict.hardware import DeviceFacts
+from ckrun.runner.predict.roofline import OpClock, StepWork, price
 
 # round numbers: 1 TFLOP/s for every dtype, 100 GB/s, no efficiency loss, a 10 us floor per op
 FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 1.0, "tf32": 1.0, "bf16": 4.0, "fp16": 4.0},

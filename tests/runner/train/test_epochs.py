@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.builders.optim import total_steps
-from runner.builders.resolve import BuildError
-from runner.load import load_recipe
-from runner.train.measure.probe import probe
+from ckrun.runner.builders.optim import total_steps
+from ckrun.runner.builders.resolve import BuildError
+from ckrun.runner.load import load_recipe
+from ckrun.runner.train.measure.probe import probe
 
 EPOCHS = ["train.steps=null", "train.scheduler={name: constant}"]  # batch 8 (TINY_BERT)
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=2"]
@@ -44,7 +44,7 @@ def test_epochs_train_the_steps_they_come_to(tmp_path, ckrun, caplog, kind, epoc
     data = text_data(tmp_path, rows) if kind == "text" else \
         f"data={{source: {kind}, paths: [{labelled_jsonl(tmp_path / 'train.jsonl', rows)}], seq_len: 32}}"
     model = TINY_BERT if kind == "text" else CLASSIFIER
-    caplog.set_level(logging.INFO, logger="runner")
+    caplog.set_level(logging.INFO, logger="ckrun")
     code, _, err = ckrun(BERT_TINY, *model, *EPOCHS, f"train.epochs={epochs}", data, f"output.dir={tmp_path / 'run'}")
     assert code == 0, err
     plural = "" if epochs == "1" else "s"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.load import recipe_from_text
-from runner.train.step import set_fp32_math
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.train.step import set_fp32_math
 
 RECIPE = """
 model: {source: torchvision, name: resnet18, config: {num_classes: 10}}

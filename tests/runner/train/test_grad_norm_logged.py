@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.builders.data import Batch
-from runner.train.step import make_precision, run_step
+from ckrun.runner.builders.data import Batch
+from ckrun.runner.train.step import make_precision, run_step
 
 
 @settings(max_examples=25, deadline=None)

@@ -17,7 +17,7 @@ LINES = ["the cat sat on the mat", "a dog ate the bone", "birds sing in the morn
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from runner.cli import main
+    from ckrun.runner.cli import main
 
     folder = tmp_path_factory.mktemp("lm")
     (folder / "corpus").mkdir()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import read_metrics
-from runner.load import recipe_from_text
-from runner.train.output.export import finish_run
-from runner.train.trainer import Trainer
+from ckrun.runner.load import recipe_from_text
+from ckrun.runner.train.output.export import finish_run
+from ckrun.runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import commit_of, offline_cache, put_in_cache, save_tiny_llama, tiny_llama_recipe
 
 REPO = "tiny-org/tiny-llama"
@@ -119,7 +119,7 @@ def test_a_checkpoint_written_before_the_lora_and_revision_keys_still_resumes(tm
     """Its fingerprint lacks model.lora and model.revision, which are null now: no setting changed."""
     import json
 
-    from runner.train.checkpoint.store import save_checkpoint
+    from ckrun.runner.train.checkpoint.store import save_checkpoint
 
     recipe = tmp_path / "plain.yaml"
     recipe.write_text(tiny_llama_recipe("", f"output: {{dir: {tmp_path / 'run'}}}\n"))

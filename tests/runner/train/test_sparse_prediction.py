@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertForMaskedLM
 
-from runner.train.step import predict_only_at
+from ckrun.runner.train.step import predict_only_at
 
 VOCAB, SEQ, BATCH, LABELLED = 64, 16, 2, 3
 

@@ -12,7 +12,7 @@ import sys
 _wanted = os.environ.get("CKRUN_KILL", "")
 if _wanted and os.environ.get("RANK") == _wanted.split(":")[0]:
     _rank, _step, _moment = _wanted.split(":")
-    import runner.train.checkpoint.sharded as _sharded
+    import ckrun.runner.train.checkpoint.sharded as _sharded
 
     _name = "rng_state" if _moment == "shards" else "_mark_complete"
     _real = getattr(_sharded, _name)

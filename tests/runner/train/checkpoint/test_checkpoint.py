@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.checkpoint import store
-from runner.train.trainer import Trainer
-from runner.train.checkpoint.store import CheckpointError, complete_checkpoints, load_latest, save_checkpoint
+from ckrun.runner.train.checkpoint import store
+from ckrun.runner.train.trainer import Trainer
+from ckrun.runner.train.checkpoint.store import CheckpointError, complete_checkpoints, load_latest, save_checkpoint
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint_and_is_not_picked(tmp_path, monkeypatch):

@@ -16,10 +16,10 @@ import torch
 
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
-from runner import checkpoint_files
-from runner.cli import main
-from runner.train import loop
-from runner.train.checkpoint import store
+from ckrun.runner import checkpoint_files
+from ckrun.runner.cli import main
+from ckrun.runner.train import loop
+from ckrun.runner.train.checkpoint import store
 
 RUN = [BERT_TINY, *TINY_BERT, "train.steps=6", "output.checkpoint_every=2"]
 
@@ -27,7 +27,7 @@ RUN = [BERT_TINY, *TINY_BERT, "train.steps=6", "output.checkpoint_every=2"]
 def test_sigterm_from_outside_ends_the_run_after_a_whole_step(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, "-m", "runner", *RUN[:-2], "train.steps=100000", "output.checkpoint_every=1",
+    child = subprocess.Popen([sys.executable, "-m", "ckrun", *RUN[:-2], "train.steps=100000", "output.checkpoint_every=1",
                               f"output.dir={out}"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         metrics = out / "metrics.jsonl"

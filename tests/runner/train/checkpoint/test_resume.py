@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.checkpoint.store import MARKER, CheckpointError, complete_checkpoints, load_latest, save_checkpoint
+from ckrun.runner.train.checkpoint.store import MARKER, CheckpointError, complete_checkpoints, load_latest, save_checkpoint
 
 CPU = torch.device("cpu")
 RUN = [BERT_TINY, *TINY_BERT, "output.checkpoint_every=2", "output.keep_checkpoints=3"]
@@ -45,7 +45,7 @@ def test_the_fallback_is_one_line_naming_both_checkpoints(tmp_path, caplog):
     for step in (1, 2):
         save_checkpoint(root, step, {"step": step}, keep=3)
     (root / "step-00000002" / "state.pt").write_bytes(b"")
-    with caplog.at_level(logging.INFO, logger="runner"):
+    with caplog.at_level(logging.INFO, logger="ckrun"):
         assert load_latest(root, CPU)["step"] == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "weights_only" not in warnings[0]

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.trainer import Trainer
+from ckrun.runner.train.trainer import Trainer
 
 # loss falls on this data, so with mode max the first evaluations are the best ones
 BEST = ["train.steps=6", "train.scheduler={name: constant}", "output.checkpoint_every=2"]
@@ -83,7 +83,7 @@ def test_the_early_stopping_reason_names_the_best_value_seen_under_min_delta():
     """A small improvement (under min_delta) still is the best; the reason never calls a worse value "best"."""
     from types import SimpleNamespace
 
-    from runner.train.eval.early_stop import EarlyStop
+    from ckrun.runner.train.eval.early_stop import EarlyStop
 
     stop = EarlyStop(SimpleNamespace(metric="loss", mode=None, patience=2, min_delta=0.5))
     losses = {5: 6.4, 10: 6.204, 15: 6.1, 20: 6.061}

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.cli import main
-from runner.train.trainer import Trainer
+from ckrun.runner.cli import main
+from ckrun.runner.train.trainer import Trainer
 
 MODELS = {  # dropout, BatchNorm, random draws in eval mode: each a way for evaluation to leak into training
     "cnn": ["model={source: python, name: 'user_models:small_cnn', config: {num_classes: 4}}",

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.trainer import Trainer
+from ckrun.runner.train.trainer import Trainer
 
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=3"]
 METRICS = '''import torch
@@ -128,7 +128,7 @@ STOPPING = ["train.steps=12", "train.scheduler={name: constant}", "output.checkp
 
 
 def test_early_stopping_ends_the_run_as_a_finished_one(tmp_path, ckrun, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, *STOPPING, f"output.dir={tmp_path}")
     assert code == 0, err
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
@@ -188,8 +188,8 @@ def test_a_ctrl_c_stop_evaluates_the_weights_it_leaves(tmp_path, ckrun, monkeypa
 
 
 def test_early_stopping_on_perplexity_when_the_loss_is_past_exps_range():
-    from runner.recipe_eval import EarlyStopping
-    from runner.train.eval.early_stop import EarlyStop
+    from ckrun.runner.recipe_eval import EarlyStopping
+    from ckrun.runner.train.eval.early_stop import EarlyStop
 
     early = EarlyStop(EarlyStopping(metric="perplexity", patience=1))
     assert early.observe({"step": 1, "eval": {"loss": 2.0, "perplexity": 7.4}}) is None

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from runner.builders.optim import decay_groups
-from runner.train.measure.probe import probe
-from runner.train.measure.update_error import SAMPLE, UpdateErrorMeter
+from ckrun.runner.builders.optim import decay_groups
+from ckrun.runner.train.measure.probe import probe
+from ckrun.runner.train.measure.update_error import SAMPLE, UpdateErrorMeter
 from tests.runner.memory.tiny_lm import WIDE, needs_torchao, recipe
 
 
@@ -45,7 +45,7 @@ def test_exact_adamw_measures_zero_and_only_the_optimizer_is_measured():
     ("{weights: {policy: bf16}, optimizer_step: {policy: in_backward}, allow_lossy: true}", "bf16"),
 ])
 def test_a_lossy_optimizers_error_is_logged_and_reported_by_a_probe(memory, precision, caplog):
-    with caplog.at_level(logging.INFO, logger="runner.train.trainer"):
+    with caplog.at_level(logging.INFO, logger="ckrun.runner.train.trainer"):
         measured = probe(recipe(memory, WIDE, precision), warmup_steps=2, timed_steps=1)
     # below the update itself: embeddings keep full-precision moments (LowBitState.full_precision_embeddings)
     assert measured.status == "ok" and measured.update_error is not None and 0 < measured.update_error < 1

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.builders.sources import build_data
-from runner.builders.model import build_model
-from runner.load import load_recipe
-from runner.train.step import call_model
+from ckrun.runner.builders.sources import build_data
+from ckrun.runner.builders.model import build_model
+from ckrun.runner.load import load_recipe
+from ckrun.runner.train.step import call_model
 
 TORCHVISION = ["model.source=torchvision", "model.name=resnet18", "model.config={num_classes: 10}",
                "data.image_size=32", "train.batch_size=4", "train.device=cpu"]
@@ -100,7 +100,7 @@ def test_a_finished_run_continues_with_more_steps_exactly(tmp_path, ckrun):
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     """One finished run per source, shared by the bad-input cases below."""
-    from runner.cli import main
+    from ckrun.runner.cli import main
 
     root = tmp_path_factory.mktemp("exports")
     for source, args in SOURCES.items():
@@ -166,7 +166,7 @@ def test_a_model_folder_of_the_users_is_refused_at_the_start_and_never_deleted(t
 
 
 def test_a_model_folder_that_appears_during_the_run_is_kept(tmp_path, caplog):
-    from runner.train.output.export import export_model
+    from ckrun.runner.train.output.export import export_model
 
     recipe = load_recipe(BERT_TINY, TINY_BERT)
     model = build_model(recipe.model)

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.output.numbers import RecordValueError, plain_record, plain_value
+from ckrun.runner.train.output.numbers import RecordValueError, plain_record, plain_value
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
 NUMPY = [np.float32, np.float64, np.int64, np.int32, np.bool_]

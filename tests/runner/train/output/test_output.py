@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.train.output.directory import read_metrics_lines
-from runner.train.checkpoint.resume import truncate_metrics
+from ckrun.runner.train.output.directory import read_metrics_lines
+from ckrun.runner.train.checkpoint.resume import truncate_metrics
 
 GOOD = Path(BERT_TINY).read_text()
 RUN = [BERT_TINY, *TINY_BERT, "train.steps=6", "output.checkpoint_every=2"]
@@ -83,7 +83,7 @@ def full_disk_after(monkeypatch, name: str, writes: int, cut: int) -> None:
 
 @pytest.fixture(scope="module")
 def straight_losses(tmp_path_factory):
-    from runner.cli import main
+    from ckrun.runner.cli import main
 
     out = tmp_path_factory.mktemp("straight")
     assert main([*RUN, f"output.dir={out}"]) == 0

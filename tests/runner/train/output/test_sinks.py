@@ -18,12 +18,12 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from runner.load import load_recipe
-from runner.recipe import OutputSpec
-from runner.recipe_sinks import SECTIONS, SinkSection, TensorBoardSink
-from runner.train.output.directory import METRICS, MetricsLog, OutputError, RunInfo
-from runner.train.output.sinks import SINKS, InBackground, Sinks, chosen, make_sink, open_sinks
-from runner.train.output.trackers import TensorBoardLog
+from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe import OutputSpec
+from ckrun.runner.recipe_sinks import SECTIONS, SinkSection, TensorBoardSink
+from ckrun.runner.train.output.directory import METRICS, MetricsLog, OutputError, RunInfo
+from ckrun.runner.train.output.sinks import SINKS, InBackground, Sinks, chosen, make_sink, open_sinks
+from ckrun.runner.train.output.trackers import TensorBoardLog
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -80,7 +80,7 @@ def run_info(tmp_path, first_step: int = 0) -> RunInfo:
 
 
 def warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("runner")]
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("ckrun")]
 
 
 def test_an_optional_sink_that_fails_is_one_warning_and_the_others_go_on(tmp_path, caplog):
@@ -172,7 +172,7 @@ def test_a_sink_failing_in_the_background_is_the_same_one_warning(tmp_path, capl
 
 
 def test_mlflow_opens_in_the_background_and_the_others_do_not():
-    from runner.recipe_sinks import MlflowSink, WandbSink
+    from ckrun.runner.recipe_sinks import MlflowSink, WandbSink
 
     assert isinstance(make_sink(MlflowSink(name="mlflow")), InBackground)
     assert not isinstance(make_sink(TensorBoardSink(name="tensorboard")), InBackground)
@@ -295,7 +295,7 @@ def test_a_wrong_sink_is_one_located_line(ckrun, sinks, said):
 
 
 def test_the_schema_offers_a_sink_by_name_or_as_a_section():
-    from runner.recipe import Recipe
+    from ckrun.runner.recipe import Recipe
 
     schema = Recipe.model_json_schema()
     items = schema["$defs"]["OutputSpec"]["properties"]["sinks"]["items"]["anyOf"]

@@ -73,7 +73,7 @@ def steps(rows: list[dict], key: str) -> list[tuple[int, float]]:
 def resumed(tmp_path_factory):
     """A run of 4 steps that logs to W&B and MLflow, then resumed from step 2 as if killed after step 4
     before its last save: steps 3 and 4 run again."""
-    from runner.cli import main
+    from ckrun.runner.cli import main
 
     sinks = [name for name, present in (("wandb", HAS_WANDB), ("mlflow", HAS_MLFLOW)) if present]
     if not sinks:
@@ -121,10 +121,10 @@ def test_mlflow_holds_every_record_once_across_a_resume(resumed):
 @pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'ckrun[mlflow]')")
 @mock.patch.dict(os.environ)  # the sink sets MLFLOW_DISABLE_TELEMETRY
 def test_a_run_started_afresh_is_a_new_mlflow_run_and_a_resumed_one_continues_the_newest(tmp_path):
-    from runner.load import load_recipe
-    from runner.recipe_sinks import MlflowSink
-    from runner.train.output.trackers import MlflowLog
-    from runner.train.output.directory import RunInfo
+    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe_sinks import MlflowSink
+    from ckrun.runner.train.output.trackers import MlflowLog
+    from ckrun.runner.train.output.directory import RunInfo
 
     recipe, ids = load_recipe(BERT_TINY), []
     for first_step, ended in ((0, "stopped"), (0, "failed"), (2, "finished")):  # afresh, afresh, resumed
@@ -146,7 +146,7 @@ def test_a_new_mlflow_store_is_a_copy_of_the_user_caches_empty_one(tmp_path):
     every later new run copies it; a cache that cannot be written leaves the store made in place."""
     from mlflow.tracking import MlflowClient
 
-    from runner.train.output.trackers import _new_store
+    from ckrun.runner.train.output.trackers import _new_store
 
     made = []
     counting = lambda **kwargs: made.append(kwargs) or MlflowClient(**kwargs)  # noqa: E731

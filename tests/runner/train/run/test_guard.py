@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT
-from runner.problems import EXIT_NON_FINITE
-from runner.train.run import guard
-from runner.train.trainer import Trainer
-from runner.train.output.directory import strict_record
+from ckrun.runner.problems import EXIT_NON_FINITE
+from ckrun.runner.train.run import guard
+from ckrun.runner.train.trainer import Trainer
+from ckrun.runner.train.output.directory import strict_record
 
 
 def strict_metrics(out) -> list[dict]:
@@ -136,7 +136,7 @@ def test_a_batch_far_too_large_for_memory_is_one_line(tmp_path, ckrun):
 
 
 def test_running_out_of_memory_inside_a_step_is_one_line(tmp_path, ckrun, monkeypatch):
-    from runner.train import trainer
+    from ckrun.runner.train import trainer
 
     def allocator_fails(*args, **kwargs):  # the exact error torch's CPU allocator raises
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "

@@ -23,7 +23,7 @@ def _snapshot(directory):
 def test_a_second_run_on_a_directory_in_use_is_one_line_and_writes_nothing(ckrun, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "runner.cli", BERT_TINY, *TINY_BERT, "train.steps=100000",
+    first = subprocess.Popen([sys.executable, "-m", "ckrun", BERT_TINY, *TINY_BERT, "train.steps=100000",
                               "output.checkpoint_every=0", f"output.dir={out}"], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT
-from runner.train.run import progress
-from runner.train.run.progress import Progress, format_duration
+from ckrun.runner.train.run import progress
+from ckrun.runner.train.run.progress import Progress, format_duration
 
 STEP = re.compile(r"step (\d+)/(\d+)  loss [\d.]+  lr \S+  (\d+ tokens/s|[\d.]+ samples/s)  peak .+  ETA (\S+|after step \d+)$")
 
@@ -28,7 +28,7 @@ def _step_lines(messages: list[str]) -> list[str]:
 
 def test_off_a_terminal_step_1_and_the_last_step_are_timestamped_lines(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = children.run([sys.executable, "-m", "runner", BERT_TINY, *TINY_BERT, "train.steps=12", "output.log_every=5",
+    done = children.run([sys.executable, "-m", "ckrun", BERT_TINY, *TINY_BERT, "train.steps=12", "output.log_every=5",
                          "output.log_seconds=0", f"output.dir={tmp_path}"], env=env, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if " step " in line and "ETA" in line]
@@ -38,7 +38,7 @@ def test_off_a_terminal_step_1_and_the_last_step_are_timestamped_lines(tmp_path)
 
 
 def test_a_slow_run_logs_on_time_as_well_as_on_steps(tmp_path, ckrun, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=4", "output.log_every=100", "output.log_seconds=1e-9",
                          f"output.dir={tmp_path}")
     assert code == 0, err
@@ -46,7 +46,7 @@ def test_a_slow_run_logs_on_time_as_well_as_on_steps(tmp_path, ckrun, caplog):
 
 
 def test_an_image_model_reports_samples_per_second(tmp_path, ckrun, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     cnn = ["model={source: python, name: 'user_models:small_cnn', config: {num_classes: 4}}",
            "data={source: synthetic, task: image_classification, image_size: 8, num_classes: 4}",
            "train.batch_size=4", "train.device=cpu"]
@@ -100,7 +100,7 @@ def test_durations_read_like_a_clock(seconds, shown):
 
 
 def test_after_a_resume_the_done_line_says_what_its_losses_cover(tmp_path, ckrun, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     common = [BERT_TINY, *TINY_BERT, "train.scheduler={name: constant}", f"output.dir={tmp_path}"]
     assert ckrun(*common, "train.steps=3")[0] == 0
     caplog.clear()

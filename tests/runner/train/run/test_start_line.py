@@ -8,8 +8,8 @@ import logging
 import torch
 
 from conftest import BERT_TINY, TINY_BERT
-from runner.load import load_recipe
-from runner.train.run.start_line import start_lines
+from ckrun.runner.load import load_recipe
+from ckrun.runner.train.run.start_line import start_lines
 
 CPU = torch.device("cpu")
 
@@ -20,7 +20,7 @@ def _messages_before_step_1(caplog) -> list[str]:
 
 
 def test_a_bf16_recipe_on_a_cpu_says_so_before_step_1_and_runs_on(tmp_path, ckrun, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "precision=bf16", "train.steps=2", "memory.max_mem=2GB",
                          f"output.dir={tmp_path}")
     assert code == 0, err
@@ -32,7 +32,7 @@ def test_a_bf16_recipe_on_a_cpu_says_so_before_step_1_and_runs_on(tmp_path, ckru
 
 
 def test_an_fp32_tiny_recipe_on_a_cpu_is_not_warned_about(tmp_path, ckrun, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     assert ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={tmp_path}")[0] == 0
     assert not any("meant for a GPU" in m for m in caplog.messages)
     assert not any(m.startswith("predicted:") for m in caplog.messages)  # no time model wired in: no time said
@@ -46,7 +46,7 @@ def test_a_large_model_and_a_predicted_time_are_named():
 
 
 def test_device_picks_where_to_train(tmp_path, ckrun, caplog):
-    caplog.set_level("INFO", logger="runner")
+    caplog.set_level("INFO", logger="ckrun")
     recipe = [BERT_TINY, *[o for o in TINY_BERT if not o.startswith("train.device")], "train.steps=1"]
     assert ckrun(*recipe, "train.device=cuda", "--device", "cpu", f"output.dir={tmp_path}")[0] == 0
     assert any(m.startswith("training BertForMaskedLM on cpu") for m in caplog.messages)
