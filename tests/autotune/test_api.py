@@ -43,7 +43,7 @@ def _loop_peak(model, optimizer, x, y, steps: int = 2) -> int:
 
 
 def test_the_readme_plain_loop_runs_as_written(caplog):
-    caplog.set_level("INFO", logger="autotune")
+    caplog.set_level("INFO", logger="ckrun.autotune")
     namespace: dict = {}
     exec(compile(PLAIN_LOOP, "README.md", "exec"), namespace)
     planned = namespace["applied"].planned
@@ -64,7 +64,7 @@ def test_a_predicted_plan_keeps_the_loop_under_its_cap_and_no_plan_would_not():
 
 def test_the_readme_trainer_loop_runs_as_written(tmp_path, monkeypatch, caplog):
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
-    caplog.set_level("INFO", logger="autotune")
+    caplog.set_level("INFO", logger="ckrun.autotune")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(TRAINER_LOOP, "README.md", "exec"), namespace)

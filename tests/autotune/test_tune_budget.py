@@ -88,7 +88,7 @@ def test_every_strategy_is_a_starting_point_when_plans_are_predicted(caplog):
     strategies = {ShardingChoice.from_label(label).strategy.label() for label in space.choices["sharding"]}
     assert {space.candidate(start).strategy.label() for start in starts} == strategies
     assert {start["sharding"] for start in space.starting_points(RECIPE, None)} == {space.choices["sharding"][0]}
-    with caplog.at_level(logging.INFO, logger="autotune"):
+    with caplog.at_level(logging.INFO, logger="ckrun.autotune"):
         _, ranked = searched(Landscape(1, 1.0), 3, 0)
     line = next(r.getMessage() for r in caplog.records if "picks it" in r.getMessage())
     assert f"trial {ranked[0].number}," in line

@@ -10,7 +10,7 @@ from tune_helpers import report, use_fake_child
 
 def test_without_a_recipe_it_takes_ckrun_yaml_else_the_library_default(ckrun, monkeypatch, tmp_path, caplog):
     monkeypatch.chdir(tmp_path)
-    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.set_level(logging.INFO, logger="ckrun.autotune")
     assert ckrun("tune", "--max-mem", "lots")[0] == 2  # stops at the flag, after saying which recipe
     assert "no recipe given and no ./ckrun.yaml here: using the library's bert_tiny" in caplog.text
     shutil.copy(BERT_TINY, tmp_path / "ckrun.yaml")
@@ -22,7 +22,7 @@ def test_without_a_recipe_it_takes_ckrun_yaml_else_the_library_default(ckrun, mo
 def test_tune_then_train_with_the_winner(ckrun, monkeypatch, tmp_path, caplog):
     use_fake_child(monkeypatch)
     monkeypatch.chdir(tmp_path)
-    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.set_level(logging.INFO, logger="ckrun.autotune")
     code, out, err = ckrun("tune", BERT_TINY, *TINY_BERT, "train.steps=2", "output.dir=run", "--max-mem", "100MB",
                            "--trials", "2", "--no-screen")
     assert code == 0, err

@@ -65,7 +65,7 @@ def test_the_flag_reaches_the_study(tmp_path, ckrun, monkeypatch, caplog):
     from tune_helpers import use_fake_child
 
     use_fake_child(monkeypatch)
-    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.set_level(logging.INFO, logger="ckrun.autotune")
     code, _, err = ckrun("tune", BERT_TINY, *TINY_BERT, f"output.dir={tmp_path / 'run'}", "--max-mem", "100MB",
                          "--output", tmp_path / "tune", "--trials", "2", "--no-screen", "--no-train", "--allow-lossy")
     assert code == 0, err

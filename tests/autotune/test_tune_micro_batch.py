@@ -24,7 +24,7 @@ def _tune(ckrun, monkeypatch, tmp_path, batchnorm: bool, *flags):
 
 
 def test_batchnorm_keeps_the_recipes_micro_batch(ckrun, monkeypatch, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.set_level(logging.INFO, logger="ckrun.autotune")
     micro_batches, tuned = _tune(ckrun, monkeypatch, tmp_path, True)
     assert set(micro_batches) == {4}
     assert "space: micro_batch pinned to the recipe's 4: the model has BatchNorm (3 layers: blocks.0.1" in caplog.text
@@ -35,7 +35,7 @@ def test_batchnorm_keeps_the_recipes_micro_batch(ckrun, monkeypatch, tmp_path, c
 
 
 def test_search_micro_batch_searches_it_and_says_what_it_changes(ckrun, monkeypatch, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.set_level(logging.INFO, logger="ckrun.autotune")
     micro_batches, tuned = _tune(ckrun, monkeypatch, tmp_path, True, "--search-micro-batch")
     assert len(set(micro_batches)) > 1
     assert "micro_batch in [1, 2, 4, 8]" in caplog.text
@@ -46,6 +46,6 @@ def test_search_micro_batch_searches_it_and_says_what_it_changes(ckrun, monkeypa
 
 
 def test_without_batchnorm_micro_batch_is_searched(ckrun, monkeypatch, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="autotune")
+    caplog.set_level(logging.INFO, logger="ckrun.autotune")
     micro_batches, _ = _tune(ckrun, monkeypatch, tmp_path, False)
     assert len(set(micro_batches)) > 1 and "micro_batch pinned" not in caplog.text

@@ -29,7 +29,7 @@ class Lines(logging.Handler):
 @pytest.fixture(scope="module")
 def predicted(tmp_path_factory):
     out, lines = tmp_path_factory.mktemp("predicted"), Lines()
-    logger = logging.getLogger("autotune")
+    logger = logging.getLogger("ckrun.autotune")
     level, logger.level = logger.level, logging.INFO
     logger.addHandler(lines)
     try:

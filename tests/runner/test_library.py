@@ -175,8 +175,10 @@ def test_the_wheel_carries_every_recipe(tmp_path):
                   "-w", str(tmp_path)], check=True, capture_output=False)
     (wheel,) = tmp_path.glob("ckrun-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"recipes/{path.relative_to(ROOT / 'recipes').as_posix()}" for path in library_recipes().values()} <= names
-    assert {"recipes/__init__.py", "recipes/parameter_counts.json", "runner/models/classics.py"} <= names
+    assert {f"ckrun/recipes/{path.relative_to(ROOT / 'recipes').as_posix()}" for path in library_recipes().values()} <= names
+    assert {"ckrun/recipes/__init__.py", "ckrun/recipes/parameter_counts.json", "ckrun/runner/models/classics.py"} <= names
+    # one import name in site-packages, whatever the folders are called here (tests/test_import_name.py)
+    assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"ckrun"}
 
 
 def test_a_recipe_path_that_is_not_a_readable_file_is_one_line(tmp_path, ckrun):
@@ -258,7 +260,7 @@ ROOT = {root!r}
 class Editable:  # as setuptools' editable finder: the packages found by a meta path finder, not on sys.path
     @classmethod
     def find_spec(cls, name, path=None, target=None):
-        if name in ("runner", "autotune", "recipes"):
+        if name in ("ckrun",):
             return importlib.machinery.PathFinder.find_spec(name, [ROOT])
         return None
 
