@@ -123,13 +123,16 @@ class LiveBytesTracker(TorchDispatchMode):
     The peak starts at the registered baseline; `reset_peak()` restarts it from the current
     bytes (once per step when one tracker serves many steps). With `record_events`, every
     allocation and free is appended to `events` as `(key, signed bytes, device)` (+ allocates,
-    - frees the storage `key`), in order, for an allocator model to replay.
+    - frees the storage `key`), in order, for an allocator model to replay; with `record_labels` too,
+    `labels` holds `(events so far, key, category)` for each storage's category when it appears and
+    whenever it is re-labelled, so a replay of the events can say the breakdown at its peak.
     """
 
-    def __init__(self, device: str | torch.device = "cpu", record_events: bool = False):
+    def __init__(self, device: str | torch.device = "cpu", record_events: bool = False, record_labels: bool = False):
         super().__init__()
         self.device = _normalize(device)
-        self.events: list[tuple[int, int, torch.device]] | None = [] if record_events else None
+        self.events: list[tuple[int, int, torch.device]] | None = [] if record_events or record_labels else None
+        self.labels: list[tuple[int, int, str]] | None = [] if record_labels else None
         self._live: dict[int, _Record] = {}  # id(storage) -> record; ids are unique while it lives
         self._devices: dict[torch.device, _DeviceBytes] = {}
         self._hooks: list[Any] = []
@@ -260,6 +263,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self._resized(storage)
         if relabel and record.category != category:
             self._relabel(record, category)
+            if self.labels is not None:
+                self.labels.append((len(self.events), id(storage), category))
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         """A known storage whose size changed in place (resize_): new memory replaces the old."""
@@ -281,6 +286,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self._on(device).add(category, nbytes)
         if self.events is not None:
             self.events.append((key, nbytes, device))
+        if self.labels is not None:
+            self.labels.append((len(self.events), key, category))
 
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
         record = self._live.pop(key, None)

@@ -200,7 +200,7 @@ def block_bytes(estimator: Estimator, plan: MemoryPlan, precision: str) -> tuple
     """(the estimate, per-block device bytes, per-block host bytes) of one step of `plan` on fake tensors."""
     blocks = find_blocks(estimator.model, plan.blocks)
     device_bytes, host_bytes = [0] * len(blocks), [0] * len(blocks)
-    watch = lambda tracker: _watched(blocks, tracker, device_bytes, host_bytes)  # noqa: E731
+    watch = lambda run: _watched(blocks, run.tracker, device_bytes, host_bytes)  # noqa: E731
     return estimator.estimate(plan, precision, watch=watch), device_bytes, host_bytes
 
 

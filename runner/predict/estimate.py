@@ -160,12 +160,17 @@ class Estimator:
                                               torch.device("cuda" if self.cuda else "cpu"), key[-1], host=HOST)
             try:
                 with watch or contextlib.nullcontext():
-                    warm = "bf16" if plan.weights.holds_bf16 else "fp32"  # bf16 weights run under bf16 autocast
-                    self._step(self.recipe.train.batch_size, warm, whole, planned.optimizer)  # creates the state
+                    self._warm_up(whole, planned)
             finally:
                 planned.remove()
         self._optimizers[key] = planned
         return planned
+
+    def _warm_up(self, whole: MemoryPlan, planned: PlannedOptimizer) -> None:
+        """One whole step, untracked, that creates the optimizer's state (runner/predict/parts.py steps the
+        optimizer alone)."""
+        warm = "bf16" if whole.weights.holds_bf16 else "fp32"  # bf16 weights run under bf16 autocast
+        self._step(self.recipe.train.batch_size, warm, whole, planned.optimizer)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The built model as the step runs it; predict/ranks.py shards it here (FSDP), before the optimizer."""
@@ -173,37 +178,51 @@ class Estimator:
 
     def estimate(self, plan: MemoryPlan | None = None, precision: PrecisionName | None = None,
                  watch=None) -> Estimate:
-        """`watch(tracker)`, when given, is a context manager entered around the step (per-block costs
-        read the tracker from hooks it installs)."""
+        """`watch(run)`, when given, is a context manager entered around the step, given the `FakeRun`
+        whose tracker and clock record it (per-block costs read the tracker from hooks it installs)."""
         plan = self.recipe.memory if plan is None else plan
         precision = precision or self.recipe.precision
         micro = _micro_batch(plan, self.recipe.train.batch_size)
-        facts = replace(self.recipe.step_facts(), precision=precision)
-        check_combination(plan, torch.device("cuda" if self.cuda else "cpu"), facts)  # bad plans raise ValueError
-        tracker = LiveBytesTracker(CPU, record_events=self.cuda)
-        clock = OpClock(self.world_size, self.recipe.tf32, self._moded_blocks(plan)) if self.facts else None
-        planned = self._optimizing(plan)
-        with self.fake_mode, self._device_behaviour(plan), self._applied(plan, clock) as applied:
-            tracker.track(self.model, planned.optimizer, [*self.batch.tensors(), *self.batch_only])
-            baseline = len(tracker.events or ())
-            planned.install()
-            try:
-                with unavailable_on_fake_errors("the training step"), tracker, (clock or contextlib.nullcontext()), \
-                        (watch(tracker) if watch else contextlib.nullcontext()):
-                    self._step(micro, precision, plan, planned.stepper, applied.head)
-                hosted = sum(t.numel() for t in getattr(planned.optimizer, "copies", {}).values())
-                if clock is not None and hosted:  # the host's share of the update, priced at its AdamW rate
-                    clock.host_update(hosted)
-            finally:
-                planned.remove()
-                tracker.close()
-        estimate = self._result(tracker, baseline, plan, precision, planned)
+        self.check(plan, precision)  # bad plans raise ValueError
+        run = self.fake_step(plan, precision, lambda run: self._step(micro, precision, plan, run.planned.stepper,
+                                                                      run.applied.head), watch)
+        estimate = self._result(run.tracker, run.baseline, plan, precision, run.planned)
         estimate.notes.extend(self.routed.notes())
         estimate.warnings.extend(self.warnings)
-        if clock is not None:
+        if run.clock is not None:
             shape = self._shape(micro, precision)
-            estimate = replace(estimate, work=clock.work, shape=shape, time=step_time(clock.work, shape, self.facts))
+            estimate = replace(estimate, work=run.clock.work, shape=shape, time=step_time(run.clock.work, shape, self.facts))
         return estimate
+
+    def check(self, plan: MemoryPlan, precision: PrecisionName) -> None:
+        """A ValueError when `plan` cannot run here with `precision` (memory.apply's check_combination)."""
+        facts = replace(self.recipe.step_facts(), precision=precision)
+        check_combination(plan, torch.device("cuda" if self.cuda else "cpu"), facts)
+
+    def fake_step(self, plan: MemoryPlan, precision: PrecisionName, step, watch=None,
+                  record_labels: bool = False) -> FakeRun:
+        """`step(run)` on the fake model with `plan` applied, inside the tracker (and with device facts the
+        op clock): the optimizer the plan asks for installed, what existed before counted as the baseline.
+        `step` is the training step's work (the estimate's `_step`; per part: runner/predict/parts.py)."""
+        run = FakeRun(LiveBytesTracker(CPU, record_events=self.cuda, record_labels=record_labels),
+                      OpClock(self.world_size, self.recipe.tf32, self._moded_blocks(plan)) if self.facts else None,
+                      self._optimizing(plan))
+        planned = run.planned
+        with self.fake_mode, self._device_behaviour(plan), self._applied(plan, run.clock) as run.applied:
+            run.tracker.track(self.model, planned.optimizer, [*self.batch.tensors(), *self.batch_only])
+            run.baseline = len(run.tracker.events or ())
+            planned.install()
+            try:
+                with unavailable_on_fake_errors("the training step"), run.tracker, \
+                        (run.clock or contextlib.nullcontext()), (watch(run) if watch else contextlib.nullcontext()):
+                    step(run)
+                hosted = host_parameters(planned)
+                if run.clock is not None and hosted:  # the host's share of the update, priced at its AdamW rate
+                    run.clock.host_update(hosted)
+            finally:
+                planned.remove()
+                run.tracker.close()
+        return run
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -315,6 +334,24 @@ class Estimator:
         if plan.offload.moves and host > 0:
             notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")
         return Estimate(reserve.reserved_bytes, breakdown, notes, live, "cuda")
+
+
+@dataclass
+class FakeRun:
+    """One fake step as `Estimator.fake_step` ran it: what recorded it and what it ran with."""
+
+    tracker: LiveBytesTracker
+    clock: OpClock | None
+    planned: PlannedOptimizer
+    baseline: int = 0
+    """The tracker's events that existed before the step (parameters, optimizer state, the batch)."""
+    applied: object = None
+    """The plan as apply_plan put it on the model (memory.apply.AppliedPlan)."""
+
+
+def host_parameters(planned: PlannedOptimizer) -> int:
+    """Parameters whose update runs on the host (memory.optimizer_offload), priced at the host's AdamW rate."""
+    return sum(t.numel() for t in getattr(planned.optimizer, "copies", {}).values())
 
 
 def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:

@@ -181,18 +181,43 @@ def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precis
              label_total: torch.Tensor | None = None, head: SplitHead | None = None) -> StepResult:
     """`label_total`: the loss's denominator when `batch` is one rank's share (runner/train/ranked.py);
     `optimizer`: what steps (a PlannedOptimizer's stepper); `head`: memory.loss chunked's split head."""
+    accumulated = accumulate(model, batch, micro_batch, precision, scaler, label_total, head)
+    return update(model, optimizer, scaler, grad_clip, accumulated)
+
+
+@dataclass
+class Accumulated:
+    """What the micro-batches leave for the update: the loss's denominator, the summed loss, and the
+    last micro-batch's loss (alive until the step ends, as when one function ran both parts)."""
+
+    total: torch.Tensor
+    loss: torch.Tensor
+    last: torch.Tensor | None
+
+
+def accumulate(model, batch: Batch, micro_batch: int, precision: Precision, scaler: torch.amp.GradScaler | None,
+               label_total: torch.Tensor | None = None, head: SplitHead | None = None) -> Accumulated:
+    """The first part of `run_step`: every micro-batch's forward and backward, the gradients accumulated.
+    The estimate's parts (runner/predict/parts.py) run the two parts apart, to see where one ends."""
     total = label_count(batch.labels) if label_total is None else label_total.to(batch.labels.device)
     loss = torch.zeros((), device=batch.labels.device)
     starts = range(0, len(batch.labels), micro_batch)
+    micro_loss = None
     for start in starts:
         micro = batch.slice(start, start + micro_batch)
         with _gradient_sync(model, last=start == starts[-1]):
             micro_loss = micro_batch_loss(model, micro, precision, head) / total
             (scaler.scale(micro_loss) if scaler else micro_loss).backward()
         loss += micro_loss.detach()
+    return Accumulated(total, loss, micro_loss)
+
+
+def update(model, optimizer, scaler: torch.amp.GradScaler | None, grad_clip: float | None,
+           accumulated: Accumulated) -> StepResult:
+    """The second part of `run_step`: clipping, the optimizer's step and the gradients let go."""
     skipped, grad_norm = _optimizer_step(model, optimizer, scaler, grad_clip)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, skipped, grad_norm)
+    return StepResult(accumulated.loss, skipped, grad_norm)
 
 
 def _gradient_sync(model, last: bool):

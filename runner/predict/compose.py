@@ -1,0 +1,662 @@
+"""A plan's prediction composed from parts: what the whole-model fake step would say, at the cost of a
+few traced blocks.
+
+`Composer.estimate(plan, precision)` returns the `Estimate` that `Estimator.estimate` gives for the same
+plan (tests/runner/predict/test_compose.py holds the two equal: the peak to the byte, the time within
+1 %), from traces (runner/predict/parts.py) that are made once and shared between plans:
+
+- each block gets a signature: its kind (class, parameters, what it is given) and its action under the
+  plan (kept; recomputed, and which ops' outputs its recompute keeps; its parameters' backward hooks);
+  where activation offload moves a block's tensors, the signatures of the two blocks on either side
+  too, since offload's schedule releases a block's copies two blocks on and fetches one block back;
+- blocks with one signature do the same work: the first of them, traced once with the blocks around
+  it as the signature asks and relays elsewhere, stands for all of them (its "representative");
+- a trace per set of plan settings the blocks depend on (everything but the per-block actions, the
+  allocator and the cap; the optimizer's settings only where it acts inside the backward), and a trace
+  of the update per optimizer setting.
+
+Composing is placing storages in time. The step is the sequence of parts (head; per micro-batch the
+embedding, each block's forward, the head and loss, their backward, each block's backward in reverse,
+the embedding's backward and the tail; the update; the end), each copied from its trace. A storage a
+part allocates is named by that part and its number there. Storages that cross parts are joined by
+what they are: a block's input is its predecessor's output, the gradient arriving for its output is
+what its successor computes for its input (the head's backward for the last block), a parameter's
+gradient is freed where the update lets it go. A storage is freed at the latest point any trace saw it
+released: a relay holds nothing, so each trace shows when its real blocks and the model's own code let
+go, and the latest of them is the whole step's. The composed allocations and frees then go through the
+same reporting as the estimator's (live peak and breakdown; on CUDA the caching allocator's replay).
+
+Where a plan or model is outside this (the model runs code between its blocks, a block runs twice, a
+region of blocks checkpointed as one, adaptive plans, ranks), the composer says why and the caller
+runs the whole-model step (`Composer.estimate` does so itself, and says it in a note).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..memory.blocks import find_blocks
+from ..plan import MemoryPlan
+from ..recipe import Precision as PrecisionName
+from ..memory.tracker import CATEGORIES
+from .estimate import CPU, Estimate, _micro_batch
+from .parts import BASE, PartsEstimator, Sid, Trace, parameter_signature, trace_step, trace_update
+from .roofline import AFTER_BLOCKS, StepWork
+from .step_time import step_time
+
+END = 1 << 62  # a position after every allocation of a part
+OPTIMIZER_POOLS = ("optimizer_state", "gradients")  # pools that only the update touches, unless it hooks the backward
+
+
+class NotComposable(Exception):
+    """Why a plan's prediction cannot be composed from parts (the whole-model step is the answer)."""
+
+
+@dataclass
+class _Bytes:
+    """The composed step's allocations, as `Estimator._result` reads a tracker."""
+
+    events: list
+    peak_bytes: int
+    breakdown_at_peak: dict[str, int]
+    peak_by_device: dict[str, int]
+
+
+@dataclass
+class _Layout:
+    """One plan on this model: each block's signature and representative, and the traces it is made of."""
+
+    plan: MemoryPlan
+    precision: str
+    key: str
+    micro_batches: int
+    reach: int
+    signatures: list[tuple]
+    reps: list[tuple[Trace, int]] = field(default_factory=list)
+    absolute: Trace | None = None
+    update: Trace | None = None
+
+
+class Composer:
+    """Predictions of many plans of one recipe from shared traces (module docstring)."""
+
+    def __init__(self, estimator: PartsEstimator):
+        self.estimator = estimator
+        self.model = estimator.model
+        self.templates: dict = {}  # relays' output layouts, by block kind and input
+        self.found: dict[str | None, object] = {}
+        self.represented: dict[tuple, tuple[Trace, int]] = {}  # (parts key, signature) -> (trace, block)
+        self.absolute: dict[str, Trace] = {}  # parts key -> the trace whose head, embedding and loss serve
+        self.inputs: dict[str, dict[int, tuple]] = {}  # parts key -> what each block is given
+        self.updates: dict[tuple, Trace] = {}
+        self.hooked: dict[tuple, bool] = {}
+        self._around: dict[tuple, object] = {}
+        self.traces = 0  # traces made so far (each a fake step of a few real blocks)
+        self.params = list(self.model.parameters())
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+
+    # --- the answer --------------------------------------------------------------------------------
+
+    def estimate(self, plan: MemoryPlan, precision: PrecisionName | None = None) -> Estimate:
+        """The plan's estimate composed from parts; where it cannot be, the whole-model step's, saying why."""
+        precision = precision or self.estimator.recipe.precision
+        self.estimator.check(plan, precision)
+        try:
+            return self.composed(plan, precision)
+        except NotComposable as why:
+            estimate = self.estimator.estimate(plan, precision)
+            estimate.notes.append(f"the whole-model fake step (not composed from parts: {why})")
+            return estimate
+
+    def composed(self, plan: MemoryPlan, precision: PrecisionName) -> Estimate:
+        layout = self._layout(plan, precision)
+        self._represent(layout)
+        return _Composition(self, layout).estimate()
+
+    def edges(self, trace: Trace, t: int | None) -> set[int]:
+        """The serials of block `t`'s boundary tensors (inputs, outputs, their gradients); every block's for None."""
+        key = ("edges", id(trace), t)
+        if key not in self._around:
+            self._around[key] = {s for (block, _), b in trace.boundaries.items() if t is None or block == t
+                                 for s in (*b.inputs, *b.outputs, *b.din.values(), *b.dout.values()) if s is not None}
+        return self._around[key]
+
+    def around(self, trace: Trace, t: int) -> list[int]:
+        key = (id(trace), t)
+        if key not in self._around:
+            self._around[key] = _around(trace, t)
+        return self._around[key]
+
+    # --- which traces a plan needs -------------------------------------------------------------------
+
+    def blocks(self, plan: MemoryPlan):
+        if plan.blocks not in self.found:
+            self.found[plan.blocks] = find_blocks(self.model, plan.blocks)
+        return self.found[plan.blocks]
+
+    def _layout(self, plan: MemoryPlan, precision: str) -> _Layout:
+        why = _not_composed(plan, self.estimator)
+        if why:
+            raise NotComposable(why)
+        batch = self.estimator.recipe.train.batch_size
+        micro = _micro_batch(plan, batch)
+        key = self._parts_key(plan, precision)
+        return _Layout(plan, precision, key, 1 if micro >= batch else 2, 2 if plan.offload.moves else 0,
+                       self._signatures(plan, key))
+
+    def _parts_key(self, plan: MemoryPlan, precision: str) -> str:
+        """What the blocks', embedding's and loss's parts depend on: the plan but its per-block actions,
+        the allocator and the cap, and the optimizer's pools unless the optimizer hooks the backward."""
+        data = plan.model_dump(mode="json", exclude={"checkpointing", "offload", "allocator", "max_mem", "allow_lossy",
+                                                     "compile", "activation_memory_budget"})
+        if not self._hooks_backward(plan):
+            for policy in plan.pool_policies():
+                if policy.pool in OPTIMIZER_POOLS:
+                    data.pop(policy.section, None)
+        return json.dumps({"plan": data, "precision": precision}, sort_keys=True)
+
+    def _hooks_backward(self, plan: MemoryPlan) -> bool:
+        """Whether the plan's optimizer acts inside the backward (a parameter's post-accumulate-grad hook)."""
+        key = tuple(policy.model_dump_json() for policy in plan.pool_policies()) + (plan.micro_batch,)
+        if key not in self.hooked:
+            planned = self.estimator._optimizing(plan)
+            planned.install()
+            try:
+                self.hooked[key] = any(getattr(p, "_post_accumulate_grad_hooks", None) for p in self.params)
+            finally:
+                planned.remove()
+        return self.hooked[key]
+
+    def _parameter_hooks(self, plan: MemoryPlan, blocks) -> dict[int, tuple[bool, ...]]:
+        """Per block, which of its parameters the plan's optimizer hooks in the backward (an offloaded
+        fraction's: the first parameters by bytes)."""
+        planned = self.estimator._optimizing(plan)
+        planned.install()
+        try:
+            return {b.index: tuple(bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in b.module.parameters())
+                    for b in blocks}
+        finally:
+            planned.remove()
+
+    def _signatures(self, plan: MemoryPlan, key: str) -> list[tuple]:
+        blocks = self.blocks(plan)
+        chosen = set(plan.checkpointing.chosen(blocks))
+        moved = set(plan.offload.chosen(blocks)) if plan.offload.moves else set()
+        action = (plan.checkpointing.label(), tuple(sorted(plan.checkpointing.kept_ops() or ())),
+                  plan.checkpointing.kept_product_stride())
+        hooks = self._parameter_hooks(plan, blocks) if self._hooks_backward(plan) else {}
+        inputs = self.inputs.get(key, {})
+        own = []
+        for block in blocks:
+            own.append((type(block.module).__qualname__, parameter_signature(block.module), inputs.get(block.index),
+                        action if block.index in chosen else ("keep",), block.index in moved, hooks.get(block.index, ())))
+        reach = 2 if plan.offload.moves else 0
+        return [tuple(own[j] if 0 <= j < len(own) else None for j in range(i - reach, i + reach + 1))
+                for i in range(len(own))]
+
+    def _represent(self, layout: _Layout) -> None:
+        """Trace what the plan's blocks need and is not traced yet; a first trace of a parts key learns
+        what each block is given, which may show kinds it had not told apart (then one more trace)."""
+        for _ in range(2):
+            missing = [i for i, signature in enumerate(layout.signatures)
+                       if (layout.key, signature) not in self.represented]
+            if not missing:
+                break
+            first = {}
+            for i in missing:
+                first.setdefault(layout.signatures[i], i)
+            chosen = set(first.values())
+            if layout.key not in self.inputs:  # kinds not yet told apart by their inputs: the next of each too
+                chosen |= {i + 1 for i in chosen if i + 1 < len(layout.signatures)
+                           and layout.signatures[i + 1] == layout.signatures[i]}
+            real = {j for i in chosen for j in range(i - layout.reach, i + layout.reach + 1)
+                    if 0 <= j < len(layout.signatures)}
+            self._trace(layout, real, chosen)
+        else:
+            raise NotComposable("its blocks' inputs changed between traces")
+        layout.reps = [self.represented[(layout.key, signature)] for signature in layout.signatures]
+        layout.absolute = self.absolute[layout.key]
+        layout.update = self._update(layout)
+
+    def _trace(self, layout: _Layout, real: set[int], chosen: set[int]) -> None:
+        trace = trace_step(self.estimator, layout.plan, layout.precision, real, self.templates)
+        self.traces += 1
+        if trace.problems:
+            raise NotComposable("; ".join(trace.problems))
+        if layout.key not in self.inputs:
+            self.inputs[layout.key] = trace.signatures
+            self.absolute[layout.key] = trace
+            layout.signatures = self._signatures(layout.plan, layout.key)
+        for i in sorted(chosen):
+            self.represented.setdefault((layout.key, layout.signatures[i]), (trace, i))
+
+    def _update(self, layout: _Layout) -> Trace:
+        """The update's trace for the plan's optimizer, after the gradients its blocks accumulate."""
+        accumulated = set()
+        blocks = self.blocks(layout.plan)
+        for i, (trace, t) in enumerate(layout.reps):
+            for mine, theirs in zip(blocks[i].module.parameters(), blocks[t].module.parameters(), strict=True):
+                if self.param_index[id(theirs)] in trace.accumulated:
+                    accumulated.add(self.param_index[id(mine)])
+        in_blocks = {id(p) for b in blocks for p in b.module.parameters()}
+        accumulated |= {i for i in layout.absolute.accumulated if id(self.params[i]) not in in_blocks}
+        key = (tuple(p.model_dump_json() for p in layout.plan.pool_policies()), layout.micro_batches,
+               frozenset(accumulated))
+        if key not in self.updates:
+            self.updates[key] = trace_update(self.estimator, layout.plan, layout.precision, accumulated,
+                                             layout.micro_batches)
+            self.traces += 1
+            if self.updates[key].problems:
+                raise NotComposable("; ".join(self.updates[key].problems))
+        return self.updates[key]
+
+
+def _not_composed(plan: MemoryPlan, estimator) -> str | None:
+    """Why a plan is not composed from parts, or None."""
+    if plan.adaptive:
+        return "memory.adaptive switches plans per batch length"
+    if plan.checkpointing.spans_blocks:
+        return f"checkpointing {plan.checkpointing.label()} recomputes regions of several blocks as one"
+    if plan.sharding is not None or estimator.world_size > 1:
+        return "the step of one of several ranks"
+    if not hasattr(torch._C._autograd, "_get_sequence_nr"):
+        return f"torch {torch.__version__} does not number autograd nodes where parts can read it"
+    return None
+
+
+# --- composing -----------------------------------------------------------------------------------------
+
+
+class _Composition:
+    """One plan's parts put in order, its storages joined and placed (module docstring)."""
+
+    def __init__(self, composer: Composer, layout: _Layout):
+        self.composer, self.layout = composer, layout
+        self.count = len(layout.signatures)
+        self.order = self._order()
+        self.at = {sid: n for n, sid in enumerate(self.order)}
+        self.frees: dict[tuple, tuple] = {}  # store -> latest position it was seen let go
+        self.labels: dict[tuple, list[tuple[tuple, str]]] = {}
+        self.memo: dict[tuple, tuple] = {}
+        self.wiring: dict[tuple, dict[int, int]] = {}
+
+    def _order(self) -> list[Sid]:
+        order: list[Sid] = [("head",)]
+        for m in range(1, self.layout.micro_batches + 1):
+            order += [("pre", m, "f"), *[("blk", i, m, "f") for i in range(self.count)], ("post", m, "f"),
+                      ("post", m, "b"), *[("blk", i, m, "b") for i in reversed(range(self.count))], ("pre", m, "b"),
+                      ("tail", m)]
+        return order + [("update",), ("end",)]
+
+    def source(self, sid: Sid) -> tuple[Trace, Sid, int]:
+        """The trace, its part and the shift (full block less traced block) that a full part is copied from."""
+        if sid[0] == "blk":
+            trace, t = self.layout.reps[sid[1]]
+            return trace, ("blk", t, *sid[2:]), sid[1] - t
+        if sid == ("update",):
+            return self.layout.update, sid, 0
+        return self.layout.absolute, sid, 0
+
+    # --- naming storages ---------------------------------------------------------------------------
+
+    def store(self, trace: Trace, serial: int, shift: int) -> tuple:
+        """The full step's name for `serial` of `trace` seen from a block `shift` away."""
+        key = (id(trace), serial, shift)
+        if key not in self.memo:
+            self.memo[key] = self._name(trace, serial, shift)
+        return self.memo[key]
+
+    def _name(self, trace: Trace, serial: int, shift: int) -> tuple:
+        stored = trace.stores[serial]
+        owner = stored.owner
+        if owner == BASE:
+            if trace is not self.layout.update:
+                raise NotComposable("a part frees a storage that existed before the step")
+            return (BASE, stored.ordinal)
+        if owner[0] != "blk":
+            if trace is self.layout.update and owner == ("head",):
+                raise NotComposable("the update's placeholder gradient reached another part")
+            self._same_as_absolute(trace, owner, stored)
+            return (owner, stored.ordinal)
+        j, m, phase = owner[1], owner[2], owner[3]
+        full = j + shift
+        if 0 <= full < self.count and self.layout.reps[full][0] is trace and self.layout.reps[full][1] == j:
+            return (("blk", full, m, phase), stored.ordinal)  # the block that stands for `full` made it
+        boundary = trace.boundaries.get((j, m))
+        if phase == "f" and boundary is not None and serial in boundary.outputs:
+            return self.output(full, m, boundary.outputs.index(serial))
+        if phase == "b" and boundary is not None and serial in boundary.din.values():
+            leaf = next(k for k, s in boundary.din.items() if s == serial)
+            if 0 <= full < self.count:
+                return self.gradient_in(full, m, leaf)
+            before = trace.boundaries.get((j - 1, m))  # past the last block: what the head's backward sends
+            if full == self.count and before is not None and boundary.inputs[leaf] in before.outputs:
+                return self.arriving(full - 1, m, before.outputs.index(boundary.inputs[leaf]))
+            raise NotComposable("a block is given a tensor needing gradients that its predecessor did not return")
+        if j in trace.real and 0 <= full < self.count:  # a neighbour's own, traced beside its representative
+            self._same_as_copied(("blk", full, m, phase), stored)
+            return (("blk", full, m, phase), stored.ordinal)
+        raise NotComposable("a block's storage is named past the model's blocks")
+
+    def output(self, block: int, m: int, leaf: int) -> tuple:
+        """Block `block`'s output leaf `leaf` in micro-batch `m`."""
+        if not 0 <= block < self.count:
+            raise NotComposable("a block's output is named past the model's blocks")
+        trace, t = self.layout.reps[block]
+        return self.store(trace, trace.boundaries[(t, m)].outputs[leaf], block - t)
+
+    def arriving(self, block: int, m: int, leaf: int) -> tuple:
+        """The gradient that arrives for block `block`'s output leaf `leaf`: what the next block computes
+        for the input it made of it, or for the last block what the head's backward computes."""
+        absolute = self.layout.absolute
+        if block == self.count - 1:
+            return self.store(absolute, absolute.boundaries[(block, m)].dout[leaf], 0)
+        return self.gradient_in(block + 1, m, self._wired(block, m)[leaf])
+
+    def gradient_in(self, block: int, m: int, leaf: int) -> tuple:
+        """The gradient block `block` computes for its input leaf `leaf` (or passes on: a residual's)."""
+        trace, t = self.layout.reps[block]
+        return self.store(trace, trace.boundaries[(t, m)].din[leaf], block - t)
+
+    def _wired(self, block: int, m: int) -> dict[int, int]:
+        """Which input leaf of block+1 each output leaf of `block` becomes (read in the absolute trace)."""
+        if (block, m) not in self.wiring:
+            bounds = self.layout.absolute.boundaries
+            outputs, inputs = bounds[(block, m)].outputs, bounds[(block + 1, m)].inputs
+            self.wiring[(block, m)] = {k: inputs.index(s) for k, s in enumerate(outputs) if s is not None and s in inputs}
+        return self.wiring[(block, m)]
+
+    def _same_as_absolute(self, trace: Trace, owner: Sid, stored) -> None:
+        absolute = self.layout.absolute
+        if trace is absolute or trace is self.layout.update:
+            return
+        part = absolute.parts.get(owner)
+        if part is None or len(part.allocs) < stored.ordinal or \
+                absolute.stores[part.allocs[stored.ordinal - 1]].nbytes != stored.nbytes:
+            raise NotComposable(f"the {owner[0]} part differs between traces")
+
+    def _same_as_copied(self, sid: Sid, stored) -> None:
+        trace, tsid, _ = self.source(sid)
+        part = trace.parts.get(tsid)
+        if part is None or len(part.allocs) < stored.ordinal or \
+                trace.stores[part.allocs[stored.ordinal - 1]].nbytes != stored.nbytes:
+            raise NotComposable("a block's neighbours differ from those it was traced with")
+
+    # --- placing frees -----------------------------------------------------------------------------
+
+    def position(self, trace: Trace, sid: Sid, k: int, shift: int, boundary: bool = False) -> tuple | None:
+        """Where in the full step a trace's position (part, allocations made) falls, seen `shift` away, or
+        None where that trace cannot say. A real block's part speaks for the full block it stands for;
+        another real block's (a neighbour traced beside it) only where its allocations are the same, and
+        never of a boundary tensor (the neighbour's own trace says when it lets go). A relay's part is
+        the full block's start (a relay holds nothing: someone let go no later), the gap after it its
+        end. The embedding's and head's parts speak of a block's boundary only for the block itself."""
+        if sid[0] == "blk":
+            full = sid[1] + shift
+            if not 0 <= full < self.count:
+                return None
+            if sid[1] not in trace.real:
+                return (self.at[("blk", full, *sid[2:])], 0)
+            rep_trace, t = self.layout.reps[full]
+            if not (rep_trace is trace and t == sid[1]):
+                if boundary:
+                    return None
+                self._same_part(trace, sid, ("blk", full, *sid[2:]))
+            return (self.at[("blk", full, *sid[2:])], k)
+        if sid[0] == "gap":
+            full = sid[1] + shift
+            return (self.at[("blk", full, sid[2], "f")], END) if 0 <= full < self.count else None
+        if sid[0] == "gapb" or sid == BASE or (boundary and shift):
+            return None
+        return (self.at[sid], k)
+
+    def _same_part(self, trace: Trace, sid: Sid, full: Sid) -> None:
+        source, tsid, _ = self.source(full)
+        mine, theirs = trace.parts.get(sid), source.parts.get(tsid)
+        sizes = lambda t, part: [t.stores[s].nbytes for s in part.allocs] if part else []  # noqa: E731
+        if sizes(trace, mine) != sizes(source, theirs):
+            raise NotComposable("a block's neighbours differ from those it was traced with")
+
+    def seen(self, trace: Trace, serial: int, shift: int, store: tuple | None = None, boundary: bool = False) -> None:
+        """Note where `trace` saw `serial` let go and re-labelled, seen `shift` away (`boundary`: it crosses
+        between blocks, so only the parts of whoever holds it in the full step may say: `position`)."""
+        stored = trace.stores[serial]
+        store = store or self.store(trace, serial, shift)
+        if stored.freed is not None:
+            at = self.position(trace, *stored.freed, shift, boundary)
+            if at is not None and (store not in self.frees or at > self.frees[store]):
+                self.frees[store] = at
+        for sid, k, category in stored.labels[1:]:  # the first is its category when made
+            at = self.position(trace, sid, k, shift)
+            if at is not None:
+                self.labels.setdefault(store, []).append((at, category))
+
+    def observe(self) -> None:
+        """Every trace's view of what its real blocks, and (the absolute trace) the model's own code, let go."""
+        for i, (trace, t) in enumerate(self.layout.reps):
+            edges = self.composer.edges(trace, t)
+            for serial in self.composer.around(trace, t):
+                self.seen(trace, serial, i - t, self._given(trace, t, serial, i), serial in edges)
+        absolute = self.layout.absolute
+        edges = self.composer.edges(absolute, None)
+        for serial in _outside_blocks(absolute):
+            self.seen(absolute, serial, 0, boundary=serial in edges)
+        update = self.layout.update
+        for serial, stored in enumerate(update.stores):
+            if stored.owner != ("head",) and (stored.owner in (BASE, ("update",)) or stored.freed is not None):
+                if stored.owner == BASE and stored.freed is None and not any(s[0] == ("update",) for s in stored.labels):
+                    continue
+                self.seen(update, serial, 0)
+        self._gradients()
+
+    def _given(self, trace: Trace, t: int, serial: int, block: int) -> tuple | None:
+        """The full step's name of an input of representative `t` standing for `block`: its predecessor's
+        output, where that is what the predecessor returned (else the owner's name: shared kwargs)."""
+        if block == 0:
+            return None
+        for m in range(1, self.layout.micro_batches + 1):
+            boundary = trace.boundaries.get((t, m))
+            if boundary is not None and serial in boundary.inputs:
+                fed = {into: leaf for leaf, into in self._wired(block - 1, m).items()}.get(boundary.inputs.index(serial))
+                if fed is not None:
+                    return self.output(block - 1, m, fed)
+        return None
+
+    def _gradients(self) -> None:
+        """A parameter's gradient is let go where the update lets go of its placeholder."""
+        update, blocks = self.layout.update, self.composer.blocks(self.layout.plan)
+        released = {index: update.stores[serial].freed for index, serial in update.grads.items()}
+        owner = {id(p): (b.index, q) for b in blocks for q, p in enumerate(b.module.parameters())}
+        for index, param in enumerate(self.composer.params):
+            if index not in released or released[index] is None:
+                continue
+            if id(param) in owner:
+                block, q = owner[id(param)]
+                trace, t = self.layout.reps[block]
+                theirs = self.composer.param_index[id(list(blocks[t].module.parameters())[q])]
+                serial, shift = trace.grads.get(theirs), block - t
+            else:
+                trace, serial, shift = self.layout.absolute, self.layout.absolute.grads.get(index), 0
+            if serial is None:
+                raise NotComposable("a parameter has a gradient in the update but none in the backward")
+            store = self.store(trace, serial, shift)
+            self.frees[store] = self.position(update, *released[index], 0)
+
+    # --- the result --------------------------------------------------------------------------------
+
+    def events(self) -> tuple[list, int, dict[int, str], list]:
+        """(events, baseline, first category of each allocation by event index, re-labels): the composed
+        allocations and frees in order as `(key, bytes, device)`, re-labels as `(events so far, key, category)`."""
+        self.observe()
+        out = _Emitted()
+        for stored in self.layout.update.stores:
+            if stored.owner == BASE:
+                out.allocate((BASE, stored.ordinal), stored)
+        baseline = len(out.events)
+        pending: dict[tuple, list] = {}
+        for store, at in self.frees.items():
+            pending.setdefault(at, []).append(("free", store))
+        for store, changes in self.labels.items():
+            for at, category in changes:
+                pending.setdefault(at, []).append(("label", store, category))
+        for sid in self.order:
+            trace, tsid, _ = self.source(sid)
+            part = trace.parts.get(tsid)
+            n = self.at[sid]
+            out.flush(pending.pop((n, 0), ()))
+            for k, serial in enumerate(part.allocs if part is not None else [], 1):
+                out.allocate((sid, k), trace.stores[serial])
+                out.flush(pending.pop((n, k), ()))
+            for at in sorted(a for a in pending if a[0] == n):
+                out.flush(pending.pop(at))
+        if out.early:
+            raise NotComposable("a storage was placed as let go before it was made")
+        unfreed = [store for store in out.keys if store not in self.frees and self._freed_in_trace(store)]
+        if unfreed:
+            raise NotComposable(f"no trace saw where {len(unfreed)} storage(s) are let go")
+        return out.events, baseline, out.initial, out.labels
+
+    def _freed_in_trace(self, store: tuple) -> bool:
+        sid, ordinal = store
+        if sid == BASE:
+            return False
+        trace, tsid, _ = self.source(sid)
+        return trace.stores[trace.parts[tsid].allocs[ordinal - 1]].freed is not None
+
+    def work(self) -> StepWork:
+        """The op clock's records of every part, blocks renumbered as the full step's."""
+        recipe = self.composer.estimator.recipe
+        work = StepWork(world_size=self.composer.estimator.world_size, matmul_tf32=bool(recipe.tf32),
+                        conv_tf32=recipe.tf32 is not False)
+        for sid in self.order:
+            trace, tsid, shift = self.source(sid)
+            part = trace.parts.get(tsid)
+            if part is None:
+                continue
+            if shift and sid[0] == "blk":
+                work.ops += [op if op.block is None or op.block == AFTER_BLOCKS else replace(op, block=op.block + shift)
+                             for op in part.ops]
+                work.to_host += [(kind, block + shift if block is not None and block >= 0 else block, nbytes)
+                                 for kind, block, nbytes in part.to_host]
+            else:
+                work.ops += part.ops
+                work.to_host += part.to_host
+            work.update_copies += part.update_copies
+        hosted = self.layout.update.hosted
+        if hosted:
+            work.host_updates.append(("first" if self.layout.micro_batches == 1 else "repeat", "update", hosted))
+        return work
+
+    def estimate(self) -> Estimate:
+        estimator = self.composer.estimator
+        events, baseline, initial, labels = self.events()
+        composed = _replayed(events, initial, labels)
+        plan, precision = self.layout.plan, self.layout.precision
+        estimate = estimator._result(composed, baseline, plan, precision, estimator._optimizing(plan))
+        estimate.notes.extend(estimator.routed.notes())
+        estimate.warnings.extend(dict.fromkeys(w for trace in self._traces() for w in trace.warnings))
+        if estimator.facts is not None:
+            micro = _micro_batch(plan, estimator.recipe.train.batch_size)
+            shape, work = estimator._shape(micro, precision), self.work()
+            estimate = replace(estimate, work=work, shape=shape, time=step_time(work, shape, estimator.facts))
+        return estimate
+
+    def _traces(self) -> list[Trace]:
+        return list({id(t): t for t in [*(trace for trace, _ in self.layout.reps), self.layout.absolute]}.values())
+
+
+class _Emitted:
+    """The composed events as they are written: each storage's key, size and device."""
+
+    def __init__(self):
+        self.events: list[tuple[int, int, torch.device]] = []
+        self.initial: dict[int, str] = {}
+        self.labels: list[tuple[int, int, str]] = []
+        self.keys: dict[tuple, int] = {}
+        self.sizes: dict[tuple, tuple[int, torch.device]] = {}
+        self.early: list[tuple] = []
+
+    def allocate(self, store: tuple, stored) -> None:
+        key = self.keys.setdefault(store, len(self.keys))
+        device = torch.device(stored.device)
+        self.sizes[store] = (stored.nbytes, device)
+        if stored.labels:
+            self.initial[len(self.events)] = stored.labels[0][2]
+        self.events.append((key, stored.nbytes, device))
+
+    def flush(self, items) -> None:
+        for item in items:
+            store = item[1]
+            if store not in self.keys:
+                self.early.append(store)
+            elif item[0] == "free":
+                nbytes, device = self.sizes[store]
+                self.events.append((self.keys[store], -nbytes, device))
+            else:
+                self.labels.append((len(self.events), self.keys[store], item[2]))
+
+
+def _around(trace: Trace, t: int) -> list[int]:
+    """The serials a representative block's own work touches: what it allocates, what is let go or
+    re-labelled during its parts, and its boundary tensors."""
+    mine = {sid for sid in trace.parts if sid[0] == "blk" and sid[1] == t}
+    serials = []
+    for serial, stored in enumerate(trace.stores):
+        if stored.owner in mine or (stored.freed is not None and stored.freed[0] in mine) or \
+                any(sid in mine for sid, _, _ in stored.labels):
+            serials.append(serial)
+    for (block, _), boundary in trace.boundaries.items():
+        if block == t:
+            serials += [s for s in (*boundary.inputs, *boundary.outputs, *boundary.din.values(), *boundary.dout.values())
+                        if s is not None]
+    return list(dict.fromkeys(serials))
+
+
+def _outside(sid: Sid) -> bool:
+    """A part of the model's own code or the step's (embedding, head, loss, the step's head and tail)."""
+    return sid[0] not in ("blk", "gap", "gapb") and sid != BASE
+
+
+def _outside_blocks(trace: Trace) -> list[int]:
+    """Serials the model's own code (embedding, head, loss, the step's head and tail) allocates or lets go."""
+    outside = _outside
+    return [serial for serial, stored in enumerate(trace.stores)
+            if outside(stored.owner) or (stored.freed is not None and outside(stored.freed[0]))
+            or any(outside(sid) for sid, _, _ in stored.labels)]
+
+
+def _replayed(events: list, initial: dict[int, str], labels: list) -> _Bytes:
+    """Live bytes per device over the composed events, as the tracker counts them: the peak of the step's
+    device and the bytes per category at that peak, and each device's peak."""
+    totals: dict[str, int] = {}
+    peaks: dict[str, int] = {}
+    category: dict[int, str] = {}
+    size: dict[int, int] = {}
+    where: dict[int, str] = {}
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    peak, breakdown, at, device_name = 0, dict(by_category), 0, str(CPU)
+    for index, (key, nbytes, device) in enumerate(events):
+        while at < len(labels) and labels[at][0] <= index:
+            _, relabelled, new = labels[at]
+            if relabelled in category and where[relabelled] == device_name:
+                by_category[category[relabelled]] -= size[relabelled]
+                by_category[new] += size[relabelled]
+            if relabelled in category:
+                category[relabelled] = new
+            at += 1
+        name = str(device)
+        totals[name] = totals.get(name, 0) + nbytes
+        peaks[name] = max(peaks.get(name, 0), totals[name])
+        if nbytes > 0:
+            category[key], size[key], where[key] = initial.get(index, "activations"), nbytes, name
+        on_device = name == device_name
+        if on_device:
+            by_category[category[key]] += nbytes
+        if nbytes < 0:
+            category.pop(key, None)
+        if on_device and totals[name] > peak:
+            peak, breakdown = totals[name], dict(by_category)
+    return _Bytes(events, peak, breakdown, peaks)

@@ -1,0 +1,520 @@
+"""A step's parts: one fake step in which only a few blocks are real, cut where each part begins.
+
+A plan's prediction is composed from parts (runner/predict/compose.py): the blocks of one kind and
+action do the same work wherever they sit, so one of them, traced once, stands for all. A trace is
+the estimator's own fake step (`Estimator.fake_step`: the plan applied by apply_plan, the training
+step's `accumulate`, the tracker and the op clock) with every block but the chosen ones replaced by a
+relay: an autograd function that takes the block's inputs and returns fresh outputs of the real
+block's shapes, and in backward fresh gradients for its inputs, holding nothing. Relays cost a few ops,
+so a trace costs the embedding, head and loss and a few real blocks, not the depth of the model.
+
+The trace is cut into parts as it runs:
+- forward: the model's forward pre-hook starts a micro-batch ("pre": the embedding), each block's
+  forward hooks bracket the block ("blk"); what runs after the last block is "post" (norm, head, loss);
+- backward: each op belongs to the part whose forward created the autograd node now running (its
+  sequence number: torch numbers nodes in the order they are made); an AccumulateGrad node stays in
+  the part it follows; "tail" is what runs after the backward (the loss summed), "head" before the
+  first forward (the loss's denominator), "end" what goes when the step returns;
+- a separate trace of the update alone (`trace_update`): the gradients set, then clipping, the
+  optimizer's step and the gradients let go, as `runner.train.step.update` runs them.
+
+What each part allocates is numbered in its order (the "ordinal"), and every free and category change
+is placed by the part it happens in and how many allocations that part had made. A block's boundaries
+are recorded by tensor: the storages of its inputs and outputs, and of the gradients that arrive for
+its outputs and leave for its inputs (tensor hooks, which hold no tensor): compose.py joins a real
+block's boundary to its real neighbours' through them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ..memory.blocks import BlockList, find_blocks, undo_all, wrap_forward
+from ..plan import MemoryPlan
+from ..recipe import Precision as PrecisionName
+from ..train.step import Accumulated, Precision, accumulate, label_count, update
+from .estimate import MICRO_BATCHES_RUN, Estimator, FakeRun, unavailable_on_fake_errors
+from .fake_gaps import FakeGapWatch
+
+Sid = tuple  # a part: ("head",), ("pre", m, "f"|"b"), ("blk", j, m, "f"|"b"), ("gap", j, m), ("post", m, "f"|"b"),
+# ("tail", m), ("update",), ("end",), and ("base",) for what existed before the step
+ACCUMULATE_GRAD = 2**64 - 1  # the sequence number torch gives AccumulateGrad nodes (run first when ready)
+BASE: Sid = ("base",)
+
+
+@dataclass
+class Stored:
+    """One storage a trace saw: its size and device, the part that allocated it and its number there,
+    where it was freed (part, allocations that part had made) or None, and its categories."""
+
+    nbytes: int
+    device: str
+    owner: Sid
+    ordinal: int
+    freed: tuple[Sid, int] | None = None
+    labels: list[tuple[Sid, int, str]] = field(default_factory=list)
+
+
+@dataclass
+class Part:
+    """What one part allocated (serials, in order) and the ops it ran (the op clock's records)."""
+
+    sid: Sid
+    allocs: list[int] = field(default_factory=list)
+    ops: list = field(default_factory=list)
+    to_host: list = field(default_factory=list)
+    update_copies: list = field(default_factory=list)
+
+
+@dataclass
+class Boundary:
+    """A block's boundary tensors in one micro-batch, as serials: its input and output leaves, the
+    gradients that arrived for its outputs (`dout`) and left for its inputs (`din`), by leaf."""
+
+    inputs: list[int | None] = field(default_factory=list)
+    outputs: list[int | None] = field(default_factory=list)
+    dout: dict[int, int] = field(default_factory=dict)
+    din: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class Trace:
+    """One traced step (module docstring)."""
+
+    stores: list[Stored]
+    parts: dict[Sid, Part]
+    real: frozenset[int]
+    micro_batches: int
+    boundaries: dict[tuple[int, int], Boundary]
+    """(block, micro-batch) -> its boundary tensors."""
+    signatures: dict[int, tuple]
+    """Block -> what it was given in the first micro-batch (shapes, dtypes, whether they need gradients)."""
+    grads: dict[int, int]
+    """Parameter index (model.parameters() order) -> the serial of its gradient when the update begins."""
+    accumulated: frozenset[int]
+    """Parameters whose gradient the backward accumulated (its hooks may have let it go since)."""
+    problems: list[str]
+    """Why this trace cannot be composed from (an empty list: it can)."""
+    warnings: list[str] = field(default_factory=list)
+    hosted: int = 0
+
+
+# --- relays: a block's shapes without its work -----------------------------------------------------
+
+
+class _Relay(torch.autograd.Function):
+    """Fresh outputs of the given layout; in backward, fresh gradients of the inputs' layouts (none for
+    the trigger, which only makes the outputs need gradients)."""
+
+    @staticmethod
+    def forward(ctx, layout, triggered, *inputs):
+        ctx.layouts, ctx.triggered = [(t.shape, t.stride(), t.dtype) for t in inputs], triggered
+        outputs = tuple(torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=inputs[0].device)
+                        for spec in layout)
+        ctx.mark_non_differentiable(*[out for out, spec in zip(outputs, layout, strict=True) if not spec.grad])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.triggered:
+            return (None, None, None)
+        device = next(g.device for g in grads if g is not None)
+        return (None, None, *(torch.empty_strided(shape, stride, dtype=dtype, device=device) if needed else None
+                              for (shape, stride, dtype), needed in zip(ctx.layouts, ctx.needs_input_grad[2:],
+                                                                        strict=True)))
+
+
+@dataclass(frozen=True)
+class Template:
+    """A block's output for a given input: its tree, and per leaf a tensor layout (shape, stride, dtype,
+    needs grad), the input leaf it returns as it is (an int), or a value."""
+
+    tree: object
+    leaves: tuple
+
+
+def relay_forward(forward, module: torch.nn.Module, templates: dict, trigger: torch.Tensor):
+    """`module`'s forward as a relay (module docstring); each new input signature learns its output's
+    layout from one real forward without gradients."""
+    trainable = any(p.requires_grad for p in module.parameters())
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        leaves, _ = tree_flatten((args, kwargs))
+        key = (type(module), parameter_signature(module), leaf_signature(leaves), torch.is_autocast_enabled("cpu"),
+               torch.get_autocast_dtype("cpu"))
+        template = templates.get(key)
+        if template is None:
+            template = templates[key] = _learn(module, args, kwargs, leaves, trainable)
+        layout = [leaf for leaf in template.leaves if isinstance(leaf, _Fresh)]
+        needs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        fresh = iter(_Relay.apply(layout, not needs, *(needs or [trigger])) if layout else ())
+        out = [next(fresh) if isinstance(leaf, _Fresh) else leaves[leaf.index] if isinstance(leaf, _Given)
+               else leaf.value for leaf in template.leaves]
+        return tree_unflatten(out, template.tree)
+    return run
+
+
+@dataclass(frozen=True)
+class _Fresh:
+    shape: torch.Size
+    stride: tuple
+    dtype: torch.dtype
+    grad: bool
+
+
+@dataclass(frozen=True)
+class _Given:
+    index: int
+
+
+@dataclass(frozen=True)
+class _Value:
+    value: object
+
+
+def _learn(module: torch.nn.Module, args, kwargs, leaves: list, trainable: bool) -> Template:
+    needs_grad = trainable or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+    keys = {_storage(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+    with torch.no_grad():
+        output = type(module).forward(module, *args, **kwargs)
+    out_leaves, tree = tree_flatten(output)
+    described = []
+    for leaf in out_leaves:
+        if not isinstance(leaf, torch.Tensor):
+            described.append(_Value(leaf))
+        elif _storage(leaf) in keys:
+            described.append(_Given(keys[_storage(leaf)]))  # the block hands an input on unchanged
+        else:
+            described.append(_Fresh(leaf.shape, leaf.stride(), leaf.dtype, needs_grad and leaf.is_floating_point()))
+    return Template(tree, tuple(described))
+
+
+def parameter_signature(module: torch.nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()) + \
+        tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers())
+
+
+def leaf_signature(leaves: list) -> tuple:
+    """What a block is given, in the terms its work depends on: tensors' shapes, strides, dtypes and
+    whether they need gradients; plain values as they are; other objects by their type."""
+    return tuple((tuple(x.shape), x.stride(), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else
+                 x if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__ for x in leaves)
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    if is_traceable_wrapper_subclass(tensor):
+        return None
+    try:
+        return id(tensor.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+# --- cutting a step into its parts -------------------------------------------------------------------
+
+
+class Cutter(TorchDispatchMode):
+    """Follows the step from part to part (module docstring) and files the tracker's events and the op
+    clock's records under the part they happen in."""
+
+    def __init__(self, run: FakeRun, blocks: BlockList):
+        super().__init__()
+        self.run, self.blocks, self.last = run, blocks, len(blocks) - 1
+        self.sid: Sid = BASE
+        self.micro = 0
+        self.in_backward = False
+        self.called: set[tuple[int, int]] = set()
+        self.starts: list[int] = []  # sequence numbers at which forward parts began
+        self.started: list[Sid] = []
+        self.stores: list[Stored] = []
+        self.parts: dict[Sid, Part] = {}
+        self.serial: dict[int, int] = {}  # storage key -> its serial while it lives
+        self.events_done = self.labels_done = 0
+        self.ops_done = self.to_host_done = self.copies_done = 0
+        self.boundaries: dict[tuple[int, int], Boundary] = {}
+        self.signatures: dict[int, tuple] = {}
+        self.problems: list[str] = []
+        self.accumulated: set[int] = set()
+        self.handles = []
+
+    # --- parts ---------------------------------------------------------------------------------
+
+    def enter(self, sid: Sid) -> None:
+        self.catch_up()
+        if sid == self.sid:
+            return
+        self.sid = sid
+        self.parts.setdefault(sid, Part(sid))
+
+    def mark_forward(self, sid: Sid) -> None:
+        """A forward part begins: the autograd nodes made from here on are its."""
+        self.enter(sid)
+        self.starts.append(torch._C._autograd._get_sequence_nr())
+        self.started.append(sid)
+
+    def catch_up(self) -> None:
+        """File the tracker's new events and labels, and the clock's new records, under the current part."""
+        tracker, part = self.run.tracker, self.parts.get(self.sid)
+        events, labels = tracker.events, tracker.labels
+        for index in range(self.events_done, len(events)):
+            while self.labels_done < len(labels) and labels[self.labels_done][0] <= index:
+                self._label(labels[self.labels_done])
+            key, nbytes, device = events[index]
+            if nbytes > 0:
+                self._allocated(key, nbytes, str(device), part)
+            elif nbytes < 0:
+                self._freed(key)  # (empty storages come and go without bytes: nothing to place)
+        self.events_done = len(events)
+        while self.labels_done < len(labels):
+            self._label(labels[self.labels_done])
+        clock = self.run.clock
+        if clock is not None and part is not None:
+            work = clock.work
+            part.ops += work.ops[self.ops_done:]
+            part.to_host += work.to_host[self.to_host_done:]
+            part.update_copies += work.update_copies[self.copies_done:]
+            self.ops_done, self.to_host_done, self.copies_done = len(work.ops), len(work.to_host), len(work.update_copies)
+
+    def _allocated(self, key: int, nbytes: int, device: str, part: Part | None) -> None:
+        serial = len(self.stores)
+        ordinal = len(part.allocs) + 1 if part is not None else serial + 1
+        self.stores.append(Stored(nbytes, device, self.sid, ordinal))
+        if part is not None:
+            part.allocs.append(serial)
+        self.serial[key] = serial
+
+    def _freed(self, key: int) -> None:
+        serial = self.serial.pop(key, None)
+        if serial is None:
+            self.problems.append("a storage was freed that the trace never saw allocated")
+            return
+        self.stores[serial].freed = (self.sid, self._position())
+
+    def _label(self, label: tuple[int, int, str]) -> None:
+        self.labels_done += 1
+        _, key, category = label
+        serial = self.serial.get(key)
+        if serial is not None:
+            self.stores[serial].labels.append((self.sid, self._position(), category))
+
+    def _position(self) -> int:
+        part = self.parts.get(self.sid)
+        return len(part.allocs) if part is not None else 0
+
+    def serial_of(self, tensor) -> int | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        key = _storage(tensor)
+        if key is None:
+            self.problems.append("a block's boundary is a tensor subclass (DTensor, ...)")
+            return None
+        self.catch_up()
+        return self.serial.get(key)
+
+    # --- the dispatch mode: which backward part an op belongs to ---------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch._C._current_graph_task_id() != -1:
+            self.in_backward = True
+            node = torch._C._current_autograd_node()
+            if node is not None and node._sequence_nr() != ACCUMULATE_GRAD:
+                self.enter(self._backward_part(node._sequence_nr()))
+        elif self.in_backward:
+            self.in_backward = False
+            self.enter(("tail", self.micro))
+        return func(*args, **(kwargs or {}))
+
+    def _backward_part(self, sequence_nr: int) -> Sid:
+        at = bisect.bisect_right(self.starts, sequence_nr) - 1
+        forward = self.started[at] if at >= 0 else ("head",)
+        if forward[0] in ("pre", "post"):
+            return (forward[0], forward[1], "b")
+        if forward[0] == "blk":
+            return ("blk", forward[1], forward[2], "b")
+        return ("gapb", *forward[1:])
+
+    # --- hooks ------------------------------------------------------------------------------------
+
+    def install(self, model: torch.nn.Module) -> None:
+        self.handles.append(model.register_forward_pre_hook(self._model_starts, prepend=True))
+        for index, param in enumerate(model.parameters()):
+            if param.requires_grad:
+                self.handles.append(param.register_post_accumulate_grad_hook(
+                    functools.partial(lambda i, _: self.accumulated.add(i), index)))
+        for block in self.blocks:
+            self.handles.append(block.module.register_forward_pre_hook(
+                functools.partial(self._block_starts, block.index), with_kwargs=True, prepend=True))
+            self.handles.append(block.module.register_forward_hook(
+                functools.partial(self._block_ends, block.index), with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _model_starts(self, *_):
+        if self.sid[0] in ("blk", "gap"):
+            self.problems.append("the model's forward is called from inside its blocks")
+        self.micro += 1
+        self.mark_forward(("pre", self.micro, "f"))
+
+    def _block_starts(self, index: int, _module, args, kwargs):
+        if (index, self.micro) in self.called:
+            self.problems.append(f"block {index} ran twice in one forward")
+        self.called.add((index, self.micro))
+        self.mark_forward(("blk", index, self.micro, "f"))
+        leaves, _ = tree_flatten((args, kwargs))
+        if self.micro == 1:
+            self.signatures[index] = leaf_signature(leaves)
+        boundary = self.boundaries[(index, self.micro)] = Boundary([self.serial_of(x) for x in leaves])
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(functools.partial(self._gradient, boundary.din, k))
+
+    def _block_ends(self, index: int, _module, _args, _kwargs, output):
+        boundary = self.boundaries[(index, self.micro)]
+        leaves, _ = tree_flatten(output)
+        boundary.outputs = [self.serial_of(x) for x in leaves]
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(functools.partial(self._gradient, boundary.dout, k))
+        self.mark_forward(("post", self.micro, "f") if index == self.last else ("gap", index, self.micro))
+
+    def _gradient(self, into: dict[int, int], leaf: int, grad: torch.Tensor):
+        serial = self.serial_of(grad)
+        if serial is not None:
+            into[leaf] = serial
+
+
+# --- running a trace ---------------------------------------------------------------------------------
+
+
+class PartsEstimator(Estimator):
+    """The estimator whose fake model the parts are traced on. Its optimizers' state is made by one
+    update alone, on gradients of every trainable parameter (not by a whole step, which for a deep
+    model costs what a whole prediction did): the same state, the same bytes."""
+
+    def _warm_up(self, whole: MemoryPlan, planned) -> None:
+        for param in self.model.parameters():
+            if param.requires_grad:
+                param.grad = torch.empty_like(param)
+        done = torch.zeros(())
+        update(self.model, planned.optimizer, None, self.recipe.train.grad_clip, Accumulated(done, done, None))
+
+
+def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: PrecisionName, real: set[int],
+               templates: dict) -> Trace:
+    """The step of `plan` with only the blocks `real` real (module docstring), cut into its parts."""
+    micro = plan.micro_batch or estimator.recipe.train.batch_size
+    blocks = find_blocks(estimator.model, plan.blocks)
+    batch = estimator.batch.slice(0, MICRO_BATCHES_RUN * micro)
+    cutter = None
+    trigger = _trigger(estimator)
+
+    def step(run: FakeRun) -> None:
+        accumulated = accumulate(estimator.model, batch, micro, Precision(precision, "cpu", plan.weights.autocast_cache()),
+                                 None, label_count(estimator.batch.labels), run.applied.head)
+        cutter.enter(("update",))  # empty here: the update is traced alone (trace_update)
+        grads.update({index: cutter.serial_of(p.grad) for index, p in enumerate(estimator.model.parameters())
+                      if p.grad is not None})
+        cutter.enter(("end",))
+        del accumulated  # what the step's end lets go
+
+    @contextlib.contextmanager
+    def watch(run: FakeRun):
+        nonlocal cutter
+        cutter = Cutter(run, blocks)
+        cutter.enter(("head",))
+        undo = undo_all([wrap_forward(b.module, relay_forward, b.module, templates, trigger) for b in blocks
+                         if b.index not in real])
+        cutter.install(estimator.model)
+        try:
+            with cutter, gaps:
+                yield
+        finally:
+            cutter.remove()
+            undo()
+            cutter.catch_up()
+
+    grads: dict[int, int] = {}
+    gaps = FakeGapWatch()
+    with unavailable_on_fake_errors("a part of the step"):
+        run = estimator.fake_step(plan, precision, step, watch, record_labels=True)
+    for param in estimator.model.parameters():
+        param.grad = None  # no update ran to let them go; the next step starts without them, as after one
+    return _trace(cutter, run, frozenset(real), 1 if micro >= estimator.recipe.train.batch_size else MICRO_BATCHES_RUN,
+                  grads, gaps.warnings())
+
+
+def trace_update(estimator: PartsEstimator, plan: MemoryPlan, precision: PrecisionName, accumulated: set[int],
+                 micro_batches: int) -> Trace:
+    """The update alone (clipping, the optimizer's step, the gradients let go), after the gradients of the
+    parameters `accumulated` (indices in model.parameters() order) are set and their post-accumulate-grad
+    hooks run, as the backward leaves them (what those hooks did is not part of the update: each block's
+    part holds it)."""
+    grads: dict[int, int] = {}
+    cutter = None
+    done = _scalar(estimator)
+
+    def step(run: FakeRun) -> None:
+        cutter.enter(("head",))
+        for index, param in enumerate(estimator.model.parameters()):
+            if index in accumulated:
+                param.grad = torch.empty_like(param)
+                for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                    hook(param)  # as AccumulateGrad does once it has set the gradient
+        cutter.catch_up()
+        grads.update({index: cutter.serial_of(p.grad) for index, p in enumerate(estimator.model.parameters())
+                      if p.grad is not None})
+        if run.clock is not None:  # what the clock counts as the last micro-batch's update
+            run.clock.micro, run.clock.backward_seen = micro_batches, True
+        cutter.enter(("update",))
+        update(estimator.model, run.planned.stepper, None, estimator.recipe.train.grad_clip, Accumulated(done, done, None))
+        cutter.enter(("end",))
+
+    @contextlib.contextmanager
+    def watch(run: FakeRun):
+        nonlocal cutter
+        cutter = Cutter(run, BlockList("", []))
+        try:
+            with cutter:
+                yield
+        finally:
+            cutter.catch_up()
+
+    with unavailable_on_fake_errors("the update"):
+        run = estimator.fake_step(plan, precision, step, watch, record_labels=True)
+    return _trace(cutter, run, frozenset(), micro_batches, grads, [])
+
+
+def _trace(cutter: Cutter, run: FakeRun, real: frozenset[int], micro_batches: int, grads: dict, warnings) -> Trace:
+    from .estimate import host_parameters
+
+    cutter.catch_up()
+    problems = list(dict.fromkeys(cutter.problems))
+    for sid, part in cutter.parts.items():
+        if sid[0] in ("gap", "gapb") and part.allocs:
+            problems.append("the model runs code that allocates between its blocks")
+    return Trace(cutter.stores, cutter.parts, real, micro_batches, cutter.boundaries, cutter.signatures,
+                 {k: v for k, v in grads.items() if v is not None}, frozenset(cutter.accumulated), problems,
+                 list(warnings), host_parameters(run.planned))
+
+
+def _trigger(estimator: Estimator) -> torch.Tensor:
+    """A leaf that needs a gradient, for a relay whose block has trainable parameters but is given no
+    tensor that needs one (its outputs still need gradients); made once, outside any trace."""
+    with estimator.fake_mode:
+        return torch.zeros((), requires_grad=True)
+
+
+def _scalar(estimator: Estimator) -> torch.Tensor:
+    with estimator.fake_mode:
+        return torch.zeros(())
