@@ -22,6 +22,7 @@ from .outputs.rank_tune import check_devices, rank_training, ranks_comment
 from .outputs.report import publish
 from .outputs.train import nothing_fits, train_with_fallback
 from .outputs.tuned import write_tuned
+from .probes.priced import PricedPredictor, in_process
 from .probes.probe import ProbeRunner, ProbeSettings
 from .probes.screen import IsolatedPredictor, ModelChild, read_facts
 from .probes.warm import WarmServer, preload_for, warm_enough
@@ -124,7 +125,8 @@ def _tuned_search(request: TuneRequest, warm: WarmServer | None) -> tuple[list[T
         log.info(cap.meaning(device.kind))
     check_devices(device, options.nproc)
     # the user's model runs only in this child: the tuner never builds it or runs its forward
-    model = ModelChild(recipe, probe_runner.directory, device.kind, options.probe_timeout, screen=not options.no_screen,
+    screen = not options.no_screen and not in_process(recipe, options.predict)  # else this process predicts
+    model = ModelChild(recipe, probe_runner.directory, device.kind, options.probe_timeout, screen=screen,
                        nproc=options.nproc, time_facts=gpu, warm=warm)
     try:
         with located_errors(request.doc):
@@ -157,10 +159,15 @@ def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, devic
     options, recipe, cap = request.options, request.recipe, request.cap
     config = _config(request, space, device)
     study, fresh = open_study(request.directory, config, options.resume)
-    predictor = None if options.no_screen else CachedPredictor(IsolatedPredictor(model, device.context_bytes))
     if options.no_screen:
+        predictor = None
         log.info("screening: off (--no-screen): every new plan is probed")
+    elif in_process(recipe, options.predict):
+        predictor = CachedPredictor(PricedPredictor(recipe, device.kind, model.time_facts, device.context_bytes,
+                                                    options.nproc))
+        log.info("screening: every plan is predicted in this process (a library model: no code of the user's runs)")
     else:
+        predictor = CachedPredictor(IsolatedPredictor(model, device.context_bytes))
         log.info("screening: a plan predicted over the cap plus the margin is told infeasible without a probe; "
                  "predictions run in a child process (%s)", model.directory)
     if options.predict:
@@ -171,7 +178,11 @@ def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, devic
         if options.nproc > 1:
             off = f"--nproc {options.nproc}: the solver plans the blocks of one process"
         settings = SearchSettings(options.seed, options.finalists, off)
-    records = search(study, fresh, recipe, space, cap, device, request.budget, evaluate, predictor, settings)
+    try:
+        records = search(study, fresh, recipe, space, cap, device, request.budget, evaluate, predictor, settings)
+    finally:
+        if predictor is not None:
+            predictor.close()
     screening = predictor.summary() if predictor else {"state": "off", "reason": "--no-screen"}
     study.set_user_attr("screening", screening)  # `ckrun report` rewrites report.json with it
     return records, config, screening
@@ -182,7 +193,7 @@ def _conclude(request: TuneRequest, records: list[TrialRecord], space: Space, de
     options, cap, directory = request.options, request.cap, request.directory
     ranked = ranked_feasible(records)
     if not ranked:
-        raise NothingFits(nothing_fits(records, cap, space, device, directory))
+        raise NothingFits(nothing_fits(records, cap, space, device, directory, options.predict))
     nproc = f" --nproc {options.nproc}" if options.nproc > 1 else ""
 
     def tuned_for(record: TrialRecord):

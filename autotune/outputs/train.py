@@ -80,8 +80,11 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def nothing_fits(records: list[TrialRecord], cap: Cap, space: Space, device: Device, directory: Path) -> str:
+def nothing_fits(records: list[TrialRecord], cap: Cap, space: Space, device: Device, directory: Path,
+                 predicted: bool = False) -> str:
     """One line: the cap, the smallest peak seen, and the knob that would help."""
+    if predicted:
+        return nothing_predicted(records, cap, space)
     head = f"nothing fits within {cap.describe()}"
     # prefer what a probe measured; then probes that broke (their reason, not a prediction, is the news);
     # when every plan was screened out, what the estimate predicted
@@ -104,6 +107,26 @@ def nothing_fits(records: list[TrialRecord], cap: Cap, space: Space, device: Dev
             return (f"{head}: the smallest peak {verb} was {format_bytes(peak_of(smallest))} "
                     f"(trial {smallest.number}: {smallest.label})" + ("" if skipped else f"; {_knob(smallest, space, device)}"))
     return f"{head}: no probe measured a peak ({summary(records)}); see {directory / 'probes'}/*.log"
+
+
+def nothing_predicted(records: list[TrialRecord], cap: Cap, space: Space) -> str:
+    """tune --predict found no plan predicted to fit: "nothing fits" only where every plan of the space was
+    priced or ruled out by its pools' lower bound; otherwise how many were priced, and the closest."""
+    priced = {r.key: r for r in records if r.state not in ("duplicate", "skipped", "invalid") and r.key
+              and (r.measured_peak or r.predicted_peak)}
+    bounded = sum(1 for r in priced.values() if r.state == "screened" and r.probe_s is None and not r.measured_peak
+                  and "lower bound" in (r.reason or ""))
+    invalid = len({r.key for r in records if r.state == "invalid"})
+    peak = lambda r: r.measured_peak or r.predicted_peak  # noqa: E731
+    closest = min(priced.values(), key=peak, default=None)
+    near = (f"; the closest: {format_bytes(peak(closest))} (trial {closest.number}: {closest.label})"
+            if closest is not None else "")
+    counted = (f"{len(priced) - bounded} plan(s) priced, {bounded} ruled out by their pools' lower bound"
+               + (f", {invalid} invalid" if invalid else ""))
+    if len(priced) + invalid >= space.size:
+        return f"nothing fits within {cap.describe()}: every plan of the space was priced ({counted}){near}"
+    return (f"no plan found to fit within {cap.describe()} in {counted} of the space's {space.size} before the search "
+            f"stopped (more --trials or a longer --time-budget price more){near}")
 
 
 def _knob(smallest: TrialRecord, space: Space, device: Device) -> str:

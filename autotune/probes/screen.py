@@ -252,6 +252,11 @@ class IsolatedPredictor:
                 self.warnings.append(warning)
                 log.warning("screening: the estimate may be low: %s", warning)
 
+    @property
+    def time_facts(self):
+        """The device the child's predictions price step times on (ckrun.runner.predict.hardware.DeviceFacts)."""
+        return self.child.time_facts
+
     def summary(self) -> dict:
         """What report.json says about screening."""
         state = "off" if self.off else "on"

@@ -108,6 +108,14 @@ class CachedPredictor:
     def summary(self) -> dict:
         return self.predictor.summary()
 
+    @property
+    def time_facts(self):
+        """The device the predictions' step times are on."""
+        return self.predictor.time_facts
+
+    def close(self) -> None:
+        getattr(self.predictor, "close", lambda: None)()
+
 
 def predicted_probe(predictor: CachedPredictor) -> Evaluate:
     """A probe answered by the prediction: its peak (context included) and its predicted throughput."""
@@ -115,7 +123,7 @@ def predicted_probe(predictor: CachedPredictor) -> Evaluate:
     def evaluate(candidate: Candidate, number: int) -> ProbeResult:
         started = time.monotonic()
         prediction = predictor(candidate)
-        facts = predictor.predictor.child.time_facts
+        facts = predictor.time_facts
         device = {"device": facts.name, "device_total_bytes": facts.memory_bytes, "torch": torch.__version__,
                   "cuda": None}
         if not isinstance(prediction, Prediction) or prediction.peak is None or not prediction.time:

@@ -61,10 +61,15 @@ def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, dev
         tuner.start(recipe, first, budget.trials, budget)
     else:
         log.info("tune: --resume: %d trials already in the study are kept, not run again", len(study.trials))
-    tuner.run(budget)
+    stopped = tuner.run(budget)
     tuner.confirm(settings.finalists, budget)
     if settings.predicted and fresh and not tuner.exhaustive:
         log.info("tune: %s", budget_line(trial_records(study), budget.trials))
+    if settings.predicted and "time budget" in stopped:
+        ranked = ranked_feasible(trial_records(study))
+        log.info("tune: %s", f"the answer is the best plan predicted to fit when the time budget ran out: trial "
+                             f"{ranked[0].number} ({ranked[0].label}); more time prices more plans" if ranked else
+                 "the time budget ran out before any plan was predicted to fit")
     spent = time.monotonic() - budget.started
     over = budget.time_s is not None and spent > budget.time_s
     log.log(logging.WARNING if over or tuner.probes < 2 else logging.INFO, "tune: searched for %.0f s%s, %d plans %s%s",

@@ -62,6 +62,7 @@ class Tuner:
                 self.first_of.setdefault(record.key, trial)
         self.duplicates_in_a_row = 0
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
+        self.priced_first: list = []  # candidates the starting points' choice predicted (each becomes a trial)
         self.exhaustive = False  # set by start() when it queued every plan of a small space
         self.starts_cut = False  # the starting points' predictions stopped at START_SHARE of the budget
 
@@ -86,6 +87,8 @@ class Tuner:
         starts = self._fastest_first([p for p in self.space.starting_points(recipe, fits) if p not in first + own])
         for params in own + starts:
             self.study.enqueue_trial(params)
+        if self.predicted_search:
+            self._keep_priced(first + own + starts)
         predicted = any(peak is not None for peak in self.screening.peaks.values())
         how = "the largest micro-batch predicted to fit" if predicted else "the whole batch (no predictions)"
         if "micro_batch" not in self.space.choices:
@@ -96,6 +99,19 @@ class Tuner:
                  "; ".join(describe(self.space.candidate(p)) for p in starts))
         if trials is not None and self.predict is not None:
             self._maybe_exhaustive(trials)
+
+    def _keep_priced(self, queued: list[dict]) -> None:
+        """tune --predict: every plan the starting points' choice predicted is a trial too (after them), so
+        none that was predicted to fit is lost, whatever the budget (its trial costs no second prediction)."""
+        kept = 0
+        for candidate in self.priced_first:
+            params = self.space.point_of(candidate)
+            if params is not None and params not in queued:
+                self.study.enqueue_trial(params, skip_if_exists=True)
+                queued.append(params)
+                kept += 1
+        if kept:
+            log.info("tune: %d more plan(s) predicted while choosing the starting points are trials too", kept)
 
     def _own_plan(self, recipe, first: list[dict]) -> list[dict]:
         """The recipe's own memory plan (a hand-written one, or a tuned.yaml from `tune --predict`),
@@ -152,6 +168,8 @@ class Tuner:
                 log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; TPE "
                          "goes on from those found", 100 * START_SHARE, budget.time_s)
             return False
+        if self.predicted_search and candidate.key not in self.screening.peaks:
+            self.priced_first.append(candidate)
         return self.screening.fits(candidate)
 
     def _no_time_to_predict(self) -> str | None:
@@ -251,14 +269,22 @@ class Tuner:
     def _close_unreached(self) -> None:
         """Plans still queued when the search stopped (starting points, the solver's, an exhaustive
         grid's) are closed as `skipped`: ask() hands out the oldest queued trial, so a re-run queued
-        after them would measure one of them instead."""
+        after them would measure one of them instead. Under --predict a queued plan already predicted
+        (a starting point's) is told its prediction instead: a fit is never thrown away."""
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        skipped = 0
         for _ in waiting:
             trial = self.study.ask(self.space.distributions())
-            store_record(trial, TrialRecord(state="skipped", reason="queued, but the search stopped before it was measured"))
+            candidate = self.space.candidate(trial.params)
+            if self.predicted_search and (candidate.key in self.screening.peaks or candidate.key in self.first_of):
+                self._evaluate(trial, candidate)  # its prediction is made: telling it costs nothing
+                continue
+            skipped += 1
+            store_record(trial, TrialRecord(state="skipped", reason=f"queued, but the search stopped before it was "
+                                                                    f"{'predicted' if self.predicted_search else 'measured'}"))
             self.study.tell(trial, state=TrialState.FAIL)
-        if waiting:
-            log.info("tune: %d queued plan(s) were not reached before the search stopped", len(waiting))
+        if skipped:
+            log.info("tune: %d queued plan(s) were not reached before the search stopped", skipped)
 
     def _evaluate(self, trial: Trial, candidate: Candidate) -> None:
         earlier = self.first_of.get(candidate.key)

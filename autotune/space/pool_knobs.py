@@ -19,11 +19,12 @@ import logging
 from functools import partial
 
 from ckrun.runner.choices import choice_class, choice_fields
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan import MemoryPlan, plan_problems
 from ckrun.runner.policy_base import library_missing
 from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload, LowBitState, MasterWeights,
                                   POOL_KINDS, StepInBackward)
 from ckrun.runner.units import format_bytes
+
 
 from .pool_floor import Bound, least, nothing_fits_line, pool_floor, pool_plan, settings
 from .space import Asked, Knob, Space
@@ -184,7 +185,9 @@ def space_values(space: Space) -> dict[str, list[str]]:
 
 def start_settings(space: Space) -> dict[str, str]:
     """The pool setting of every starting point and of the solver's plans: computed once per space
-    (module docstring), logged with its reason."""
+    (module docstring), logged with its reason. Exact values first; where no exact setting leaves the
+    activations room and --allow-lossy opened lossy ones, the lossy settings too (the options say what
+    the starting points may be)."""
     if space.pool_start is not None:
         return space.pool_start
     values = space_values(space)
@@ -194,25 +197,50 @@ def start_settings(space: Space) -> dict[str, str]:
     if space.bound is None:
         space.pool_start = first
         return first
-    facts, step, context, limit = space.bound.facts, space.bound.step, space.bound.context, space.bound.limit
-    # fewest changes first, then the milder of each knob's values (its choices go from mild to strong)
-    fitting = [(len([s for s in labels if labels[s] != first[s]]), sum(exact[s].index(v) for s, v in labels.items()),
-                floor.total, labels)
-               for labels in settings(exact) if (floor := pool_floor(pool_plan(labels), facts, step, context)).total
-               <= ROOM * limit]
-    if fitting:
-        _, _, total, chosen = min(fitting, key=lambda f: f[:3])
-        why = f"the fewest changes whose lower bound {format_bytes(total)} leaves a fifth of the limit for activations"
-    else:  # the least bound, and of those the strongest values (chunked loss, no cast cache: fewer activations)
-        floors = [(pool_floor(pool_plan(labels), facts, step, context), labels) for labels in settings(exact)]
-        floor, chosen = min(floors, key=lambda f: (f[0].total, -sum(exact[s].index(v) for s, v in f[1].items())))
-        why = (f"no exact setting leaves a fifth of the limit for activations; the least bound, {floor.words()}, "
-               "with each knob's strongest value; the starting points that save the most are tried first")
-        space.tight = True
+    chosen, why = _roomy(exact, first, space)
+    if chosen is None:
+        allowed = {s: [label for label in v if not _unsafe(s, label, whole)] or v[:1] for s, v in values.items()}
+        chosen, why = _roomy(allowed, first, space) if allowed != exact else (None, "")
+        if chosen is not None:
+            why = f"no exact setting leaves a fifth of the limit for activations, so the lossy ones (--allow-lossy): {why}"
+        else:
+            chosen, why = _least(allowed, space)
     space.pool_start = chosen
     changed = ", ".join(f"{s} {label}" for s, label in chosen.items() if label != first[s]) or "the pools as they are"
     log.info("space: starting points and the solver take %s: %s", changed, why)
     return chosen
+
+
+def _roomy(values: dict[str, list[str]], first: dict[str, str], space: Space) -> tuple[dict | None, str]:
+    """The setting of `values` with the fewest changes from `first` (then the milder values: each knob's
+    choices go from mild to strong) whose lower bound leaves a fifth of the limit, or None."""
+    facts, step, context, limit = space.bound.facts, space.bound.step, space.bound.context, space.bound.limit
+    fitting = [(len([s for s in labels if labels[s] != first[s]]), sum(values[s].index(v) for s, v in labels.items()),
+                floor.total, labels)
+               for labels in _allowed(values, step) if (floor := pool_floor(pool_plan(labels), facts, step, context)).total
+               <= ROOM * limit]
+    if not fitting:
+        return None, ""
+    _, _, total, chosen = min(fitting, key=lambda f: f[:3])
+    return chosen, f"the fewest changes whose lower bound {format_bytes(total)} leaves a fifth of the limit for activations"
+
+
+def _allowed(values: dict[str, list[str]], step) -> list[dict[str, str]]:
+    """The pools' settings among `values` that the plan's rules allow (runner/plan.py: no lossy state beside
+    the host's optimizer, ...); all of them where none is."""
+    every = settings(values)
+    return [labels for labels in every if not plan_problems(pool_plan(labels), step)] or every
+
+
+def _least(values: dict[str, list[str]], space: Space) -> tuple[dict, str]:
+    """No setting leaves room: the least bound, and of those the strongest values (chunked loss, no cast
+    cache: fewer activations); the starting points that save the most then come first (`space.tight`)."""
+    facts, step, context = space.bound.facts, space.bound.step, space.bound.context
+    floors = [(pool_floor(pool_plan(labels), facts, step, context), labels) for labels in _allowed(values, step)]
+    floor, chosen = min(floors, key=lambda f: (f[0].total, -sum(values[s].index(v) for s, v in f[1].items())))
+    space.tight = True
+    return chosen, (f"no setting leaves a fifth of the limit for activations; the least bound, {floor.words()}, "
+                    "with each knob's strongest value; the starting points that save the most are tried first")
 
 
 def _default(section: str) -> str:
@@ -221,8 +249,12 @@ def _default(section: str) -> str:
 
 def _lossy_or_unsafe(section: str, label: str, whole_batch: bool) -> bool:
     """Not for a start: lossy, or the step in backward where the starts' micro-batches split the batch."""
-    cls = choice_class(POOL_KINDS[section], label)
-    return cls.lossy or (getattr(cls, "updates_in_backward", False) and not whole_batch)
+    return choice_class(POOL_KINDS[section], label).lossy or _unsafe(section, label, whole_batch)
+
+
+def _unsafe(section: str, label: str, whole_batch: bool) -> bool:
+    """The step in backward where the starts' micro-batches split the batch: every start would be invalid."""
+    return getattr(choice_class(POOL_KINDS[section], label), "updates_in_backward", False) and not whole_batch
 
 
 # --- the search's lower bound ------------------------------------------------------------------------

@@ -187,8 +187,11 @@ class Space:
         """The recipe's own plan as a point of the space (its per-block labels join the choices), or
         None where it sets something the space cannot say (a knob pinned otherwise, memory.adaptive
         buckets)."""
-        own = Candidate(recipe.memory, recipe.precision)
-        values = {knob.name: knob.from_plan(own, self) for knob in self.knobs}
+        return self.point_of(Candidate(recipe.memory, recipe.precision))
+
+    def point_of(self, candidate: Candidate) -> dict | None:
+        """A candidate's params in this space (see `own_point`), or None where it says what the space cannot."""
+        values = {knob.name: knob.from_plan(candidate, self) for knob in self.knobs}
         if any(value is UNSAID for value in values.values()):
             return None
         if any(name in self.fixed and self.fixed[name] != value for name, value in values.items()

@@ -197,7 +197,10 @@ def format_table(table: CostTable) -> str:
 
 
 def block_bytes(estimator: Estimator, plan: MemoryPlan, precision: str) -> tuple[Estimate, list[int], list[int]]:
-    """(the estimate, per-block device bytes, per-block host bytes) of one step of `plan` on fake tensors."""
+    """(the estimate, per-block device bytes, per-block host bytes) of one step of `plan` on fake tensors
+    (a plan composed from parts says them from its composition: runner/predict/compose.py)."""
+    if hasattr(estimator, "block_bytes"):
+        return estimator.block_bytes(plan, precision)
     blocks = find_blocks(estimator.model, plan.blocks)
     device_bytes, host_bytes = [0] * len(blocks), [0] * len(blocks)
     watch = lambda run: _watched(blocks, run.tracker, device_bytes, host_bytes)  # noqa: E731

@@ -42,12 +42,13 @@ from ..memory.blocks import find_blocks
 from ..plan import MemoryPlan
 from ..recipe import Precision as PrecisionName
 from ..memory.tracker import CATEGORIES
-from .estimate import CPU, Estimate, _micro_batch
+from .estimate import CPU, HOST, Estimate, _micro_batch
 from .parts import BASE, PartsEstimator, Sid, Trace, parameter_signature, trace_step, trace_update
 from .roofline import AFTER_BLOCKS, StepWork
 from .step_time import step_time
 
 END = 1 << 62  # a position after every allocation of a part
+MADE_KEPT = 24  # compositions kept (each the events of a step: megabytes for a deep model)
 OPTIMIZER_POOLS = ("optimizer_state", "gradients")  # pools that only the update touches, unless it hooks the backward
 
 
@@ -61,8 +62,12 @@ class _Bytes:
 
     events: list
     peak_bytes: int
-    breakdown_at_peak: dict[str, int]
+    breakdown: dict[str, int]
     peak_by_device: dict[str, int]
+
+    @property
+    def breakdown_at_peak(self) -> dict[str, int]:
+        return dict(self.breakdown)  # a copy, as the tracker's: the estimate adds the allocator's parts to it
 
 
 @dataclass
@@ -94,8 +99,10 @@ class Composer:
         self.updates: dict[tuple, Trace] = {}
         self.hooked: dict[tuple, bool] = {}
         self._around: dict[tuple, object] = {}
+        self.made: dict[tuple, tuple] = {}  # a composition's parts -> what they decide (`_Composition.estimate`)
         self.traces = 0  # traces made so far (each a fake step of a few real blocks)
         self.params = list(self.model.parameters())
+        self.frozen = any(not p.requires_grad for p in self.params)
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
 
     # --- the answer --------------------------------------------------------------------------------
@@ -112,9 +119,57 @@ class Composer:
             return estimate
 
     def composed(self, plan: MemoryPlan, precision: PrecisionName) -> Estimate:
+        return self._composition(plan, precision).estimate()
+
+    def _composition(self, plan: MemoryPlan, precision: PrecisionName) -> _Composition:
         layout = self._layout(plan, precision)
         self._represent(layout)
-        return _Composition(self, layout).estimate()
+        return _Composition(self, layout)
+
+    def block_bytes(self, plan: MemoryPlan, precision: PrecisionName) -> tuple[Estimate, list[int], list[int]]:
+        """(the estimate, per block the device bytes and the host bytes its first forward leaves), as
+        runner/predict/block_costs.py's `block_bytes` reads them from hooks, here from the composition."""
+        self.estimator.check(plan, precision)
+        try:
+            composition = self._composition(plan, precision)
+            estimate = composition.estimate()
+        except NotComposable:
+            from .block_costs import block_bytes
+
+            return block_bytes(self.estimator, plan, precision)  # the whole-model step, read by hooks
+        events, count = composition.emitted, len(composition.layout.signatures)
+        live = {str(CPU): [0], str(HOST): [0]}
+        for _, nbytes, device in events:
+            for name, totals in live.items():
+                totals.append(totals[-1] + (nbytes if str(device) == name else 0))
+        left = {name: [totals[composition.cuts[("blk", i, 1, "f")][1]] - totals[composition.cuts[("blk", i, 1, "f")][0]]
+                       for i in range(count)] for name, totals in live.items()}
+        return estimate, left[str(CPU)], left[str(HOST)]
+
+    # --- what the per-block cost table reads (runner/predict/block_costs.py) ------------------------
+
+    @property
+    def recipe(self):
+        return self.estimator.recipe
+
+    @property
+    def cuda(self) -> bool:
+        return self.estimator.cuda
+
+    @property
+    def facts(self):
+        return self.estimator.facts
+
+    def renumbered(self, part, shift: int) -> tuple[list, list]:
+        """A block part's op clock records as the block `shift` further on (made once per part and shift)."""
+        key = ("ops", id(part), shift)
+        if key not in self._around:
+            self._around[key] = (
+                [op if op.block is None or op.block == AFTER_BLOCKS else replace(op, block=op.block + shift)
+                 for op in part.ops],
+                [(kind, block + shift if block is not None and block >= 0 else block, nbytes)
+                 for kind, block, nbytes in part.to_host])
+        return self._around[key]
 
     def edges(self, trace: Trace, t: int | None) -> set[int]:
         """The serials of block `t`'s boundary tensors (inputs, outputs, their gradients); every block's for None."""
@@ -185,8 +240,7 @@ class Composer:
         blocks = self.blocks(plan)
         chosen = set(plan.checkpointing.chosen(blocks))
         moved = set(plan.offload.chosen(blocks)) if plan.offload.moves else set()
-        action = (plan.checkpointing.label(), tuple(sorted(plan.checkpointing.kept_ops() or ())),
-                  plan.checkpointing.kept_product_stride())
+        action = ("recompute", tuple(sorted(plan.checkpointing.kept_ops() or ())), plan.checkpointing.kept_product_stride())
         hooks = self._parameter_hooks(plan, blocks) if self._hooks_backward(plan) else {}
         inputs = self.inputs.get(key, {})
         own = []
@@ -200,7 +254,7 @@ class Composer:
     def _represent(self, layout: _Layout) -> None:
         """Trace what the plan's blocks need and is not traced yet; a first trace of a parts key learns
         what each block is given, which may show kinds it had not told apart (then one more trace)."""
-        for _ in range(2):
+        for _ in range(3):
             missing = [i for i, signature in enumerate(layout.signatures)
                        if (layout.key, signature) not in self.represented]
             if not missing:
@@ -209,7 +263,9 @@ class Composer:
             for i in missing:
                 first.setdefault(layout.signatures[i], i)
             chosen = set(first.values())
-            if layout.key not in self.inputs:  # kinds not yet told apart by their inputs: the next of each too
+            if layout.key not in self.inputs and self.frozen:
+                # kinds not yet told apart by their inputs, and frozen parameters (an adapter's base) may give
+                # the first of them an input that needs no gradient: the next of each is traced too
                 chosen |= {i + 1 for i in chosen if i + 1 < len(layout.signatures)
                            and layout.signatures[i + 1] == layout.signatures[i]}
             real = {j for i in chosen for j in range(i - layout.reach, i + layout.reach + 1)
@@ -282,6 +338,7 @@ class _Composition:
         self.labels: dict[tuple, list[tuple[tuple, str]]] = {}
         self.memo: dict[tuple, tuple] = {}
         self.wiring: dict[tuple, dict[int, int]] = {}
+        self.cuts: dict[Sid, tuple[int, int]] = {}  # part -> (events before it, events before what goes after it)
 
     def _order(self) -> list[Sid]:
         order: list[Sid] = [("head",)]
@@ -442,7 +499,7 @@ class _Composition:
                 self.seen(trace, serial, i - t, self._given(trace, t, serial, i), serial in edges)
         absolute = self.layout.absolute
         edges = self.composer.edges(absolute, None)
-        for serial in _outside_blocks(absolute):
+        for serial in _outside_blocks(absolute, edges):
             self.seen(absolute, serial, 0, boundary=serial in edges)
         update = self.layout.update
         for serial, stored in enumerate(update.stores):
@@ -496,22 +553,26 @@ class _Composition:
             if stored.owner == BASE:
                 out.allocate((BASE, stored.ordinal), stored)
         baseline = len(out.events)
-        pending: dict[tuple, list] = {}
+        pending: dict[int, dict[int, list]] = {}  # part's place -> allocations made -> frees and re-labels
         for store, at in self.frees.items():
-            pending.setdefault(at, []).append(("free", store))
+            pending.setdefault(at[0], {}).setdefault(at[1], []).append(("free", store))
         for store, changes in self.labels.items():
             for at, category in changes:
-                pending.setdefault(at, []).append(("label", store, category))
+                pending.setdefault(at[0], {}).setdefault(at[1], []).append(("label", store, category))
         for sid in self.order:
             trace, tsid, _ = self.source(sid)
             part = trace.parts.get(tsid)
-            n = self.at[sid]
-            out.flush(pending.pop((n, 0), ()))
+            n, begun = self.at[sid], len(out.events)
+            here = pending.pop(n, {})
+            out.flush(here.pop(0, ()))
             for k, serial in enumerate(part.allocs if part is not None else [], 1):
                 out.allocate((sid, k), trace.stores[serial])
-                out.flush(pending.pop((n, k), ()))
-            for at in sorted(a for a in pending if a[0] == n):
-                out.flush(pending.pop(at))
+                out.flush(here.pop(k, ()))
+            for k in sorted(here):
+                if k == END:
+                    self.cuts[sid] = (begun, len(out.events))
+                out.flush(here[k])
+            self.cuts.setdefault(sid, (begun, len(out.events)))
         if out.early:
             raise NotComposable("a storage was placed as let go before it was made")
         unfreed = [store for store in out.keys if store not in self.frees and self._freed_in_trace(store)]
@@ -537,10 +598,9 @@ class _Composition:
             if part is None:
                 continue
             if shift and sid[0] == "blk":
-                work.ops += [op if op.block is None or op.block == AFTER_BLOCKS else replace(op, block=op.block + shift)
-                             for op in part.ops]
-                work.to_host += [(kind, block + shift if block is not None and block >= 0 else block, nbytes)
-                                 for kind, block, nbytes in part.to_host]
+                ops, to_host = self.composer.renumbered(part, shift)
+                work.ops += ops
+                work.to_host += to_host
             else:
                 work.ops += part.ops
                 work.to_host += part.to_host
@@ -551,18 +611,33 @@ class _Composition:
         return work
 
     def estimate(self) -> Estimate:
-        estimator = self.composer.estimator
-        events, baseline, initial, labels = self.events()
-        composed = _replayed(events, initial, labels)
-        plan, precision = self.layout.plan, self.layout.precision
+        """The plan's estimate; what only its parts decide (the events, the live peak, the step's work and
+        time) is kept per set of parts, so plans that differ in the allocator or the cap alone reuse it."""
+        estimator, layout = self.composer.estimator, self.layout
+        key = (tuple((id(trace), t) for trace, t in layout.reps), id(layout.absolute), id(layout.update),
+               layout.micro_batches)
+        made = self.composer.made.get(key)
+        if made is None:
+            made = self.composer.made[key] = self._made()
+            while len(self.composer.made) > MADE_KEPT:
+                self.composer.made.pop(next(iter(self.composer.made)))
+        composed, baseline, self.cuts, timed = made
+        self.emitted = composed.events
+        plan, precision = layout.plan, layout.precision
         estimate = estimator._result(composed, baseline, plan, precision, estimator._optimizing(plan))
         estimate.notes.extend(estimator.routed.notes())
         estimate.warnings.extend(dict.fromkeys(w for trace in self._traces() for w in trace.warnings))
+        return replace(estimate, **timed)
+
+    def _made(self) -> tuple:
+        estimator = self.composer.estimator
+        events, baseline, initial, labels = self.events()
+        timed = {}
         if estimator.facts is not None:
-            micro = _micro_batch(plan, estimator.recipe.train.batch_size)
-            shape, work = estimator._shape(micro, precision), self.work()
-            estimate = replace(estimate, work=work, shape=shape, time=step_time(work, shape, estimator.facts))
-        return estimate
+            micro = _micro_batch(self.layout.plan, estimator.recipe.train.batch_size)
+            shape, work = estimator._shape(micro, self.layout.precision), self.work()
+            timed = {"work": work, "shape": shape, "time": step_time(work, shape, estimator.facts)}
+        return _replayed(events, initial, labels), baseline, dict(self.cuts), timed
 
     def _traces(self) -> list[Trace]:
         return list({id(t): t for t in [*(trace for trace, _ in self.layout.reps), self.layout.absolute]}.values())
@@ -620,12 +695,12 @@ def _outside(sid: Sid) -> bool:
     return sid[0] not in ("blk", "gap", "gapb") and sid != BASE
 
 
-def _outside_blocks(trace: Trace) -> list[int]:
-    """Serials the model's own code (embedding, head, loss, the step's head and tail) allocates or lets go."""
-    outside = _outside
+def _outside_blocks(trace: Trace, edges: set[int]) -> list[int]:
+    """Serials the model's own code (embedding, head, loss, the step's head and tail) makes, and the
+    blocks' boundary tensors it lets go or re-labels (what a block makes on its own, its trace says)."""
     return [serial for serial, stored in enumerate(trace.stores)
-            if outside(stored.owner) or (stored.freed is not None and outside(stored.freed[0]))
-            or any(outside(sid) for sid, _, _ in stored.labels)]
+            if _outside(stored.owner) or (serial in edges and (
+                (stored.freed is not None and _outside(stored.freed[0])) or any(_outside(sid) for sid, _, _ in stored.labels)))]
 
 
 def _replayed(events: list, initial: dict[int, str], labels: list) -> _Bytes:

@@ -183,7 +183,9 @@ class _Value:
 def _learn(module: torch.nn.Module, args, kwargs, leaves: list, trainable: bool) -> Template:
     needs_grad = trainable or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
     keys = {_storage(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-    with torch.no_grad():
+    # no gradients, and autocast's cast copies not cached: nothing of this forward outlives it
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.get_autocast_dtype("cpu"),
+                                         enabled=torch.is_autocast_enabled("cpu"), cache_enabled=False):
         output = type(module).forward(module, *args, **kwargs)
     out_leaves, tree = tree_flatten(output)
     described = []

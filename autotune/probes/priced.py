@@ -1,0 +1,136 @@
+"""Predictions in the tuner's own process: a prediction is a function call, so it needs no child.
+
+`tune --predict` of a library model (transformers, torchvision: no code of the user's runs) prices its
+plans here: one process's plans composed from parts (runner/predict/compose.py, a few traced blocks
+shared by every plan), a rank's under --nproc by the rank predictor (runner/predict/per_rank.py, the
+split fake model kept per layout). The model child (autotune/probes/screen.py) stays where the user's
+own model code runs, which a hang or a crash must not take the tuner down with, and where the tuner
+itself must stay off the GPU (a measured tune on CUDA).
+
+The interface is the child's predictor's (`IsolatedPredictor`): called with a candidate, it answers a
+`Prediction` (the peak with the CUDA context, the step time on the named device) or why there is none;
+`frontier` answers the solver; `summary` says what report.json says about predicting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ckrun.runner.problems import first_line
+from ckrun.runner.recipe import Recipe
+
+from ..search.study import Prediction
+from ..space.candidate import Candidate
+from ..space.knobs import describe
+
+log = logging.getLogger(__name__)
+
+
+def in_process(recipe: Recipe, predict: bool) -> bool:
+    """Whether this tune's predictions run in its own process: predicting (no probe shares the GPU with it)
+    a model whose code is a library's (a python model's factory is the user's, kept in the child)."""
+    return predict and recipe.model.source != "python"
+
+
+class PricedPredictor:
+    """Predicted peaks and step times for the tuner, made in this process (module docstring)."""
+
+    def __init__(self, recipe: Recipe, device_kind: str, time_facts, context_bytes: int = 0, nproc: int = 1):
+        self.recipe, self.device_kind, self.time_facts, self.nproc = recipe, device_kind, time_facts, nproc
+        self.context_bytes = context_bytes
+        self.off: str | None = None
+        self.warnings: list[str] = []
+        self.priced = 0  # plans answered, composed or not
+        self.seconds = 0.0  # spent predicting
+        self._pricer = None
+
+    def __call__(self, candidate: Candidate) -> Prediction | None:
+        from ckrun.runner.predict.estimate import EstimateUnavailable
+
+        if self.off or not self._started():
+            return None
+        started = time.monotonic()
+        try:
+            estimate = self._estimate(candidate)
+        except (EstimateUnavailable, ValueError) as err:
+            log.info("screening: no prediction for %s (%s)", describe(candidate), first_line(err))
+            return Prediction(None, f"unscreened: {first_line(err)}")
+        finally:
+            self.seconds += time.monotonic() - started
+        self.priced += 1
+        self._warn(estimate.warnings)
+        return Prediction(estimate.peak_bytes + self.context_bytes, time=estimate.time.record() if estimate.time else None)
+
+    def _estimate(self, candidate: Candidate):
+        if self.nproc > 1:
+            return self._pricer.estimate(candidate.recipe(self.recipe, None))
+        return self._pricer.estimate(candidate.plan, candidate.precision)
+
+    def _started(self) -> bool:
+        """The pricer, built the first time it is asked: the fake model and its warmed-up optimizer."""
+        if self._pricer is not None:
+            return True
+        from ckrun.runner.predict.estimate import EstimateUnavailable
+
+        started = time.monotonic()
+        try:
+            self._pricer = self._build()
+        except (EstimateUnavailable, ValueError) as err:
+            self._turn_off(f"the estimator cannot model this recipe: {first_line(err)}")
+            return False
+        log.info("screening: the model built on fake tensors in this process in %.1f s%s", time.monotonic() - started,
+                 "" if self.nproc > 1 else "; each plan is composed from traced blocks")
+        return True
+
+    def _build(self):
+        if self.nproc > 1:
+            from ckrun.runner.predict.per_rank import RankPredictor
+
+            return RankPredictor(self.nproc, self.device_kind, self.time_facts)
+        from ckrun.runner.predict.compose import Composer
+        from ckrun.runner.predict.parts import PartsEstimator
+
+        return Composer(PartsEstimator(self.recipe, self.device_kind, self.time_facts))
+
+    def frontier(self, request: dict) -> dict:
+        """The solver's plans (autotune/search/solver.py), answered as the model child answers them."""
+        if self.nproc > 1 or self.off or not self._started():
+            return {"status": "unavailable", "reason": f"no estimator ({self.off or 'ranks'})"}
+        from ckrun.runner.plan import MemoryPlan
+
+        from ..search.solver import frontier
+
+        deadline = request.get("deadline")
+        try:
+            proposals, lines = frontier(self._pricer, [tuple(pair) for pair in request["pairs"]],
+                                        int(request["limit"]), MemoryPlan.model_validate(request["base"]),
+                                        bool(request["offload"]), int(request["timed_steps"]),
+                                        int(request.get("context", 0)),
+                                        None if deadline is None else deadline - time.monotonic())
+        except ValueError as err:
+            return {"status": "unavailable", "reason": first_line(err)}
+        return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
+
+    def _turn_off(self, reason: str) -> None:
+        self.off = reason
+        log.warning("screening: off (%s): every new plan is probed", reason)
+
+    def _warn(self, warnings: list[str]) -> None:
+        for warning in warnings:
+            if warning not in self.warnings:
+                self.warnings.append(warning)
+                log.warning("screening: the estimate may be low: %s", warning)
+
+    def summary(self) -> dict:
+        """What report.json says about screening."""
+        traces = getattr(self._pricer, "traces", None)
+        return {"state": "off" if self.off else "on", "reason": self.off or "", "faults": [],
+                "warnings": list(self.warnings), "in_process": True, "priced": self.priced,
+                "predict_s": round(self.seconds, 3), **({"traces": traces} if traces is not None else {})}
+
+    def close(self) -> None:
+        """Take down what the pricer holds (the rank predictor's fake process group)."""
+        close = getattr(self._pricer, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,138 @@
+"""A plan priced from parts equals the whole-model fake step: over the library's recipes (tiny versions,
+deep enough that most blocks are composed from another's trace) and plans drawn from every knob the
+tuner searches, the composed estimate has the reference's peak to the byte (live and, on CUDA, the
+caching allocator's reserve), its breakdown and its step time. Plans are drawn in any order against
+one composer per recipe, so traces made for one plan serve later ones. Counted, not timed: the
+traces a composer makes grow with the kinds of block and actions, not with depth or plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ckrun.runner.choices import choice_fields
+from ckrun.runner.load import load_recipe
+from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices
+from ckrun.runner.pool_policies import POOL_KINDS
+from ckrun.runner.predict.compose import Composer
+from ckrun.runner.predict.estimate import EstimateUnavailable, Estimator
+from ckrun.runner.predict.hardware import DeviceFacts
+from ckrun.runner.predict.parts import PartsEstimator
+from ckrun.runner.memory.blocks import find_blocks
+from tests.runner.memory.tiny_lm import HAS_TORCHAO
+
+ROOT = Path(__file__).resolve().parents[3]
+FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 60.0, "tf32": 400.0, "bf16": 900.0, "fp16": 900.0},
+                    memory_gbs=3000.0, peer_gbs=400.0, host_gbs=50.0, capability=(9, 0), memory_bytes=80 * 10**9)
+LLAMA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=6",
+         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.vocab_size=256",
+         "data.seq_len=32", "train.batch_size=4"]
+TINY = {  # a library recipe, made small: a fake step of it takes a second or two here
+    "llama3_8b": LLAMA,
+    "llama_1b_lora": LLAMA,
+    "gpt2": ["model.config.n_embd=32", "model.config.n_layer=6", "model.config.n_head=2", "model.config.n_positions=32",
+             "model.config.vocab_size=256", "data.seq_len=32", "train.batch_size=4"],
+    "bert_tiny": ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.vocab_size=256",
+                  "model.config.num_hidden_layers=5", "model.config.max_position_embeddings=32", "data.seq_len=32",
+                  "train.batch_size=4"],
+    "mixtral_tiny": ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.vocab_size=256",
+                     "model.config.num_local_experts=4", "model.config.num_hidden_layers=5", "data.seq_len=32",
+                     "train.batch_size=4"],
+    "classic_transformer_stack": ["model.config.vocab_size=256", "data.vocab_size=256", "model.config.width=32",
+                                  "model.config.depth=5", "model.config.heads=2", "model.config.max_len=32",
+                                  "data.seq_len=32", "train.batch_size=4"],
+    "resnet50": ["model.config.num_classes=10", "data.num_classes=10", "data.image_size=64", "train.batch_size=2"],
+}
+ALWAYS = ("llama3_8b",)  # the default run's recipe; the rest run with -m slow
+_COMPOSERS: dict[tuple, tuple] = {}
+
+
+def pair(name: str, device: str) -> tuple[Estimator, Composer]:
+    """The reference estimator and a composer for the tiny recipe, made once per recipe and device."""
+    if (name, device) not in _COMPOSERS:
+        recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [*TINY[name], "train.grad_clip=null", "memory.micro_batch=null"])
+        _COMPOSERS[(name, device)] = (Estimator(recipe, device, FACTS),
+                                      Composer(PartsEstimator(recipe, device, FACTS)))
+    return _COMPOSERS[(name, device)]
+
+
+@st.composite
+def plans(draw, estimator: Estimator, device: str) -> MemoryPlan:
+    recipe = estimator.recipe
+    batch = recipe.train.batch_size
+    micro = draw(st.sampled_from([d for d in range(1, batch + 1) if batch % d == 0]))
+    blocks = find_blocks(estimator.model, recipe.memory.blocks)
+    labels = {"checkpointing": draw(st.sampled_from(checkpointing_choices(blocks)))}
+    if device == "cuda":
+        labels["offload"] = draw(st.sampled_from(["none", "all"]))
+        labels["optimizer_offload"] = draw(st.sampled_from(["none", "cpu:0.5", "cpu"]))
+    labels["compression"] = draw(st.sampled_from(["none", "bf16"]))
+    if recipe.precision != "fp32":
+        labels["weights"] = draw(st.sampled_from(["fp32", "fp32:uncached"] + (["bf16"] if HAS_TORCHAO else [])))
+    if HAS_TORCHAO:
+        labels["optimizer_state"] = draw(st.sampled_from(["full", "8bit"]))
+    labels["optimizer_step"] = draw(st.sampled_from(["after", "in_backward"])) if micro == batch else "after"
+    memory = {"micro_batch": micro, "allow_lossy": True, "blocks": recipe.memory.blocks}
+    kinds = {"checkpointing": CHECKPOINTING, "offload": OFFLOAD, "compression": COMPRESSION, **POOL_KINDS}
+    memory.update({section: choice_fields(kinds[section], label) for section, label in labels.items()})
+    if "optimizer_offload" not in labels:
+        memory["optimizer_offload"] = {"policy": "none"}
+    return MemoryPlan.model_validate(memory)
+
+
+def answer(estimate) -> tuple:
+    return estimate.peak_bytes, estimate.live_peak_bytes, estimate.breakdown, estimate.warnings
+
+
+def check(name: str, device: str, drawn) -> None:
+    estimator, composer = pair(name, device)
+    plan = drawn.draw(plans(estimator, device))
+    try:
+        estimator.check(plan, estimator.recipe.precision)
+    except ValueError:
+        return  # a combination every path refuses (in_backward with offloaded state, ...)
+    try:
+        reference = estimator.estimate(plan)
+    except (ValueError, EstimateUnavailable) as refused:  # the model itself refuses (BatchNorm over one value)
+        with pytest.raises(type(refused)):
+            composer.estimate(plan)
+        return
+    composed = composer.estimate(plan)
+    whole = [note for note in composed.notes if note.startswith("the whole-model fake step")]
+    assert not whole or plan.checkpointing.spans_blocks, whole  # only a region of blocks is not composed
+    assert answer(composed) == answer(reference), plan
+    assert composed.notes == reference.notes + whole
+    assert composed.time.seconds == pytest.approx(reference.time.seconds, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(st.data())
+def test_a_composed_plan_is_the_whole_model_step(device, data):
+    check(ALWAYS[0], device, data)
+
+
+@pytest.mark.slow  # every recipe: a few minutes of CPU
+@pytest.mark.parametrize("name", [name for name in TINY if name not in ALWAYS])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(st.data())
+def test_every_library_recipe_composes_as_its_whole_model_step(name, data):
+    check(name, "cuda", data)
+
+
+def test_traces_grow_with_kinds_and_actions_not_depth_or_plans():
+    """Twelve blocks, six checkpointing plans with the same micro-batch and pools: one trace per action
+    (kept, recomputed, selective: every k-th block recomputed is the first two again), and one of the
+    update; the whole-model step would have run six times over twelve blocks."""
+    recipe = load_recipe(ROOT / "recipes" / "llama3_8b.yaml",
+                         [*LLAMA, "model.config.num_hidden_layers=12", "train.grad_clip=null"])
+    composer = Composer(PartsEstimator(recipe, "cuda", FACTS))
+    for label in ["none", "every:2", "every:3", "every:4", "full", "selective"]:
+        memory = {**recipe.memory.model_dump(mode="json"), "checkpointing": choice_fields(CHECKPOINTING, label)}
+        composer.estimate(MemoryPlan.model_validate(memory))
+    assert composer.traces == 3 + 1
