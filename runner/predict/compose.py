@@ -78,8 +78,9 @@ class _Layout:
     precision: str
     key: str
     micro_batches: int
-    reach: int
     signatures: list[tuple]
+    windows: list[tuple[int, int]]
+    """Per block, the first and last block traced beside its representative."""
     reps: list[tuple[Trace, int]] = field(default_factory=list)
     absolute: Trace | None = None
     update: Trace | None = None
@@ -199,8 +200,7 @@ class Composer:
         batch = self.estimator.recipe.train.batch_size
         micro = _micro_batch(plan, batch)
         key = self._parts_key(plan, precision)
-        return _Layout(plan, precision, key, 1 if micro >= batch else 2, 2 if plan.offload.moves else 0,
-                       self._signatures(plan, key))
+        return _Layout(plan, precision, key, 1 if micro >= batch else 2, *self._signatures(plan, key))
 
     def _parts_key(self, plan: MemoryPlan, precision: str) -> str:
         """What the blocks', embedding's and loss's parts depend on: the plan but its per-block actions,
@@ -236,20 +236,29 @@ class Composer:
         finally:
             planned.remove()
 
-    def _signatures(self, plan: MemoryPlan, key: str) -> list[tuple]:
+    def _signatures(self, plan: MemoryPlan, key: str) -> tuple[list[tuple], list[tuple[int, int]]]:
+        """Per block its signature and its window: the blocks traced beside its representative (module
+        docstring): its region where a region of blocks is checkpointed as one, and two blocks on either
+        side where offload moves its tensors (its signature holds theirs, and where the model ends)."""
         blocks = self.blocks(plan)
-        chosen = set(plan.checkpointing.chosen(blocks))
+        count, policy = len(blocks), plan.checkpointing
+        chosen = set(policy.chosen(blocks))
+        regions = {j: (region[0], region[-1]) for region in policy.regions(blocks) for j in region} \
+            if policy.spans_blocks else {}
         moved = set(plan.offload.chosen(blocks)) if plan.offload.moves else set()
-        action = ("recompute", tuple(sorted(plan.checkpointing.kept_ops() or ())), plan.checkpointing.kept_product_stride())
+        action = ("region",) if policy.spans_blocks else \
+            ("recompute", tuple(sorted(policy.kept_ops() or ())), policy.kept_product_stride())
         hooks = self._parameter_hooks(plan, blocks) if self._hooks_backward(plan) else {}
         inputs = self.inputs.get(key, {})
-        own = []
-        for block in blocks:
-            own.append((type(block.module).__qualname__, parameter_signature(block.module), inputs.get(block.index),
-                        action if block.index in chosen else ("keep",), block.index in moved, hooks.get(block.index, ())))
+        own = [(type(block.module).__qualname__, parameter_signature(block.module), inputs.get(block.index),
+                action if block.index in chosen else ("keep",), block.index in moved, hooks.get(block.index, ()))
+               for block in blocks]
         reach = 2 if plan.offload.moves else 0
-        return [tuple(own[j] if 0 <= j < len(own) else None for j in range(i - reach, i + reach + 1))
-                for i in range(len(own))]
+        windows = [(min(regions.get(i, (i, i))[0], i - reach), max(regions.get(i, (i, i))[1], i + reach))
+                   for i in range(count)]
+        signatures = [(i - lo, tuple(own[j] if 0 <= j < count else None for j in range(lo, hi + 1)))
+                      for i, (lo, hi) in enumerate(windows)]
+        return signatures, [(max(lo, 0), min(hi, count - 1)) for lo, hi in windows]
 
     def _represent(self, layout: _Layout) -> None:
         """Trace what the plan's blocks need and is not traced yet; a first trace of a parts key learns
@@ -268,8 +277,7 @@ class Composer:
                 # the first of them an input that needs no gradient: the next of each is traced too
                 chosen |= {i + 1 for i in chosen if i + 1 < len(layout.signatures)
                            and layout.signatures[i + 1] == layout.signatures[i]}
-            real = {j for i in chosen for j in range(i - layout.reach, i + layout.reach + 1)
-                    if 0 <= j < len(layout.signatures)}
+            real = {j for i in chosen for j in range(layout.windows[i][0], layout.windows[i][1] + 1)}
             self._trace(layout, real, chosen)
         else:
             raise NotComposable("its blocks' inputs changed between traces")
@@ -285,7 +293,7 @@ class Composer:
         if layout.key not in self.inputs:
             self.inputs[layout.key] = trace.signatures
             self.absolute[layout.key] = trace
-            layout.signatures = self._signatures(layout.plan, layout.key)
+            layout.signatures, layout.windows = self._signatures(layout.plan, layout.key)
         for i in sorted(chosen):
             self.represented.setdefault((layout.key, layout.signatures[i]), (trace, i))
 
@@ -314,8 +322,6 @@ def _not_composed(plan: MemoryPlan, estimator) -> str | None:
     """Why a plan is not composed from parts, or None."""
     if plan.adaptive:
         return "memory.adaptive switches plans per batch length"
-    if plan.checkpointing.spans_blocks:
-        return f"checkpointing {plan.checkpointing.label()} recomputes regions of several blocks as one"
     if plan.sharding is not None or estimator.world_size > 1:
         return "the step of one of several ranks"
     if not hasattr(torch._C._autograd, "_get_sequence_nr"):
