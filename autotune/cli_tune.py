@@ -33,6 +33,8 @@ from .tune import TuneOptions, TuneRequest, tune
 log = logging.getLogger(__name__)
 
 PREDICT_BUDGET_S = 540.0  # tune --predict's --time-budget when none is given: ends within 10 minutes here
+TRIALS = 20  # plans measured when --trials is not given
+PREDICT_TRIALS = 150  # plans predicted when --trials is not given: a prediction composed from parts is a fraction of a second
 
 
 def add_arguments(parser) -> None:
@@ -40,8 +42,9 @@ def add_arguments(parser) -> None:
                         help=f"recipe file or library name; default ./ckrun.yaml, else {DEFAULT_RECIPE}")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.batch_size=32")
     parser.add_argument("--max-mem", required=True, metavar="SIZE", help="the cap on peak memory: 40GB, 40GiB, 512MB")
-    parser.add_argument("--trials", type=int, default=20,
-                        help="most new plans to measure; the finalists' re-runs come on top (default 20)")
+    parser.add_argument("--trials", type=int, default=None,
+                        help=f"most new plans to measure; the finalists' re-runs come on top (default {TRIALS}; with "
+                             f"--predict, plans to predict: default {PREDICT_TRIALS})")
     parser.add_argument("--time-budget", metavar="DURATION",
                         help="wall-clock budget of the search from the process's start (its imports, the model's "
                              "facts, the solver, probes and the finalists' re-runs; the winner's training aside): no "
@@ -127,6 +130,8 @@ def _cap(args) -> Cap:
 
 
 def _budget(args) -> Budget:
+    if args.trials is None:
+        args.trials = PREDICT_TRIALS if args.predict else TRIALS
     if args.trials < 1:
         raise _bad("--trials", f"at least 1 plan must be measured but got {args.trials}")
     if args.finalists < 0:

@@ -125,7 +125,7 @@ def _tuned_search(request: TuneRequest, warm: WarmServer | None) -> tuple[list[T
         log.info(cap.meaning(device.kind))
     check_devices(device, options.nproc)
     # the user's model runs only in this child: the tuner never builds it or runs its forward
-    screen = not options.no_screen and not in_process(recipe, options.predict)  # else this process predicts
+    screen = not options.no_screen and not in_process(recipe, options.predict, device.kind)  # else this process does
     model = ModelChild(recipe, probe_runner.directory, device.kind, options.probe_timeout, screen=screen,
                        nproc=options.nproc, time_facts=gpu, warm=warm)
     try:
@@ -162,7 +162,7 @@ def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, devic
     if options.no_screen:
         predictor = None
         log.info("screening: off (--no-screen): every new plan is probed")
-    elif in_process(recipe, options.predict):
+    elif in_process(recipe, options.predict, device.kind):
         predictor = CachedPredictor(PricedPredictor(recipe, device.kind, model.time_facts, device.context_bytes,
                                                     options.nproc))
         log.info("screening: every plan is predicted in this process (a library model: no code of the user's runs)")

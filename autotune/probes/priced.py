@@ -1,7 +1,7 @@
 """Predictions in the tuner's own process: a prediction is a function call, so it needs no child.
 
-`tune --predict` of a library model (transformers, torchvision: no code of the user's runs) prices its
-plans here: one process's plans composed from parts (runner/predict/compose.py, a few traced blocks
+`tune --predict` of a library model (transformers, torchvision: no code of the user's runs), and its
+screening on a CPU, price plans here: one process's plans composed from parts (runner/predict/compose.py, a few traced blocks
 shared by every plan), a rank's under --nproc by the rank predictor (runner/predict/per_rank.py, the
 split fake model kept per layout). The model child (autotune/probes/screen.py) stays where the user's
 own model code runs, which a hang or a crash must not take the tuner down with, and where the tuner
@@ -15,22 +15,27 @@ The interface is the child's predictor's (`IsolatedPredictor`): called with a ca
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from ckrun.runner.problems import first_line
 from ckrun.runner.recipe import Recipe
 
 from ..search.study import Prediction
+from .screen import CHILD_ENV
 from ..space.candidate import Candidate
 from ..space.knobs import describe
 
 log = logging.getLogger(__name__)
 
 
-def in_process(recipe: Recipe, predict: bool) -> bool:
-    """Whether this tune's predictions run in its own process: predicting (no probe shares the GPU with it)
-    a model whose code is a library's (a python model's factory is the user's, kept in the child)."""
-    return predict and recipe.model.source != "python"
+def in_process(recipe: Recipe, predict: bool, device_kind: str) -> bool:
+    """Whether this tune's predictions run in its own process: a model whose code is a library's (a python
+    model's factory is the user's, kept in the child), predicted for a GPU (no probe shares the GPU with
+    the tuner) or tuned on the CPU (there is no GPU to keep the tuner off)."""
+    if os.environ.get(CHILD_ENV):
+        return False  # a stand-in model child is given (the tests'): it answers
+    return recipe.model.source != "python" and (predict or device_kind == "cpu")
 
 
 class PricedPredictor:
@@ -61,6 +66,12 @@ class PricedPredictor:
         self.priced += 1
         self._warn(estimate.warnings)
         return Prediction(estimate.peak_bytes + self.context_bytes, time=estimate.time.record() if estimate.time else None)
+
+    def ready(self, candidate: Candidate) -> bool:
+        """Whether the candidate is priced without tracing anything new (a fraction of a trace's time)."""
+        if self.nproc > 1 or self.off or self._pricer is None:
+            return False
+        return self._pricer.ready(candidate.plan, candidate.precision)
 
     def _estimate(self, candidate: Candidate):
         if self.nproc > 1:

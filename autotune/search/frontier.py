@@ -24,7 +24,8 @@ from .study import PRE_PROBE_SHARE, Budget
 log = logging.getLogger(__name__)
 
 TIMED_BUDGET_S = 600.0  # a --time-budget under this predicts block times instead of timing them
-PREDICTED_SOLVER_S = 100.0  # the most a solver on predicted block times gets: the starting points and TPE need the rest
+PREDICTED_SOLVER_S = 30.0  # the most a solver on predicted block times gets: the starting points and TPE need the rest
+# (its costs come from traced parts: a deep model's first micro-batch is solved in seconds, the rest are the search's)
 TIMED_STEPS = 1  # real steps (after a warm-up) that time each block's recompute: ranking, not benchmarking
 
 

@@ -105,6 +105,13 @@ class CachedPredictor:
     def frontier(self, request: dict) -> dict:
         return self.predictor.frontier(request)
 
+    def ready(self, candidate: Candidate) -> bool:
+        """Whether the plan costs little to predict now: answered already, or composed from parts made."""
+        if candidate.key in self.answers:
+            return True
+        ready = getattr(self.predictor, "ready", None)
+        return bool(ready and ready(candidate))
+
     def summary(self) -> dict:
         return self.predictor.summary()
 

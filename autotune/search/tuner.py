@@ -63,6 +63,7 @@ class Tuner:
         self.duplicates_in_a_row = 0
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
         self.priced_first: list = []  # candidates the starting points' choice predicted (each becomes a trial)
+        self.origins: list[dict] = []  # points predicted whose neighbours are not yet looked at (`_price_ready`)
         self.exhaustive = False  # set by start() when it queued every plan of a small space
         self.starts_cut = False  # the starting points' predictions stopped at START_SHARE of the budget
 
@@ -158,16 +159,17 @@ class Tuner:
             self.study.enqueue_trial(params, skip_if_exists=True)
 
     def _start_fits(self, candidate: Candidate) -> bool:
-        """A starting point predicted to fit; past START_SHARE of the time budget no more are predicted
-        (the rest of the combinations get no starting point: TPE reaches them if they are worth it)."""
+        """A starting point predicted to fit; past START_SHARE of the time budget no more are predicted:
+        the rest are taken as they come (each combination's first try: its largest micro-batch), so the
+        known starting points are still measured first, as far as the budget reaches."""
         budget = self.budget
         if budget is not None and budget.time_s is not None and \
                 time.monotonic() - budget.started > START_SHARE * budget.time_s:
             if not self.starts_cut:
                 self.starts_cut = True
-                log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; TPE "
-                         "goes on from those found", 100 * START_SHARE, budget.time_s)
-            return False
+                log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; the "
+                         "rest are probed unpredicted", 100 * START_SHARE, budget.time_s)
+            return not invalid_reason(candidate, self.space)
         if self.predicted_search and candidate.key not in self.screening.peaks:
             self.priced_first.append(candidate)
         return self.screening.fits(candidate)
@@ -191,6 +193,39 @@ class Tuner:
             self.study.sampler = self._sampler()
             trial = self.study.ask(self.space.distributions())
             self._evaluate(trial, self.space.candidate(trial.params))
+            self.origins.append(trial.params)
+            self._price_ready(budget)
+
+    def _price_ready(self, budget: Budget) -> None:
+        """tune --predict: the plans one knob from those predicted so far (`origins`) that cost little to
+        predict now (composed from parts already traced) are predicted right away, and so on from each of
+        them: every trace serves the plans it can, and TPE learns from them all. Not while starting points
+        are queued (a queued trial is the next one asked), and within the trials and the time budget."""
+        ready = getattr(self.predict, "ready", None)
+        if not self.predicted_search or ready is None or \
+                self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
+        queue, seen, self.origins = self.origins, set(), []
+        while queue:
+            for point in self._neighbours(queue.pop(0)):
+                candidate = self.space.candidate(point)
+                if candidate.key in self.first_of or candidate.key in seen:
+                    continue
+                seen.add(candidate.key)
+                if invalid_reason(candidate, self.space) or self.screening.bound(candidate) or not ready(candidate):
+                    continue
+                if self._stop_reason(budget):
+                    return
+                self.study.enqueue_trial(point, user_attrs={"proposed_by": "neighbour"})
+                self._evaluate(self.study.ask(self.space.distributions()), candidate)
+                queue.append(point)
+
+    def _neighbours(self, params: dict):
+        """The points one searched knob away from `params`, in the table's order."""
+        for name, values in self.space.choices.items():
+            for value in values:
+                if value != params.get(name):
+                    yield {**params, name: value}
 
     @property
     def probes(self) -> int:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..memory.blocks import find_blocks
-from ..plan import MemoryPlan
+from ..plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
 from ..recipe import Precision as PrecisionName
 from ..memory.tracker import CATEGORIES
 from .estimate import CPU, HOST, Estimate, _micro_batch
@@ -186,6 +186,27 @@ class Composer:
             self._around[key] = _around(trace, t)
         return self._around[key]
 
+    def ready(self, plan: MemoryPlan, precision: PrecisionName | None = None) -> bool:
+        """Whether `plan` composes from what is traced already: no trace to make, no optimizer to warm up
+        (a search prices such plans first: each costs a fraction of a trace)."""
+        precision = precision or self.estimator.recipe.precision
+        if _not_composed(plan, self.estimator) or self.estimator.optimizer_key(plan) not in self.estimator._optimizers:
+            return False
+        try:
+            self.estimator.check(plan, precision)
+            key = self._parts_key(plan, precision)
+            if key not in self.absolute:
+                return False
+            layout = _Layout(plan, precision, key, 1 if _micro_batch(plan, self.estimator.recipe.train.batch_size)
+                             >= self.estimator.recipe.train.batch_size else 2, *self._signatures(plan, key))
+        except ValueError:
+            return False
+        if any((key, signature) not in self.represented for signature in layout.signatures):
+            return False
+        layout.reps = [self.represented[(key, signature)] for signature in layout.signatures]
+        layout.absolute = self.absolute[key]
+        return self._update_key(layout) in self.updates
+
     # --- which traces a plan needs -------------------------------------------------------------------
 
     def blocks(self, plan: MemoryPlan):
@@ -271,22 +292,42 @@ class Composer:
             first = {}
             for i in missing:
                 first.setdefault(layout.signatures[i], i)
-            chosen = set(first.values())
+            traced, chosen = self._with_companion(layout, set(first.values()))
+            signatures, windows = self._signatures(traced, layout.key)
             if layout.key not in self.inputs and self.frozen:
                 # kinds not yet told apart by their inputs, and frozen parameters (an adapter's base) may give
                 # the first of them an input that needs no gradient: the next of each is traced too
-                chosen |= {i + 1 for i in chosen if i + 1 < len(layout.signatures)
-                           and layout.signatures[i + 1] == layout.signatures[i]}
-            real = {j for i in chosen for j in range(layout.windows[i][0], layout.windows[i][1] + 1)}
-            self._trace(layout, real, chosen)
+                chosen |= {i + 1 for i in chosen if i + 1 < len(signatures) and signatures[i + 1] == signatures[i]}
+            real = {j for i in chosen for j in range(windows[i][0], windows[i][1] + 1)}
+            self._trace(layout, traced, real, chosen)
         else:
             raise NotComposable("its blocks' inputs changed between traces")
         layout.reps = [self.represented[(layout.key, signature)] for signature in layout.signatures]
         layout.absolute = self.absolute[layout.key]
         layout.update = self._update(layout)
 
-    def _trace(self, layout: _Layout, real: set[int], chosen: set[int]) -> None:
-        trace = trace_step(self.estimator, layout.plan, layout.precision, real, self.templates)
+    def _with_companion(self, layout: _Layout, chosen: set[int]) -> tuple[MemoryPlan, set[int]]:
+        """The plan to trace, and its blocks to make real: the layout's own; where its blocks are kept or
+        recomputed one by one and only one of the two is traced, a block with the other action beside them
+        (the same trace then serves every plan that keeps some blocks and recomputes the rest)."""
+        plan, blocks = layout.plan, self.blocks(layout.plan)
+        policy = plan.checkpointing
+        if plan.offload.moves or policy.spans_blocks or policy.kept_ops() is not None or len(blocks) < 2:
+            return plan, chosen
+        recomputed = set(policy.chosen(blocks))
+        kept, redone = chosen - recomputed, chosen & recomputed
+        if kept and redone:
+            return plan, chosen
+        companion = next((j for j in [max(chosen) + 1, *range(len(blocks))] if 0 <= j < len(blocks) and j not in chosen),
+                         None)
+        if companion is None:
+            return plan, chosen
+        layers = sorted(redone | ({companion} if kept else set()))
+        checkpointing = LayerListCheckpointing(policy="layers", layers=layers) if layers else NoCheckpointing()
+        return plan.model_copy(update={"checkpointing": checkpointing}), chosen | {companion}
+
+    def _trace(self, layout: _Layout, traced: MemoryPlan, real: set[int], chosen: set[int]) -> None:
+        trace = trace_step(self.estimator, traced, layout.precision, real, self.templates)
         self.traces += 1
         if trace.problems:
             raise NotComposable("; ".join(trace.problems))
@@ -294,11 +335,24 @@ class Composer:
             self.inputs[layout.key] = trace.signatures
             self.absolute[layout.key] = trace
             layout.signatures, layout.windows = self._signatures(layout.plan, layout.key)
+        signatures, _ = self._signatures(traced, layout.key)
         for i in sorted(chosen):
-            self.represented.setdefault((layout.key, layout.signatures[i]), (trace, i))
+            self.represented.setdefault((layout.key, signatures[i]), (trace, i))
 
     def _update(self, layout: _Layout) -> Trace:
         """The update's trace for the plan's optimizer, after the gradients its blocks accumulate."""
+        key = self._update_key(layout)
+        if key not in self.updates:
+            self.updates[key] = trace_update(self.estimator, layout.plan, layout.precision, set(key[-1]),
+                                             layout.micro_batches)
+            self.traces += 1
+            if self.updates[key].problems:
+                raise NotComposable("; ".join(self.updates[key].problems))
+        return self.updates[key]
+
+    def _update_key(self, layout: _Layout) -> tuple:
+        """What the update's trace depends on: the pools' policies, the micro-batches run and the parameters
+        whose gradients the backward accumulates (read off the representatives)."""
         accumulated = set()
         blocks = self.blocks(layout.plan)
         for i, (trace, t) in enumerate(layout.reps):
@@ -307,15 +361,8 @@ class Composer:
                     accumulated.add(self.param_index[id(mine)])
         in_blocks = {id(p) for b in blocks for p in b.module.parameters()}
         accumulated |= {i for i in layout.absolute.accumulated if id(self.params[i]) not in in_blocks}
-        key = (tuple(p.model_dump_json() for p in layout.plan.pool_policies()), layout.micro_batches,
-               frozenset(accumulated))
-        if key not in self.updates:
-            self.updates[key] = trace_update(self.estimator, layout.plan, layout.precision, accumulated,
-                                             layout.micro_batches)
-            self.traces += 1
-            if self.updates[key].problems:
-                raise NotComposable("; ".join(self.updates[key].problems))
-        return self.updates[key]
+        return (tuple(p.model_dump_json() for p in layout.plan.pool_policies()), layout.micro_batches,
+                frozenset(accumulated))
 
 
 def _not_composed(plan: MemoryPlan, estimator) -> str | None:
@@ -503,6 +550,13 @@ class _Composition:
             edges = self.composer.edges(trace, t)
             for serial in self.composer.around(trace, t):
                 self.seen(trace, serial, i - t, self._given(trace, t, serial, i), serial in edges)
+            for copy, shared in trace.copies.items():  # when this block lets go of an input it shares
+                stored = trace.stores[copy]
+                if stored.owner[1] == t and stored.freed is not None:
+                    at = self.position(trace, *stored.freed, i - t)
+                    store = self.store(trace, shared, i - t)
+                    if at is not None and (store not in self.frees or at > self.frees[store]):
+                        self.frees[store] = at
         absolute = self.layout.absolute
         edges = self.composer.edges(absolute, None)
         for serial in _outside_blocks(absolute, edges):
@@ -518,14 +572,19 @@ class _Composition:
     def _given(self, trace: Trace, t: int, serial: int, block: int) -> tuple | None:
         """The full step's name of an input of representative `t` standing for `block`: its predecessor's
         output, where that is what the predecessor returned (else the owner's name: shared kwargs)."""
-        if block == 0:
-            return None
+        if block == t:
+            return None  # the representative stands for itself: its trace names its inputs
         for m in range(1, self.layout.micro_batches + 1):
             boundary = trace.boundaries.get((t, m))
-            if boundary is not None and serial in boundary.inputs:
-                fed = {into: leaf for leaf, into in self._wired(block - 1, m).items()}.get(boundary.inputs.index(serial))
-                if fed is not None:
-                    return self.output(block - 1, m, fed)
+            if boundary is None or serial not in boundary.inputs:
+                continue
+            leaf = boundary.inputs.index(serial)
+            if block == 0:  # the first block's inputs are the embedding's: the absolute trace's
+                absolute = self.layout.absolute
+                return self.store(absolute, absolute.boundaries[(0, m)].inputs[leaf], 0)
+            fed = {into: out for out, into in self._wired(block - 1, m).items()}.get(leaf)
+            if fed is not None:
+                return self.output(block - 1, m, fed)
         return None
 
     def _gradients(self) -> None:
@@ -686,6 +745,8 @@ def _around(trace: Trace, t: int) -> list[int]:
     mine = {sid for sid in trace.parts if sid[0] == "blk" and sid[1] == t}
     serials = []
     for serial, stored in enumerate(trace.stores):
+        if stored.owner[0] == "copies":
+            continue  # a shared input's own copy: `_Composition.observe` reads when it goes
         if stored.owner in mine or (stored.freed is not None and stored.freed[0] in mine) or \
                 any(sid in mine for sid, _, _ in stored.labels):
             serials.append(serial)
@@ -698,7 +759,7 @@ def _around(trace: Trace, t: int) -> list[int]:
 
 def _outside(sid: Sid) -> bool:
     """A part of the model's own code or the step's (embedding, head, loss, the step's head and tail)."""
-    return sid[0] not in ("blk", "gap", "gapb") and sid != BASE
+    return sid[0] not in ("blk", "gap", "gapb", "copies") and sid != BASE
 
 
 def _outside_blocks(trace: Trace, edges: set[int]) -> list[int]:

@@ -150,8 +150,7 @@ class Estimator:
         """The optimizer `plan` asks for (fused AdamW on a CUDA target, as the trainer builds it; torchao's;
         the host offload's, with the meta device as its host), after one untracked warm-up step that
         creates its state, as every later step finds it."""
-        key = (plan.weights.holds_bf16, plan.optimizer_state.label(), plan.optimizer_step.label(),
-               plan.optimizer_offload.label(), gradients_final(plan, self.recipe.step_facts()))
+        key = self.optimizer_key(plan)
         if key in self._optimizers:
             return self._optimizers[key]
         whole = MemoryPlan(weights=plan.weights, allow_lossy=True)  # the one part of a plan the state depends on
@@ -165,6 +164,11 @@ class Estimator:
                 planned.remove()
         self._optimizers[key] = planned
         return planned
+
+    def optimizer_key(self, plan: MemoryPlan) -> tuple:
+        """What the optimizer a plan asks for depends on: plans with one key share one (warmed up once)."""
+        return (plan.weights.holds_bf16, plan.optimizer_state.label(), plan.optimizer_step.label(),
+                plan.optimizer_offload.label(), gradients_final(plan, self.recipe.step_facts()))
 
     def _warm_up(self, whole: MemoryPlan, planned: PlannedOptimizer) -> None:
         """One whole step, untracked, that creates the optimizer's state (runner/predict/parts.py steps the

@@ -102,6 +102,8 @@ class Trace:
     """Parameters whose gradient the backward accumulated (its hooks may have let it go since)."""
     problems: list[str]
     """Why this trace cannot be composed from (an empty list: it can)."""
+    copies: dict[int, int] = field(default_factory=dict)
+    """A real block's own copy of a shared input (serial, made in a "copies" part) -> the input (`Cutter._own_copies`)."""
     warnings: list[str] = field(default_factory=list)
     hosted: int = 0
 
@@ -227,9 +229,10 @@ class Cutter(TorchDispatchMode):
     """Follows the step from part to part (module docstring) and files the tracker's events and the op
     clock's records under the part they happen in."""
 
-    def __init__(self, run: FakeRun, blocks: BlockList):
+    def __init__(self, run: FakeRun, blocks: BlockList, real: frozenset[int] = frozenset()):
         super().__init__()
-        self.run, self.blocks, self.last = run, blocks, len(blocks) - 1
+        self.run, self.blocks, self.last, self.real = run, blocks, len(blocks) - 1, real
+        self.copies: dict[int, int] = {}  # a real block's own copy of a shared input (serial) -> the input's
         self.sid: Sid = BASE
         self.micro = 0
         self.in_backward = False
@@ -373,13 +376,32 @@ class Cutter(TorchDispatchMode):
             self.problems.append(f"block {index} ran twice in one forward")
         self.called.add((index, self.micro))
         self.mark_forward(("blk", index, self.micro, "f"))
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves, tree = tree_flatten((args, kwargs))
         if self.micro == 1:
             self.signatures[index] = leaf_signature(leaves)
         boundary = self.boundaries[(index, self.micro)] = Boundary([self.serial_of(x) for x in leaves])
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(functools.partial(self._gradient, boundary.din, k))
+        if index in self.real:
+            return self._own_copies(index, leaves, boundary, tree)
+
+    def _own_copies(self, index: int, leaves: list, boundary: Boundary, tree):
+        """A real block is given its own copy of each input the model shares between blocks (made by its
+        own code, not a block: position embeddings, masks), made in a part of its own that no plan copies:
+        when the copy goes is when this block lets go of it, whatever the other real blocks of the trace
+        hold (one block holding a shared input to its backward would hide when another lets go)."""
+        shared = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and not leaf.requires_grad
+                  and boundary.inputs[k] is not None and self.stores[boundary.inputs[k]].owner[0] not in ("blk", "gap")]
+        if not shared:
+            return None
+        part = self.sid
+        self.enter(("copies", index, self.micro))
+        for k in shared:
+            leaves[k] = leaves[k].clone()
+            self.copies[self.serial_of(leaves[k])] = boundary.inputs[k]
+        self.enter(part)
+        return tree_unflatten(leaves, tree)
 
     def _block_ends(self, index: int, _module, _args, _kwargs, output):
         boundary = self.boundaries[(index, self.micro)]
@@ -433,7 +455,7 @@ def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: Precision
     @contextlib.contextmanager
     def watch(run: FakeRun):
         nonlocal cutter
-        cutter = Cutter(run, blocks)
+        cutter = Cutter(run, blocks, frozenset(real))
         cutter.enter(("head",))
         undo = undo_all([wrap_forward(b.module, relay_forward, b.module, templates, trigger) for b in blocks
                          if b.index not in real])
@@ -507,7 +529,7 @@ def _trace(cutter: Cutter, run: FakeRun, real: frozenset[int], micro_batches: in
             problems.append("the model runs code that allocates between its blocks")
     return Trace(cutter.stores, cutter.parts, real, micro_batches, cutter.boundaries, cutter.signatures,
                  {k: v for k, v in grads.items() if v is not None}, frozenset(cutter.accumulated), problems,
-                 list(warnings), host_parameters(run.planned))
+                 dict(cutter.copies), list(warnings), host_parameters(run.planned))
 
 
 def _trigger(estimator: Estimator) -> torch.Tensor:

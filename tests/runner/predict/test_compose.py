@@ -126,13 +126,13 @@ def test_every_library_recipe_composes_as_its_whole_model_step(name, data):
 
 
 def test_traces_grow_with_kinds_and_actions_not_depth_or_plans():
-    """Twelve blocks, six checkpointing plans with the same micro-batch and pools: one trace per action
-    (kept, recomputed, selective: every k-th block recomputed is the first two again), and one of the
-    update; the whole-model step would have run six times over twelve blocks."""
+    """Twelve blocks, six checkpointing plans with the same micro-batch and pools: one trace of a kept and a
+    recomputed block (every plan that keeps some blocks and recomputes the rest is made of those), one of
+    a selective block, one of the update; the whole-model step would have run six times over twelve blocks."""
     recipe = load_recipe(ROOT / "recipes" / "llama3_8b.yaml",
                          [*LLAMA, "model.config.num_hidden_layers=12", "train.grad_clip=null"])
     composer = Composer(PartsEstimator(recipe, "cuda", FACTS))
     for label in ["none", "every:2", "every:3", "every:4", "full", "selective"]:
         memory = {**recipe.memory.model_dump(mode="json"), "checkpointing": choice_fields(CHECKPOINTING, label)}
         composer.estimate(MemoryPlan.model_validate(memory))
-    assert composer.traces == 3 + 1
+    assert composer.traces == 2 + 1
