@@ -44,7 +44,7 @@ def budget_line(records: list[TrialRecord], trials: int) -> str:
     if not ranked:
         return f"no plan fits: --trials {trials} found none; a larger budget tries more plans"
     best = ranked[0]
-    spent = sum(1 for r in records if r.number <= best.number and r.probe_s is not None
+    spent = sum(1 for r in records if r.number <= best.number and (r.probe_s is not None or r.predicted_s is not None)
                 and r.duplicate_of is None and r.repeat_of is None)
     return (f"the winner, trial {best.number}, came after {spent} predicted plan(s): with this --seed every --trials "
             f"from {spent} to {trials} picks it (trials run in the same order whatever the budget); a larger budget "

@@ -229,7 +229,13 @@ class Tuner:
 
     @property
     def probes(self) -> int:
-        return sum(1 for t in self.first_of.values() if read_record(t).probe_s is not None)
+        """Plans measured; under --predict, plans predicted (one over the cap counts: it was priced too)."""
+        return sum(1 for t in self.first_of.values() if self._priced(read_record(t)))
+
+    def _priced(self, record: TrialRecord) -> bool:
+        if record.probe_s is not None:
+            return True
+        return self.predicted_search and record.state == "screened" and record.predicted_s is not None
 
     def _stop_reason(self, budget: Budget) -> str | None:
         if self.probes >= budget.trials:

@@ -34,6 +34,7 @@ runs the whole-model step (`Composer.estimate` does so itself, and says it in a 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -46,6 +47,8 @@ from .estimate import CPU, HOST, Estimate, _micro_batch
 from .parts import BASE, PartsEstimator, Sid, Trace, parameter_signature, trace_step, trace_update
 from .roofline import AFTER_BLOCKS, StepWork
 from .step_time import step_time
+
+log = logging.getLogger(__name__)
 
 END = 1 << 62  # a position after every allocation of a part
 MADE_KEPT = 24  # compositions kept (each the events of a step: megabytes for a deep model)
@@ -115,6 +118,7 @@ class Composer:
         try:
             return self.composed(plan, precision)
         except NotComposable as why:
+            log.info("prediction: %s not composed from parts (%s): the whole-model fake step", plan.checkpointing.label(), why)
             estimate = self.estimator.estimate(plan, precision)
             estimate.notes.append(f"the whole-model fake step (not composed from parts: {why})")
             return estimate
@@ -557,6 +561,7 @@ class _Composition:
                     store = self.store(trace, shared, i - t)
                     if at is not None and (store not in self.frees or at > self.frees[store]):
                         self.frees[store] = at
+        self._passed_on()
         absolute = self.layout.absolute
         edges = self.composer.edges(absolute, None)
         for serial in _outside_blocks(absolute, edges):
@@ -568,6 +573,18 @@ class _Composition:
                     continue
                 self.seen(update, serial, 0)
         self._gradients()
+
+    def _passed_on(self) -> None:
+        """What a block returns and the next is given lives at least until the next block's forward returns
+        (its call holds it): a trace whose next block is real and holds it longer cannot say when it would
+        otherwise go, which is then when the model's loop lets go of it."""
+        for m in range(1, self.layout.micro_batches + 1):
+            for block in range(self.count - 1):
+                at = (self.at[("blk", block + 1, m, "f")], END)
+                for leaf in self._wired(block, m):
+                    store = self.output(block, m, leaf)
+                    if store not in self.frees or at > self.frees[store]:
+                        self.frees[store] = at
 
     def _given(self, trace: Trace, t: int, serial: int, block: int) -> tuple | None:
         """The full step's name of an input of representative `t` standing for `block`: its predecessor's

@@ -136,3 +136,30 @@ def test_traces_grow_with_kinds_and_actions_not_depth_or_plans():
         memory = {**recipe.memory.model_dump(mode="json"), "checkpointing": choice_fields(CHECKPOINTING, label)}
         composer.estimate(MemoryPlan.model_validate(memory))
     assert composer.traces == 2 + 1
+
+
+ORDERED = [  # one composer, plans in an order where later ones reuse the traces of earlier ones
+    {"checkpointing": {"policy": "none"}},
+    {"checkpointing": {"policy": "every", "every": 3}},
+    {"checkpointing": {"policy": "full"}, "micro_batch": 2},
+    {"checkpointing": {"policy": "none"}, "micro_batch": 2},
+    {"checkpointing": {"policy": "selective", "products_kept_every": 2}},
+]
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_plans_in_any_order_compose_from_the_traces_of_others(weights):
+    """Each plan reuses what earlier ones traced (a kept block traced beside a recomputed one, the first
+    block stood for by another); with bf16 weights a kept block lets go of its input in its forward, so only
+    the model's loop holds it: every plan still equals its whole-model step."""
+    if weights == "bf16" and not HAS_TORCHAO:
+        pytest.skip("torchao (the lowbit extra) is not installed")
+    recipe = load_recipe(ROOT / "recipes" / "llama3_8b.yaml", [*LLAMA, "memory.micro_batch=1"])
+    reference, composer = Estimator(recipe, "cuda", FACTS), Composer(PartsEstimator(recipe, "cuda", FACTS))
+    pools = {"weights": {"policy": weights}, "optimizer_state": {"policy": "8bit" if weights == "bf16" else "full"},
+             "optimizer_offload": {"policy": "none"}, "loss": {"policy": "whole"}, "allow_lossy": True}
+    for change in ORDERED:
+        plan = MemoryPlan.model_validate({**recipe.memory.model_dump(mode="json"), **pools, **change})
+        composed = composer.estimate(plan)
+        assert not [note for note in composed.notes if note.startswith("the whole-model fake step")]
+        assert answer(composed) == answer(reference.estimate(plan)), change
