@@ -43,7 +43,7 @@ from ..memory.blocks import find_blocks
 from ..plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
 from ..recipe import Precision as PrecisionName
 from ..memory.tracker import CATEGORIES
-from .estimate import CPU, HOST, Estimate, _micro_batch
+from .estimate import CPU, HOST, Estimate, micro_batch_of
 from .parts import BASE, PartsEstimator, Sid, Trace, parameter_signature, trace_step, trace_update
 from .roofline import AFTER_BLOCKS, StepWork
 from .step_time import step_time
@@ -201,7 +201,7 @@ class Composer:
             key = self._parts_key(plan, precision)
             if key not in self.absolute:
                 return False
-            layout = _Layout(plan, precision, key, 1 if _micro_batch(plan, self.estimator.recipe.train.batch_size)
+            layout = _Layout(plan, precision, key, 1 if micro_batch_of(plan, self.estimator.recipe.train.batch_size)
                              >= self.estimator.recipe.train.batch_size else 2, *self._signatures(plan, key))
         except ValueError:
             return False
@@ -223,7 +223,7 @@ class Composer:
         if why:
             raise NotComposable(why)
         batch = self.estimator.recipe.train.batch_size
-        micro = _micro_batch(plan, batch)
+        micro = micro_batch_of(plan, batch)
         key = self._parts_key(plan, precision)
         return _Layout(plan, precision, key, 1 if micro >= batch else 2, *self._signatures(plan, key))
 
@@ -716,7 +716,7 @@ class _Composition:
         events, baseline, initial, labels = self.events()
         timed = {}
         if estimator.facts is not None:
-            micro = _micro_batch(self.layout.plan, estimator.recipe.train.batch_size)
+            micro = micro_batch_of(self.layout.plan, estimator.recipe.train.batch_size)
             shape, work = estimator._shape(micro, self.layout.precision), self.work()
             timed = {"work": work, "shape": shape, "time": step_time(work, shape, estimator.facts)}
         return _replayed(events, initial, labels), baseline, dict(self.cuts), timed

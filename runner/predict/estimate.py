@@ -186,7 +186,7 @@ class Estimator:
         whose tracker and clock record it (per-block costs read the tracker from hooks it installs)."""
         plan = self.recipe.memory if plan is None else plan
         precision = precision or self.recipe.precision
-        micro = _micro_batch(plan, self.recipe.train.batch_size)
+        micro = micro_batch_of(plan, self.recipe.train.batch_size)
         self.check(plan, precision)  # bad plans raise ValueError
         run = self.fake_step(plan, precision, lambda run: self._step(micro, precision, plan, run.planned.stepper,
                                                                       run.applied.head), watch)
@@ -311,7 +311,7 @@ class Estimator:
         live = tracker.peak_bytes
         breakdown = tracker.breakdown_at_peak
         notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
-                 f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists",
+                 f"{micro_batch_of(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists",
                  self._weights_held(plan, precision), *pool_notes(plan, precision, self.cuda)]
         optimizer_host = getattr(planned.optimizer, "host_bytes", lambda: 0)()
         if optimizer_host:
@@ -378,7 +378,7 @@ def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:
     return notes
 
 
-def _micro_batch(plan: MemoryPlan, batch_size: int) -> int:
+def micro_batch_of(plan: MemoryPlan, batch_size: int) -> int:
     micro = plan.micro_batch or batch_size
     if batch_size % micro:
         raise KeyedError("memory.micro_batch", f"memory.micro_batch {micro} does not divide train.batch_size {batch_size}")
