@@ -471,9 +471,15 @@ class _Composition:
         return self.gradient_in(block + 1, m, self._wired(block, m)[leaf])
 
     def gradient_in(self, block: int, m: int, leaf: int) -> tuple:
-        """The gradient block `block` computes for its input leaf `leaf` (or passes on: a residual's)."""
+        """The gradient block `block` computes for its input leaf `leaf`, or passes on (a residual's: then it
+        is the one that arrived for its output, whoever sent it)."""
         trace, t = self.layout.reps[block]
-        return self.store(trace, trace.boundaries[(t, m)].din[leaf], block - t)
+        boundary = trace.boundaries[(t, m)]
+        serial = boundary.din[leaf]
+        passed = [k for k, s in boundary.dout.items() if s == serial]
+        if passed:
+            return self.arriving(block, m, passed[0])
+        return self.store(trace, serial, block - t)
 
     def _wired(self, block: int, m: int) -> dict[int, int]:
         """Which input leaf of block+1 each output leaf of `block` becomes (read in the absolute trace)."""
@@ -587,13 +593,22 @@ class _Composition:
                         self.frees[store] = at
 
     def _given(self, trace: Trace, t: int, serial: int, block: int) -> tuple | None:
-        """The full step's name of an input of representative `t` standing for `block`: its predecessor's
-        output, where that is what the predecessor returned (else the owner's name: shared kwargs)."""
+        """The full step's name of a boundary tensor of representative `t` standing for `block`: the gradient
+        that arrives for its output, the one it computes for its input, and its input (its predecessor's
+        output, or the embedding's for the first block); None for the rest (named by who made them)."""
         if block == t:
-            return None  # the representative stands for itself: its trace names its inputs
+            return None  # the representative stands for itself: its trace names its boundary
         for m in range(1, self.layout.micro_batches + 1):
             boundary = trace.boundaries.get((t, m))
-            if boundary is None or serial not in boundary.inputs:
+            if boundary is None:
+                continue
+            arrived = [k for k, s in boundary.dout.items() if s == serial]
+            if arrived:
+                return self.arriving(block, m, arrived[0])
+            computed = [k for k, s in boundary.din.items() if s == serial]
+            if computed:
+                return self.gradient_in(block, m, computed[0])
+            if serial not in boundary.inputs:
                 continue
             leaf = boundary.inputs.index(serial)
             if block == 0:  # the first block's inputs are the embedding's: the absolute trace's

@@ -147,15 +147,16 @@ ORDERED = [  # one composer, plans in an order where later ones reuse the traces
 ]
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_plans_in_any_order_compose_from_the_traces_of_others(weights):
-    """Each plan reuses what earlier ones traced (a kept block traced beside a recomputed one, the first
-    block stood for by another); with bf16 weights a kept block lets go of its input in its forward, so only
-    the model's loop holds it: every plan still equals its whole-model step."""
+@pytest.mark.parametrize(("name", "device", "weights"), [("llama3_8b", "cuda", "fp32"), ("llama3_8b", "cuda", "bf16"),
+                                                     ("bert_tiny", "cpu", "fp32")])
+def test_plans_in_any_order_compose_from_the_traces_of_others(name, device, weights):
+    """Each plan reuses what earlier ones traced (a kept block traced beside a recomputed one, a block stood
+    for by a later one: BERT's two blocks by its last); with bf16 weights a kept block lets go of its input
+    in its forward, so only the model's loop holds it: every plan still equals its whole-model step."""
     if weights == "bf16" and not HAS_TORCHAO:
         pytest.skip("torchao (the lowbit extra) is not installed")
-    recipe = load_recipe(ROOT / "recipes" / "llama3_8b.yaml", [*LLAMA, "memory.micro_batch=1"])
-    reference, composer = Estimator(recipe, "cuda", FACTS), Composer(PartsEstimator(recipe, "cuda", FACTS))
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [*TINY[name], "memory.micro_batch=1"])
+    reference, composer = Estimator(recipe, device, FACTS), Composer(PartsEstimator(recipe, device, FACTS))
     pools = {"weights": {"policy": weights}, "optimizer_state": {"policy": "8bit" if weights == "bf16" else "full"},
              "optimizer_offload": {"policy": "none"}, "loss": {"policy": "whole"}, "allow_lossy": True}
     for change in ORDERED:
