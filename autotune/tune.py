@@ -164,7 +164,7 @@ def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, devic
         log.info("screening: off (--no-screen): every new plan is probed")
     elif in_process(recipe, options.predict, device.kind):
         predictor = CachedPredictor(PricedPredictor(recipe, device.kind, model.time_facts, device.context_bytes,
-                                                    options.nproc))
+                                                    options.nproc, cap.screen_above if options.predict else None))
         log.info("screening: every plan is predicted in this process (a library model: no code of the user's runs)")
     else:
         predictor = CachedPredictor(IsolatedPredictor(model, device.context_bytes))

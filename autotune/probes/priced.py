@@ -41,9 +41,12 @@ def in_process(recipe: Recipe, predict: bool, device_kind: str) -> bool:
 class PricedPredictor:
     """Predicted peaks and step times for the tuner, made in this process (module docstring)."""
 
-    def __init__(self, recipe: Recipe, device_kind: str, time_facts, context_bytes: int = 0, nproc: int = 1):
+    def __init__(self, recipe: Recipe, device_kind: str, time_facts, context_bytes: int = 0, nproc: int = 1,
+                 screen_above: int | None = None):
+        """`screen_above`: the peak (CUDA context included) over which a plan is screened out whatever its
+        exact figure: past it, its live tensors' peak is enough (no allocator replay)."""
         self.recipe, self.device_kind, self.time_facts, self.nproc = recipe, device_kind, time_facts, nproc
-        self.context_bytes = context_bytes
+        self.context_bytes, self.screen_above = context_bytes, screen_above
         self.off: str | None = None
         self.warnings: list[str] = []
         self.priced = 0  # plans answered, composed or not
@@ -76,7 +79,8 @@ class PricedPredictor:
     def _estimate(self, candidate: Candidate):
         if self.nproc > 1:
             return self._pricer.estimate(candidate.recipe(self.recipe, None))
-        return self._pricer.estimate(candidate.plan, candidate.precision)
+        over = None if self.screen_above is None else self.screen_above - self.context_bytes
+        return self._pricer.estimate(candidate.plan, candidate.precision, over)
 
     def _started(self) -> bool:
         """The pricer, built the first time it is asked: the fake model and its warmed-up optimizer."""

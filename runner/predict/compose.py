@@ -42,6 +42,7 @@ import torch
 from ..memory.blocks import find_blocks
 from ..plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
 from ..recipe import Precision as PrecisionName
+from ..units import format_bytes
 from ..memory.tracker import CATEGORIES
 from .estimate import CPU, HOST, Estimate, micro_batch_of
 from .parts import BASE, PartsEstimator, Sid, Trace, parameter_signature, trace_step, trace_update
@@ -111,20 +112,22 @@ class Composer:
 
     # --- the answer --------------------------------------------------------------------------------
 
-    def estimate(self, plan: MemoryPlan, precision: PrecisionName | None = None) -> Estimate:
-        """The plan's estimate composed from parts; where it cannot be, the whole-model step's, saying why."""
+    def estimate(self, plan: MemoryPlan, precision: PrecisionName | None = None, over: int | None = None) -> Estimate:
+        """The plan's estimate composed from parts; where it cannot be, the whole-model step's, saying why.
+        `over`: a peak above which the caller needs no more than that (a tuner screening against its cap): a
+        plan whose live tensors alone pass it gets their peak, without the caching allocator's replay."""
         precision = precision or self.estimator.recipe.precision
         self.estimator.check(plan, precision)
         try:
-            return self.composed(plan, precision)
+            return self.composed(plan, precision, over)
         except NotComposable as why:
             log.info("prediction: %s not composed from parts (%s): the whole-model fake step", plan.checkpointing.label(), why)
             estimate = self.estimator.estimate(plan, precision)
             estimate.notes.append(f"the whole-model fake step (not composed from parts: {why})")
             return estimate
 
-    def composed(self, plan: MemoryPlan, precision: PrecisionName) -> Estimate:
-        return self._composition(plan, precision).estimate()
+    def composed(self, plan: MemoryPlan, precision: PrecisionName, over: int | None = None) -> Estimate:
+        return self._composition(plan, precision).estimate(over)
 
     def _composition(self, plan: MemoryPlan, precision: PrecisionName) -> _Composition:
         layout = self._layout(plan, precision)
@@ -250,13 +253,27 @@ class Composer:
                 planned.remove()
         return self.hooked[key]
 
+    def _kind(self, block) -> tuple:
+        """A block's class and parameters (as built: no plan is applied between traces), made once."""
+        key = ("kind", block.name)
+        if key not in self._around:
+            self._around[key] = (type(block.module).__qualname__, parameter_signature(block.module))
+        return self._around[key]
+
+    def _parameters(self, block) -> list:
+        """A block's parameters, listed once."""
+        key = ("parameters", block.name)
+        if key not in self._around:
+            self._around[key] = list(block.module.parameters())
+        return self._around[key]
+
     def _parameter_hooks(self, plan: MemoryPlan, blocks) -> dict[int, tuple[bool, ...]]:
         """Per block, which of its parameters the plan's optimizer hooks in the backward (an offloaded
         fraction's: the first parameters by bytes)."""
         planned = self.estimator._optimizing(plan)
         planned.install()
         try:
-            return {b.index: tuple(bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in b.module.parameters())
+            return {b.index: tuple(bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in self._parameters(b))
                     for b in blocks}
         finally:
             planned.remove()
@@ -275,9 +292,8 @@ class Composer:
             ("recompute", tuple(sorted(policy.kept_ops() or ())), policy.kept_product_stride())
         hooks = self._parameter_hooks(plan, blocks) if self._hooks_backward(plan) else {}
         inputs = self.inputs.get(key, {})
-        own = [(type(block.module).__qualname__, parameter_signature(block.module), inputs.get(block.index),
-                action if block.index in chosen else ("keep",), block.index in moved, hooks.get(block.index, ()))
-               for block in blocks]
+        own = [(*self._kind(block), inputs.get(block.index), action if block.index in chosen else ("keep",),
+                block.index in moved, hooks.get(block.index, ())) for block in blocks]
         reach = 2 if plan.offload.moves else 0
         windows = [(min(regions.get(i, (i, i))[0], i - reach), max(regions.get(i, (i, i))[1], i + reach))
                    for i in range(count)]
@@ -360,10 +376,10 @@ class Composer:
         accumulated = set()
         blocks = self.blocks(layout.plan)
         for i, (trace, t) in enumerate(layout.reps):
-            for mine, theirs in zip(blocks[i].module.parameters(), blocks[t].module.parameters(), strict=True):
+            for mine, theirs in zip(self._parameters(blocks[i]), self._parameters(blocks[t]), strict=True):
                 if self.param_index[id(theirs)] in trace.accumulated:
                     accumulated.add(self.param_index[id(mine)])
-        in_blocks = {id(p) for b in blocks for p in b.module.parameters()}
+        in_blocks = {id(p) for b in blocks for p in self._parameters(b)}
         accumulated |= {i for i in layout.absolute.accumulated if id(self.params[i]) not in in_blocks}
         return (tuple(p.model_dump_json() for p in layout.plan.pool_policies()), layout.micro_batches,
                 frozenset(accumulated))
@@ -623,14 +639,14 @@ class _Composition:
         """A parameter's gradient is let go where the update lets go of its placeholder."""
         update, blocks = self.layout.update, self.composer.blocks(self.layout.plan)
         released = {index: update.stores[serial].freed for index, serial in update.grads.items()}
-        owner = {id(p): (b.index, q) for b in blocks for q, p in enumerate(b.module.parameters())}
+        owner = {id(p): (b.index, q) for b in blocks for q, p in enumerate(self.composer._parameters(b))}
         for index, param in enumerate(self.composer.params):
             if index not in released or released[index] is None:
                 continue
             if id(param) in owner:
                 block, q = owner[id(param)]
                 trace, t = self.layout.reps[block]
-                theirs = self.composer.param_index[id(list(blocks[t].module.parameters())[q])]
+                theirs = self.composer.param_index[id(self.composer._parameters(blocks[t])[q])]
                 serial, shift = trace.grads.get(theirs), block - t
             else:
                 trace, serial, shift = self.layout.absolute, self.layout.absolute.grads.get(index), 0
@@ -707,9 +723,10 @@ class _Composition:
             work.host_updates.append(("first" if self.layout.micro_batches == 1 else "repeat", "update", hosted))
         return work
 
-    def estimate(self) -> Estimate:
+    def estimate(self, over: int | None = None) -> Estimate:
         """The plan's estimate; what only its parts decide (the events, the live peak, the step's work and
-        time) is kept per set of parts, so plans that differ in the allocator or the cap alone reuse it."""
+        time) is kept per set of parts, so plans that differ in the allocator or the cap alone reuse it.
+        `over`: see `Composer.estimate`."""
         estimator, layout = self.composer.estimator, self.layout
         key = (tuple((id(trace), t) for trace, t in layout.reps), id(layout.absolute), id(layout.update),
                layout.micro_batches)
@@ -721,6 +738,11 @@ class _Composition:
         composed, baseline, self.cuts, timed = made
         self.emitted = composed.events
         plan, precision = layout.plan, layout.precision
+        if over is not None and estimator.cuda and composed.peak_bytes > over:
+            return Estimate(composed.peak_bytes, composed.breakdown_at_peak, [
+                f"over {format_bytes(over)} by its live tensors alone ({format_bytes(composed.peak_bytes)}): the caching "
+                "allocator's reserve, which holds at least as much, is not replayed"], composed.peak_bytes, "cuda",
+                **timed)
         estimate = estimator._result(composed, baseline, plan, precision, estimator._optimizing(plan))
         estimate.notes.extend(estimator.routed.notes())
         estimate.warnings.extend(dict.fromkeys(w for trace in self._traces() for w in trace.warnings))
