@@ -13,6 +13,7 @@ from torch import nn
 
 from ckrun.autotune.api import MemoryPlanError, PlannedMemory, apply_memory_plan, auto_checkpoint, plan_memory
 from conftest import BERT_TINY, TINY_BERT
+from tune_helpers import report, use_fake_child
 from ckrun.runner.memory.tracker import LiveBytesTracker
 from ckrun.runner.plan import MemoryPlan
 
@@ -145,8 +146,8 @@ def test_a_batch_of_another_kind_is_one_line(batch):
 
 
 @pytest.mark.parametrize("call,says", [
-    (lambda m, b: plan_memory(m, b, max_mem="8 gigs"), "max_mem '8 gigs' is not a size"),
-    (lambda m, b: plan_memory(m, b, max_mem="1GB", margin=0.7), "margin is a fraction"),
+    (lambda m, b: plan_memory(m, b, max_mem="8 gigs"), "max_mem: '8 gigs' is not a size"),
+    (lambda m, b: plan_memory(m, b, max_mem="1GB", margin=0.7), "margin: a fraction of the cap"),
     (lambda m, b: plan_memory(m, b, max_mem="1GB", device="tpu"), "device 'tpu': ckrun plans for cpu or cuda"),
     (lambda m, b: plan_memory("model", b, max_mem="1GB"), "model is a str, not a torch.nn.Module"),
     (lambda m, b: plan_memory(m, b, max_mem="1GB", measure=True), "measure=True needs a recipe"),
@@ -189,8 +190,43 @@ def test_a_recipe_gets_the_plan_the_tuner_would_start_from(tmp_path):
 def test_a_measured_plan_comes_from_ckrun_tune(tmp_path):
     planned = plan_memory(recipe=BERT_TINY, overrides=[*TINY_BERT, f"output.dir={tmp_path / 'run'}"], max_mem="1GB",
                           measure=True, output=tmp_path / "tune",
-                          tune_args=["--trials", "1", "--finalists", "0", "--no-solver", "--timed-steps", "1"])
+                          tune_options={"trials": 1, "finalists": 0, "no_solver": True, "timed_steps": 1})
     assert planned.measured and planned.peak_bytes > 0 and (tmp_path / "tune" / "tuned.yaml").is_file()
     with pytest.raises(MemoryPlanError) as err:
-        plan_memory(recipe=BERT_TINY, overrides=TINY_BERT, max_mem="1GB", measure=True, tune_args=["--trialz"])
-    assert _one_line(err).startswith("tune_args: unrecognized arguments: --trialz")
+        plan_memory(recipe=BERT_TINY, overrides=TINY_BERT, max_mem="1GB", measure=True, tune_options={"trialz": 1})
+    assert _one_line(err).startswith("tune_options: tune() got unexpected keyword(s) trialz;")
+
+
+# --- `ckrun tune` as a call ------------------------------------------------------------------------------
+
+
+def test_tune_returns_the_winner_the_tuned_recipe_and_its_training_and_prints_nothing(tmp_path, monkeypatch, capfd):
+    import ckrun
+    from ckrun.runner.load import load_recipe
+
+    use_fake_child(monkeypatch)
+    result = ckrun.tune(BERT_TINY, [*TINY_BERT, "train.steps=2", f"output.dir={tmp_path / 'run'}"], max_mem="1GB",
+                        output=tmp_path / "tune", trials=2, finalists=0, no_screen=True, no_solver=True)
+    assert capfd.readouterr().out == ""  # the table and the winner's line are `ckrun tune`'s to print
+    assert isinstance(result, ckrun.TuneResult) and result.directory == tmp_path / "tune"
+    assert result.winner.number == report(result.directory)["winner"] and result.winner.state == "feasible"
+    assert result.tuned_path == result.directory / "tuned.yaml"
+    assert load_recipe(result.tuned_path) == result.recipe
+    assert result.recipe.memory.model_copy(update={"max_mem": None}) == MemoryPlan.model_validate(result.winner.plan)
+    assert "Pareto front" in result.found.table or "1 trials" in result.found.table
+    trained = result.trained
+    assert isinstance(trained, ckrun.RunResult) and trained.output_dir == tmp_path / "run"
+    assert trained.steps_done == 2 and len(trained.losses) == 2 and not trained.stopped_by
+
+
+def test_tune_refuses_in_the_flags_words_and_takes_only_the_flags(tmp_path):
+    import ckrun
+
+    with pytest.raises(ckrun.CkrunError) as err:
+        ckrun.tune(BERT_TINY, TINY_BERT, max_mem="lots", output=tmp_path)
+    assert err.value.lines() == ["--max-mem: 'lots' is not a size; write it like 40GB, 40GiB, 512MB or a number of bytes"]
+    with pytest.raises(ckrun.CkrunError) as err:
+        ckrun.tune(BERT_TINY, TINY_BERT, max_mem="1GB", trials=0, output=tmp_path)
+    assert err.value.lines() == ["--trials: at least 1 plan must be measured but got 0"]
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) trialz; .*search_precision"):
+        ckrun.tune(BERT_TINY, max_mem="1GB", trialz=3)
