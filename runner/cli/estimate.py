@@ -107,7 +107,7 @@ def time_lines(step) -> list[str]:
             f"{step.flops / 1e12:.2f} run, a step)",
             f"  {parts}", *([f"  by kernel: {kernels}"] if kernels else []), *([first] if first else []),
             "  (a roofline of the step's ops: an ordering of plans and a first number, not a promise; "
-            "README: calibrating it on a GPU)"]
+            "docs/predicting.md: calibrating it on a GPU)"]
 
 
 def _estimate(estimator, unavailable, recipe, device: str, facts, source: str):
