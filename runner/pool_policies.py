@@ -11,11 +11,14 @@ terms the rest of ckrun asks about:
   memory.allow_lossy, its error measured: runner/train/measure/update_error.py);
 - `library`: the optional package it needs (`torchao`), refused in one line when that is absent;
 - `single_process`: it cannot run under a distributed strategy (yet);
+- `saved_as`: what a checkpoint's state depends on of it (the resume fingerprint);
 - and the capabilities `plan_problems` (runner/plan.py) combines: `updates_in_backward`,
   `moves_state`, `splits_head`, `holds_bf16`.
 
-Applying them is the memory layer's (runner/memory/weights.py, optimizers.py, host_optimizer.py,
-chunked_loss.py); the estimator predicts each to the byte by running that same code on fake tensors.
+Each kind of pool is one union in `POOL_KINDS` at the end, the one table every list of the pools comes
+from. Applying them is the memory layer's (runner/memory/apply.py's POOL_APPLIERS: weights.py,
+chunked_loss.py; optimizers.py and host_optimizer.py for the optimizer's); the estimator predicts each
+to the byte by running that same code on fake tensors.
 Pure data: importing this module imports neither torch nor torchao.
 """
 
@@ -35,6 +38,9 @@ from .policy_base import TORCHAO, PoolPolicy
 
 
 class WeightsPolicy(PoolPolicy):
+    """How the parameters are held: `fp32` masters (autocast casts copies; `cast_cache: false` keeps
+    none for the whole forward), or `bf16` with a stochastically rounded update (lossy)."""
+
     section: ClassVar[str] = "weights"
     pool: ClassVar[str] = "parameters"
     holds_bf16: ClassVar[bool] = False
@@ -43,6 +49,9 @@ class WeightsPolicy(PoolPolicy):
     def autocast_cache(self) -> bool:
         """Whether autocast keeps its cast copies of the weights for the whole forward."""
         return True
+
+    def saved_as(self) -> str:
+        return self.tag()  # the parameters' dtype; the cast cache saves the same state
 
     @abstractmethod
     def holds(self, precision: str) -> str:
@@ -116,6 +125,9 @@ Weights = Annotated[MasterWeights | BF16Weights, Field(discriminator="policy")]
 
 
 class OptimizerStatePolicy(PoolPolicy):
+    """The precision of AdamW's moments: `full` (as the recipe's optimizer keeps them), or `8bit`,
+    `4bit`, `fp8` (torchao.optim's low-bit AdamW; lossy)."""
+
     section: ClassVar[str] = "optimizer_state"
     pool: ClassVar[str] = "optimizer_state"
 
@@ -199,10 +211,16 @@ OptimizerState = Annotated[FullState | LowBitState, Field(discriminator="policy"
 
 
 class OptimizerStepPolicy(PoolPolicy):
+    """When the update runs: `after` the backward (every gradient alive until then), or `in_backward`
+    (each parameter updated and its gradient freed as soon as it is accumulated; exact)."""
+
     section: ClassVar[str] = "optimizer_step"
     pool: ClassVar[str] = "gradients"
     updates_in_backward: ClassVar[bool] = False
     """Each parameter is updated, and its gradient freed, as soon as its gradient is accumulated."""
+
+    def saved_as(self) -> None:
+        return None  # the same optimizer, stepped at another time: the same state is saved
 
 
 class StepAfterBackward(OptimizerStepPolicy):
@@ -233,6 +251,9 @@ OptimizerStep = Annotated[StepAfterBackward | StepInBackward, Field(discriminato
 
 
 class OptimizerOffloadPolicy(PoolPolicy):
+    """Where the optimizer state and update live: on the device (`none`), or for a `fraction` of the
+    parameters in host memory with the update on the CPU (`cpu`; exact; CUDA only)."""
+
     section: ClassVar[str] = "optimizer_offload"
     pool: ClassVar[str] = "optimizer_state"
     moves_state: ClassVar[bool] = False
@@ -298,10 +319,16 @@ OptimizerOffload = Annotated[NoOptimizerOffload | HostOptimizerOffload, Field(di
 
 
 class LossPolicy(PoolPolicy):
+    """How a language model's loss is computed: from the `whole` logits, or `chunked` over pieces of
+    the sequence with each piece's logits recomputed in backward (exact up to summation order)."""
+
     section: ClassVar[str] = "loss"
     pool: ClassVar[str] = "loss"
     splits_head: ClassVar[bool] = False
     """The model's output projection and the loss run in pieces of the sequence (language models only)."""
+
+    def saved_as(self) -> None:
+        return None  # the loss's pieces hold no state
 
     def pieces(self) -> int:
         """How many pieces of the sequence the loss runs over (1: the whole logits at once)."""
@@ -350,13 +377,14 @@ class ChunkedLoss(LossPolicy):
 Loss = Annotated[WholeLogits | ChunkedLoss, Field(discriminator="policy")]
 
 
-# --- the tuner's labels -------------------------------------------------------------------------------
+# --- the one table -------------------------------------------------------------------------------------
 
-WEIGHTS: tuple[type[WeightsPolicy], ...] = members(Weights)
-OPTIMIZER_STATE: tuple[type[OptimizerStatePolicy], ...] = members(OptimizerState)
-OPTIMIZER_STEP: tuple[type[OptimizerStepPolicy], ...] = members(OptimizerStep)
-OPTIMIZER_OFFLOAD: tuple[type[OptimizerOffloadPolicy], ...] = members(OptimizerOffload)
-LOSS: tuple[type[LossPolicy], ...] = members(Loss)
-POOL_KINDS = {"weights": WEIGHTS, "optimizer_state": OPTIMIZER_STATE, "optimizer_step": OPTIMIZER_STEP,
-              "optimizer_offload": OPTIMIZER_OFFLOAD, "loss": LOSS}
-"""The plan's key -> the classes of its union: a tuner label reads back with ckrun.runner.choices.choice_fields."""
+POOL_KINDS: dict[str, tuple[type[PoolPolicy], ...]] = {
+    kind[0].section: kind for kind in map(members, (Weights, OptimizerState, OptimizerStep, OptimizerOffload, Loss))}
+"""The pools beside the activations: the plan's key -> the classes of its union, in plan order, the first
+the default. Everything that lists the pools derives from this table: the plan's fields (runner/plan.py
+makes one per entry, documented by `key_doc`), `MemoryPlan.pool_policies()` and the rules over them,
+`apply_plan`'s loop (runner/memory/apply.py), the resume fingerprint (`saved_as`), the tuner's pool
+knobs (autotune/space/pool_knobs.py) and their lower bound, and a tuner label read back
+(ckrun.runner.choices.choice_fields). A new kind of pool is one union added here, last
+(tests/runner/test_pool_table.py adds one and follows it everywhere)."""

@@ -109,7 +109,7 @@ def nothing_fits_line(space_values: dict[str, list[str]], every_value: dict[str,
     if floor.total <= limit:
         return None
     shown = ", ".join(f"{section} {label}" for section, label in labels.items()
-                      if label != _default(section))
+                      if label != default_label(section))
     line = (f"every plan holds at least {floor.words()} before any activation, even with "
             f"{shown or 'the pools as they are'}: over the limit {format_bytes(limit)}")
     wider, wide_floor = least(every_value, facts, step, context)
@@ -125,7 +125,8 @@ def nothing_fits_line(space_values: dict[str, list[str]], every_value: dict[str,
             "model")
 
 
-def _default(section: str) -> str:
+def default_label(section: str) -> str:
+    """The tuner label of a pool's default policy (`fp32`, `full`, `none`)."""
     return MemoryPlan.model_fields[section].default_factory().label()
 
 

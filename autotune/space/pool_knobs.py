@@ -22,17 +22,17 @@ from ckrun.runner.choices import choice_class, choice_fields
 from ckrun.runner.plan import MemoryPlan
 from ckrun.runner.policy_base import library_missing
 from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload, LowBitState, MasterWeights,
-                                  POOL_KINDS, StepInBackward)
+                                        POOL_KINDS, StepInBackward)
 from ckrun.runner.units import format_bytes
 
-from .pool_floor import Bound, least, nothing_fits_line, pool_floor, pool_plan, settings
+from .pool_floor import Bound, default_label, least, nothing_fits_line, pool_floor, pool_plan, settings
 from .space import Asked, Knob, Space
 
 log = logging.getLogger(__name__)
 
 LOSSY_KNOB = "compression"  # the knob whose flag (--allow-lossy) opens every lossy knob
 ROOM = 0.8  # a start's pool setting leaves a fifth of the limit for activations, the batch and the allocator's cache
-SECTIONS = tuple(POOL_KINDS)  # weights, optimizer_state, optimizer_step, optimizer_offload, loss
+SECTIONS = tuple(POOL_KINDS)  # one knob per pool, in the table's order (runner/pool_policies.py)
 
 
 def _own(asked: Asked, section: str) -> str:
@@ -111,6 +111,19 @@ def add_loss(space: Space, asked: Asked) -> None:
     _join(space, asked, "loss", exact, [], why)
 
 
+def add_pool(section: str, space: Space, asked: Asked) -> None:
+    """A pool without an adder of its own in ADDERS: its policies' tuner labels, the exact ones searched,
+    the lossy ones with --allow-lossy."""
+    kind = POOL_KINDS[section]
+    exact = [label for cls in kind if not cls.lossy for label in cls.tuner_labels()] or [default_label(section)]
+    _join(space, asked, section, exact, lossy_labels(section), "its policies' tuner labels")
+
+
+def lossy_labels(section: str) -> list[str]:
+    """The tuner labels of the pool's lossy policies (none where their library is missing)."""
+    return [label for cls in POOL_KINDS[section] if cls.lossy for label in cls.tuner_labels()]
+
+
 def _one_adamw(asked: Asked) -> bool:
     return asked.recipe.step_facts().adamw and asked.nproc == 1
 
@@ -163,14 +176,16 @@ def lossy_comment(section: str, space: Space, record) -> str | None:
             "training")
 
 
-def pool_knob(section: str, flag=None) -> Knob:
-    return Knob(section, ADDERS[section], partial(to_plan, section), partial(from_plan, section),
-                partial(start, section), partial(words, section), joins=True, solver=True,
-                note=partial(lossy_comment, section))
+def pool_knob(section: str) -> Knob:
+    return Knob(section, ADDERS.get(section, partial(add_pool, section)), partial(to_plan, section),
+                partial(from_plan, section), partial(start, section), partial(words, section), joins=True,
+                solver=True, note=partial(lossy_comment, section))
 
 
 ADDERS = {"weights": add_weights, "optimizer_state": add_optimizer_state, "optimizer_step": add_optimizer_step,
           "optimizer_offload": add_optimizer_offload, "loss": add_loss}
+"""The pools whose choices depend on the device, the recipe or the ranks, with their adders; any other
+pool of POOL_KINDS is searched over its policies' own tuner labels (`add_pool`)."""
 POOL_KNOBS = tuple(pool_knob(section) for section in SECTIONS)
 
 
@@ -179,7 +194,7 @@ POOL_KNOBS = tuple(pool_knob(section) for section in SECTIONS)
 
 def space_values(space: Space) -> dict[str, list[str]]:
     """Each pool knob's values in the space (its choices, or the one it is pinned to)."""
-    return {s: list(space.choices.get(s, [space.fixed.get(s, _default(s))])) for s in SECTIONS}
+    return {s: list(space.choices.get(s, [space.fixed.get(s, default_label(s))])) for s in SECTIONS}
 
 
 def start_settings(space: Space) -> dict[str, str]:
@@ -215,10 +230,6 @@ def start_settings(space: Space) -> dict[str, str]:
     return chosen
 
 
-def _default(section: str) -> str:
-    return MemoryPlan.model_fields[section].default_factory().label()
-
-
 def _lossy_or_unsafe(section: str, label: str, whole_batch: bool) -> bool:
     """Not for a start: lossy, or the step in backward where the starts' micro-batches split the batch."""
     cls = choice_class(POOL_KINDS[section], label)
@@ -238,8 +249,7 @@ def bound_space(space: Space, recipe, facts, device, cap, nproc: int = 1) -> str
         return None
     space.bound = Bound(facts.parameters, recipe.step_facts(), device.context_bytes, cap.limit)
     values = space_values(space)
-    lossy = {"weights": BF16Weights.tuner_labels(), "optimizer_state": LowBitState.tuner_labels()} \
-        if recipe.step_facts().adamw else {}
+    lossy = {section: lossy_labels(section) for section in SECTIONS} if recipe.step_facts().adamw else {}
     every = {s: list(dict.fromkeys([*v, *lossy.get(s, [])])) for s, v in values.items()}
     line = nothing_fits_line(values, every, space.bound, "--allow-lossy")
     labels, floor = least(values, facts.parameters, space.bound.step, device.context_bytes)

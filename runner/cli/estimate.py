@@ -9,15 +9,14 @@ all for --device cuda on a machine without a GPU (the line says how to ask for i
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import time
 
 from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
+from ..predict.plan_lines import plan_lines_quiet
 from ..units import format_bytes
 from . import Command, add_recipe_arguments, gpu_names
 
@@ -108,25 +107,9 @@ def time_lines(step) -> list[str]:
             f"{step.flops / 1e12:.2f} run, a step)",
             f"  {parts}", *([f"  by kernel: {kernels}"] if kernels else []), *([first] if first else []),
             "  (a roofline of the step's ops: an ordering of plans and a first number, not a promise; "
-            "README: calibrating it on a GPU)"]
+            "docs/predicting.md: calibrating it on a GPU)"]
 
 
-@contextlib.contextmanager
-def plan_lines_quiet():
-    """The estimator applies the plan to a stand-in model; the lines a run prints for that ("checkpointing
-    2 of 2 blocks") would only repeat the recipe above the prediction (or, for autotune/api.py, the plan
-    it picks). Warnings still show; -v shows all."""
-    # the plan; FSDP's sharding; model.lora's line, which a note repeats
-    logs = [logging.getLogger(name) for name in ("ckrun.runner.memory", "ckrun.runner.parallel", "ckrun.runner.builders.adapters")]
-    levels = [plan_log.level for plan_log in logs]
-    for plan_log in logs:
-        if not plan_log.isEnabledFor(logging.DEBUG):
-            plan_log.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for plan_log, level in zip(logs, levels, strict=True):
-            plan_log.setLevel(level)
 def _estimate(estimator, unavailable, recipe, device: str, facts, source: str):
     from ..predict.estimate import Estimator
     from ..predict.fallback import estimate_or_probe

@@ -50,6 +50,7 @@ class RunResult:
     total_steps: int = 0  # the steps the run was to take: train.steps, or what train.epochs came to
     stopped_early: str | None = None  # why eval.early_stopping ended the run before its last step
     resumed_at: int = 0  # the checkpoint's step this run continued from (losses cover only the steps after it)
+    output_dir: Path | None = None  # where it wrote: metrics.jsonl, checkpoints, the exported model
 
 
 StepPredictor = Callable[[Recipe, torch.device, int], "float | None"]  # (recipe, device, parameters) -> s a step
@@ -107,7 +108,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
     """The steps, each record to the sinks (metrics.jsonl and the recipe's); `changes`: the settings
     --resume-changed accepted, recorded first."""
     recipe, watch = trainer.recipe, LossWatch()
-    result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step)
+    result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step, output_dir=out_dir)
     total, every = trainer.total_steps, recipe.output.checkpoint_every
     output = recipe.output
     progress = Progress(total, trainer.step, output.log_every, output.log_seconds, show=trainer.ranks.is_main)
