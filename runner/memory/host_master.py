@@ -124,6 +124,7 @@ class HostMasterOptimizer(HostOffloadOptimizer):
         """This micro-batch's gradient of `param` into its staging buffer, freed on the device; the previous
         micro-batch's is added up first, since the buffer is about to be reused."""
         self._add_up(param)
+        self.guard.answered(param)
         grad, staging = param.grad, self.staging[param]
         if self.stream is None:
             staging.copy_(grad)
@@ -195,6 +196,7 @@ class HostMasterOptimizer(HostOffloadOptimizer):
                 event.synchronize()
         self.in_flight.clear()
         self.summed.clear()
+        self.guard.clear()
         super().zero_grad(set_to_none)
 
     # --- checkpoints -------------------------------------------------------------------------------
@@ -228,32 +230,55 @@ class HostMasterOptimizer(HostOffloadOptimizer):
 
 
 class ReadsGuard:
-    """Forward pre-hooks on the layers whose weights the device holds in bfloat16: each may run once per
-    forward of the model (a recompute in the backward aside) and only under autocast, or the split is not
-    exact (module docstring); otherwise one line names the layer, before any update."""
+    """Hooks on the layers whose weights the device holds in bfloat16: each read that sends a gradient back
+    must be the only one of its backward (a recompute's aside), and every read runs under autocast, or the
+    split is not exact (module docstring); otherwise one line names the layer, before any update. A read
+    whose output gets no gradient (a forward that learns, an unused output) counts for nothing."""
 
     def __init__(self, model: nn.Module, cast: set[nn.Parameter]):
-        self.model = model
         self.layers = {name: module for name, module in model.named_modules()
                        if any(p in cast for p in module.parameters(recurse=False))}
-        self.ran: set[str] = set()
+        self.layers_of = defaultdict(list)  # a parameter -> the layers that read it
+        for name, module in self.layers.items():
+            for param in module.parameters(recurse=False):
+                self.layers_of[param].append(name)
+        self.sent: set[str] = set()  # layers whose read sent its gradient back in the running backward
+        self._queued = False  # the end of the running backward clears `sent`
 
     def install(self) -> list:
-        handles = [self.model.register_forward_pre_hook(lambda *_: self.ran.clear())]
-        return handles + [module.register_forward_pre_hook(lambda _m, _a, name=name: self._read(name))
-                          for name, module in self.layers.items()]
+        return [handle for name, module in self.layers.items() for handle in (
+            module.register_forward_pre_hook(lambda _m, _a, name=name: self._read(name)),
+            module.register_forward_hook(lambda _m, _a, out, name=name: self._follow(name, out)))]
 
     def _read(self, name: str) -> None:
-        if torch._C._current_graph_task_id() != -1:  # a checkpoint's recompute, inside the backward
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:  # no gradient, or a recompute
             return
         device = next(self.layers[name].parameters()).device.type
         if not torch.is_autocast_enabled(device):
             raise BuildError(KEY, f"master holds {name}'s weight in bfloat16 for bf16 autocast to read, but the model "
                                   "runs that layer outside autocast; use policy cpu")
-        if name in self.ran:
+
+    def _follow(self, name: str, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad and torch._C._current_graph_task_id() == -1:
+            output.register_hook(lambda _grad: self._sends(name))
+
+    def _sends(self, name: str) -> None:
+        """A read of `name` sends its output's gradient back: the second of one backward is refused."""
+        if name in self.sent:
             raise BuildError(KEY, f"master holds {name}'s weight in bfloat16, and the model runs that layer twice in "
                                   "one forward: its gradients would add up in bfloat16, not float32; use policy cpu")
-        self.ran.add(name)
+        self.sent.add(name)
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.clear)
+            self._queued = True
+
+    def answered(self, param: nn.Parameter) -> None:
+        """`param`'s gradient is summed: its layers' reads of this backward are over."""
+        self.sent.difference_update(self.layers_of.get(param, ()))
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self._queued = False
 
 
 def _names(model: nn.Module, copies: dict) -> dict[str, nn.Parameter]:
