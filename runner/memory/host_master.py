@@ -220,7 +220,8 @@ class HostMasterOptimizer(HostOffloadOptimizer):
 
     def host_work(self, micro_batches: int) -> int:
         """The update, and adding up each micro-batch's gradients on the host (`FOLD_SHARE`)."""
-        return int(super().host_work(micro_batches) * (1 + FOLD_SHARE * micro_batches))
+        elements = sum(t.numel() for t in self.copies.values())
+        return super().host_work(micro_batches) + int(elements * FOLD_SHARE * micro_batches)
 
     def host_bytes(self) -> int:
         return super().host_bytes() + sum(t.numel() * t.element_size() for t in self.staging.values())

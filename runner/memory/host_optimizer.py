@@ -29,6 +29,13 @@ import torch
 from torch import nn
 
 MakeOptimizer = Callable[[list[torch.Tensor], torch.device], torch.optim.Optimizer]
+LOW_BIT_HOST_COST = {"AdamW8bit": 136.0, "AdamW4bit": 95.0, "AdamWFp8": 18.5}
+"""torchao's low-bit AdamW on the host's tensors (memory.optimizer_state 8bit/4bit/fp8 beside an offload), in
+elements of torch's fused CPU AdamW: its update runs eagerly there, one small op at a time, at 2.3, 3.3 and
+16.9 M parameters a second of one thread's CPU time (bench/host_low_bit.py, 2026-11-29, torch 2.14.1, torchao
+0.18, on this 2-core machine at a load of 10: to re-measure on an idle one), against the 313 M a second the
+time model takes for the fused step (runner/predict/roofline.py HOST_ADAMW_PER_CORE). It saves host memory
+only, at that cost."""
 
 
 class HostOffloadOptimizer(torch.optim.Optimizer):
@@ -164,9 +171,10 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
                 copy.copy_(param)
 
     def host_work(self, micro_batches: int) -> int:
-        """The host's work in one step, in elements of its AdamW rate (what the estimate prices): the update
-        of the elements it holds."""
-        return sum(t.numel() for t in self.copies.values())
+        """The host's work in one step, in elements of its fused AdamW rate (what the estimate prices): the
+        update of the elements it holds, a low-bit one at its cost (`LOW_BIT_HOST_COST`)."""
+        cost = LOW_BIT_HOST_COST.get(type(self.host_optimizer).__name__, 1.0)
+        return int(cost * sum(t.numel() for t in self.copies.values()))
 
     def host_bytes(self) -> int:
         """What it holds in host memory: the parameters' copies, gradient buffers and the host's state."""

@@ -85,6 +85,10 @@ class Trainer:
         # the masters' plan builds in host memory: its optimizer moves the bfloat16 copies to the device, so the
         # device never holds the float32 model (27 GB for a 7B, more than the plan needs in all)
         on_host = recipe.memory.optimizer_offload.masters_on_host and self.device.type == "cuda"
+        if on_host:
+            log.info("memory.optimizer_offload master: the model is built in host memory, its bf16 copies then moved "
+                     "to the GPU; weights it initialises at random are drawn by the CPU's generator (a run without "
+                     "the plan draws them on the GPU), pretrained ones are the same")
         self.model = build_model(recipe.model, torch.device("cpu") if on_host else self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)

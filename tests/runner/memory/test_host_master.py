@@ -206,11 +206,15 @@ def test_the_estimate_counts_bf16_weights_no_state_on_the_device_and_prices_the_
 def test_on_a_gpu_the_masters_and_staging_are_pinned_and_it_trains_as_the_device_with_less_memory(memory):
     """The host's fused CPU AdamW rounds as the CPU does: the same run within float rounding; the device
     holds bf16 Linear weights and no moments, the copies on a side stream into pinned memory."""
-    def run(memory_: str):
+    def run(memory_: str, start: dict | None = None):
         trainer = Trainer(recipe(memory_, WIDE, precision="bf16", device="cuda"))
+        if start is not None:  # the masters' plan builds on the host, whose generator draws other weights
+            trainer.model.load_state_dict(start)
+        first = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         records = [trainer.train_step() for _ in range(3)]
-        return [r["loss"] for r in records], max(r["peak_allocated_bytes"] for r in records[1:]), trainer
-    device, host = run(memory), run(_with_master(memory))
+        return [r["loss"] for r in records], max(r["peak_allocated_bytes"] for r in records[1:]), trainer, first
+    device = run(memory)
+    host = run(_with_master(memory), device[3])
     assert host[0] == pytest.approx(device[0], rel=1e-3)
     optimizer = host[2].optimizer
     assert isinstance(optimizer, HostMasterOptimizer) and optimizer.stream is not None
