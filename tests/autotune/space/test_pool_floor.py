@@ -143,3 +143,18 @@ def test_with_little_room_the_starts_that_save_the_most_come_first():
     space.starting_points(_recipe(1), lambda candidate: seen.append(candidate) or False)
     first = seen[0].plan
     assert first.checkpointing.label() == "full" and first.offload.label() == "all"
+
+
+def test_where_only_the_masters_on_the_host_leave_room_the_starts_take_them():
+    """The exact bound of every other setting is over the limit (float32 weights on the device alone): the
+    starting points hold the float32 masters on the host, so the search starts from a plan that can fit."""
+    space = _space()
+    parameters, step = _facts().parameters, _recipe(1).step_facts()
+    bound = {label: pool_floor(pool_plan({"optimizer_offload": label}), parameters, step, GPU.context_bytes).total
+             for label in ("none", "cpu", "master")}
+    assert bound["master"] < bound["cpu"] < bound["none"]
+    cap = Cap(int(bound["cpu"] / 0.95) - 1, 0.05)  # under the cpu offload's bound: only the masters' fits
+    assert bound_space(space, _recipe(1), _facts(), GPU, cap) is None
+    assert start_settings(space)["optimizer_offload"] == "master"
+    starts = space.starting_points(_recipe(1))
+    assert starts and all(space.candidate(point).plan.optimizer_offload.masters_on_host for point in starts)
