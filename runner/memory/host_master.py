@@ -81,6 +81,7 @@ class HostMasterOptimizer(HostOffloadOptimizer):
         self.summed: set[nn.Parameter] = set()  # whose host gradient holds this step's sum so far
         self.guard = ReadsGuard(model, cast)
         self._model_hooks: list = []
+        self._told = False
 
     # --- the device's copies -----------------------------------------------------------------------
 
@@ -98,9 +99,11 @@ class HostMasterOptimizer(HostOffloadOptimizer):
         self._model_hooks = [self.model.register_state_dict_post_hook(lambda *args: self._masters_into(names, *args)),
                              self.model.register_load_state_dict_pre_hook(
                                  lambda *args: self._masters_from(names, *args)), *self.guard.install()]
-        log.info("memory.optimizer_offload master: %d of %d parameters held in bfloat16 on the device (%s), the rest "
-                 "(embeddings, norms, tied or split heads) in float32", len(self.cast), len(self.copies),
-                 _bytes(sum(p.numel() for p in self.cast) * 2))
+        if not self._told:  # once: the estimate holds and releases them for every plan it tries
+            self._told = True
+            log.info("memory.optimizer_offload master: %d of %d parameters held in bfloat16 on the device (%s), the "
+                     "rest (embeddings, norms, tied or split heads) in float32", len(self.cast), len(self.copies),
+                     _bytes(sum(p.numel() for p in self.cast) * 2))
 
     def release(self) -> None:
         """The device's parameters back to float32 from the masters (the estimate tries another plan next)."""
@@ -164,8 +167,8 @@ class HostMasterOptimizer(HostOffloadOptimizer):
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Global clipping on the host's float32 sums (torch's, over the same gradients in the same order as
         the device's float32 parameters would be); returns the norm before clipping."""
-        self._gather()
-        return torch.nn.utils.clip_grad_norm_(list(self.copies.values()), max_norm, foreach=True)
+        self._gather()  # foreach where the host's tensors take it (the CPU's, as the device's float32 do; not meta)
+        return torch.nn.utils.clip_grad_norm_(list(self.copies.values()), max_norm, foreach=None)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -200,6 +200,13 @@ def test_the_estimate_counts_bf16_weights_no_state_on_the_device_and_prices_the_
     assert estimator.estimate(MemoryPlan(micro_batch=1), "bf16") == plain  # the weights are back in float32
 
 
+def test_the_estimate_clips_on_the_host_as_training_does():
+    """Global clipping runs over the masters' gradients on the host, which in the estimate is the meta device."""
+    estimator = Estimator(recipe("{}", WIDE, "bf16", batch_size=2, device="cuda", grad_clip=1.0), "cuda")
+    plan = MemoryPlan.model_validate({"optimizer_offload": {"policy": "master"}})
+    assert estimator.estimate(plan, "bf16").breakdown["optimizer_state"] < 1000
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("memory", ["{}", "{micro_batch: 2}"])
