@@ -37,6 +37,7 @@ from .pool_policies import (  # noqa: F401 - the pools' policies, importable fro
     BF16Weights,
     ChunkedLoss,
     FullState,
+    HostMasterOffload,
     HostOptimizerOffload,
     LowBitState,
     Loss,
@@ -253,10 +254,9 @@ def _pool_problems(plan: MemoryPlan) -> list[tuple[tuple[str, ...], str]]:
         problems.append((("optimizer_offload",), "memory.optimizer_offload: cannot be combined with memory."
                          "optimizer_step: in_backward (the host's update runs after the backward, on gradients it "
                          "copied); choose one of them"))
-    for kept in (plan.optimizer_state, plan.weights):
-        if offload.moves_state and kept.lossy:
-            problems.append((("optimizer_offload",), f"memory.optimizer_offload: cannot be combined with memory."
-                             f"{kept.section}: {kept.label()} (the host keeps float32 state and weights); choose one"))
+    if offload.moves_state and plan.weights.lossy:  # low-bit state is fine: torchao's AdamW on the host's tensors
+        problems.append((("optimizer_offload",), f"memory.optimizer_offload: cannot be combined with memory.weights: "
+                         f"{plan.weights.label()} (the host keeps float32 weights); choose one"))
     if plan.loss.splits_head and plan.compile:  # the head's pass-through is checked by identity, which compiled code loses
         problems.append((("loss",), "memory.loss: chunked cannot be combined with memory.compile: true; set "
                          "memory.loss.policy: whole or memory.compile: false"))
@@ -271,7 +271,11 @@ def _step_problems(plan: MemoryPlan, facts: StepFacts) -> list[tuple[tuple[str, 
         if why:
             problems.append((("optimizer_step",), f"memory.optimizer_step: in_backward updates each parameter as soon "
                              f"as its gradient is accumulated, but {why}; or use policy after"))
-    if plan.optimizer_offload.moves_state and facts.precision == "fp16":
+    if plan.optimizer_offload.masters_on_host and facts.precision != "bf16":
+        problems.append((("optimizer_offload",), f"memory.optimizer_offload: {plan.optimizer_offload.label()} holds "
+                         "bfloat16 weights on the device for bf16 autocast to read as it would cast them, not "
+                         f"precision {facts.precision}; set precision: bf16 or policy cpu"))
+    elif plan.optimizer_offload.moves_state and facts.precision == "fp16":
         problems.append((("optimizer_offload",), "memory.optimizer_offload: fp16's loss scaler unscales gradients "
                          "on the device, which the host copies would miss; use precision bf16 or policy none"))
     for policy in (plan.weights, plan.optimizer_state):

@@ -13,7 +13,7 @@ terms the rest of ckrun asks about:
 - `single_process`: it cannot run under a distributed strategy (yet);
 - `saved_as`: what a checkpoint's state depends on of it (the resume fingerprint);
 - and the capabilities `plan_problems` (runner/plan.py) combines: `updates_in_backward`,
-  `moves_state`, `splits_head`, `holds_bf16`.
+  `moves_state`, `masters_on_host`, `splits_head`, `holds_bf16`.
 
 Each kind of pool is one union in `POOL_KINDS` at the end, the one table every list of the pools comes
 from. Applying them is the memory layer's (runner/memory/apply.py's POOL_APPLIERS: weights.py,
@@ -251,17 +251,26 @@ OptimizerStep = Annotated[StepAfterBackward | StepInBackward, Field(discriminato
 
 
 class OptimizerOffloadPolicy(PoolPolicy):
-    """Where the optimizer state and update live: on the device (`none`), or for a `fraction` of the
-    parameters in host memory with the update on the CPU (`cpu`; exact; CUDA only)."""
+    """Where the optimizer state and update live: on the device (`none`), for a `fraction` of the
+    parameters in host memory with the update on the CPU (`cpu`; exact; CUDA only), or with the float32
+    master weights on the host too and bfloat16 weights on the device (`master`, ZeRO-Offload's split;
+    exact; precision bf16)."""
 
     section: ClassVar[str] = "optimizer_offload"
     pool: ClassVar[str] = "optimizer_state"
     moves_state: ClassVar[bool] = False
     """The optimizer state (and the update) of some parameters lives in host memory."""
+    masters_on_host: ClassVar[bool] = False
+    """The float32 master weights live in host memory too, and the device holds bfloat16 copies of those
+    autocast would cast anyway (ZeRO-Offload's split): every gradient goes to the host as it is made."""
 
     def host_fraction(self) -> float:
         """The share of the parameters' bytes whose state and update live in host memory."""
         return 0.0
+
+    def cpu_refusal(self) -> str | None:
+        """Why a run on the CPU refuses it (nothing to save there), or None where it runs there too."""
+        return None
 
     @classmethod
     def tuner_labels(cls, device_kind: str = "cuda") -> list[str]:
@@ -306,13 +315,48 @@ class HostOptimizerOffload(OptimizerOffloadPolicy):
             return []
         return [cls(policy="cpu", fraction=fraction).label() for fraction in OFFLOAD_FRACTIONS]
 
+    def cpu_refusal(self) -> str:
+        return ("memory.optimizer_offload: moves optimizer state from the GPU to host memory; this run is on the CPU, "
+                "so there is nothing to save - set memory.optimizer_offload.policy: none")
+
     def describe(self) -> str:
         share = "all parameters" if self.fraction == 1 else f"{self.fraction:.0%} of the parameters' bytes"
         return (f"memory.optimizer_offload {self.label()}: the optimizer state and update of {share} in host "
                 "memory; their gradients go to the host and the updated weights come back each step")
 
 
-OptimizerOffload = Annotated[NoOptimizerOffload | HostOptimizerOffload, Field(discriminator="policy")]
+class HostMasterOffload(OptimizerOffloadPolicy):
+    policy: Literal["master"]
+    """ZeRO-Offload's split: the float32 master weights, AdamW's moments and the update in pinned host
+    memory (torch's fused CPU AdamW, or torchao's low-bit AdamW on the host's tensors with
+    memory.optimizer_state 8bit/4bit/fp8), and on the device bfloat16 copies of the weights of the
+    nn.Linear layers, recast from the masters after each host step; every other parameter (embeddings,
+    norms, a head tied to an embedding or split by the chunked loss) stays float32 on the device. Each
+    gradient goes to the host as soon as the backward accumulates it (a post-accumulate-grad hook
+    copies it to a pinned buffer on a side stream and frees it on the device), where micro-batches add
+    up in float32. Exact: the update is float32 AdamW on float32 gradients, and the forward reads the
+    bfloat16 weights that bf16 autocast casts a layer's weight to anyway (the same rounding); needs
+    precision bf16. A layer that runs twice in one forward, or outside autocast, is refused at its
+    first step (its weight's gradients would add up in bfloat16). On the CPU the host and the device
+    are the same memory: it saves nothing there, but runs the same path."""
+    moves_state: ClassVar[bool] = True
+    masters_on_host: ClassVar[bool] = True
+
+    def host_fraction(self) -> float:
+        return 1.0
+
+    @classmethod
+    def tuner_labels(cls, device_kind: str = "cuda") -> list[str]:
+        return [cls.tag()] if device_kind == "cuda" else []
+
+    def describe(self) -> str:
+        return ("memory.optimizer_offload master: float32 master weights, AdamW's moments and update in host memory, "
+                "bfloat16 copies of the nn.Linear weights on the device (recast after each host step); each gradient "
+                "goes to the host as the backward makes it (exact: float32 AdamW, the weights bf16 autocast casts to)")
+
+
+OptimizerOffload = Annotated[NoOptimizerOffload | HostOptimizerOffload | HostMasterOffload,
+                             Field(discriminator="policy")]
 
 
 # --- the loss ------------------------------------------------------------------------------------------

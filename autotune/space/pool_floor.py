@@ -8,10 +8,13 @@ on the meta device: autotune/space/facts.py `ParameterFacts`) and a plan's weigh
 optimizer step and optimizer offload, `pool_floor` says how many bytes the plan holds at least; the
 CUDA context comes on top of that on a card. Each bound takes the pool's best case:
 
-- parameters: as built, or 2 B an element where memory.weights holds them in bf16;
+- parameters: as built, or 2 B an element where memory.weights holds them in bf16 or the optimizer
+  offload holds bf16 copies of host masters (memory.optimizer_offload master: its best case, every
+  parameter an nn.Linear's);
 - gradients: the trainable parameters' bytes in the same dtype; none where the step runs in the
-  backward; with the optimizer offloaded and every gradient final once accumulated (one micro-batch,
-  no clipping), only the device's share (less the largest parameter: the offload splits between them);
+  backward, or where every gradient goes to the host as it is made (master); with the optimizer
+  offloaded and every gradient final once accumulated (one micro-batch, no clipping), only the device's
+  share (less the largest parameter: the offload splits between them);
 - optimizer state: AdamW's two moments (ckrun's adamw only: another optimizer is taken to keep none),
   in the parameters' dtype or the low-bit policy's bytes without its scales, for the device's share.
 
@@ -58,7 +61,7 @@ class Floor:
 
 def pool_floor(plan: MemoryPlan, facts: ParameterFacts, step: StepFacts, context: int = 0) -> Floor:
     """The fewest bytes `plan` can hold on the device (module docstring), the CUDA context added."""
-    bf16 = plan.weights.holds_bf16
+    bf16 = plan.weights.holds_bf16 or plan.optimizer_offload.masters_on_host
     parameters = min(facts.bytes, BF16_BYTES * facts.count) if bf16 else facts.bytes
     gradients = min(facts.trainable_bytes, BF16_BYTES * facts.trainable) if bf16 else facts.trainable_bytes
     moment = plan.optimizer_state.moment_bytes()
@@ -66,7 +69,7 @@ def pool_floor(plan: MemoryPlan, facts: ParameterFacts, step: StepFacts, context
     host = plan.optimizer_offload.host_fraction()
     largest = facts.largest / max(facts.trainable_bytes, 1)  # the largest parameter's share of them
     device_share = lambda total: max(0, int((1 - host - largest) * total)) if host else total  # noqa: E731
-    if plan.optimizer_step.updates_in_backward:
+    if plan.optimizer_step.updates_in_backward or plan.optimizer_offload.masters_on_host:
         gradients = 0
     elif host and gradients_final(plan, step):
         gradients = device_share(gradients)

@@ -21,7 +21,7 @@ from functools import partial
 from ckrun.runner.choices import choice_class, choice_fields
 from ckrun.runner.plan import MemoryPlan
 from ckrun.runner.policy_base import library_missing
-from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload, LowBitState, MasterWeights,
+from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, LowBitState, MasterWeights,
                                         POOL_KINDS, StepInBackward)
 from ckrun.runner.units import format_bytes
 
@@ -97,9 +97,11 @@ def add_optimizer_offload(space: Space, asked: Asked) -> None:
                else "--nproc: it runs in one process only (FSDP's own offload is memory.sharding.offload)"
                if asked.nproc > 1 else "precision fp16's loss scaler unscales gradients on the device"
                if space.fixed.get("precision") == "fp16" else None)
-    exact = ["none"] + ([] if why_not else HostOptimizerOffload.tuner_labels(asked.device.kind))
-    why = why_not or ("cpu:F keeps the optimizer state and update of a fraction F of the parameters in host memory "
-                      "(exact), its step priced at the host's AdamW rate")
+    exact = ["none"] + ([] if why_not else [label for cls in POOL_KINDS["optimizer_offload"] if cls.active
+                                            for label in cls.tuner_labels(asked.device.kind)])
+    why = why_not or ("cpu:F keeps the optimizer state and update of a fraction F of the parameters in host memory, "
+                      "master the float32 master weights too, with bf16 weights on the device (precision bf16); "
+                      "exact, the host's step priced at its AdamW rate and the copies at the host link's")
     _join(space, asked, "optimizer_offload", exact, [], why)
 
 

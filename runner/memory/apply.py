@@ -34,10 +34,6 @@ from .weights import apply_weights
 
 log = logging.getLogger(__name__)
 
-HOST_REFUSAL = ("memory.optimizer_offload: moves optimizer state from the GPU to host memory; this run is on the CPU, "
-                "so there is nothing to save - set memory.optimizer_offload.policy: none")
-
-
 @dataclass
 class AppliedPlan:
     plan: MemoryPlan
@@ -161,7 +157,7 @@ def check_combination(plan: MemoryPlan, device: torch.device, facts: StepFacts |
         if why is not None:
             raise ValueError(why)
     why = plan.optimizer_state.unsupported()
-    if why is None and plan.optimizer_offload.moves_state and device.type != "cuda":
-        why = HOST_REFUSAL
+    if why is None and device.type != "cuda":
+        why = plan.optimizer_offload.cpu_refusal()
     if why is not None:
         raise ValueError(why)

@@ -7,7 +7,9 @@
   CPU device the update runs eagerly (`torch.compiler.set_stance("force_eager")`), because compiling
   costs a C++ build per parameter shape (a minute on these machines) and the CPU's memory tracker
   cannot see inside compiled code; the arithmetic is the same, up to the fused kernel's rounding.
-- `optimizer_offload` cpu: runner/memory/host_optimizer.py.
+- `optimizer_offload` cpu: runner/memory/host_optimizer.py; `master` (float32 masters on the host, bfloat16
+  weights on the device): runner/memory/host_master.py. Either runs the plan's optimizer on the host's
+  tensors: torch's AdamW, or torchao's low-bit AdamW with `optimizer_state` 8bit/4bit/fp8.
 - `optimizer_step` in_backward: `InBackwardUpdate` steps that optimizer for each parameter in the
   backward.
 
@@ -53,6 +55,17 @@ class PlannedOptimizer:
         for part in self.hooked:
             part.install()
 
+    def hold(self) -> None:
+        """The parameters as the plan's optimizer holds them on the device (memory.optimizer_offload master:
+        bfloat16 copies of its host masters); nothing for any other. Before a memory tracker counts them."""
+        for part in self.hooked:
+            part.hold()
+
+    def release(self) -> None:
+        """The parameters back as the model had them (the estimator tries another plan next)."""
+        for part in self.hooked:
+            part.release()
+
 
 def build_planned_optimizer(model: nn.Module, train: TrainSpec, plan: MemoryPlan, device: torch.device,
                             gradients_final: bool, host: torch.device | None = None) -> PlannedOptimizer:
@@ -64,19 +77,12 @@ def build_planned_optimizer(model: nn.Module, train: TrainSpec, plan: MemoryPlan
     params = [p for p in model.parameters() if p.requires_grad]
     hooked = []
     if plan.optimizer_offload.moves_state:
-        from .host_optimizer import HostOffloadOptimizer
-
-        optimizer = HostOffloadOptimizer(params, functools.partial(_make, train, device), device,
-                                         plan.optimizer_offload.host_fraction(), host or torch.device("cpu"),
-                                         gradients_final, side_stream=host is None)
+        optimizer = _host_offload(model, params, train, plan, device, gradients_final, host)
         hooked.append(optimizer)
-        log.info("%s (%d of %d parameters, %s)", plan.optimizer_offload.describe(), len(optimizer.copies), len(params),
-                 "each gradient copied as the backward accumulates it" if gradients_final
-                 else "gradients copied after the backward")
     elif plan.optimizer_state.optimizer_class() is not None or plan.weights.holds_bf16:
         optimizer = torchao_adamw(params, train, plan, device)
         if getattr(plan.optimizer_state, "full_precision_embeddings", False):
-            keep_full_precision(optimizer, [m.weight for m in model.modules() if isinstance(m, nn.Embedding)])
+            keep_full_precision(optimizer, _embeddings(model))
     else:
         optimizer = build_optimizer(model, train, device)
     stepper = optimizer
@@ -85,12 +91,52 @@ def build_planned_optimizer(model: nn.Module, train: TrainSpec, plan: MemoryPlan
         hooked.append(stepper)
         log.info(plan.optimizer_step.describe())
     planned = PlannedOptimizer(optimizer, stepper, hooked)
+    planned.hold()
     planned.install()
     return planned
 
 
-def _make(train: TrainSpec, device: torch.device, params: list, where: torch.device) -> torch.optim.Optimizer:
-    """The recipe's optimizer over `params` on `where` (the device, or the host of an offload)."""
+def _host_offload(model: nn.Module, params: list[nn.Parameter], train: TrainSpec, plan: MemoryPlan,
+                  device: torch.device, gradients_final: bool, host: torch.device | None) -> torch.optim.Optimizer:
+    """memory.optimizer_offload's optimizer: the host's share of the parameters (all of them, with the float32
+    masters, under `master`), the plan's optimizer on each side."""
+    make = functools.partial(_make, train, plan, device)
+    where = host or torch.device("cpu")
+    if plan.optimizer_offload.masters_on_host:
+        from .chunked_loss import output_projection
+        from .host_master import HostMasterOptimizer
+
+        keep = set(output_projection(model).parameters()) if plan.loss.splits_head else set()
+        optimizer = HostMasterOptimizer(model, params, make, device, where, keep,
+                                        card=device if host is None else None, side_stream=host is None)
+        log.info("%s (%d parameters)", plan.optimizer_offload.describe(), len(optimizer.copies))
+    else:
+        from .host_optimizer import HostOffloadOptimizer
+
+        optimizer = HostOffloadOptimizer(params, make, device, plan.optimizer_offload.host_fraction(), where,
+                                         gradients_final, side_stream=host is None)
+        log.info("%s (%d of %d parameters, %s)", plan.optimizer_offload.describe(), len(optimizer.copies), len(params),
+                 "each gradient copied as the backward accumulates it" if gradients_final
+                 else "gradients copied after the backward")
+    if getattr(plan.optimizer_state, "full_precision_embeddings", False):
+        embeddings = _embeddings(model)
+        keep_full_precision(optimizer.host_optimizer, [optimizer.copies[p] for p in embeddings if p in optimizer.copies])
+        if optimizer.device_optimizer is not None:
+            keep_full_precision(optimizer.device_optimizer, [p for p in embeddings if p not in optimizer.copies])
+    return optimizer
+
+
+def _embeddings(model: nn.Module) -> list[nn.Parameter]:
+    return [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+
+
+def _make(train: TrainSpec, plan: MemoryPlan, device: torch.device, params: list,
+          where: torch.device) -> torch.optim.Optimizer:
+    """The plan's optimizer over `params` on `where` (the device, or the host of an offload): torchao's low-bit
+    AdamW where the plan's optimizer state asks for it (on the host's tensors: its update runs eagerly there),
+    else the recipe's (torch's fused CPU AdamW on a CUDA run's host)."""
+    if plan.optimizer_state.optimizer_class() is not None:
+        return torchao_adamw(params, train, plan, where)
     return optimizer_over(params, train, where, fused_on_cpu=where.type == "cpu" and device.type == "cuda")
 
 
@@ -199,3 +245,9 @@ class InBackwardUpdate:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def hold(self) -> None:
+        """The parameters stay as they are."""
+
+    def release(self) -> None:
+        """Nothing was held."""

@@ -160,10 +160,12 @@ class Estimator:
                                               torch.device("cuda" if self.cuda else "cpu"), key[-1], host=HOST)
             try:
                 with watch or contextlib.nullcontext():
-                    warm = "bf16" if plan.weights.holds_bf16 else "fp32"  # bf16 weights run under bf16 autocast
-                    self._step(self.recipe.train.batch_size, warm, whole, planned.optimizer)  # creates the state
+                    # bf16 weights, and the device's bf16 copies of host masters, run under bf16 autocast
+                    half = plan.weights.holds_bf16 or plan.optimizer_offload.masters_on_host
+                    self._step(self.recipe.train.batch_size, "bf16" if half else "fp32", whole, planned.optimizer)
             finally:
                 planned.remove()
+                planned.release()
         self._optimizers[key] = planned
         return planned
 
@@ -184,6 +186,7 @@ class Estimator:
         clock = OpClock(self.world_size, self.recipe.tf32, self._moded_blocks(plan)) if self.facts else None
         planned = self._optimizing(plan)
         with self.fake_mode, self._device_behaviour(plan), self._applied(plan, clock) as applied:
+            planned.hold()  # before the tracker counts the parameters: the bf16 copies of host masters
             tracker.track(self.model, planned.optimizer, [*self.batch.tensors(), *self.batch_only])
             baseline = len(tracker.events or ())
             planned.install()
@@ -191,12 +194,13 @@ class Estimator:
                 with unavailable_on_fake_errors("the training step"), tracker, (clock or contextlib.nullcontext()), \
                         (watch(tracker) if watch else contextlib.nullcontext()):
                     self._step(micro, precision, plan, planned.stepper, applied.head)
-                hosted = sum(t.numel() for t in getattr(planned.optimizer, "copies", {}).values())
-                if clock is not None and hosted:  # the host's share of the update, priced at its AdamW rate
-                    clock.host_update(hosted)
+                work = getattr(planned.optimizer, "host_work", lambda _: 0)(self.recipe.train.batch_size // micro)
+                if clock is not None and work:  # the host's share of the update, priced at its AdamW rate
+                    clock.host_update(work)
             finally:
                 planned.remove()
                 tracker.close()
+                planned.release()
         estimate = self._result(tracker, baseline, plan, precision, planned)
         estimate.notes.extend(self.routed.notes())
         estimate.warnings.extend(self.warnings)
@@ -281,6 +285,10 @@ class Estimator:
 
     def _weights_held(self, plan: MemoryPlan, precision: str) -> str:
         """What the weights' bytes are, one line (a split model's says what its rank holds: per_rank.py)."""
+        if plan.optimizer_offload.masters_on_host:
+            return ("weights: bf16 copies of the nn.Linear weights (2 B a parameter) and float32 embeddings, norms "
+                    "and tied or split heads on the device; the float32 masters on the host (memory.optimizer_offload "
+                    "master), no cast copies")
         return plan.weights.holds(precision)
 
     def _result(self, tracker: LiveBytesTracker, baseline: int, plan: MemoryPlan, precision: str,

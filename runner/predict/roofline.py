@@ -94,6 +94,9 @@ class StepWork:
     host_updates: list[tuple[str, str, int]] = field(default_factory=list)
     """(kind, phase, parameters) of each optimizer update that runs on the host (the estimate's host is
     the meta device): memory.optimizer_offload's step, priced at the host's AdamW rate."""
+    gradients_to_host: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, bytes) of each gradient copied to the host inside the backward (an offloaded optimizer's, as the
+    backward accumulates it): one way, behind the rest of the backward."""
     update_copies: list[tuple[str, int]] = field(default_factory=list)
     """(kind, bytes) of each copy between the device and the host after the backward (the offloaded
     optimizer's gradients out, its parameters back): nothing computes meanwhile, so each is exposed."""
@@ -113,6 +116,7 @@ class StepWork:
         self.collectives = [c for c in self.collectives if c[0] != "repeat"]
         self.host_updates = [u for u in self.host_updates if u[0] != "repeat"]
         self.update_copies = [c for c in self.update_copies if c[0] != "repeat"]
+        self.gradients_to_host = [c for c in self.gradients_to_host if c[0] != "repeat"]
 
 
 @dataclass
@@ -126,6 +130,7 @@ class Ledger:
     block_recompute_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     block_to_host: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     to_host: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    gradients_to_host: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     comm_s: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     class_seconds: dict[str, dict[tuple[str, str], float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float)))
@@ -149,6 +154,8 @@ def price(work: StepWork, facts: DeviceFacts) -> Ledger:
         ledger.to_host[kind] += nbytes
         if kind == "first" and block is not None and block >= 0:
             ledger.block_to_host[block] += nbytes
+    for kind, nbytes in work.gradients_to_host:
+        ledger.gradients_to_host[kind] += nbytes
     _price_host(work, facts, ledger)
     if work.world_size > 1 and facts.peer_gbs:
         for kind, phase, nbytes in work.collectives:
@@ -285,6 +292,9 @@ class OpClock(TorchDispatchMode):
         moved = _host_copy_bytes(args, out)
         if moved and phase == "update":  # the offloaded optimizer's copies: each way, nothing to hide behind
             self.work.update_copies.append((kind, abs(moved)))
+            return
+        if moved > 0 and phase in ("backward", "recompute"):  # a gradient to an offloaded optimizer (activations go forward)
+            self.work.gradients_to_host.append((kind, moved))
             return
         if moved:
             if moved > 0:  # what comes back in backward is what went out: priced both ways from this

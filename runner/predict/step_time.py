@@ -9,6 +9,8 @@ plus what the side streams cannot hide:
 - activation offload: a block's copy to the host hides behind the next block's forward, its copy
   back behind the next block's backward (taken as the step's backward in proportion to that
   block's forward); only the excess shows;
+- an offloaded optimizer's gradients, copied to the host as the backward makes them, behind that
+  micro-batch's backward; only the excess shows;
 - collectives: FSDP's all-gathers behind the forward, its reduce-scatters behind the backward, and
   DDP's gradient all-reduce behind the last micro-batch's backward; only the excess shows.
 MFU counts the model's FLOPs (a recompute does not count), HFU every FLOP the device runs, both
@@ -101,7 +103,9 @@ def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
     flops = sum(_extrapolated(ledger.flops, name, n) for name in STEP_PHASES)
     flops += _tails(ledger.flops, n)
     recompute_flops = _extrapolated(ledger.flops, "recompute", n)
-    offload = n * _offload_exposed(ledger, facts, phase["forward"] / n, (phase["backward"] + phase["recompute"]) / n)
+    backward = (phase["backward"] + phase["recompute"]) / n
+    offload = n * (_offload_exposed(ledger, facts, phase["forward"] / n, backward)
+                   + _gradients_exposed(ledger, facts, backward))
     comm = _comm_exposed(ledger, shape, facts, phase)
     seconds = sum(phase.values()) + update + offload + comm
     peak = facts.peak_flops(_matmul_dtype(shape))
@@ -159,6 +163,14 @@ def _offload_exposed(ledger: Ledger, facts: DeviceFacts, forward_s: float, backw
         exposed += max(0.0, nbytes / rate - window) + max(0.0, nbytes / rate - share * window)
     unplaced = ledger.to_host["first"] - sum(ledger.block_to_host.values())
     return exposed + 2 * max(0, unplaced) / rate
+
+
+def _gradients_exposed(ledger: Ledger, facts: DeviceFacts, backward_s: float) -> float:
+    """One micro-batch's gradient copies to the host (an offloaded optimizer's) that its backward does not hide."""
+    nbytes = ledger.gradients_to_host.get("first", 0)
+    if not nbytes or not facts.host_gbs:
+        return 0.0
+    return max(0.0, nbytes / (facts.host_gbs * 1e9) - backward_s)
 
 
 def _comm_exposed(ledger: Ledger, shape: StepShape, facts: DeviceFacts, phase: dict[str, float]) -> float:

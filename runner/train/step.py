@@ -207,7 +207,10 @@ def _optimizer_step(model, optimizer, scaler, grad_clip) -> tuple[bool, torch.Te
     clipping, as HF Trainer logs its grad_norm; None without train.grad_clip, which computes none)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = clip_gradients(model.parameters(), grad_clip) if grad_clip is not None else None
+    # an optimizer that keeps the gradients itself (memory.optimizer_offload master: on the host) clips them there
+    own = getattr(optimizer, "clip_gradients", None)
+    norm = None if grad_clip is None else own(grad_clip) if own is not None else \
+        clip_gradients(model.parameters(), grad_clip)
     if scaler is None:
         optimizer.step()
         return False, norm

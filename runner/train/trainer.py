@@ -82,7 +82,14 @@ class Trainer:
 
     def _build(self) -> None:
         recipe = self.recipe
-        self.model = build_model(recipe.model, self.device)
+        # the masters' plan builds in host memory: its optimizer moves the bfloat16 copies to the device, so the
+        # device never holds the float32 model (27 GB for a 7B, more than the plan needs in all)
+        on_host = recipe.memory.optimizer_offload.masters_on_host and self.device.type == "cuda"
+        if on_host:
+            log.info("memory.optimizer_offload master: the model is built in host memory, its bf16 copies then moved "
+                     "to the GPU; weights it initialises at random are drawn by the CPU's generator (a run without "
+                     "the plan draws them on the GPU), pretrained ones are the same")
+        self.model = build_model(recipe.model, torch.device("cpu") if on_host else self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
         wrapped = wrap_model(self.model, recipe, self.ranks, self.device, self.source)  # after the plan, before the optimizer
@@ -207,7 +214,9 @@ class Trainer:
     def _follow_exact_update(self) -> None:
         """A lossy optimizer starting from step 0: exact AdamW follows its first steps (measure/update_error.py)."""
         if self.step == 0 and self.update_error is None and self.update_meter is None and lossy_labels(self.recipe):
-            self.update_meter = UpdateErrorMeter(self.optimizer, [p for p in self.model.parameters() if p.requires_grad])
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            stepped = getattr(self.optimizer, "stepped", None)  # an offload steps the host's copies
+            self.update_meter = UpdateErrorMeter(self.optimizer, stepped(params) if stepped else params)
 
     def _timed_step(self, batch, label_total=None):
         """(result, seconds, peak) of one optimizer step, or None when the device ran out of memory."""
