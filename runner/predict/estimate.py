@@ -45,7 +45,7 @@ from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport
-from ..memory.optimizers import PlannedOptimizer, build_planned_optimizer
+from ..memory.optimizers import PlannedOptimizer, accumulates_in_float32, build_planned_optimizer
 from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
 from ..recipe import Precision as PrecisionName, Recipe
@@ -151,7 +151,7 @@ class Estimator:
         the host offload's, with the meta device as its host), after one untracked warm-up step that
         creates its state, as every later step finds it."""
         key = (plan.weights.holds_bf16, plan.optimizer_state.label(), plan.optimizer_step.label(),
-               plan.optimizer_offload.label(), gradients_final(plan, self.recipe.step_facts()))
+               plan.optimizer_offload.label(), accumulates_in_float32(plan, self.recipe.train), gradients_final(plan, self.recipe.step_facts()))
         if key in self._optimizers:
             return self._optimizers[key]
         whole = MemoryPlan(weights=plan.weights, allow_lossy=True)  # the one part of a plan the state depends on
@@ -161,7 +161,7 @@ class Estimator:
             try:
                 with watch or contextlib.nullcontext():
                     warm = "bf16" if plan.weights.holds_bf16 else "fp32"  # bf16 weights run under bf16 autocast
-                    self._step(self.recipe.train.batch_size, warm, whole, planned.optimizer)  # creates the state
+                    self._step(self.recipe.train.batch_size, warm, whole, planned.stepper)  # creates the state
             finally:
                 planned.remove()
         self._optimizers[key] = planned
