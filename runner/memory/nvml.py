@@ -39,6 +39,17 @@ def card_used_bytes(index: int) -> int | None:
         return None
 
 
+def card_free_bytes(index: int) -> int | None:
+    """The card's free memory: its total less what every process and the driver use."""
+    nvml, handle = _handle(index)
+    if handle is None:
+        return None
+    try:
+        return int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except Exception:
+        return None
+
+
 def processes(index: int) -> dict[int, int | None] | None:
     """{pid: bytes or None (NVML would not say)} of the compute processes on the card, or None when
     NVML lists none at all (a hidden list is not the same as an idle card)."""
