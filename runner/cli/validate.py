@@ -1,4 +1,5 @@
-"""`ckrun validate RECIPE [k=v ...]`: every problem at once, or `OK`."""
+"""`ckrun validate RECIPE [k=v ...]`: every problem at once, or `OK`; for a recipe that names its device, also
+what this machine cannot run (`check_machine`)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,22 @@ def add_arguments(parser):
 
 
 def check_machine(recipe) -> None:
-    """The plan on the device the run takes here (CPU offload, ...), then the machine's room for the model."""
+    """For a recipe that names its device (train.device cpu or cuda), what `ckrun RECIPE` would refuse on
+    this machine before building: the plan on that device (activation or optimizer offload on a CPU), then
+    the machine's room for the model. With `auto` the device is wherever the recipe runs: the run checks."""
+    if recipe.train.device == "auto":
+        return
     import torch
 
     from ..memory.apply import check_combination
     from ..problems import keyed_error
     from ..train.run.room import check_room
-    from ..train.trainer import planned_device_kind
 
-    kind = planned_device_kind(recipe)
     try:
-        check_combination(recipe.memory, torch.device(kind), recipe.step_facts())
+        check_combination(recipe.memory, torch.device(recipe.train.device), recipe.step_facts())
     except ValueError as err:
         raise keyed_error(err, "<recipe>", "memory") from None
-    check_room(recipe, kind)
+    check_room(recipe, recipe.train.device)
 
 
 def run(args) -> int:

@@ -87,3 +87,14 @@ def test_the_host_figure_is_read_from_proc_within_the_cgroup_limit(monkeypatch):
     assert 0 < available <= meminfo["MemAvailable"] + meminfo.get("SwapFree", 0) + 2**30  # read moments apart
     monkeypatch.setattr(room, "_cgroup_room", lambda: 5)
     assert room.available_host_bytes() == 5
+
+
+def test_validate_leaves_a_recipe_on_any_device_to_the_machine_it_runs_on(tmp_path, ckrun, monkeypatch):
+    """train.device auto: the recipe is checked, not this machine (a GPU recipe validated on a laptop);
+    `ckrun RECIPE` here still refuses it before the build."""
+    monkeypatch.setattr(room, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(nvml, "card_free_bytes", lambda index: 1000)
+    args = [BERT_TINY, *[a for a in TINY_BERT if not a.startswith("train.device")], "train.device=auto"]
+    assert ckrun("validate", *args)[0] == 0
+    code, _, err = ckrun(*args, f"output.dir={tmp_path / 'run'}")
+    assert "BertForMaskedLM cannot fit" in _one_line_before_the_build(code, err, tmp_path / "run")
