@@ -250,5 +250,11 @@ def test_many_more_plans_compiled_ones_too(drawn, ckrun, warm, tmp_path_factory)
 @settings(max_examples=12, **SETTINGS)
 @given(drawn=drawn_plans(run_on="cuda"))
 def test_every_plan_the_tuner_emits_for_a_gpu_trains_there(drawn, ckrun, warm, tmp_path_factory):
-    """Activation and optimizer offload, the allocator's settings and fp16 among them: on the GPU they run."""
-    check_plan_trains(drawn, ckrun, warm, tmp_path_factory.mktemp("plan"))
+    """Activation and optimizer offload, the allocator's settings and fp16 among them: on the GPU they run.
+    A run in this process sets the allocator's variables (it warns that CUDA started before them): put back."""
+    from ckrun.runner.memory.allocator import ALLOC_ENVS
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ALLOC_ENVS:
+            patch.delenv(name, raising=False)
+        check_plan_trains(drawn, ckrun, warm, tmp_path_factory.mktemp("plan"))
