@@ -12,8 +12,8 @@ optimizer state, the tuner's lower bound; the activations come on top). That bou
 - memory.max_mem, the recipe's cap, which would stop the run at its first step.
 
 One process only: ranks shard or copy what the bound counts whole. A python model is not counted (its
-factory would run twice, side effects and all), and where a figure cannot be read (no /proc, no NVML)
-nothing is refused.
+factory would run twice, side effects and all), and where a figure cannot be read (no /proc, no NVML,
+a model the meta device cannot build) nothing is refused.
 """
 
 from __future__ import annotations
@@ -42,7 +42,12 @@ def check_room(recipe: Recipe, device_kind: str) -> None:
 def room_problem(recipe: Recipe, device_kind: str) -> KeyedError | None:
     if recipe.step_facts().distributed or recipe.model.source == "python":
         return None
-    floor = pool_floor(recipe.memory, _counted(recipe), recipe.step_facts())
+    try:
+        counted = _counted(recipe)
+    except Exception as err:  # noqa: BLE001 - the build right after says what is wrong; counting is no reason to stop
+        log.debug("room: the parameters were not counted on the meta device (%s)", err)
+        return None
+    floor = pool_floor(recipe.memory, counted, recipe.step_facts())
     cap = recipe.memory.max_mem
     if cap is not None and floor.total > cap:
         return KeyedError("memory.max_mem", f"{format_bytes(int(cap))} is under what this plan holds before any "

@@ -78,6 +78,14 @@ def test_where_the_machine_cannot_say_nothing_is_refused(tmp_path, ckrun, monkey
     assert ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={tmp_path / 'run'}")[0] == 0
 
 
+def test_a_model_the_meta_device_cannot_build_is_left_to_the_build(tmp_path, ckrun, monkeypatch):
+    def no_meta_build(*args, **kwargs):
+        raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+    monkeypatch.setattr(room, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(room, "build_model", no_meta_build)
+    assert ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={tmp_path / 'run'}")[0] == 0
+
+
 def test_the_host_figure_is_read_from_proc_within_the_cgroup_limit(monkeypatch):
     available = room.available_host_bytes()
     if available is None:
