@@ -294,6 +294,11 @@ def _step_problems(plan: MemoryPlan, facts: StepFacts) -> list[tuple[tuple[str, 
     return problems
 
 
+def accumulates(plan: MemoryPlan, batch_size: int) -> bool:
+    """Several micro-batches make a step: each parameter's gradient is summed over them."""
+    return (plan.micro_batch or batch_size) < batch_size
+
+
 def gradients_final(plan: MemoryPlan, facts: StepFacts) -> bool:
     """Each gradient is complete once the backward accumulates it, and nothing but the update reads
     it: one micro-batch, no global clipping, no fp16 loss scaling."""

@@ -103,8 +103,11 @@ class BF16Weights(WeightsPolicy):
     policy: Literal["bf16"]
     """Parameters held in bfloat16 (2 bytes each, no fp32 master copy), updated by torchao's AdamW
     with stochastic rounding (the update is computed in fp32 and rounded up or down at random in
-    proportion, so small updates are not lost to rounding on average). Gradients are bf16 too. Lossy:
-    needs memory.allow_lossy: true and train.optimizer.name: adamw."""
+    proportion, so small updates are not lost to rounding on average). Gradients are bf16 too; over
+    several micro-batches (memory.micro_batch) each is summed in float32 (4 B a parameter while the
+    backward runs), never in bf16, and rounded to bf16 once before clipping and the update, as one
+    pass over the whole batch would give it. Lossy: needs memory.allow_lossy: true and
+    train.optimizer.name: adamw."""
     lossy: ClassVar[bool] = True
     library: ClassVar[str | None] = TORCHAO
     holds_bf16: ClassVar[bool] = True

@@ -12,10 +12,13 @@
   tensors: torch's AdamW, or torchao's low-bit AdamW with `optimizer_state` 8bit/4bit/fp8.
 - `optimizer_step` in_backward: `InBackwardUpdate` steps that optimizer for each parameter in the
   backward.
+- `weights` bf16 over several micro-batches: `Float32Accumulation` (runner/memory/accumulation.py) sums
+  the gradients in float32 and hands them over, rounded to bf16 once, before clipping and the update.
 
 `PlannedOptimizer.optimizer` is what the schedule, checkpoints and the memory tracker see; its
-`stepper` is what the training step steps (the optimizer itself, or the in-backward update, whose
-`step()` has nothing left to do).
+`stepper` is what the training step steps (the optimizer itself, the in-backward update, whose
+`step()` has nothing left to do, or the float32 accumulation, whose `gradients_complete()` the step
+calls once every micro-batch's backward is done).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import torch
 from torch import nn
 
 from ..builders.optim import build_optimizer, decay_groups, optimizer_over
-from ..plan import MemoryPlan
+from ..plan import MemoryPlan, accumulates
 from ..recipe import TrainSpec
+from .accumulation import Float32Accumulation
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,11 @@ def build_planned_optimizer(model: nn.Module, train: TrainSpec, plan: MemoryPlan
     else:
         optimizer = build_optimizer(model, train, device)
     stepper = optimizer
+    if accumulates_in_float32(plan, train):
+        stepper = Float32Accumulation(optimizer, params)
+        hooked.append(stepper)
+        log.info("memory.weights bf16 over micro-batches of %d: gradients summed in float32, rounded to bf16 once "
+                 "before the update", plan.micro_batch)
     if plan.optimizer_step.updates_in_backward:
         stepper = InBackwardUpdate(optimizer, params)
         hooked.append(stepper)
@@ -94,6 +103,11 @@ def build_planned_optimizer(model: nn.Module, train: TrainSpec, plan: MemoryPlan
     planned.hold()
     planned.install()
     return planned
+
+
+def accumulates_in_float32(plan: MemoryPlan, train: TrainSpec) -> bool:
+    """bf16 weights over several micro-batches: their gradients are summed in float32 (accumulation.py)."""
+    return plan.weights.holds_bf16 and accumulates(plan, train.batch_size)
 
 
 def _host_offload(model: nn.Module, params: list[nn.Parameter], train: TrainSpec, plan: MemoryPlan,

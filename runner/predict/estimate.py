@@ -45,7 +45,7 @@ from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport
-from ..memory.optimizers import PlannedOptimizer, build_planned_optimizer
+from ..memory.optimizers import PlannedOptimizer, accumulates_in_float32, build_planned_optimizer
 from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
 from ..recipe import Precision as PrecisionName, Recipe
@@ -151,7 +151,7 @@ class Estimator:
         the host offload's, with the meta device as its host), after one untracked warm-up step that
         creates its state, as every later step finds it."""
         key = (plan.weights.holds_bf16, plan.optimizer_state.label(), plan.optimizer_step.label(),
-               plan.optimizer_offload.label(), gradients_final(plan, self.recipe.step_facts()))
+               plan.optimizer_offload.label(), accumulates_in_float32(plan, self.recipe.train), gradients_final(plan, self.recipe.step_facts()))
         if key in self._optimizers:
             return self._optimizers[key]
         whole = MemoryPlan(weights=plan.weights, allow_lossy=True)  # the one part of a plan the state depends on
@@ -162,7 +162,8 @@ class Estimator:
                 with watch or contextlib.nullcontext():
                     # bf16 weights, and the device's bf16 copies of host masters, run under bf16 autocast
                     half = plan.weights.holds_bf16 or plan.optimizer_offload.masters_on_host
-                    self._step(self.recipe.train.batch_size, "bf16" if half else "fp32", whole, planned.optimizer)
+                    self._step(self.recipe.train.batch_size, "bf16" if half else "fp32", whole,
+                               planned.stepper)  # creates the state, through the hooks a step runs
             finally:
                 planned.remove()
                 planned.release()

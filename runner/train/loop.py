@@ -30,6 +30,7 @@ from .run.guard import LossWatch, StopRequest
 from .run.memory_cap import MemoryCapExceeded, OutOfMemory
 from .run.ownership import own_output
 from .run.progress import Progress
+from .run.room import check_room
 from .run.start_line import start_lines
 from .trainer import Trainer, join_group, planned_device_kind
 
@@ -77,6 +78,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
 def _trained(recipe: Recipe, source: str, resume: bool, out_dir: Path, stop: StopRequest, ranks: Ranks,
              predict_step: StepPredictor | None, accept_changes: bool) -> RunResult:
     """train()'s run, in a directory it holds: build, resume, train, save and export."""
+    check_room(recipe, planned_device_kind(recipe))  # one line, not the kernel's OOM killer halfway through the build
     log.info("building %s for %s", recipe.model.name, planned_device_kind(recipe))  # a large model takes a while
     trainer = Trainer(recipe, source, ranks)
     changes = resume_from_checkpoint(trainer, out_dir, source, accept_changes) if resume else {}

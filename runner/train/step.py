@@ -180,7 +180,8 @@ def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precis
              scaler: torch.amp.GradScaler | None, grad_clip: float | None,
              label_total: torch.Tensor | None = None, head: SplitHead | None = None) -> StepResult:
     """`label_total`: the loss's denominator when `batch` is one rank's share (runner/train/ranked.py);
-    `optimizer`: what steps (a PlannedOptimizer's stepper); `head`: memory.loss chunked's split head."""
+    `optimizer`: what steps (a PlannedOptimizer's stepper: one with `gradients_complete()` is told when
+    the last micro-batch's backward is done); `head`: memory.loss chunked's split head."""
     total = label_count(batch.labels) if label_total is None else label_total.to(batch.labels.device)
     loss = torch.zeros((), device=batch.labels.device)
     starts = range(0, len(batch.labels), micro_batch)
@@ -190,6 +191,9 @@ def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precis
             micro_loss = micro_batch_loss(model, micro, precision, head) / total
             (scaler.scale(micro_loss) if scaler else micro_loss).backward()
         loss += micro_loss.detach()
+    complete = getattr(optimizer, "gradients_complete", None)  # bf16 weights' float32 sums become the gradients
+    if complete is not None:
+        complete()
     skipped, grad_norm = _optimizer_step(model, optimizer, scaler, grad_clip)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, skipped, grad_norm)

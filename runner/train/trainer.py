@@ -103,15 +103,17 @@ class Trainer:
             torch.manual_seed(recipe.train.seed + (self.ranks.data_rank << 32))
         self.data = build_data(recipe, self.model)
         self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
+        # before the optimizer: its hooks (the update in the backward, float32 sums, the host's copies) would act
+        # on the measuring passes' gradients, an update or a sum before step 1
+        self.step = 0
+        self.gradient_error = self._lossy_error()  # None for an exact plan
         self.planned = build_planned_optimizer(self.model, recipe.train, recipe.memory, self.device,
                                                gradients_final(recipe.memory, recipe.step_facts()))
         self.optimizer = self.planned.optimizer  # what the schedule, checkpoints and the memory meter see
         self.scheduler = build_scheduler(self.optimizer, recipe.train, self.total_steps)
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
-        self.step = 0
         self.saving = None  # a sharded checkpoint still being written behind the steps (train/sharded.py)
-        self.gradient_error = self._lossy_error()  # None for an exact plan
         self.update_error: float | None = None  # a lossy optimizer's, measured over the first steps from step 0
         self.update_meter: UpdateErrorMeter | None = None
 
@@ -239,7 +241,7 @@ class Trainer:
 
     def _out_of_memory(self) -> MemoryCapExceeded:
         """Under a cap the allocator stops at the cap, so running out is the cap being hit."""
-        self.optimizer.zero_grad(set_to_none=True)  # gradients of the micro-batches that did run
+        self.planned.stepper.zero_grad(set_to_none=True)  # gradients (and float32 sums) of the micro-batches that ran
         if self.device.type != "cuda":
             gc.collect()
             return OutOfMemory(self.step + 1, self.out_of_memory_reason, self.device)

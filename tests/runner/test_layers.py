@@ -192,7 +192,7 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
 # store is below what a run writes, --resume above it).
 TRAIN_LAYERS = [
     ("step and saved state", {"step", "checkpoint", "checkpoint.store", "checkpoint.fingerprint", "checkpoint.sharded",
-                              "run.memory_cap", "measure", "measure.measurement", "measure.update_error", "eval",
+                              "run.memory_cap", "run.room", "measure", "measure.measurement", "measure.update_error", "eval",
                               "eval.metrics", "eval.early_stop", "output", "output.numbers", "run"}),
     ("what a run writes and says", {"output.directory", "output.trackers", "output.sinks", "output.curves",
                                     "run.guard", "run.progress", "run.start_line"}),

@@ -18,6 +18,7 @@ KNOBS = [
     ("in-backward", "fp32", "{optimizer_step: {policy: in_backward}}", False),
     ("chunked", "bf16", "{loss: {policy: chunked, chunks: 3}}", False),
     ("bf16-weights", "bf16", "{weights: {policy: bf16}, allow_lossy: true}", True),
+    ("bf16-weights-micro-batches", "bf16", "{weights: {policy: bf16}, micro_batch: 2, allow_lossy: true}", True),
     ("8bit", "fp32", "{optimizer_state: {policy: 8bit}, allow_lossy: true}", True),
     ("4bit", "fp32", "{optimizer_state: {policy: 4bit}, allow_lossy: true}", True),
     ("fp8", "fp32", "{optimizer_state: {policy: fp8}, allow_lossy: true}", True),
