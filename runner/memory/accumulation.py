@@ -62,3 +62,9 @@ class Float32Accumulation:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def hold(self) -> None:
+        """The parameters stay as they are (PlannedOptimizer holds each part; host_master.py's casts)."""
+
+    def release(self) -> None:
+        """Nothing was held."""
