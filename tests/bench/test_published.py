@@ -19,14 +19,26 @@ from ckrun.runner.load import load_recipe  # noqa: E402
 from ckrun.runner.predict.hardware import resolve_device  # noqa: E402
 
 
-@pytest.mark.parametrize("setup", [*published.SETUPS, *published.RATIO_SETUPS, *published.QUICK],
+@pytest.mark.parametrize("setup", [*published.SETUPS, *published.RATIO_SETUPS, *published.QUICK, *published.HELDOUT],
                          ids=lambda setup: setup.key)
 def test_every_setup_is_a_valid_recipe_with_its_source(setup):
     recipe = load_recipe(ROOT / "bench" / "published" / f"{setup.recipe}.yaml", list(setup.overrides))
     assert resolve_device(str(ROOT / setup.gpu) if setup.gpu.endswith(".json") else setup.gpu).kind == "cuda"
     assert setup.source.startswith("https://") and setup.quote
     if setup.nproc:
-        assert recipe.train.batch_size % setup.nproc == 0 and recipe.distributed.strategy == "fsdp"
+        groups = recipe.distributed.data_parallel(setup.nproc)
+        assert recipe.train.batch_size % groups == 0 and recipe.distributed.strategy in ("fsdp", "hsdp", "tp")
+
+
+def test_the_held_out_mpt_rows_are_the_tables_model_sizes():
+    """The MPT recipe is GPT-2's architecture at MPT's sizes: its parameter count is the table's NumParams."""
+    from ckrun.runner.builders.model import build_model
+
+    for setup in (s for s in published.HELDOUT if s.key in ("mpt-760m-a100", "mpt-1b-h100")):
+        recipe = load_recipe(ROOT / "bench" / "published" / f"{setup.recipe}.yaml", list(setup.overrides))
+        model = build_model(recipe.model, "meta", weights=False)  # shapes only: nothing allocated
+        count = sum(p.numel() for p in model.parameters())
+        assert count == int(setup.quote.split("|")[-2]), setup.key
     command = setup.command()
     assert command[:3] == ["ckrun", "estimate", f"bench/published/{setup.recipe}.yaml"] and "--json" in command
 

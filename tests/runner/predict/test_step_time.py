@@ -242,6 +242,43 @@ def test_each_class_of_kernel_is_priced_at_its_own_share():
     assert ledger.seconds[("first", "forward")] == pytest.approx(expected)
 
 
+def test_attention_is_priced_by_direction_mask_and_dtype_and_norms_at_their_own_share():
+    """A family's backward and causal forward at their own figures (FlashAttention-3's H100 tables give them
+    apart); fp32 attention as SDPA runs it (the memory-efficient kernel, 3xTF32 products on sm80+) at its
+    half-precision rate over its measured slowdown; layer norm at the norm shares, forward and backward; each
+    product paying its fill time."""
+    facts = EFFICIENT.model_copy(update={"efficiency": EFFICIENT.efficiency.model_copy(update={
+        "attention_causal": {"flash": 0.1}, "attention_backward": {"flash": 0.05}, "efficient_fp32_slowdown": 4.0,
+        "norm": {"forward": 0.25, "backward": 0.2}, "matmul_fill_us": {"bf16": 3.0}})})
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+        q32 = torch.empty(1, 2, 64, 32, requires_grad=True)
+        x = torch.empty(256, 1024, requires_grad=True)
+        a = torch.empty(256, 256, dtype=torch.bfloat16)
+        with OpClock() as clock:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True, False)[0]
+            out.sum().backward()
+            torch.ops.aten._scaled_dot_product_efficient_attention(q32, q32, q32, None, False)
+            torch.nn.functional.layer_norm(x, (1024,)).sum().backward()
+            a @ a
+    at = {(op.op_class, op.family, op.backward_kernel, op.dtype): op for op in clock.work.ops
+          if op.op_class in ("attention", "norm", "matmul")}
+    forward, backward = at[("attention", "flash", False, "bf16")], at[("attention", "flash", True, "bf16")]
+    fp32, product = at[("attention", "efficient", False, "fp32")], at[("matmul", "", False, "bf16")]
+    norm_f, norm_b = at[("norm", "", False, "fp32")], at[("norm", "", True, "fp32")]
+    assert forward.causal and backward.causal and not fp32.causal
+    alone = lambda op: price(StepWork(ops=[op]), facts).seconds[("first", op.phase)]  # noqa: E731
+    causal_ratio = 0.1 / 0.125  # causal backward scales as causal forward does
+    assert alone(forward) == pytest.approx(max(forward.flops / (4e12 * 0.1), 10e-6))
+    assert alone(backward) == pytest.approx(max(backward.flops / (4e12 * 0.05 * causal_ratio), 10e-6))
+    assert alone(fp32) == pytest.approx(max(fp32.flops / (4e12 * 0.0625 / 4.0), 10e-6))
+    assert alone(norm_f) == pytest.approx(max(norm_f.nbytes / (100e9 * 0.25), 10e-6))
+    assert alone(norm_b) == pytest.approx(max(norm_b.nbytes / (100e9 * 0.2), 10e-6))
+    assert alone(product) == pytest.approx(max(2 * 256**3 / (4e12 * 0.5 * facts.wave_share(product.outputs,
+                                                                                           product.flops)) + 3e-6,
+                                               product.nbytes / 50e9, 10e-6))
+
+
 def test_the_optimizer_step_is_priced_at_its_own_share(estimator):
     step_work = estimator.estimate(_plan("none")).work
     update = [op for op in step_work.ops if op.phase == "update" and op.op_class == "optimizer"]
