@@ -16,7 +16,8 @@ policy is measured with memory.allow_lossy=true beside it (its error is the trai
 Each knob runs on the plan that lets the most knobs be exact: the whole batch in one pass with full
 checkpointing (small activations, so the pools the knobs act on show); where the recipe refuses it
 there (the optimizer step in backward is exact only without global clipping), once more with
-train.grad_clip=null, and the refusal is recorded either way. Beside each base, the same plan without
+train.grad_clip=null, or precision=bf16 (bf16 weights need bf16 autocast), and the refusal is recorded
+either way. Beside each base, the same plan without
 any knob (`none`). Measured with the plans step's engine (plans.measure_entries): step time, peaks,
 losses; each entry's prediction (the committed file's, or made on the GPU machine's CPU at the end when
 the budget leaves time) sits beside it. The experts comparison (`EXPERTS`) runs on a Mixtral recipe and
@@ -44,6 +45,7 @@ MEASURED_ELSEWHERE = frozenset({"micro_batch", "checkpointing", "offload", "bloc
 KNOB_BASE = ("memory.micro_batch=null", "memory.checkpointing={policy: full}", "memory.offload={policy: none}")
 UNCLIPPED = "train.grad_clip=null"
 LOSSY = "memory.allow_lossy=true"
+HALF = "precision=bf16"  # bf16 weights need bf16 autocast: the base for them where the recipe trains in fp32 (the dry run)
 KNOB_S = 10  # one knob's plan on an H100: build, 7 steps, a counted one (BERT-large: 0.22 s a step)
 
 
@@ -102,7 +104,8 @@ def knob_entries(campaign, knobs: list[dict]) -> list[dict]:
     from ckrun.runner.load import load_recipe
 
     batch = load_recipe(campaign.recipe_path, list(campaign.base)).train.batch_size
-    bases = {(): [*campaign.base, *KNOB_BASE], (UNCLIPPED,): [*campaign.base, *KNOB_BASE, UNCLIPPED]}
+    bases = {(): [*campaign.base, *KNOB_BASE], (UNCLIPPED,): [*campaign.base, *KNOB_BASE, UNCLIPPED],
+             (HALF,): [*campaign.base, *KNOB_BASE, HALF]}
     placed: dict[tuple, list[dict]] = {key: [] for key in bases}
     for knob in knobs:
         refusals = []

@@ -72,12 +72,14 @@ def test_the_headline_is_the_faithful_setups_median_and_the_overheads_are_step_t
     assert figures["median_abs_error"] == pytest.approx(0.1)  # of +10 %, -10 %, +25 %
     assert figures["worst_abs_error"] == pytest.approx(0.25)
     assert figures["worst_any"] == pytest.approx(3.0)  # the mismatched row counts among all, not the faithful
+    assert figures["median_all"] == pytest.approx((0.1 + 0.25) / 2)  # the headline keeps every row: all four
     assert figures["spearman_faithful"] == pytest.approx(1.0) and figures["spearman_all"] == pytest.approx(0.4)
     assert figures["overheads"][0]["predicted"] == pytest.approx(0.25)
     assert figures["overheads"][0]["points"] == pytest.approx(5.0)
     assert figures["overheads"][1]["predicted"] == pytest.approx(0.4)  # 0.5 s more over 1.25 s of layers
     text = published.table(results, figures, ["- gpu"], "versions", 60.0)
     assert "| d |" in text and "no: another kernel" in text and "+5.0 points" in text
+    assert "Over all 4 setups, the 1 ckrun cannot express faithfully included" in text and "median 17.5 %" in text
 
 
 @pytest.mark.slow
