@@ -139,9 +139,12 @@ def test_facts_dry_run_measures_every_op_class_for_the_calibration_table(call):
     assert all(row["seconds"] > 0 for row in measured) and len(measured) >= len(calibration["rows"]) - 6
     # the kernel classes the time model prices apart: attention forward and backward, fp32 attention (3xTF32),
     # normalisation forward and backward, the host's AdamW (memory.optimizer_offload's update)
-    assert {(r["kernel"], r.get("direction")) for r in calibration["rows"] if r["op_class"] == "attention"} >= \
-        {(family, direction) for family in ("flash", "efficient", "cudnn") for direction in ("forward", "backward")}
-    assert any(r["op_class"] == "attention" and r["dtype"] == "fp32" for r in calibration["rows"])
+    attention = [r for r in calibration["rows"] if r["op_class"] == "attention"]
+    assert {r["kernel"] for r in attention} == {"flash", "efficient", "cudnn"}  # each family tried (a CPU has flash)
+    for family in {r["kernel"] for r in attention if "error" not in r}:
+        assert {r["direction"] for r in attention if r["kernel"] == family and "error" not in r} == \
+            {"forward", "backward"}, family
+    assert any(r["dtype"] == "fp32" and r["kernel"] == "efficient" for r in attention)
     assert {r.get("direction") for r in calibration["rows"] if r["op_class"] == "norm"} == {"forward", "backward"}
     adamw = next(r for r in calibration["rows"] if r["kernel"] == "adamw" and r["op_class"] == "host")
     assert adamw["params_per_s"] > 0
