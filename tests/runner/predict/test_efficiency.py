@@ -31,7 +31,7 @@ def test_the_most_specific_figure_applies():
     hopper, ampere = table.entry_for("h100", (9, 0)), table.entry_for("a10", (8, 6))
     assert hopper.applies_to == "sm90" and ampere.applies_to == "*"
     assert hopper.efficiency.attention["flash"] != ampere.efficiency.attention["flash"]  # sm90's own figure
-    assert hopper.efficiency.memory == ampere.efficiency.memory  # sm90 gives none: '*''s
+    assert hopper.efficiency.optimizer == ampere.efficiency.optimizer  # sm90 gives none: '*''s
     own = CalibrationEntry(applies_to="h100", figures=(Figure(figure="memory", value=0.5, source="a test"),),
                            source="test", device="d", date="2026-12-01", versions="v")
     mine = Calibration(entries=[*table.entries, own]).entry_for("h100", (9, 0))
