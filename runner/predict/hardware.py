@@ -66,14 +66,27 @@ def known_names() -> list[str]:
 
 def load_facts(path: Path) -> DeviceFacts:
     """Measured facts: `python -m ckrun.runner.predict.hardware OUT.json`, a GPU campaign's (`python bench/gpu/calibrate.py
-    OUT/calibration.json --facts-json FILE`), or written by hand with the same fields."""
+    OUT/calibration.json --facts-json FILE`), or written by hand with the same fields. A file with `base` (a
+    `--gpu` name) gives only what differs from that row (a cluster's network, a card's power limit); the rest,
+    its calibration included, is the row's."""
     try:
-        return DeviceFacts.model_validate(json.loads(path.read_text(encoding="utf-8")))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and "base" in data:
+            data = _over_base(data)
+        return DeviceFacts.model_validate(data)
     except OSError as err:
         raise UnknownDevice(f"cannot read device facts {path}: {err.strerror}") from None
     except (ValueError, ValidationError) as err:
         first = str(err).strip().splitlines()
         raise UnknownDevice(f"{path}: not a device facts file ({' '.join(first[:3])})") from None
+
+
+def _over_base(data: dict) -> dict:
+    """A facts file's fields over those of the row it names as `base` (load_facts)."""
+    own = {key: value for key, value in data.items() if key != "base"}
+    base = resolve_device(str(data["base"]))
+    source = f"{own.pop('source', '')}; otherwise ckrun's {data['base']!r} row: {base.source}".lstrip("; ")
+    return {**base.model_dump(), **own, "source": source}
 
 
 def _from_torch_table(name: str) -> DeviceFacts | None:

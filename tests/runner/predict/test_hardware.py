@@ -100,6 +100,22 @@ def test_a_facts_file_round_trips_and_a_bad_one_is_one_line(tmp_path):
         resolve_device(str(tmp_path / "missing.json"))
 
 
+def test_a_facts_file_may_give_only_what_differs_from_a_row(tmp_path):
+    """A cluster's network or a card's power limit over ckrun's row: the rest, calibration included, is the row's."""
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"base": "a100", "network_gbs": 6.25, "source": "a 400 Gb/s host"}))
+    facts = resolve_device(str(path))
+    assert facts.network_gbs == 6.25 and facts.peer_gbs == GPUS["a100"].peer_gbs
+    assert facts.efficiency == GPUS["a100"].efficiency and facts.matmul_tflops == GPUS["a100"].matmul_tflops
+    assert facts.source.startswith("a 400 Gb/s host") and GPUS["a100"].source in facts.source
+    path.write_text(json.dumps({"base": "a100", "network": 1}))
+    with pytest.raises(UnknownDevice, match="not a device facts file"):
+        resolve_device(str(path))
+    path.write_text(json.dumps({"base": "no such gpu"}))
+    with pytest.raises(UnknownDevice, match="unknown GPU"):
+        resolve_device(str(path))
+
+
 def test_this_cpu_is_measured():
     facts = resolve_device("cpu")
     assert facts.kind == "cpu" and facts.compute_rate("matmul", "fp32") > 0 and facts.traffic_rate("memory") > 0
