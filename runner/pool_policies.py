@@ -10,7 +10,6 @@ terms the rest of ckrun asks about:
 - `lossy`: it changes what training computes beyond float rounding (refused without
   memory.allow_lossy, its error measured: runner/train/measure/update_error.py);
 - `library`: the optional package it needs (`torchao`), refused in one line when that is absent;
-- `single_process`: it cannot run under a distributed strategy (yet);
 - and the capabilities `plan_problems` (runner/plan.py) combines: `updates_in_backward`,
   `moves_state`, `splits_head`, `holds_bf16`.
 
@@ -59,7 +58,6 @@ class MasterWeights(WeightsPolicy):
     under activation checkpointing the checkpointed blocks then hold no cast weights from their
     forward to the end of the forward (exact: the same values are cast)."""
     active: ClassVar[bool] = False
-    single_process: ClassVar[bool] = False  # autocast's cache is each process's own
 
     def autocast_cache(self) -> bool:
         return self.cast_cache
