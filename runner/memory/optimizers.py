@@ -148,7 +148,7 @@ def _moments_as_float(optimizer: torch.optim.Optimizer) -> None:
     for state in optimizer.state.values():
         for key, value in state.items():
             local = value.to_local() if isinstance(value, DTensor) else value
-            if key == "step" or type(local) is torch.Tensor or local.dtype == torch.float32:
+            if key == "step" or type(local) is torch.Tensor or value.dtype == local.dtype == torch.float32:
                 continue  # plain moments (small or kept full) stay in the parameter's dtype, as torchao keeps them
             local = local.to(torch.float32)
             state[key] = local if not isinstance(value, DTensor) else DTensor.from_local(
