@@ -174,7 +174,7 @@ def seeded_rounding(optimizer: torch.optim.Optimizer, seed: int, device: torch.d
     replicas round identically, FSDP2's shards each round their own elements, and a resumed run rounds as
     an uninterrupted one. The default generator's stream (dropout's) is put back as it was."""
     step, place = optimizer.step, {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    devices = [device] if device.type == "cuda" else []
+    devices = [device] if device.type == "cuda" and torch.cuda.is_available() else []  # not the estimate's emulated CUDA
 
     def seeded_step(self, *args, **kwargs):
         drawn = _rounding_seed(self, place, seed)

@@ -65,6 +65,19 @@ def test_without_the_seed_the_replicas_drift():
 
 
 @needs_torchao
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the estimate's emulated CUDA: a machine without a GPU")
+def test_a_cuda_target_without_a_gpu_seeds_the_host_generator_only():
+    """`ckrun estimate --device cuda` builds the optimizer for a CUDA device on a machine with none: the
+    seeding must not ask a driver for CUDA's generator (it said 'Found no NVIDIA driver')."""
+    spec = recipe(BF16, precision="bf16")
+    param = torch.nn.Parameter(torch.ones(256, 32, dtype=torch.bfloat16))
+    optimizer = torchao_adamw([param], spec.train, spec.memory, torch.device("cuda"))
+    with torch.compiler.set_stance("force_eager"):  # torchao's update, as the estimate runs it on the CPU
+        _step(param, optimizer, 0)
+    assert not torch.equal(param, torch.ones_like(param))
+
+
+@needs_torchao
 def test_a_resumed_optimizer_rounds_as_an_uninterrupted_one():
     param, optimizer = _replica("cpu", BF16_8BIT)
     for step in range(3):

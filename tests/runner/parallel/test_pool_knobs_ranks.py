@@ -197,3 +197,25 @@ def test_every_knob_at_once_on_two_tensor_parallel_ranks(tmp_path, single, ckrun
     assert_within_tolerance(losses(out), "all", "fsdp", single, model=LLAMA)
     assert (out / "model" / "model.safetensors").is_file()
     assert_estimate_within_5_percent(ckrun, out, args, "{strategy: tp, tensor: 2}", model=LLAMA)
+
+
+# --- CUDA: torchao's compiled update on DTensor shards, NCCL (the GPU campaign's cuda_tests) -----------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_torchao
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_knob_at_once_on_one_cuda_rank(tmp_path, single, strategy):
+    """One card is enough for what only CUDA runs: NCCL, and torchao's update torch.compile'd over FSDP2's
+    DTensor shards with the seeded rounding inside the compiled code (one rank's shard is the whole tensor,
+    so it rounds with one process's bits)."""
+    out, cuda = tmp_path / "run", ["train.device=cuda"]
+    args = [*plan_of("all", strategy), *cuda]
+    code, err = finished(ckrun_process(*args, f"distributed.strategy={strategy}", f"output.dir={out}", "--nproc", 1))
+    assert code == 0, err
+    assert "nccl" in err
+    got, one = losses(out), single(*args)
+    exact = single(*KNOBS["all"][1], *cuda)
+    for ours, theirs, true in zip(got, one, exact, strict=True):
+        assert math.isfinite(ours) and abs(ours - theirs) <= EXACT * abs(theirs) + 2 * abs(theirs - true)
