@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 from bench.dist import ckrun
@@ -60,7 +61,10 @@ def trained(out: Path, args: list[str], ranks: list[str]) -> list[dict]:
     key = (*args, *ranks)
     if key not in _TRAINED:
         run = out / f"run{len(_TRAINED)}"
-        ckrun(BERT, *TINY, *args, f"output.dir={run}", *ranks)
+        try:
+            ckrun(BERT, *TINY, *args, f"output.dir={run}", *ranks)
+        except subprocess.CalledProcessError as err:  # what the run said, not only that it failed
+            raise SystemExit(f"{' '.join(err.cmd)}\nended with status {err.returncode}:\n{err.stderr[-4000:]}") from None
         _TRAINED[key] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return _TRAINED[key]
 
