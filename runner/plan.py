@@ -285,12 +285,6 @@ def _step_problems(plan: MemoryPlan, facts: StepFacts) -> list[tuple[tuple[str, 
     if plan.weights.holds_bf16 and facts.precision != "bf16":
         problems.append((("weights",), f"memory.weights: bf16 weights run under bf16 autocast (which keeps the ops "
                          f"that need float32 in it), not precision {facts.precision}; set precision: bf16"))
-    if facts.distributed:
-        for policy in plan.pool_policies():
-            if policy.active and policy.single_process:
-                problems.append(((policy.section,), f"memory.{policy.section}: {policy.label()} runs in one process "
-                                 "only; set distributed.strategy: none or leave this key out (FSDP's own offload is "
-                                 "memory.sharding.offload)"))
     return problems
 
 
@@ -308,7 +302,7 @@ def gradients_final(plan: MemoryPlan, facts: StepFacts) -> bool:
 def _before_any_update(plan: MemoryPlan, facts: StepFacts) -> str:
     """Why every gradient must exist before the first update, or ''."""
     micro = plan.micro_batch or facts.batch_size
-    if micro < facts.batch_size:
+    if micro < facts.batch_size and not facts.distributed:  # on ranks, of a rank's share: check_world judges it
         return (f"memory.micro_batch {micro} makes {facts.batch_size // micro} micro-batches and the first would "
                 "update the weights the others still need; leave memory.micro_batch out (or set it to "
                 "train.batch_size)")

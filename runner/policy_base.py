@@ -117,8 +117,6 @@ class PoolPolicy(Policy):
     """The optional package it needs."""
     active: ClassVar[bool] = True
     """It changes anything at all (each pool's default does not)."""
-    single_process: ClassVar[bool] = True
-    """It runs in one process only: refused under a distributed strategy."""
 
     @field_validator("policy", check_fields=False)
     @classmethod

@@ -10,7 +10,6 @@ terms the rest of ckrun asks about:
 - `lossy`: it changes what training computes beyond float rounding (refused without
   memory.allow_lossy, its error measured: runner/train/measure/update_error.py);
 - `library`: the optional package it needs (`torchao`), refused in one line when that is absent;
-- `single_process`: it cannot run under a distributed strategy (yet);
 - `saved_as`: what a checkpoint's state depends on of it (the resume fingerprint);
 - and the capabilities `plan_problems` (runner/plan.py) combines: `updates_in_backward`,
   `moves_state`, `masters_on_host`, `splits_head`, `holds_bf16`.
@@ -68,7 +67,6 @@ class MasterWeights(WeightsPolicy):
     under activation checkpointing the checkpointed blocks then hold no cast weights from their
     forward to the end of the forward (exact: the same values are cast)."""
     active: ClassVar[bool] = False
-    single_process: ClassVar[bool] = False  # autocast's cache is each process's own
 
     def autocast_cache(self) -> bool:
         return self.cast_cache
@@ -107,7 +105,11 @@ class BF16Weights(WeightsPolicy):
     several micro-batches (memory.micro_batch) each is summed in float32 (4 B a parameter while the
     backward runs), never in bf16, and rounded to bf16 once before clipping and the update, as one
     pass over the whole batch would give it. Lossy: needs memory.allow_lossy: true and
-    train.optimizer.name: adamw."""
+    train.optimizer.name: adamw. On ranks: FSDP2 shards the bf16 parameters and each rank rounds its
+    own elements; DDP's replicas draw the same random bits (seeded by train.seed, the step and the
+    parameter), so they stay identical. Its tolerance there: a run on ranks is no farther from one
+    process's losses than twice one process's distance from exact training (another draw of the same
+    rounding), plus float summation order."""
     lossy: ClassVar[bool] = True
     library: ClassVar[str | None] = TORCHAO
     holds_bf16: ClassVar[bool] = True
@@ -164,7 +166,11 @@ class LowBitState(OptimizerStatePolicy):
     """AdamW's two moments quantized block-wise by torchao.optim: `8bit` (AdamW8bit, 2 B a parameter
     with its scales, a quarter of fp32's), `4bit` (AdamW4bit, about 1 B), `fp8` (AdamWFp8, float8 with
     one scale per block: 2 B). Tensors under 4096 elements keep full precision, as bitsandbytes
-    does. Lossy: needs memory.allow_lossy: true and train.optimizer.name: adamw."""
+    does. Lossy: needs memory.allow_lossy: true and train.optimizer.name: adamw. On ranks: DDP's
+    replicas quantize as one process does; FSDP2's shards each quantize their own elements (a shard
+    under 4096 elements keeps full precision). Its tolerance there: a run on ranks is no farther from
+    one process's losses than twice one process's distance from exact training, plus float summation
+    order."""
     full_precision_embeddings: bool = True
     """Keep the moments of embedding tables (nn.Embedding weights, and a head tied to one) in full
     precision, as bitsandbytes advises: rows of tokens a batch lacks get no gradient, and a block's
@@ -239,7 +245,9 @@ class StepInBackward(OptimizerStepPolicy):
     that gradient then (a post-accumulate-grad hook, as torchtune's optimizer_in_bwd): at most the
     gradients of the parameters whose backward is under way are alive. The same arithmetic as the
     step after backward, so exact, but only with one micro-batch, no global gradient clipping
-    (train.grad_clip: null) and no fp16 loss scaling, which all need every gradient first."""
+    (train.grad_clip: null) and no fp16 loss scaling, which all need every gradient first. On ranks:
+    fsdp, hsdp and tp update each rank's shard once FSDP2 has reduce-scattered (and averaged) it;
+    refused under ddp, which averages a gradient only after autograd has accumulated it."""
     updates_in_backward: ClassVar[bool] = True
 
     def describe(self) -> str:
@@ -296,7 +304,8 @@ class HostOptimizerOffload(OptimizerOffloadPolicy):
     fractional optimizer offload: each step copies those gradients to the host and the updated
     parameters back. With one micro-batch and no clipping or loss scaling, each gradient is copied
     as soon as the backward has accumulated it (overlapping the rest of the backward) and freed on
-    the device. Exact: the same update, computed on the host. CUDA only."""
+    the device. Exact: the same update, computed on the host. CUDA only, one process: on ranks the host
+    offload is FSDP2's (memory.sharding.offload: cpu, under fsdp, hsdp or tp)."""
     fraction: float = Field(default=1.0, gt=0, le=1)
     """The share of the parameters' bytes whose state and update go to the host, taken in the model's
     parameter order (1: all of them)."""
@@ -397,7 +406,8 @@ class ChunkedLoss(LossPolicy):
     piece's logits live at a time instead of the whole sequence's. Exact up to float summation
     order (the loss is a sum of per-piece sums; the head's weight gradient a sum over pieces);
     with `chunks: 1` the arithmetic is the same. Needs a language-model head that is one Linear
-    whose output the model returns as its logits."""
+    whose output the model returns as its logits. On ranks each rank splits its own share; under
+    FSDP2 the root's parameters (the head among them) stay gathered from the forward to the backward."""
     chunks: int = Field(default=8, gt=0)
     """Pieces of the sequence (a piece is at least one position)."""
     splits_head: ClassVar[bool] = True

@@ -65,7 +65,7 @@ def add_weights(space: Space, asked: Asked) -> None:
     precisions = space.choices.get("precision") or [space.fixed.get("precision", asked.recipe.precision)]
     half = any(p != "fp32" for p in precisions)
     exact = MasterWeights.tuner_labels("bf16" if half else "fp32")
-    lossy = BF16Weights.tuner_labels() if "bf16" in precisions and _one_adamw(asked) else []
+    lossy = BF16Weights.tuner_labels() if "bf16" in precisions and asked.recipe.step_facts().adamw else []
     why = ("fp32 masters; fp32:uncached drops autocast's cast copies between a checkpointed block's forward and "
            "its backward" if half else "the run computes in fp32: no cast copies to drop")
     _join(space, asked, "weights", exact, lossy, why + _lossy_missing(BF16Weights, asked, "bf16"))
@@ -73,7 +73,7 @@ def add_weights(space: Space, asked: Asked) -> None:
 
 def add_optimizer_state(space: Space, asked: Asked) -> None:
     lossy = [label for label in LowBitState.tuner_labels() if not _low_bit(label).unsupported()] \
-        if _one_adamw(asked) else []
+        if asked.recipe.step_facts().adamw else []
     why = "AdamW's moments as the recipe's optimizer keeps them" if asked.recipe.step_facts().adamw else \
         f"train.optimizer {asked.recipe.train.optimizer.name} is not ckrun's adamw, which the low-bit states replace"
     _join(space, asked, "optimizer_state", ["full"], lossy, why + _lossy_missing(LowBitState, asked, "8bit"))
@@ -82,20 +82,21 @@ def add_optimizer_state(space: Space, asked: Asked) -> None:
 def add_optimizer_step(space: Space, asked: Asked) -> None:
     facts = asked.recipe.step_facts()
     why_not = ("train.grad_clip is set (global clipping needs every gradient first)" if facts.grad_clip else
-               "--nproc: it runs in one process only" if asked.nproc > 1 else
                "precision fp16's loss scaler must see every gradient first" if space.fixed.get("precision") == "fp16"
                else None)
     exact = ["after"] if why_not else ["after", StepInBackward(policy="in_backward").label()]
     why = (f"in_backward left out: {why_not}" if why_not else
            "in_backward updates each parameter as its gradient is accumulated (exact; a plan of several "
-           "micro-batches with it is told invalid)")
+           "micro-batches with it" + (", or with ddp, whose gradients are averaged after that," if asked.nproc > 1
+                                      else "") + " is told invalid)")
     _join(space, asked, "optimizer_step", exact, [], why)
 
 
 def add_optimizer_offload(space: Space, asked: Asked) -> None:
     why_not = (f"the run is on the {asked.device.kind}: there is no device memory to free" if asked.device.kind != "cuda"
-               else "--nproc: it runs in one process only (FSDP's own offload is memory.sharding.offload)"
-               if asked.nproc > 1 else "precision fp16's loss scaler unscales gradients on the device"
+               else "--nproc: the ranks' host offload is FSDP2's own, the sharding knob's cpu "
+               "(memory.sharding.offload)" if asked.nproc > 1
+               else "precision fp16's loss scaler unscales gradients on the device"
                if space.fixed.get("precision") == "fp16" else None)
     exact = ["none"] + ([] if why_not else [label for cls in POOL_KINDS["optimizer_offload"] if cls.active
                                             for label in cls.tuner_labels(asked.device.kind)])
@@ -124,10 +125,6 @@ def add_pool(section: str, space: Space, asked: Asked) -> None:
 def lossy_labels(section: str) -> list[str]:
     """The tuner labels of the pool's lossy policies (none where their library is missing)."""
     return [label for cls in POOL_KINDS[section] if cls.lossy for label in cls.tuner_labels()]
-
-
-def _one_adamw(asked: Asked) -> bool:
-    return asked.recipe.step_facts().adamw and asked.nproc == 1
 
 
 def _low_bit(label: str) -> LowBitState:

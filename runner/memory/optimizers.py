@@ -167,11 +167,15 @@ def torchao_adamw(params: list[nn.Parameter], train: TrainSpec, plan: MemoryPlan
     name = plan.optimizer_state.optimizer_class() or "_AdamW"  # _AdamW: full-precision moments, bf16 rounding
     optimizer = getattr(torchao.optim, name)(decay_groups(params, spec.weight_decay), lr=spec.lr, betas=spec.betas,
                                             eps=spec.eps, bf16_stochastic_round=plan.weights.holds_bf16)
+    if plan.weights.holds_bf16 and plan.optimizer_state.optimizer_class() is not None:
+        float_moments(optimizer)
     for policy in (plan.weights, plan.optimizer_state):
         if policy.lossy:
             log.info(policy.describe())
     if device.type != "cuda":
         eager_updates(optimizer)
+    if plan.weights.holds_bf16:
+        seeded_rounding(optimizer, train.seed, device)
     return optimizer
 
 
@@ -187,6 +191,30 @@ def keep_full_precision(optimizer: torch.optim.Optimizer, params: list[nn.Parame
     optimizer._new_buffer = new_buffer
 
 
+def float_moments(optimizer: torch.optim.Optimizer) -> None:
+    """Quantized moments of bf16 weights appear as float32 (torchao's subclasses carry a dtype for show
+    only: the same codes and scales, the same arithmetic, which dequantizes to float32 either way). Shown
+    as bf16, an FSDP2 shard's moment breaks the update: a DTensor's `.float()` of it keeps bf16 in its
+    metadata, and the next op refuses the mix (`expected dtype torch.bfloat16 for end`, torch 2.14,
+    torchao 0.18). Loading a state dict casts the moments to the parameters' dtype again: put back after."""
+    zeros = type(optimizer)._subclass_zeros
+    optimizer._subclass_zeros = lambda param, signed, block_size: zeros(param, signed, block_size).to(torch.float32)
+    optimizer.register_load_state_dict_post_hook(_moments_as_float)
+
+
+def _moments_as_float(optimizer: torch.optim.Optimizer) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if key == "step" or type(local) is torch.Tensor or value.dtype == local.dtype == torch.float32:
+                continue  # plain moments (small or kept full) stay in the parameter's dtype, as torchao keeps them
+            local = local.to(torch.float32)
+            state[key] = local if not isinstance(value, DTensor) else DTensor.from_local(
+                local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+
+
 def eager_updates(optimizer: torch.optim.Optimizer) -> None:
     """Run torchao's compiled update eagerly (module docstring: why on the CPU)."""
     step = optimizer.step
@@ -196,6 +224,38 @@ def eager_updates(optimizer: torch.optim.Optimizer) -> None:
         with stance("force_eager") if stance is not None else contextlib.nullcontext():
             return step(*args, **kwargs)
     optimizer.step = types.MethodType(eager_step, optimizer)  # bound, as schedules wrap it
+
+
+def seeded_rounding(optimizer: torch.optim.Optimizer, seed: int, device: torch.device) -> None:
+    """bf16 weights: torchao rounds each update up or down at random, drawing from torch's default
+    generator, which each data-parallel rank seeds apart for its dropout (runner/train/trainer.py). DDP's
+    replicas must stay identical, so each step draws instead from a generator seeded by (train.seed, the
+    step of the first parameter it updates, that parameter's place), the same on every rank: identical
+    replicas round identically, FSDP2's shards each round their own elements, and a resumed run rounds as
+    an uninterrupted one. The default generator's stream (dropout's) is put back as it was."""
+    step, place = optimizer.step, {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    devices = [device] if device.type == "cuda" and torch.cuda.is_available() else []  # not the estimate's emulated CUDA
+
+    def seeded_step(self, *args, **kwargs):
+        drawn = _rounding_seed(self, place, seed)
+        with torch.random.fork_rng(devices=devices):
+            torch.default_generator.manual_seed(drawn)
+            if devices:
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(drawn)
+            return step(*args, **kwargs)
+    optimizer.step = types.MethodType(seeded_step, optimizer)
+
+
+def _rounding_seed(optimizer: torch.optim.Optimizer, place: dict, seed: int) -> int:
+    """(train.seed, step, place) as one seed: of the first parameter with a gradient (in the backward, the
+    one parameter being updated)."""
+    param = next((p for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
+    if param is None:
+        return seed
+    state = optimizer.state.get(param) or {}
+    step = int(state["step"]) if "step" in state else 0
+    return ((seed * 1_000_003 + step) * 1_000_033 + place.get(param, 0)) % (1 << 63)
 
 
 def prime_quantization_maps() -> None:
