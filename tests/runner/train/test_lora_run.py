@@ -148,3 +148,30 @@ def test_qlora_trains_a_4bit_base_on_cuda_and_exports_its_adapter(hub, tmp_path)
     losses = [trainer.train_step()["loss"] for _ in range(3)]
     assert all(loss == loss and loss > 0 for loss in losses)
     assert (finish_run(trainer, tmp_path / "run") / "adapter_model.safetensors").is_file()
+
+
+def test_a_lora_checkpoint_is_refused_before_a_model_of_the_default_config_is_built(hub, tmp_path, ckrun, monkeypatch):
+    """model.config={} takes the architecture from model.pretrained's config.json, which a checkpoint lacks:
+    building first would make LlamaConfig()'s 7B model, killed for memory before the line could be said."""
+    import transformers
+
+    from ckrun.runner.builders.model import BuildError, build_model
+    from ckrun.runner.recipe import ModelSpec
+
+    run = _write(tmp_path, "run")
+    assert ckrun(str(run), "train.steps=1")[0] == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"
+
+    llama = str(Path(__file__).resolve().parents[3] / "recipes" / "llama_1b.yaml")
+    for verb in (["validate"], []):
+        code, _, err = ckrun(*verb, llama, "model.config={}", f"model.pretrained={checkpoint}",
+                             f"output.dir={tmp_path / 'x'}", "train.device=cpu")
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "model.pretrained:" in err and "merged export (model.lora.export_merged: true)" in err, err
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built for a LoRA checkpoint")
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "__init__", never)  # validate's build is on the meta device
+    with pytest.raises(BuildError, match="is a LoRA run's checkpoint"):
+        build_model(ModelSpec(source="transformers", name="LlamaForCausalLM", pretrained=str(checkpoint)))
