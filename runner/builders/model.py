@@ -42,7 +42,9 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", weights: bo
             settle_experts(model, spec.config, say=torch.device(device).type != "meta")
         if spec.source == "python":
             model = adopt_user_model(model, spec.name)
-        return model if spec.lora is None else adapted_user_model(apply_lora(model, spec), model)
+        if spec.lora is None:
+            return model
+        return adapted_user_model(apply_lora(model, spec, say=torch.device(device).type != "meta"), model)
 
 
 def _build_shapes(spec: ModelSpec, device: str | torch.device) -> nn.Module:
