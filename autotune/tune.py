@@ -207,7 +207,7 @@ def _conclude(request: TuneRequest, records: list[TrialRecord], space: Space, de
 def _check_training_output(request: TuneRequest) -> None:
     from ckrun.runner.train.loop import prepare_output
 
-    prepare_output(Path(request.recipe.output.dir), request.options.resume, str(request.source))
+    prepare_output(Path(request.recipe.output.dir), request.options.resume, str(request.source), request.recipe)
 
 
 def _device(probe_runner: ProbeRunner, recipe: Recipe) -> Device:

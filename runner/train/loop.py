@@ -66,7 +66,7 @@ def train(recipe: Recipe, source: str = "<recipe>", resume: bool = False, out_di
     with StopRequest() as stop, process_group_scope():
         ranks = join_group(recipe, source)
         with own_output(out_dir, ranks, source):  # nothing is written before this run holds out_dir
-            prepare_output(out_dir, resume, source)
+            prepare_output(out_dir, resume, source, recipe)
             result = _trained(recipe, source, resume, out_dir, stop, ranks, predict_step, accept_changes)
             if result.stopped_by and ranks.is_main:
                 set_aside_unresumable(out_dir)
