@@ -22,7 +22,8 @@ from .checkpoint.resume import resume as resume_from_checkpoint
 from .checkpoint.sharded import finish_saving
 from .checkpoint.store import save_checkpoint
 from .eval.schedule import Evaluations
-from .output.directory import prepare_output, set_aside_unresumable, write_failure, write_output
+from .output.directory import (METRICS, prepare_output, read_metrics_lines, set_aside_unresumable, write_failure,
+                               write_output)
 from .output.export import finish_run
 from .output.sinks import open_sinks
 from .ranked import process_group_scope, save_state, stop_agreed
@@ -50,6 +51,7 @@ class RunResult:
     total_steps: int = 0  # the steps the run was to take: train.steps, or what train.epochs came to
     stopped_early: str | None = None  # why eval.early_stopping ended the run before its last step
     resumed_at: int = 0  # the checkpoint's step this run continued from (losses cover only the steps after it)
+    diverged: str | None = None  # the line said when the loss grew far past the first step's (run/guard.py)
 
 
 StepPredictor = Callable[[Recipe, torch.device, int], "float | None"]  # (recipe, device, parameters) -> s a step
@@ -106,7 +108,8 @@ def _trained(recipe: Recipe, source: str, resume: bool, out_dir: Path, stop: Sto
 def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> RunResult:
     """The steps, each record to the sinks (metrics.jsonl and the recipe's); `changes`: the settings
     --resume-changed accepted, recorded first."""
-    recipe, watch = trainer.recipe, LossWatch()
+    recipe = trainer.recipe
+    watch = LossWatch(_first_loss(out_dir) if trainer.step else None, getattr(recipe.train.optimizer, "lr", None))
     result = RunResult(trainer.step, total_steps=trainer.total_steps, resumed_at=trainer.step)
     total, every = trainer.total_steps, recipe.output.checkpoint_every
     output = recipe.output
@@ -137,6 +140,7 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
     finally:
         progress.close()
         evaluations.close()
+    result.diverged = watch.diverged
     if trainer.step < total and not result.stopped_early:
         result.stopped_by = stop.signum
     if trainer.step > 0:  # a stopped run too: its last whole step is saved and exported
@@ -147,6 +151,13 @@ def _run(trainer: Trainer, out_dir: Path, stop: StopRequest, changes: dict) -> R
     if result.skipped_steps:
         log.info("fp16: %d of %d steps were skipped by the loss scaler", result.skipped_steps, len(result.losses))
     return result
+
+
+def _first_loss(out_dir: Path) -> float | None:
+    """The first step's loss a resumed run had (metrics.jsonl, cut back to the checkpoint), which divergence is
+    measured against."""
+    records = read_metrics_lines(out_dir / METRICS)[0] if (out_dir / METRICS).is_file() else []
+    return next((r["loss"] for r in records if isinstance(r.get("loss"), float)), None)
 
 
 def _keep_before_failed_eval(trainer: Trainer, out_dir: Path, watch: LossWatch, err: BaseException) -> None:
