@@ -57,9 +57,7 @@ def run(args) -> int:
                           **({"time_unavailable": why_no_time} if why_no_time else {})}))
         return 0
     per = f" per rank of {args.nproc}" if args.nproc else ""
-    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} "
-          f"(batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, "
-          f"checkpointing {', '.join([recipe.memory.checkpointing.label(), *recipe.memory.pool_changes()])})")
+    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} ({plan_words(recipe)})")
     for category, count in estimate.breakdown.items():
         print(f"  {category:<16} {format_bytes(count):>10}")
     for line in time_lines(estimate.time) if estimate.time else [f"step time: not predicted ({why_no_time})"]:
@@ -69,6 +67,12 @@ def run(args) -> int:
     for warning in estimate.warnings:
         print(f"  warning: {warning}")
     return 0
+
+
+def plan_words(recipe) -> str:
+    """The batch, precision and plan a prediction is for, as its line says them."""
+    return (f"batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, checkpointing "
+            f"{', '.join([recipe.memory.checkpointing.label(), *recipe.memory.pool_changes()])}")
 
 
 def target_facts(device: str, gpu: str | None):

@@ -23,23 +23,30 @@ log = logging.getLogger(__name__)
 PREDICT_FROM = 10_000_000  # parameters: a smaller model's first step comes within seconds, unannounced
 
 
-def predicted_step(recipe, device, parameters: int) -> float | None:
-    """Seconds a step, from the time model on this device's facts (`ckrun estimate`), for the line
-    before step 1; None for a small model, a device the table lacks, or a model fake tensors cannot run."""
-    if parameters < PREDICT_FROM:
-        return None
+def predicted(recipe, device, parameters: int):
+    """What `ckrun estimate`'s fake step says before step 1: the step's time from the time model on this
+    device's facts (a model past PREDICT_FROM parameters, a device the table has) and, under memory.max_mem,
+    the peak the run holds to the cap before it starts; None when there is nothing to ask, or the model
+    cannot run on fake tensors (then step 1 measures)."""
     from ..predict.estimate import EstimateUnavailable, Estimator
     from ..predict.hardware import this_cpu, this_gpu
+    from ..train.loop import Prediction
+    from .estimate import plan_words
 
-    facts = this_gpu() if device.type == "cuda" else this_cpu()
-    if facts is None:
+    facts = (this_gpu() if device.type == "cuda" else this_cpu()) if parameters >= PREDICT_FROM else None
+    capped = recipe.memory.max_mem is not None
+    if facts is None and not capped:
         return None
-    log.info("predicting the step time on %s (ckrun estimate's fake step)", facts.name)
+    log.info("predicting the step%s (ckrun estimate's fake step)", f" time on {facts.name}" if facts else
+             "'s peak for memory.max_mem")
     try:
-        return Estimator(recipe, device.type, facts).estimate().time.seconds
+        estimator = Estimator(recipe, device.type, facts)
+        estimate = estimator.estimate()
     except (EstimateUnavailable, ValueError) as err:
-        log.debug("no predicted step time: %s", err)
+        log.debug("no prediction: %s", err)
         return None
+    return Prediction(estimate.time.seconds if estimate.time else None, estimate.peak_bytes if capped else None,
+                      exact=device.type == "cpu" and not estimator.routed.eager, plan=plan_words(recipe))
 
 
 def add_arguments(parser):
@@ -73,7 +80,7 @@ def run(args) -> int:
                             args.verbose, accept_changes=args.resume_changed)
     with located_errors(doc):
         result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
-                       predict_step=predicted_step)
+                       predict=predicted)
     if result.stopped_by:
         if not is_rank_zero():  # rank 0 says it for the group
             return 128 + result.stopped_by
