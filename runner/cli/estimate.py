@@ -58,8 +58,8 @@ def run(args) -> int:
         return 0
     per = f" per rank of {args.nproc}" if args.nproc else ""
     print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} ({plan_words(recipe)})")
-    for category, count in estimate.breakdown.items():
-        print(f"  {category:<16} {format_bytes(count):>10}")
+    for line in breakdown_lines(estimate.breakdown, estimate.pool_peaks):
+        print(f"  {line}")
     for line in time_lines(estimate.time) if estimate.time else [f"step time: not predicted ({why_no_time})"]:
         print(f"  {line}")
     for note in estimate.notes:
@@ -67,6 +67,18 @@ def run(args) -> int:
     for warning in estimate.warnings:
         print(f"  warning: {warning}")
     return 0
+
+
+def breakdown_lines(breakdown: dict[str, int], pool_peaks: dict[str, int]) -> list[str]:
+    """Each pool's bytes at the moment of the peak (they sum to it) and, beside them, the most it holds at any
+    moment of the step (the allocator's own columns have none: they are what the peak's moment leaves)."""
+    width = max(16, *(len(category) for category in breakdown))
+    lines = [f"{'':<{width}} {'at the peak':>11}  {'own most':>10}"] if pool_peaks else []
+    for category, count in breakdown.items():
+        most = pool_peaks.get(category)
+        lines.append(f"{category:<{width}} {format_bytes(count):>11}" + (f"  {format_bytes(most):>10}" if most is not None
+                                                                          else ""))
+    return lines
 
 
 def plan_words(recipe) -> str:
