@@ -37,11 +37,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    path = resolve_recipe(args.recipe)
+    recipe, doc = load_checked(path, args.overrides)  # a typo is said before torch is imported
+    device, facts, why_no_time = target_facts(args.device, args.gpu)
     from ..predict.estimate import EstimateUnavailable, Estimator
 
-    path = resolve_recipe(args.recipe)
-    recipe, doc = load_checked(path, args.overrides)
-    device, facts, why_no_time = target_facts(args.device, args.gpu)
     started = time.perf_counter()
     if args.nproc is not None:  # one rank of N: runner/predict/per_rank.py
         from ..parallel.launch import check_launch

@@ -63,14 +63,15 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from ..parallel.slurm import check_environment
-    from ..train.run.guard import stop_line
-    from ..train.loop import train
 
     check_environment()  # a bad variable is one line before anything is read or started
     path = resolve_recipe(args.recipe)
     if args.device is not None:  # a flag for what people look for first; the override does the work
         args.overrides = [*args.overrides, f"train.device={args.device}"]
-    recipe, doc = load_checked(path, args.overrides)
+    recipe, doc = load_checked(path, args.overrides)  # a typo is said before torch is imported
+    from ..train.loop import train
+    from ..train.run.guard import stop_line
+
     args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
         from ..train.run.ownership import launch_owned
