@@ -36,7 +36,8 @@ def add_arguments(parser) -> None:
                              "facts, the solver, probes and the finalists' re-runs; the winner's training aside): no "
                              "probe starts that would end past it, the first excepted; the solver and whole-space "
                              "predictions get a quarter of it: 90s, 10m, 1h")
-    parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune)")
+    parser.add_argument("--output", metavar="DIR", help="study directory (default: the recipe's output.dir + /tune); "
+                        "the winner trains in the recipe's output.dir, which output.dir=... moves")
     parser.add_argument("--nproc", type=int, default=DEFAULTS.nproc, metavar="N",
                         help="tune for N ranks on this machine (torchrun): the cap holds per rank, each probe is a "
                              "group of N ranks, and how they share the work joins the search: ddp, fsdp and FSDP's "

@@ -269,9 +269,19 @@ def _conclude(request: TuneRequest, found: Found, space: Space, device: Device) 
 
 
 def _check_training_output(request: TuneRequest) -> None:
+    """The winner trains into the recipe's output.dir, which --output (the study's directory) does not move:
+    refused there now, the line says which flag moves what, not only that the directory holds a run."""
+    from ckrun.runner.problems import InputError, Problem
     from ckrun.runner.train.loop import prepare_output
 
-    prepare_output(Path(request.recipe.output.dir), request.options.resume, str(request.source))
+    out_dir = Path(request.recipe.output.dir)
+    try:
+        prepare_output(out_dir, request.options.resume, str(request.source), request.recipe)
+    except InputError as err:
+        moved = " (`ckrun tune` trains its winner in output.dir; --output moves only the study), or pass --no-train"
+        raise InputError([Problem(p.place, p.key, p.message + moved) for p in err.problems]) from None
+    log.info("tune: the winner trains into %s (the recipe's output.dir; output.dir=... moves it, --output the study)",
+             out_dir)
 
 
 def _device(probe_runner: ProbeRunner, recipe: Recipe) -> Device:

@@ -15,12 +15,16 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from .builders.checks import load_checked
 from .library import resolve_recipe
 from .located import located_errors
-from .parallel.slurm import check_environment
 from .recipe import Recipe
-from .train.loop import RunResult, train as train_recipe
+
+if TYPE_CHECKING:  # the training stack (torch) is imported once the recipe has passed its checks
+    from .train.loop import RunResult
+    from .train.run.memory_cap import Prediction
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ def train(recipe: str | Path, overrides: Sequence[str] = (), *, resume: bool = F
 
 def checked_recipe(recipe: str | Path, overrides: Sequence[str]) -> tuple[Path, Recipe, object]:
     """The recipe's file, the recipe checked with its overrides, and its located document (for lines)."""
+    from .parallel.slurm import check_environment
+
     check_environment()  # a bad variable is one line before anything is read or started
     path = resolve_recipe(str(recipe))
     checked, doc = load_checked(path, list(overrides))
@@ -46,25 +52,34 @@ def checked_recipe(recipe: str | Path, overrides: Sequence[str]) -> tuple[Path, 
 
 def train_checked(path: Path, recipe: Recipe, doc, resume: bool = False, accept_changes: bool = False) -> RunResult:
     """Train a checked recipe; an error found while building names its line in `doc`."""
+    from .train.loop import train as train_recipe
+
     with located_errors(doc):
         return train_recipe(recipe, str(path), resume=resume or accept_changes, accept_changes=accept_changes,
-                            predict_step=predicted_step)
+                            predict=predicted)
 
 
-def predicted_step(recipe: Recipe, device, parameters: int) -> float | None:
-    """Seconds a step, from the time model on this device's facts (`ckrun estimate`), for the line
-    before step 1; None for a small model, a device the table lacks, or a model fake tensors cannot run."""
-    if parameters < PREDICT_FROM:
-        return None
+def predicted(recipe: Recipe, device, parameters: int) -> Prediction | None:
+    """What `ckrun estimate`'s fake step says before step 1: the step's time from the time model on this
+    device's facts (a model past PREDICT_FROM parameters, a device the table has) and, under memory.max_mem,
+    the peak the run holds to the cap before it starts; None when there is nothing to ask, or the model
+    cannot run on fake tensors (then step 1 measures)."""
     from .predict.estimate import EstimateUnavailable, Estimator
     from .predict.hardware import this_cpu, this_gpu
+    from .predict.plan_lines import plan_words
+    from .train.run.memory_cap import Prediction
 
-    facts = this_gpu() if device.type == "cuda" else this_cpu()
-    if facts is None:
+    facts = (this_gpu() if device.type == "cuda" else this_cpu()) if parameters >= PREDICT_FROM else None
+    capped = recipe.memory.max_mem is not None
+    if facts is None and not capped:
         return None
-    log.info("predicting the step time on %s (ckrun estimate's fake step)", facts.name)
+    log.info("predicting the step%s (ckrun estimate's fake step)", f" time on {facts.name}" if facts else
+             "'s peak for memory.max_mem")
     try:
-        return Estimator(recipe, device.type, facts).estimate().time.seconds
+        estimator = Estimator(recipe, device.type, facts)
+        estimate = estimator.estimate()
     except (EstimateUnavailable, ValueError) as err:
-        log.debug("no predicted step time: %s", err)
+        log.debug("no prediction: %s", err)
         return None
+    return Prediction(estimate.time.seconds if estimate.time else None, estimate.peak_bytes if capped else None,
+                      exact=device.type == "cpu" and not estimator.routed.eager, plan=plan_words(recipe))

@@ -16,7 +16,7 @@ from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
-from ..predict.plan_lines import plan_lines_quiet
+from ..predict.plan_lines import plan_lines_quiet, plan_words
 from ..units import format_bytes
 from . import Command, add_recipe_arguments, gpu_names
 
@@ -36,11 +36,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    path = resolve_recipe(args.recipe)
+    recipe, doc = load_checked(path, args.overrides)  # a typo is said before torch is imported
+    device, facts, why_no_time = target_facts(args.device, args.gpu)
     from ..predict.estimate import EstimateUnavailable, Estimator
 
-    path = resolve_recipe(args.recipe)
-    recipe, doc = load_checked(path, args.overrides)
-    device, facts, why_no_time = target_facts(args.device, args.gpu)
     started = time.perf_counter()
     if args.nproc is not None:  # one rank of N: runner/predict/per_rank.py
         from ..parallel.launch import check_launch
@@ -56,11 +56,9 @@ def run(args) -> int:
                           **({"time_unavailable": why_no_time} if why_no_time else {})}))
         return 0
     per = f" per rank of {args.nproc}" if args.nproc else ""
-    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} "
-          f"(batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, "
-          f"checkpointing {', '.join([recipe.memory.checkpointing.label(), *recipe.memory.pool_changes()])})")
-    for category, count in estimate.breakdown.items():
-        print(f"  {category:<16} {format_bytes(count):>10}")
+    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} ({plan_words(recipe)})")
+    for line in breakdown_lines(estimate.breakdown, estimate.pool_peaks):
+        print(f"  {line}")
     for line in time_lines(estimate.time) if estimate.time else [f"step time: not predicted ({why_no_time})"]:
         print(f"  {line}")
     for note in estimate.notes:
@@ -68,6 +66,18 @@ def run(args) -> int:
     for warning in estimate.warnings:
         print(f"  warning: {warning}")
     return 0
+
+
+def breakdown_lines(breakdown: dict[str, int], pool_peaks: dict[str, int]) -> list[str]:
+    """Each pool's bytes at the moment of the peak (they sum to it) and, beside them, the most it holds at any
+    moment of the step (the allocator's own columns have none: they are what the peak's moment leaves)."""
+    width = max(16, *(len(category) for category in breakdown))
+    lines = [f"{'':<{width}} {'at the peak':>11}  {'own most':>10}"] if pool_peaks else []
+    for category, count in breakdown.items():
+        most = pool_peaks.get(category)
+        lines.append(f"{category:<{width}} {format_bytes(count):>11}" + (f"  {format_bytes(most):>10}" if most is not None
+                                                                          else ""))
+    return lines
 
 
 def target_facts(device: str, gpu: str | None):

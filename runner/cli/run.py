@@ -31,11 +31,12 @@ def add_arguments(parser):
 
 def run(args) -> int:
     from ..api import checked_recipe, train_checked
-    from ..train.run.guard import stop_line
 
     if args.device is not None:  # a flag for what people look for first; the override does the work
         args.overrides = [*args.overrides, f"train.device={args.device}"]
-    path, recipe, doc = checked_recipe(args.recipe, args.overrides)
+    path, recipe, doc = checked_recipe(args.recipe, args.overrides)  # a typo is said before torch is imported
+    from ..train.run.guard import stop_line
+
     args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
         from ..train.run.ownership import launch_owned

@@ -91,6 +91,9 @@ class Estimate:
     work: StepWork | None = field(default=None, repr=False, compare=False)
     """What the step's ops did (device-independent): `time_on` prices it on another device."""
     shape: StepShape | None = field(default=None, repr=False, compare=False)
+    pool_peaks: dict[str, int] = field(default_factory=dict)
+    """The most bytes each tracker category holds at any moment of the step: not at once, so they may sum past
+    the peak (the breakdown is the moment of the peak, when gradients may not exist yet)."""
 
     def time_on(self, facts: DeviceFacts) -> StepTime:
         """The same step's time on another device (the peak is this estimate's)."""
@@ -100,7 +103,8 @@ class Estimate:
 
     def record(self) -> dict:
         return {"device": self.device, "peak_bytes": self.peak_bytes, "live_peak_bytes": self.live_peak_bytes,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes), "warnings": list(self.warnings),
+                "breakdown": dict(self.breakdown), "pool_peaks": dict(self.pool_peaks), "notes": list(self.notes),
+                "warnings": list(self.warnings),
                 "time": self.time.record() if self.time else None}
 
 
@@ -295,10 +299,11 @@ class Estimator:
     def _result(self, tracker: LiveBytesTracker, baseline: int, plan: MemoryPlan, precision: str,
                 planned: PlannedOptimizer) -> Estimate:
         live = tracker.peak_bytes
-        breakdown = tracker.breakdown_at_peak
+        breakdown, pool_peaks = tracker.breakdown_at_peak, tracker.category_peaks
         notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
                  f"{_micro_batch(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists",
-                 self._weights_held(plan, precision), *pool_notes(plan, precision, self.cuda)]
+                 self._weights_held(plan, precision), *pool_notes(plan, precision, self.cuda),
+                 *_moment_note(breakdown, pool_peaks)]
         optimizer_host = getattr(planned.optimizer, "host_bytes", lambda: 0)()
         if optimizer_host:
             notes.append(f"memory.optimizer_offload {plan.optimizer_offload.label()}: {format_bytes(optimizer_host)} "
@@ -315,7 +320,7 @@ class Estimator:
         if self.recipe.model.lora is not None:
             notes.append(lora_note(self.model, self.recipe.model.lora))
         if not self.cuda:
-            return Estimate(live, breakdown, notes, live, "cpu")
+            return Estimate(live, breakdown, notes, live, "cpu", pool_peaks=pool_peaks)
         reserve = cuda_reserve(tracker.events, baseline, live, plan, self.facts)
         breakdown["cublas_workspaces"] = reserve.workspace_bytes
         breakdown["allocator_cache"] = reserve.reserved_bytes - live - reserve.workspace_bytes
@@ -323,7 +328,17 @@ class Estimator:
         host = tracker.peak_by_device.get(str(HOST), 0) - optimizer_host
         if plan.offload.moves and host > 0:
             notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")
-        return Estimate(reserve.reserved_bytes, breakdown, notes, live, "cuda")
+        return Estimate(reserve.reserved_bytes, breakdown, notes, live, "cuda", pool_peaks=pool_peaks)
+
+
+def _moment_note(breakdown: dict[str, int], pool_peaks: dict[str, int]) -> list[str]:
+    """Why a pool the step fills reads 0 B at the peak: the peak comes before backward makes gradients (the
+    activations of the whole forward pass are live), and they are made as activations are freed."""
+    if breakdown.get("gradients") or not pool_peaks.get("gradients"):
+        return []
+    return [f"the breakdown is the moment of the peak, before backward has made any gradient (the forward pass's "
+            f"activations all live): gradients are 0 B there and reach {format_bytes(pool_peaks['gradients'])} later, "
+            "as backward frees the activations (each pool's own most is in the column beside)"]
 
 
 def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:

@@ -1,4 +1,5 @@
-"""The lines applying a plan prints, kept quiet while the estimator applies plans to a stand-in model:
+"""How a prediction names its plan (`plan_words`: `ckrun estimate`'s line, the run's line before step 1), and
+the lines applying a plan prints, kept quiet while the estimator applies plans to a stand-in model:
 `ckrun estimate`, `ckrun show --blocks` and the Python API's predicted plans (autotune/api.py)."""
 
 from __future__ import annotations
@@ -23,3 +24,9 @@ def plan_lines_quiet():
     finally:
         for plan_log, level in zip(logs, levels, strict=True):
             plan_log.setLevel(level)
+
+
+def plan_words(recipe) -> str:
+    """The batch, precision and plan a prediction is for, as its line says them."""
+    return (f"batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, checkpointing "
+            f"{', '.join([recipe.memory.checkpointing.label(), *recipe.memory.pool_changes()])}")
