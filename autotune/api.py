@@ -10,13 +10,15 @@ in place, undo it.
 
 or in two steps, `plan = plan_memory(model, batch, max_mem="8GB")` then `apply_memory_plan(model, plan)`.
 `plan_memory(recipe="my.yaml", max_mem="8GB", measure=True)` measures the plans instead, with
-`ckrun tune`'s isolated probes (they rebuild the model from the recipe in fresh processes).
+`ckrun tune`'s isolated probes (they rebuild the model from the recipe in fresh processes), and
+`tune(recipe, max_mem="8GB")` is the whole of `ckrun tune` as a call, returning a TuneResult.
 
-One path with the CLI, not a second implementation: a predicted plan comes from the estimator
-(runner/predict, what `ckrun estimate` runs: one step on fake tensors, here of a fake copy of your
-model and your batch) and the solver (autotune/search/solver.py, whose per-block plans `ckrun tune` starts
-from); a measured one from `ckrun tune` itself; either is put on the model by
-runner/memory/apply.py's `apply_plan`, as `ckrun RECIPE` applies a recipe's memory section.
+One path with the CLI, not a second implementation, and never through it: a predicted plan comes from
+the estimator (runner/predict, what `ckrun estimate` runs: one step on fake tensors, here of a fake
+copy of your model and your batch) and the solver (autotune/search/solver.py, whose per-block plans
+`ckrun tune` starts from); a measured one from autotune/tune.py's `tune`, which `ckrun tune` calls too
+(the CLI parses, calls and prints; this module never builds a command line); either is put on the model
+by runner/memory/apply.py's `apply_plan`, as `ckrun RECIPE` applies a recipe's memory section.
 
 What the estimate runs is ckrun's training step: your model's forward on the batch, a cross-entropy
 over its logits against the batch's labels (zeros of the logits' shape when it has none), backward
@@ -29,15 +31,15 @@ Every bad input is a `MemoryPlanError`: one line, no traceback from deep inside.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from pydantic import ValidationError
 from torch import nn
 
 from ckrun.runner.memory.apply import AppliedPlan, apply_plan
@@ -47,6 +49,9 @@ from ckrun.runner.recipe import Recipe
 from ckrun.runner.units import format_bytes
 
 from .cap import Cap
+
+if TYPE_CHECKING:
+    from .tune import TuneResult
 
 log = logging.getLogger(__name__)
 
@@ -115,17 +120,17 @@ def auto_checkpoint(model: nn.Module, batch, memory_budget: str | int, **options
 def plan_memory(model: nn.Module | None = None, batch=None, *, max_mem: str | int, recipe: str | Path | None = None,
                 overrides: list[str] = (), device: str | None = None, precision: str = "fp32", optimizer=None,
                 grad_clip: float | None = 1.0, blocks: str | None = None, margin: float = 0.05,
-                measure: bool = False, output: str | Path | None = None, tune_args: list[str] = ()) -> PlannedMemory:
+                measure: bool = False, output: str | Path | None = None, tune_options: dict | None = None) -> PlannedMemory:
     """The fastest plan whose peak stays under `max_mem` less `margin`, for `model` trained on batches
     like `batch` (or for `recipe`'s model and data, with `overrides`). `device`: where the step runs
     (default: the model's, else the recipe's). `measure`: `ckrun tune`'s probes measure the plans
-    (a recipe only; `output` is the study's directory, `tune_args` more of its flags: ["--trials", "5"])."""
+    (a recipe only; `output` is the study's directory, `tune_options` more of its options: {"trials": 5})."""
     cap = _cap(max_mem, margin)
     if measure:
         if recipe is None:
             raise MemoryPlanError("measure=True needs a recipe: the probes rebuild the model from it in fresh "
                                   "processes; give recipe=..., or measure=False for a predicted plan")
-        return _measured(recipe, list(overrides), max_mem, cap, output, list(tune_args))
+        return _measured(recipe, list(overrides), max_mem, cap, output, dict(tune_options or {}))
     if recipe is not None:
         settings, estimator_of = _recipe_settings(recipe, list(overrides)), None
     else:
@@ -163,8 +168,8 @@ def apply_memory_plan(model: nn.Module, planned: PlannedMemory, device: str | No
 
 
 def _predicted(recipe: Recipe, given, device: str, cap: Cap) -> PlannedMemory:
-    from ckrun.runner.cli.estimate import plan_lines_quiet
     from ckrun.runner.predict.estimate import EstimateUnavailable
+    from ckrun.runner.predict.plan_lines import plan_lines_quiet
 
     try:
         with plan_lines_quiet():  # the estimator applies every plan it prices: those lines are not the plan
@@ -215,34 +220,34 @@ def _estimator(recipe: Recipe, given, device: str):
 # --- measured: `ckrun tune` ---------------------------------------------------------------------------
 
 
-def _measured(recipe: str | Path, overrides: list[str], max_mem, cap: Cap, output, tune_args: list[str]) -> PlannedMemory:
-    """`ckrun tune RECIPE --max-mem ... --no-train` through the CLI's own code; its winner's memory section."""
-    from ckrun.runner.library import resolve_recipe
-    from ckrun.runner.load import load_recipe
+def tune(recipe: str | Path | None = None, overrides: Sequence[str] = (), *, max_mem: str | int,
+         **options) -> TuneResult:
+    """`ckrun tune RECIPE OVERRIDES --max-mem SIZE ...` as a call, the same code: the fastest plan under the
+    cap, measured by isolated probes (or predicted: `predict=True, gpu="h100"`), written to tuned.yaml
+    and trained (`no_train=True` stops before). `options` are the command's flags by their Python names,
+    with the same defaults (`trials=20`, `time_budget="10m"`, `output="runs/t"`, `search_precision=True`).
+    Prints nothing; returns the winner, the tuned recipe, the study directory and the training's result.
+    A refusal is a CkrunError naming the flag; nothing fitting is NothingFits (autotune/tune.py)."""
+    from .request import check_request
+    from .tune import TuneOptions, tune as tune_request
 
-    from .cli_tune import COMMAND
+    asked = TuneOptions.from_keywords(max_mem, recipe=None if recipe is None else str(recipe),
+                                      overrides=tuple(overrides), **options)
+    return tune_request(check_request(asked))
 
-    parser = _TuneArguments(prog="ckrun tune")
-    COMMAND.add_arguments(parser)
-    path = resolve_recipe(str(recipe))
-    directory = Path(output) if output else Path(_recipe_settings(path, overrides).output.dir) / "tune"
-    args = parser.parse_args([str(path), *overrides, "--max-mem", str(max_mem), "--margin", str(cap.margin),
-                              "--no-train", "--output", str(directory), *tune_args])
+
+def _measured(recipe: str | Path, overrides: list[str], max_mem, cap: Cap, output, tune_options: dict) -> PlannedMemory:
+    """`tune(recipe, overrides, max_mem=..., no_train=True)`: its winner's memory section and measured peak."""
     try:
-        COMMAND.run(args)
+        found = tune(recipe, overrides, max_mem=max_mem, margin=cap.margin, no_train=True,
+                     output=None if output is None else str(output), **tune_options)
+    except TypeError as err:
+        raise MemoryPlanError(f"tune_options: {err}") from None
     except CkrunError as err:
         raise MemoryPlanError(" ".join(err.lines()) or f"ckrun tune found no plan within {cap.describe()}") from None
-    tuned = load_recipe(directory / "tuned.yaml")
-    report = json.loads((directory / "report.json").read_text())
-    winner = next(t for t in report["trials"] if t["number"] == report["winner"])
-    return PlannedMemory(tuned.memory, int(winner["measured_peak"]), cap.bytes, True,
+    return PlannedMemory(found.recipe.memory, int(found.winner.measured_peak), cap.bytes, True,
                          f"the fastest of the plans `ckrun tune` measured within {cap.describe()} "
-                         f"(study: {directory})")
-
-
-class _TuneArguments(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own prints the usage and exits
-        raise MemoryPlanError(f"tune_args: {message}; see `ckrun tune --help`")
+                         f"(study: {found.directory})")
 
 
 # --- inputs -------------------------------------------------------------------------------------------
@@ -250,14 +255,9 @@ class _TuneArguments(argparse.ArgumentParser):
 
 def _cap(max_mem, margin: float) -> Cap:
     try:
-        size = int(TypeAdapter(ByteSize).validate_python(max_mem))
-    except ValidationError:
-        raise MemoryPlanError(f"max_mem {max_mem!r} is not a size; write it like '8GB', '8GiB', '512MB' or bytes") from None
-    if size <= 0:
-        raise MemoryPlanError(f"max_mem must be positive but got {max_mem!r}")
-    if not 0 <= margin < 0.5:
-        raise MemoryPlanError(f"margin is a fraction of the cap in [0, 0.5) but got {margin}")
-    return Cap(size, margin)
+        return Cap.parse(max_mem, margin)
+    except InputError as err:
+        raise MemoryPlanError("; ".join(err.lines())) from None
 
 
 def _recipe_settings(recipe: str | Path, overrides: list[str]) -> Recipe:

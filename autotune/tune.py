@@ -1,26 +1,29 @@
 """One tune, its input already checked: the device, the model's facts, the space, the search, then
-report.json, tuned.yaml and the training with the winner. `ckrun tune` (autotune/cli_tune.py)
-checks the command line and builds a `TuneRequest`; everything after that happens here, under the
-study directory's lock.
+report.json, tuned.yaml and the training with the winner. `ckrun tune` (autotune/cli_tune.py) and the
+Python API (`ckrun.tune`, autotune/api.py) fill in the same `TuneOptions`, have them checked into a
+`TuneRequest` (autotune/request.py) and call `tune`, which prints nothing and returns a `TuneResult`:
+the CLI prints it. Everything here happens under the study directory's lock.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ckrun.runner.located import located_errors
 from ckrun.runner.lock import locked
 from ckrun.runner.problems import EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
 from ckrun.runner.recipe import Recipe
+from ckrun.runner.train.loop import RunResult
 from ckrun.runner.units import format_bytes
 
-from .cap import Cap
+from .cap import MARGIN, Cap
 from .outputs.rank_tune import check_devices, rank_training, ranks_comment
 from .outputs.report import publish
-from .outputs.train import nothing_fits, train_with_fallback
+from .outputs.train import Trained, nothing_fits, train_with_fallback
 from .outputs.tuned import write_tuned
 from .probes.priced import PricedPredictor, in_process
 from .probes.probe import ProbeRunner, ProbeSettings
@@ -48,13 +51,24 @@ class NothingFits(CkrunError):
         return [f"ckrun tune: {self}"] if str(self) else []
 
 
+TRIALS = 20  # plans measured when trials is not given
+PREDICT_TRIALS = 150  # plans predicted when trials is not given: a prediction composed from parts is a fraction of a second
+
+
 @dataclass(frozen=True)
 class TuneOptions:
-    """The options of `ckrun tune` that shape the search and what follows it, named as its flags are
-    (autotune/search/predicted.py reads `gpu`, `predict`, `no_screen`, `finalists`, `seed`, `nproc`
-    and `no_solver` from it)."""
+    """What a tune is asked for, unchecked: `ckrun tune`'s flags, each a field of the same name (and
+    default), for the command line and `ckrun.tune(...)` alike (autotune/request.py checks them;
+    autotune/search/predicted.py reads `gpu`, `predict`, `no_screen`, `finalists`, `seed`, `nproc` and
+    `no_solver` from them)."""
 
-    max_mem: str  # the cap as the user typed it: tuned.yaml's command and the messages repeat it
+    max_mem: str | int  # the cap as the user gave it: tuned.yaml's command and the messages repeat it
+    recipe: str | None = None  # a file or library name; None: ./ckrun.yaml, else the library's default
+    overrides: tuple[str, ...] = ()
+    margin: float = MARGIN
+    trials: int | None = None  # None: TRIALS, or PREDICT_TRIALS with predict
+    time_budget: str | float | None = None  # 90s, 10m, 1h, or seconds
+    output: str | None = None  # the study directory; None: the recipe's output.dir + /tune
     nproc: int = 1
     seed: int = 0
     finalists: int = 2
@@ -71,14 +85,26 @@ class TuneOptions:
 
     @classmethod
     def from_args(cls, args) -> TuneOptions:
-        named = {name: getattr(args, name) for name in cls.__dataclass_fields__ if name != "opened"}
-        return cls(**named, opened={knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
+        named = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in ("opened", "overrides")}
+        return cls(**named, overrides=tuple(args.overrides),
+                   opened={knob.flag.dest: getattr(args, knob.flag.dest) for knob in KNOBS if knob.flag})
+
+    @classmethod
+    def from_keywords(cls, max_mem: str | int, **given) -> TuneOptions:
+        """`ckrun.tune`'s keywords: the fields, and each knob flag's dest (`search_precision=True`)."""
+        flags = {knob.flag.dest for knob in KNOBS if knob.flag}
+        opened = {dest: bool(given.pop(dest)) for dest in flags if dest in given}
+        unknown = sorted(set(given) - {f.name for f in fields(cls)} - {"opened"})
+        if unknown:
+            raise TypeError(f"tune() got unexpected keyword(s) {', '.join(unknown)}; it takes `ckrun tune`'s flags "
+                            f"by their Python names: {', '.join(sorted([*(f.name for f in fields(cls)), *flags]))}")
+        return cls(max_mem, **{**given, "overrides": tuple(given.get("overrides", ()))}, opened=opened)
 
 
 @dataclass(frozen=True)
 class TuneRequest:
-    """A checked `ckrun tune`: the recipe (and where its lines are), the cap and budget, the study's
-    directory and the GPU predictions are priced on, when named (--gpu)."""
+    """A checked tune: the recipe (and where its lines are), the cap and budget, the study's directory
+    and the GPU predictions are priced on, when named (--gpu). autotune/request.py makes it."""
 
     source: Path
     overrides: list[str]
@@ -91,8 +117,47 @@ class TuneRequest:
     gpu: object = None  # ckrun.runner.predict.hardware.DeviceFacts, or None
 
 
-def tune(request: TuneRequest) -> int:
-    """Search under the study directory's lock, publish the report, then write tuned.yaml and train."""
+@dataclass(frozen=True)
+class Found:
+    """What the search found, before tuned.yaml is written and the winner trains: what `ckrun tune`
+    prints as soon as it is known."""
+
+    directory: Path
+    """The study's directory: study.journal, report.json, pareto.png, the probes' logs, tuned.yaml."""
+    records: list[TrialRecord]
+    """Every trial, as report.json lists them."""
+    table: str
+    """The Pareto table, the winner and why, and the warnings on it (what `ckrun report DIR` prints)."""
+    ranked: list[TrialRecord]
+    """The plans that fit, fastest first (predicted ones under --predict)."""
+    change: str | None
+    """What the winner changes from the recipe's own plan, in one line; None when nothing fits."""
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """A finished tune: the plan chosen, the recipe that holds it, and its training."""
+
+    found: Found
+    winner: TrialRecord
+    """The plan tuned.yaml holds: the fastest that fits, or the next one down where a faster one went
+    over the cap in training."""
+    tuned_path: Path
+    """DIR/tuned.yaml: the recipe with the winner's plan, its cap and its provenance."""
+    recipe: Recipe
+    """tuned.yaml's recipe, as trained."""
+    trained: RunResult | None
+    """The training with the winner; None with no_train or predict."""
+
+    @property
+    def directory(self) -> Path:
+        return self.found.directory
+
+
+def tune(request: TuneRequest, on_found: Callable[[Found], None] | None = None) -> TuneResult:
+    """Search under the study directory's lock, publish the report, then write tuned.yaml and train.
+    Prints nothing: `on_found` is given what the search found before the training starts (`ckrun tune`
+    prints it then); a plan that fits nowhere raises NothingFits after it."""
     directory, options = request.directory, request.options
     with locked(directory / "tune.lock", "`ckrun tune`", "is running this study",
                 "wait for it to finish, or give this one --output ANOTHER_DIR", Place(str(directory))):
@@ -104,10 +169,14 @@ def tune(request: TuneRequest) -> int:
         finally:
             if warm is not None:
                 warm.stop()  # before training: its imports hold half a gigabyte
-        print(publish(directory, records, config, screening))
-        if options.predict and ranked_feasible(records):
-            print(ranked_lines(ranked_feasible(records)))
-        return _conclude(request, records, space, device)
+        table = publish(directory, records, config, screening)
+        ranked = ranked_feasible(records)
+        if options.predict and ranked:
+            table += "\n" + ranked_lines(ranked)
+        found = Found(directory, records, table, ranked, differences(space, space.base, ranked[0]) if ranked else None)
+        if on_found is not None:
+            on_found(found)
+        return _conclude(request, found, space, device)
 
 
 def _tuned_search(request: TuneRequest, warm: WarmServer | None) -> tuple[list[TrialRecord], Space, Device, dict, dict]:
@@ -188,37 +257,46 @@ def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, devic
     return records, config, screening
 
 
-def _conclude(request: TuneRequest, records: list[TrialRecord], space: Space, device: Device) -> int:
+def _conclude(request: TuneRequest, found: Found, space: Space, device: Device) -> TuneResult:
     """tuned.yaml for the winner, then training (falling back down the ranking), or why nothing fits."""
-    options, cap, directory = request.options, request.cap, request.directory
-    ranked = ranked_feasible(records)
-    if not ranked:
+    options, cap, directory, records = request.options, request.cap, request.directory, found.records
+    if not found.ranked:
         raise NothingFits(nothing_fits(records, cap, space, device, directory, options.predict))
     nproc = f" --nproc {options.nproc}" if options.nproc > 1 else ""
 
     def tuned_for(record: TrialRecord):
         lines = notes(space, record) + [note for note in [ranks_comment(options.nproc),
                                                           predicted_note(record) if options.predict else None] if note]
-        return write_tuned(directory, request.doc, record, cap, options.max_mem, str(request.source),
+        return write_tuned(directory, request.doc, record, cap, str(options.max_mem), str(request.source),
                            request.overrides, records, lines, nproc)
 
-    print(f"ckrun tune: {differences(space, space.base, ranked[0])}")
     if options.no_train or options.predict:
-        tuned_path, _ = tuned_for(ranked[0])
+        tuned_path, recipe = tuned_for(found.ranked[0])
         why = (f"--predict: measure it on the GPU with `ckrun tune {tuned_path} --max-mem {options.max_mem}{nproc}`"
                if options.predict else f"--no-train: train it with `ckrun {tuned_path}{nproc}`")
         log.info("tune: wrote %s; %s", tuned_path, why)
-        return 0
-    result = train_with_fallback(ranked, tuned_for, options.resume, **rank_training(options.nproc))
-    if result is None:  # RanksEnded above carries the ranks' own status
+        return TuneResult(found, found.ranked[0], tuned_path, recipe, None)
+    trained: Trained | None = train_with_fallback(found.ranked, tuned_for, options.resume,
+                                                  **rank_training(options.nproc))
+    if trained is None:  # RanksEnded above carries the ranks' own status
         raise NothingFits()  # train_with_fallback said why
-    return 128 + result.stopped_by if result.stopped_by else 0  # 130/143, as `ckrun run` stops
+    return TuneResult(found, trained.record, trained.path, trained.recipe, trained.result)
 
 
 def _check_training_output(request: TuneRequest) -> None:
+    """The winner trains into the recipe's output.dir, which --output (the study's directory) does not move:
+    refused there now, the line says which flag moves what, not only that the directory holds a run."""
+    from ckrun.runner.problems import InputError, Problem
     from ckrun.runner.train.loop import prepare_output
 
-    prepare_output(Path(request.recipe.output.dir), request.options.resume, str(request.source))
+    out_dir = Path(request.recipe.output.dir)
+    try:
+        prepare_output(out_dir, request.options.resume, str(request.source), request.recipe)
+    except InputError as err:
+        moved = " (`ckrun tune` trains its winner in output.dir; --output moves only the study), or pass --no-train"
+        raise InputError([Problem(p.place, p.key, p.message + moved) for p in err.problems]) from None
+    log.info("tune: the winner trains into %s (the recipe's output.dir; output.dir=... moves it, --output the study)",
+             out_dir)
 
 
 def _device(probe_runner: ProbeRunner, recipe: Recipe) -> Device:

@@ -9,6 +9,11 @@ that `import ckrun` (and every `ckrun` command, which starts here) costs no torc
     applied = ckrun.auto_checkpoint(model, batch, memory_budget="8GB")   # plan and apply in your own loop
     planned = ckrun.plan_memory(model, batch, max_mem="8GB")             # or ask first, then apply
     ckrun.apply_memory_plan(model, planned)
+    tuned = ckrun.tune("my.yaml", max_mem="40GB", trials=10)            # `ckrun tune` as a call: a TuneResult
+    run = ckrun.train("my.yaml", ["train.steps=10"])                    # `ckrun my.yaml ...`: a RunResult
+
+The calls print nothing and return values; what they do is logged (`logging`), and bad input raises a
+CkrunError whose `lines()` say what to change.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ _PUBLIC = {  # name -> the module that defines it
     "PlannedMemory": "ckrun.autotune.api",
     "AppliedMemoryPlan": "ckrun.autotune.api",
     "MemoryPlanError": "ckrun.autotune.api",
+    "tune": "ckrun.autotune.api",
+    "TuneResult": "ckrun.autotune.tune",
+    "train": "ckrun.runner.api",
+    "RunResult": "ckrun.runner.train.loop",
     "CkrunError": "ckrun.runner.problems",
 }
 __all__ = sorted(_PUBLIC)

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .environment import IMPORT_ROOTS_ENV
+from .key_tree import meant
 from .problems import InputError, KeyedError, Problem, dotted, suggest
 from .recipe import Recipe
 from .yamlio import Document, apply_overrides, load_document, parse_document
@@ -172,8 +173,8 @@ def _data_path(loc: tuple, data: Any) -> tuple:
 
 def _message(error: dict, path: tuple, data: Any) -> str:
     kind, ctx, value = error["type"], error.get("ctx") or {}, _Shown(error.get("input"))
-    if kind == "extra_forbidden":
-        return f"unknown key{suggest(path[-1], _known_keys(path[:-1], data))}"
+    if kind == "extra_forbidden":  # where in the schema such a key belongs, or a sibling it is a typo of
+        return f"unknown key{meant(path, data, _known_keys(path[:-1], data))}"
     if kind == "missing":
         return "required key is missing"
     if kind == "union_tag_invalid":

@@ -2,7 +2,8 @@
 
 Every closed choice is a discriminated union on `policy` whose members are the policy types of
 runner/policies.py, so a plan is plain data that can be written into a recipe, compared, hashed
-and proposed by the tuner. `plan_problems` is the one place that says which combinations a plan
+and proposed by the tuner. The pools' fields are made from runner/pool_policies.py's POOL_KINDS, one
+per entry, so that a new kind of pool is one entry there. `plan_problems` is the one place that says which combinations a plan
 cannot have, in terms of what the policies are (`spans_blocks`, `moves`, `lossy`), not their names.
 """
 
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Annotated, Literal, Union, get_args
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, create_model, field_validator
 
 from .choices import Strict
 from .policies import (  # noqa: F401 - the plan's vocabulary, importable from here as before
@@ -36,6 +37,7 @@ from .pool_policies import (  # noqa: F401 - the pools' policies, importable fro
     BF16Weights,
     ChunkedLoss,
     FullState,
+    HostMasterOffload,
     HostOptimizerOffload,
     LowBitState,
     Loss,
@@ -44,6 +46,7 @@ from .pool_policies import (  # noqa: F401 - the pools' policies, importable fro
     OptimizerOffload,
     OptimizerState,
     OptimizerStep,
+    POOL_KINDS,
     StepAfterBackward,
     StepInBackward,
     Weights,
@@ -76,9 +79,9 @@ class LengthBucket(Strict):
     """The checkpointing for these batches (policy sqrt is not switchable: use every or layers)."""
 
 
-class MemoryPlan(Strict):
-    """How a step trades time for memory. Checkpointing, offload and compile never change what is
-    computed; micro_batch does where the model looks across samples (BatchNorm, dropout masks)."""
+class ActivationPlan(Strict):
+    """The plan's fields before the pools': how the activations are kept, recomputed, moved or compressed,
+    and how the step runs (micro-batches, compile, the allocator). `MemoryPlan` adds the pools'."""
 
     micro_batch: int | None = Field(default=None, gt=0)
     """Samples per forward pass; must divide train.batch_size. Gradient accumulation makes up the
@@ -108,36 +111,6 @@ class MemoryPlan(Strict):
     the model; results are the same as under any fixed plan. Empty: one plan for every batch."""
     compression: Compression = Field(default_factory=NoCompression)
     """Store the blocks' saved activations in a lower precision until backward needs them (lossy)."""
-    weights: Weights = Field(default_factory=MasterWeights)
-    """How the parameters are held: `fp32` masters (autocast casts copies; `cast_cache: false` keeps
-    none for the whole forward), or `bf16` with a stochastically rounded update (lossy)."""
-    optimizer_state: OptimizerState = Field(default_factory=FullState)
-    """The precision of AdamW's moments: `full` (as the recipe's optimizer keeps them), or `8bit`,
-    `4bit`, `fp8` (torchao.optim's low-bit AdamW; lossy)."""
-    optimizer_step: OptimizerStep = Field(default_factory=StepAfterBackward)
-    """When the update runs: `after` the backward (every gradient alive until then), or `in_backward`
-    (each parameter updated and its gradient freed as soon as it is accumulated; exact)."""
-    optimizer_offload: OptimizerOffload = Field(default_factory=NoOptimizerOffload)
-    """Where the optimizer state and update live: on the device (`none`), or for a `fraction` of the
-    parameters in host memory with the update on the CPU (`cpu`; exact; CUDA only)."""
-    loss: Loss = Field(default_factory=WholeLogits)
-    """How a language model's loss is computed: from the `whole` logits, or `chunked` over pieces of
-    the sequence with each piece's logits recomputed in backward (exact up to summation order)."""
-    allow_lossy: bool = False
-    """Permit knobs that change the training beyond float rounding (memory.compression, weights bf16,
-    optimizer_state 8bit/4bit/fp8); `ckrun tune --allow-lossy` sets it in the plans it tries, and
-    tuned.yaml keeps it so the choice stays visible."""
-
-    def pool_policies(self) -> list[PoolPolicy]:
-        """The policies of the pools beside the activations (weights, optimizer, loss), in plan order."""
-        return [self.weights, self.optimizer_state, self.optimizer_step, self.optimizer_offload, self.loss]
-
-    def pool_changes(self) -> list[str]:
-        """`KEY LABEL` of each pool policy other than its default (`loss chunked:8`), for a log line."""
-        return [f"{policy.section} {policy.label()}" for policy in self.pool_policies()
-                if policy != type(self).model_fields[policy.section].default_factory()]
-    max_mem: ByteSize | None = None
-    """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
 
     @field_validator("adaptive")
     @classmethod
@@ -158,6 +131,40 @@ class MemoryPlan(Strict):
             raise ValueError(f"{allocator!r} is not allocator settings; write option:value pairs joined by commas, "
                              "e.g. expandable_segments:True or max_split_size_mb:128,expandable_segments:False")
         return allocator
+
+
+def _pool_field(kind: tuple[type[PoolPolicy], ...]):
+    """A pool's plan field, from its entry in POOL_KINDS: its union, its first class as the default, its
+    kind's docstring as the key's documentation (what `ckrun schema` and the docs show)."""
+    union = Annotated[Union[kind], Field(discriminator=Policy.discriminator)]  # noqa: UP007 - a union of a tuple
+    return union, Field(default_factory=kind[0], description=kind[0].key_doc())
+
+
+PoolPlan = create_model("PoolPlan", __base__=ActivationPlan, __module__=__name__,
+                        **{section: _pool_field(kind) for section, kind in POOL_KINDS.items()})
+PoolPlan.__doc__ = "ActivationPlan with one field per pool of POOL_KINDS (runner/pool_policies.py), in its order."
+
+
+class MemoryPlan(PoolPlan):
+    """How a step trades time for memory. Checkpointing, offload and compile never change what is
+    computed; micro_batch does where the model looks across samples (BatchNorm, dropout masks)."""
+
+    # ActivationPlan's fields, then one per pool of POOL_KINDS (PoolPlan), then these
+    allow_lossy: bool = False
+    """Permit knobs that change the training beyond float rounding (memory.compression, weights bf16,
+    optimizer_state 8bit/4bit/fp8); `ckrun tune --allow-lossy` sets it in the plans it tries, and
+    tuned.yaml keeps it so the choice stays visible."""
+    max_mem: ByteSize | None = None
+    """Hard cap on the step's peak memory (`40GB`, `40GiB`, bytes): exceeding it stops the run."""
+
+    def pool_policies(self) -> list[PoolPolicy]:
+        """The policies of the pools beside the activations, one per entry of POOL_KINDS, in its order."""
+        return [getattr(self, section) for section in POOL_KINDS]
+
+    def pool_changes(self) -> list[str]:
+        """`KEY LABEL` of each pool policy other than its default (`loss chunked:8`), for a log line."""
+        return [f"{policy.section} {policy.label()}" for policy in self.pool_policies()
+                if policy != type(self).model_fields[policy.section].default_factory()]
 
     @field_validator("max_mem")
     @classmethod
@@ -247,10 +254,9 @@ def _pool_problems(plan: MemoryPlan) -> list[tuple[tuple[str, ...], str]]:
         problems.append((("optimizer_offload",), "memory.optimizer_offload: cannot be combined with memory."
                          "optimizer_step: in_backward (the host's update runs after the backward, on gradients it "
                          "copied); choose one of them"))
-    for kept in (plan.optimizer_state, plan.weights):
-        if offload.moves_state and kept.lossy:
-            problems.append((("optimizer_offload",), f"memory.optimizer_offload: cannot be combined with memory."
-                             f"{kept.section}: {kept.label()} (the host keeps float32 state and weights); choose one"))
+    if offload.moves_state and plan.weights.lossy:  # low-bit state is fine: torchao's AdamW on the host's tensors
+        problems.append((("optimizer_offload",), f"memory.optimizer_offload: cannot be combined with memory.weights: "
+                         f"{plan.weights.label()} (the host keeps float32 weights); choose one"))
     if plan.loss.splits_head and plan.compile:  # the head's pass-through is checked by identity, which compiled code loses
         problems.append((("loss",), "memory.loss: chunked cannot be combined with memory.compile: true; set "
                          "memory.loss.policy: whole or memory.compile: false"))
@@ -265,7 +271,11 @@ def _step_problems(plan: MemoryPlan, facts: StepFacts) -> list[tuple[tuple[str, 
         if why:
             problems.append((("optimizer_step",), f"memory.optimizer_step: in_backward updates each parameter as soon "
                              f"as its gradient is accumulated, but {why}; or use policy after"))
-    if plan.optimizer_offload.moves_state and facts.precision == "fp16":
+    if plan.optimizer_offload.masters_on_host and facts.precision != "bf16":
+        problems.append((("optimizer_offload",), f"memory.optimizer_offload: {plan.optimizer_offload.label()} holds "
+                         "bfloat16 weights on the device for bf16 autocast to read as it would cast them, not "
+                         f"precision {facts.precision}; set precision: bf16 or policy cpu"))
+    elif plan.optimizer_offload.moves_state and facts.precision == "fp16":
         problems.append((("optimizer_offload",), "memory.optimizer_offload: fp16's loss scaler unscales gradients "
                          "on the device, which the host copies would miss; use precision bf16 or policy none"))
     for policy in (plan.weights, plan.optimizer_state):
@@ -275,13 +285,12 @@ def _step_problems(plan: MemoryPlan, facts: StepFacts) -> list[tuple[tuple[str, 
     if plan.weights.holds_bf16 and facts.precision != "bf16":
         problems.append((("weights",), f"memory.weights: bf16 weights run under bf16 autocast (which keeps the ops "
                          f"that need float32 in it), not precision {facts.precision}; set precision: bf16"))
-    if facts.distributed:
-        for policy in plan.pool_policies():
-            if policy.active and policy.single_process:
-                problems.append(((policy.section,), f"memory.{policy.section}: {policy.label()} runs in one process "
-                                 "only; set distributed.strategy: none or leave this key out (FSDP's own offload is "
-                                 "memory.sharding.offload)"))
     return problems
+
+
+def accumulates(plan: MemoryPlan, batch_size: int) -> bool:
+    """Several micro-batches make a step: each parameter's gradient is summed over them."""
+    return (plan.micro_batch or batch_size) < batch_size
 
 
 def gradients_final(plan: MemoryPlan, facts: StepFacts) -> bool:
@@ -293,7 +302,7 @@ def gradients_final(plan: MemoryPlan, facts: StepFacts) -> bool:
 def _before_any_update(plan: MemoryPlan, facts: StepFacts) -> str:
     """Why every gradient must exist before the first update, or ''."""
     micro = plan.micro_batch or facts.batch_size
-    if micro < facts.batch_size:
+    if micro < facts.batch_size and not facts.distributed:  # on ranks, of a rank's share: check_world judges it
         return (f"memory.micro_batch {micro} makes {facts.batch_size // micro} micro-batches and the first would "
                 "update the weights the others still need; leave memory.micro_batch out (or set it to "
                 "train.batch_size)")

@@ -8,7 +8,7 @@ the per-block solver's words (`block_action`, `on_blocks`). The rules for combin
 (runner/plan.py) read those capabilities, never a policy's name; applying a policy to a model is
 the memory layer's (runner/memory/), which asks these same methods; the tuner's space and solver
 (autotune/) ask them too. Adding a policy is one class here and its place in the union, its tests,
-and its line in the README.
+and its line in docs/recipes.md's recipe block.
 """
 
 from __future__ import annotations

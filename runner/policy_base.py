@@ -10,6 +10,7 @@ Pure data: importing this module imports neither torch nor torchao.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from typing import ClassVar, Protocol
 
 from pydantic import field_validator
@@ -116,8 +117,6 @@ class PoolPolicy(Policy):
     """The optional package it needs."""
     active: ClassVar[bool] = True
     """It changes anything at all (each pool's default does not)."""
-    single_process: ClassVar[bool] = True
-    """It runs in one process only: refused under a distributed strategy."""
 
     @field_validator("policy", check_fields=False)
     @classmethod
@@ -131,6 +130,19 @@ class PoolPolicy(Policy):
     def tuner_labels(cls) -> list[str]:
         """The choices it offers the tuner (none when its library is missing)."""
         return [] if library_missing(cls.library, cls.section, cls.tag()) else [cls.tag()]
+
+    @classmethod
+    def key_doc(cls) -> str:
+        """Its recipe key's documentation (`memory.weights`): the docstring of its kind's base class, the
+        class that names the `section` (the plan's field is made from it: runner/plan.py)."""
+        return inspect.cleandoc(next(c.__doc__ for c in cls.__mro__ if "section" in vars(c)))
+
+    def saved_as(self) -> str | None:
+        """What a checkpoint's weights and optimizer state depend on of this policy, as a string the resume
+        fingerprint compares (runner/train/checkpoint/fingerprint.py); None: the same state is saved
+        whatever this policy is, so it may change on resume. By default its whole label: a pool that
+        does not say otherwise refuses a resume under another of its settings."""
+        return self.label()
 
     def describe(self) -> str:
         """The log line when it is applied."""

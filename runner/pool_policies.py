@@ -10,12 +10,14 @@ terms the rest of ckrun asks about:
 - `lossy`: it changes what training computes beyond float rounding (refused without
   memory.allow_lossy, its error measured: runner/train/measure/update_error.py);
 - `library`: the optional package it needs (`torchao`), refused in one line when that is absent;
-- `single_process`: it cannot run under a distributed strategy (yet);
+- `saved_as`: what a checkpoint's state depends on of it (the resume fingerprint);
 - and the capabilities `plan_problems` (runner/plan.py) combines: `updates_in_backward`,
-  `moves_state`, `splits_head`, `holds_bf16`.
+  `moves_state`, `masters_on_host`, `splits_head`, `holds_bf16`.
 
-Applying them is the memory layer's (runner/memory/weights.py, optimizers.py, host_optimizer.py,
-chunked_loss.py); the estimator predicts each to the byte by running that same code on fake tensors.
+Each kind of pool is one union in `POOL_KINDS` at the end, the one table every list of the pools comes
+from. Applying them is the memory layer's (runner/memory/apply.py's POOL_APPLIERS: weights.py,
+chunked_loss.py; optimizers.py and host_optimizer.py for the optimizer's); the estimator predicts each
+to the byte by running that same code on fake tensors.
 Pure data: importing this module imports neither torch nor torchao.
 """
 
@@ -35,6 +37,9 @@ from .policy_base import TORCHAO, PoolPolicy
 
 
 class WeightsPolicy(PoolPolicy):
+    """How the parameters are held: `fp32` masters (autocast casts copies; `cast_cache: false` keeps
+    none for the whole forward), or `bf16` with a stochastically rounded update (lossy)."""
+
     section: ClassVar[str] = "weights"
     pool: ClassVar[str] = "parameters"
     holds_bf16: ClassVar[bool] = False
@@ -43,6 +48,9 @@ class WeightsPolicy(PoolPolicy):
     def autocast_cache(self) -> bool:
         """Whether autocast keeps its cast copies of the weights for the whole forward."""
         return True
+
+    def saved_as(self) -> str:
+        return self.tag()  # the parameters' dtype; the cast cache saves the same state
 
     @abstractmethod
     def holds(self, precision: str) -> str:
@@ -59,7 +67,6 @@ class MasterWeights(WeightsPolicy):
     under activation checkpointing the checkpointed blocks then hold no cast weights from their
     forward to the end of the forward (exact: the same values are cast)."""
     active: ClassVar[bool] = False
-    single_process: ClassVar[bool] = False  # autocast's cache is each process's own
 
     def autocast_cache(self) -> bool:
         return self.cast_cache
@@ -94,8 +101,15 @@ class BF16Weights(WeightsPolicy):
     policy: Literal["bf16"]
     """Parameters held in bfloat16 (2 bytes each, no fp32 master copy), updated by torchao's AdamW
     with stochastic rounding (the update is computed in fp32 and rounded up or down at random in
-    proportion, so small updates are not lost to rounding on average). Gradients are bf16 too. Lossy:
-    needs memory.allow_lossy: true and train.optimizer.name: adamw."""
+    proportion, so small updates are not lost to rounding on average). Gradients are bf16 too; over
+    several micro-batches (memory.micro_batch) each is summed in float32 (4 B a parameter while the
+    backward runs), never in bf16, and rounded to bf16 once before clipping and the update, as one
+    pass over the whole batch would give it. Lossy: needs memory.allow_lossy: true and
+    train.optimizer.name: adamw. On ranks: FSDP2 shards the bf16 parameters and each rank rounds its
+    own elements; DDP's replicas draw the same random bits (seeded by train.seed, the step and the
+    parameter), so they stay identical. Its tolerance there: a run on ranks is no farther from one
+    process's losses than twice one process's distance from exact training (another draw of the same
+    rounding), plus float summation order."""
     lossy: ClassVar[bool] = True
     library: ClassVar[str | None] = TORCHAO
     holds_bf16: ClassVar[bool] = True
@@ -116,6 +130,9 @@ Weights = Annotated[MasterWeights | BF16Weights, Field(discriminator="policy")]
 
 
 class OptimizerStatePolicy(PoolPolicy):
+    """The precision of AdamW's moments: `full` (as the recipe's optimizer keeps them), or `8bit`,
+    `4bit`, `fp8` (torchao.optim's low-bit AdamW; lossy)."""
+
     section: ClassVar[str] = "optimizer_state"
     pool: ClassVar[str] = "optimizer_state"
 
@@ -149,7 +166,11 @@ class LowBitState(OptimizerStatePolicy):
     """AdamW's two moments quantized block-wise by torchao.optim: `8bit` (AdamW8bit, 2 B a parameter
     with its scales, a quarter of fp32's), `4bit` (AdamW4bit, about 1 B), `fp8` (AdamWFp8, float8 with
     one scale per block: 2 B). Tensors under 4096 elements keep full precision, as bitsandbytes
-    does. Lossy: needs memory.allow_lossy: true and train.optimizer.name: adamw."""
+    does. Lossy: needs memory.allow_lossy: true and train.optimizer.name: adamw. On ranks: DDP's
+    replicas quantize as one process does; FSDP2's shards each quantize their own elements (a shard
+    under 4096 elements keeps full precision). Its tolerance there: a run on ranks is no farther from
+    one process's losses than twice one process's distance from exact training, plus float summation
+    order."""
     full_precision_embeddings: bool = True
     """Keep the moments of embedding tables (nn.Embedding weights, and a head tied to one) in full
     precision, as bitsandbytes advises: rows of tokens a batch lacks get no gradient, and a block's
@@ -199,10 +220,16 @@ OptimizerState = Annotated[FullState | LowBitState, Field(discriminator="policy"
 
 
 class OptimizerStepPolicy(PoolPolicy):
+    """When the update runs: `after` the backward (every gradient alive until then), or `in_backward`
+    (each parameter updated and its gradient freed as soon as it is accumulated; exact)."""
+
     section: ClassVar[str] = "optimizer_step"
     pool: ClassVar[str] = "gradients"
     updates_in_backward: ClassVar[bool] = False
     """Each parameter is updated, and its gradient freed, as soon as its gradient is accumulated."""
+
+    def saved_as(self) -> None:
+        return None  # the same optimizer, stepped at another time: the same state is saved
 
 
 class StepAfterBackward(OptimizerStepPolicy):
@@ -218,7 +245,9 @@ class StepInBackward(OptimizerStepPolicy):
     that gradient then (a post-accumulate-grad hook, as torchtune's optimizer_in_bwd): at most the
     gradients of the parameters whose backward is under way are alive. The same arithmetic as the
     step after backward, so exact, but only with one micro-batch, no global gradient clipping
-    (train.grad_clip: null) and no fp16 loss scaling, which all need every gradient first."""
+    (train.grad_clip: null) and no fp16 loss scaling, which all need every gradient first. On ranks:
+    fsdp, hsdp and tp update each rank's shard once FSDP2 has reduce-scattered (and averaged) it;
+    refused under ddp, which averages a gradient only after autograd has accumulated it."""
     updates_in_backward: ClassVar[bool] = True
 
     def describe(self) -> str:
@@ -233,14 +262,26 @@ OptimizerStep = Annotated[StepAfterBackward | StepInBackward, Field(discriminato
 
 
 class OptimizerOffloadPolicy(PoolPolicy):
+    """Where the optimizer state and update live: on the device (`none`), for a `fraction` of the
+    parameters in host memory with the update on the CPU (`cpu`; exact; CUDA only), or with the float32
+    master weights on the host too and bfloat16 weights on the device (`master`, ZeRO-Offload's split;
+    exact; precision bf16)."""
+
     section: ClassVar[str] = "optimizer_offload"
     pool: ClassVar[str] = "optimizer_state"
     moves_state: ClassVar[bool] = False
     """The optimizer state (and the update) of some parameters lives in host memory."""
+    masters_on_host: ClassVar[bool] = False
+    """The float32 master weights live in host memory too, and the device holds bfloat16 copies of those
+    autocast would cast anyway (ZeRO-Offload's split): every gradient goes to the host as it is made."""
 
     def host_fraction(self) -> float:
         """The share of the parameters' bytes whose state and update live in host memory."""
         return 0.0
+
+    def cpu_refusal(self) -> str | None:
+        """Why a run on the CPU refuses it (nothing to save there), or None where it runs there too."""
+        return None
 
     @classmethod
     def tuner_labels(cls, device_kind: str = "cuda") -> list[str]:
@@ -263,7 +304,8 @@ class HostOptimizerOffload(OptimizerOffloadPolicy):
     fractional optimizer offload: each step copies those gradients to the host and the updated
     parameters back. With one micro-batch and no clipping or loss scaling, each gradient is copied
     as soon as the backward has accumulated it (overlapping the rest of the backward) and freed on
-    the device. Exact: the same update, computed on the host. CUDA only."""
+    the device. Exact: the same update, computed on the host. CUDA only, one process: on ranks the host
+    offload is FSDP2's (memory.sharding.offload: cpu, under fsdp, hsdp or tp)."""
     fraction: float = Field(default=1.0, gt=0, le=1)
     """The share of the parameters' bytes whose state and update go to the host, taken in the model's
     parameter order (1: all of them)."""
@@ -285,23 +327,64 @@ class HostOptimizerOffload(OptimizerOffloadPolicy):
             return []
         return [cls(policy="cpu", fraction=fraction).label() for fraction in OFFLOAD_FRACTIONS]
 
+    def cpu_refusal(self) -> str:
+        return ("memory.optimizer_offload: moves optimizer state from the GPU to host memory; this run is on the CPU, "
+                "so there is nothing to save - set memory.optimizer_offload.policy: none")
+
     def describe(self) -> str:
         share = "all parameters" if self.fraction == 1 else f"{self.fraction:.0%} of the parameters' bytes"
         return (f"memory.optimizer_offload {self.label()}: the optimizer state and update of {share} in host "
                 "memory; their gradients go to the host and the updated weights come back each step")
 
 
-OptimizerOffload = Annotated[NoOptimizerOffload | HostOptimizerOffload, Field(discriminator="policy")]
+class HostMasterOffload(OptimizerOffloadPolicy):
+    policy: Literal["master"]
+    """ZeRO-Offload's split: the float32 master weights, AdamW's moments and the update in pinned host
+    memory (torch's fused CPU AdamW, or torchao's low-bit AdamW on the host's tensors with
+    memory.optimizer_state 8bit/4bit/fp8), and on the device bfloat16 copies of the weights of the
+    nn.Linear layers, recast from the masters after each host step; every other parameter (embeddings,
+    norms, a head tied to an embedding or split by the chunked loss) stays float32 on the device. Each
+    gradient goes to the host as soon as the backward accumulates it (a post-accumulate-grad hook
+    copies it to a pinned buffer on a side stream and frees it on the device), where micro-batches add
+    up in float32. Exact: the update is float32 AdamW on float32 gradients, and the forward reads the
+    bfloat16 weights that bf16 autocast casts a layer's weight to anyway (the same rounding); needs
+    precision bf16. A layer that runs twice in one forward, or outside autocast, is refused at its
+    first step (its weight's gradients would add up in bfloat16). On the CPU the host and the device
+    are the same memory: it saves nothing there, but runs the same path."""
+    moves_state: ClassVar[bool] = True
+    masters_on_host: ClassVar[bool] = True
+
+    def host_fraction(self) -> float:
+        return 1.0
+
+    @classmethod
+    def tuner_labels(cls, device_kind: str = "cuda") -> list[str]:
+        return [cls.tag()] if device_kind == "cuda" else []
+
+    def describe(self) -> str:
+        return ("memory.optimizer_offload master: float32 master weights, AdamW's moments and update in host memory, "
+                "bfloat16 copies of the nn.Linear weights on the device (recast after each host step); each gradient "
+                "goes to the host as the backward makes it (exact: float32 AdamW, the weights bf16 autocast casts to)")
+
+
+OptimizerOffload = Annotated[NoOptimizerOffload | HostOptimizerOffload | HostMasterOffload,
+                             Field(discriminator="policy")]
 
 
 # --- the loss ------------------------------------------------------------------------------------------
 
 
 class LossPolicy(PoolPolicy):
+    """How a language model's loss is computed: from the `whole` logits, or `chunked` over pieces of
+    the sequence with each piece's logits recomputed in backward (exact up to summation order)."""
+
     section: ClassVar[str] = "loss"
     pool: ClassVar[str] = "loss"
     splits_head: ClassVar[bool] = False
     """The model's output projection and the loss run in pieces of the sequence (language models only)."""
+
+    def saved_as(self) -> None:
+        return None  # the loss's pieces hold no state
 
     def pieces(self) -> int:
         """How many pieces of the sequence the loss runs over (1: the whole logits at once)."""
@@ -323,7 +406,8 @@ class ChunkedLoss(LossPolicy):
     piece's logits live at a time instead of the whole sequence's. Exact up to float summation
     order (the loss is a sum of per-piece sums; the head's weight gradient a sum over pieces);
     with `chunks: 1` the arithmetic is the same. Needs a language-model head that is one Linear
-    whose output the model returns as its logits."""
+    whose output the model returns as its logits. On ranks each rank splits its own share; under
+    FSDP2 the root's parameters (the head among them) stay gathered from the forward to the backward."""
     chunks: int = Field(default=8, gt=0)
     """Pieces of the sequence (a piece is at least one position)."""
     splits_head: ClassVar[bool] = True
@@ -350,13 +434,14 @@ class ChunkedLoss(LossPolicy):
 Loss = Annotated[WholeLogits | ChunkedLoss, Field(discriminator="policy")]
 
 
-# --- the tuner's labels -------------------------------------------------------------------------------
+# --- the one table -------------------------------------------------------------------------------------
 
-WEIGHTS: tuple[type[WeightsPolicy], ...] = members(Weights)
-OPTIMIZER_STATE: tuple[type[OptimizerStatePolicy], ...] = members(OptimizerState)
-OPTIMIZER_STEP: tuple[type[OptimizerStepPolicy], ...] = members(OptimizerStep)
-OPTIMIZER_OFFLOAD: tuple[type[OptimizerOffloadPolicy], ...] = members(OptimizerOffload)
-LOSS: tuple[type[LossPolicy], ...] = members(Loss)
-POOL_KINDS = {"weights": WEIGHTS, "optimizer_state": OPTIMIZER_STATE, "optimizer_step": OPTIMIZER_STEP,
-              "optimizer_offload": OPTIMIZER_OFFLOAD, "loss": LOSS}
-"""The plan's key -> the classes of its union: a tuner label reads back with ckrun.runner.choices.choice_fields."""
+POOL_KINDS: dict[str, tuple[type[PoolPolicy], ...]] = {
+    kind[0].section: kind for kind in map(members, (Weights, OptimizerState, OptimizerStep, OptimizerOffload, Loss))}
+"""The pools beside the activations: the plan's key -> the classes of its union, in plan order, the first
+the default. Everything that lists the pools derives from this table: the plan's fields (runner/plan.py
+makes one per entry, documented by `key_doc`), `MemoryPlan.pool_policies()` and the rules over them,
+`apply_plan`'s loop (runner/memory/apply.py), the resume fingerprint (`saved_as`), the tuner's pool
+knobs (autotune/space/pool_knobs.py) and their lower bound, and a tuner label read back
+(ckrun.runner.choices.choice_fields). A new kind of pool is one union added here, last
+(tests/runner/test_pool_table.py adds one and follows it everywhere)."""

@@ -90,6 +90,20 @@ class DataParallel(Strategy):
     strategy: Literal["ddp"]
     """DDP: every rank holds the whole model and optimizer; gradients are averaged after backward."""
 
+    def combination_problems(self, plan, precision: str) -> list[tuple[tuple[str, ...], str]]:
+        problems = []
+        if plan.optimizer_step.updates_in_backward:
+            # DDP's reducer averages a gradient after autograd has accumulated it, where the update's hook runs
+            problems.append((("memory", "optimizer_step"), "in_backward would update each parameter"
+                             " with this rank's own gradient: DDP averages it over the ranks afterwards, in "
+                             "buckets that hold every gradient for the whole run (so nothing would be freed either); "
+                             "use distributed.strategy fsdp (its update runs on the averaged shard) or policy after"))
+        if plan.optimizer_offload.moves_state:
+            problems.append((("memory", "optimizer_offload"), "ckrun's host optimizer keeps its state"
+                             " in a form the ranks' sharded checkpoint cannot save; use distributed.strategy "
+                             "fsdp with memory.sharding.offload: cpu (FSDP2's own host offload), or policy none"))
+        return problems
+
     def describe(self, world_size: int) -> str:
         return f"ddp: every rank holds the whole model; gradients are averaged over {world_size} ranks"
 
@@ -110,6 +124,11 @@ class _Sharded(Strategy):
             # the loss scaler would find inf/nan in each rank's shard alone: ranks could disagree on skipping
             problems.append((("precision",), f"fp16 with distributed.strategy {self.strategy} is not supported (its "
                              "loss scaler sees one shard per rank); use precision: bf16, or strategy: ddp"))
+        if plan.optimizer_offload.moves_state:
+            problems.append((("memory", "optimizer_offload"), f"under distributed.strategy {self.strategy} the host"
+                             " offload is FSDP2's own: set memory.sharding.offload: cpu "
+                             "instead (this rank's shards, their gradients and the optimizer step in host memory) and "
+                             "leave this key out"))
         return problems
 
 

@@ -80,3 +80,17 @@ def _logger_levels_restored():
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
 
+
+@pytest.fixture
+def two_rank_mesh():
+    """Rank 0 of torch's fake process group of 2 ranks (collectives are no-ops, shapes real), as a 1-D
+    device mesh: DTensors as FSDP2's shards are, in one process (a testing API: skipped without it)."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()

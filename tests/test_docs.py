@@ -1,13 +1,17 @@
-"""The two guides stay true to the tree (issue 31 point 5): README.md is the user's guide and
-docs/DEVELOPING.md the maintainer's. Each opens with a table of contents whose every entry reaches a
-heading and lists every `##` section, in order; the maintainer's guide names only files, classes,
-functions and constants that exist, so a rename or a move that forgets it fails here, not in the
-next engineer's hands; and the README names every GPU `--gpu` knows."""
+"""The guides stay true to the tree (issue 31 point 5, issue 41 point 4): README.md is the newcomer's
+page (at most 350 lines), the user's reference is on the docs/ pages it links to, and docs/DEVELOPING.md
+is the maintainer's guide. Each opens with a table of contents whose every entry reaches a heading and
+lists every `##` section, in order; every link between them reaches a page and a heading; every ckrun
+command in their code blocks is one ckrun's own parser accepts; the maintainer's guide names only
+files, classes, functions and constants that exist, so a rename or a move that forgets it fails here,
+not in the next engineer's hands; and docs/predicting.md names every GPU `--gpu` knows."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 import re
+import shlex
 from functools import cache
 
 import pytest
@@ -17,7 +21,11 @@ from ckrun.runner.predict.hardware import known_names
 
 README = ROOT / "README.md"
 DEVELOPING = ROOT / "docs" / "DEVELOPING.md"
-GUIDES = [README, DEVELOPING]
+# the user's pages: every docs/ page the README links to but the maintainer's guide and the benchmarks
+PAGES = sorted({ROOT / link for link in re.findall(r"\]\((docs/[\w.]+\.md)[)#]", README.read_text(encoding="utf-8"))}
+               - {DEVELOPING, *(ROOT / "docs").glob("benchmarks*.md")})
+GUIDES = [README, DEVELOPING, *PAGES]
+README_LINES = 350  # a newcomer's page (issue 41 point 4): the reference is on the pages
 CODE = ("runner", "autotune", "bench", "tests")
 NOT_OURS = {"ParallelDims": "torchtitan's, which the strategy decision compares ckrun's strategies with"}
 
@@ -71,6 +79,98 @@ def test_every_contents_entry_reaches_its_heading_and_every_section_is_listed_in
 
 def test_the_readme_points_maintainers_to_their_guide():
     assert "(docs/DEVELOPING.md)" in README.read_text(encoding="utf-8")
+
+
+def test_the_readme_is_a_newcomers_page_linking_every_users_page():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= README_LINES, f"README.md has {len(text.splitlines())} lines; move reference to docs/"
+    assert [title for level, title in headings(text) if level == 2][:2] == ["Set-up on a fresh machine", "Your first tune"]
+    users = {path for path in (ROOT / "docs").glob("*.md") if path != DEVELOPING and not path.name.startswith("benchmarks")}
+    assert set(PAGES) == users and len(PAGES) >= 7, "a docs/ page the README does not link to"
+
+
+def _targets(guide) -> list[tuple[str, str]]:
+    """(file, anchor) of each relative link of a page, outside code; the file relative to the page's folder."""
+    prose = re.sub(r"```.*?```", "", guide.read_text(encoding="utf-8"), flags=re.S)
+    return [(target, fragment) for target, fragment in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", prose)
+            if "://" not in target]
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda path: path.name)
+def test_every_link_reaches_a_page_and_its_heading(guide):
+    links = _targets(guide)
+    assert links or guide == DEVELOPING, f"{guide.name} links nowhere"
+    for target, fragment in links:
+        page = (guide.parent / target).resolve() if target else guide
+        assert page.exists(), f"{guide.name} links to {target}, which is not there"
+        if fragment and page.suffix == ".md":
+            titles = {anchor(title) for _, title in headings(page.read_text(encoding="utf-8"))}
+            assert fragment in titles, f"{guide.name} links to {target}#{fragment}, which {page.name} has no heading for"
+
+
+# --- every command the user's pages show is one ckrun accepts --------------------------------------
+
+
+def _blocks(text: str) -> list[tuple[str, str]]:
+    """(language, text) of each fenced code block."""
+    found, language, lines = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```") and language is None:
+            language, lines = line[3:].strip(), []
+        elif line.startswith("```"):
+            found.append((language, "\n".join(lines)))
+            language = None
+        elif language is not None:
+            lines.append(line)
+    return found
+
+
+def _commands(text: str) -> list[list[str]]:
+    """Each ckrun command line of the page's shell blocks (``` or ```bash), as its arguments after
+    `ckrun`: comments, `$ `, variables, srun's options and torchrun's (`-m ckrun`) and redirections left out."""
+    found = []
+    for language, block in _blocks(text):
+        if language not in ("", "bash"):
+            continue
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True) if re.search(r"\bckrun\b", line) else []
+            if "ckrun" not in words or words[0] not in ("ckrun", "srun", "torchrun", "$") and "=" not in words[0]:
+                continue
+            after = words[len(words) - words[::-1].index("ckrun"):] if words[0] == "torchrun" else \
+                words[words.index("ckrun") + 1:]
+            found.append(list(itertools.takewhile(lambda word: word not in (">", "|", "&&"), after)))
+    return found
+
+
+def _parses(argv: list[str]) -> str | None:
+    """Why ckrun's parser refuses `ckrun ARGV`, or None: the verb's own arguments, as `ckrun` reads them."""
+    from ckrun.runner.cli import UsageError, _parse, _parser, _plugins, _verb_and_argv, load_command
+
+    try:
+        plugins = _plugins()
+        verb, argv = _verb_and_argv(argv, plugins)
+        _parse(_parser(load_command(verb, plugins) if verb else None, plugins), argv)
+    except (UsageError, SystemExit) as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("guide", [README, *PAGES], ids=lambda path: path.name)
+def test_every_command_the_page_shows_parses(guide):
+    commands = _commands(guide.read_text(encoding="utf-8"))
+    assert commands or guide.name not in ("README.md", "distributed.md"), "the command reader reads nothing"
+    refused = {" ".join(argv): why for argv in commands if (why := _parses(argv))}
+    assert not refused, refused
+
+
+def test_the_command_reader_reads_what_a_page_writes():
+    text = ("```\nckrun tune my.yaml --max-mem 40GB   # a comment\nckrun schema > x.json\n```\n"
+            "```bash\ntorchrun --nnodes 2 \\\n    -m ckrun run my.yaml --resume\nsrun --ntasks-per-node=1 ckrun my.yaml --nproc 8\n"
+            "$ HF_HUB_OFFLINE=1 ckrun llama.yaml\npip install ckrun\n```\n```python\nckrun.train('x')\n```")
+    assert _commands(text) == [["tune", "my.yaml", "--max-mem", "40GB"], ["schema"], ["run", "my.yaml", "--resume"],
+                               ["my.yaml", "--nproc", "8"], ["llama.yaml"]]
+    assert _parses(["tune", "my.yaml", "--max-mem", "40GB"]) is None
+    assert "unrecognized arguments: --trialz 3" in _parses(["tune", "my.yaml", "--max-mem", "40GB", "--trialz", "3"])
 
 
 # --- what the maintainer's guide names exists ------------------------------------------------------
@@ -172,8 +272,8 @@ def test_the_name_check_finds_what_is_gone():
     assert _exists("builders/checks.py") and _exists("docs/benchmarks_*.md") and not _exists("runner/no_such.py")
 
 
-def test_the_readme_names_every_gpu_the_estimate_knows():
-    """A GPU row (runner/predict/gpus.py) is a `--gpu` name: the user's guide lists each one."""
-    section = README.read_text(encoding="utf-8").split("## Predicting step time", 1)[1].split("\n## ", 1)[0]
-    named = {word for span in re.findall(r"`([^`]+)`", section) for word in span.split()}
+def test_the_predicting_page_names_every_gpu_the_estimate_knows():
+    """A GPU row (runner/predict/gpus.py) is a `--gpu` name: the user's page on predicting lists each one."""
+    section = (ROOT / "docs" / "predicting.md").read_text(encoding="utf-8").split("## The time model", 1)[1]
+    named = {word for span in re.findall(r"`([^`]+)`", section.split("\n## ", 1)[0]) for word in span.split()}
     assert set(known_names()) <= named, sorted(set(known_names()) - named)

@@ -98,4 +98,4 @@ def _run_result(recipe: Recipe, stopped_by: int | None) -> RunResult:
     return RunResult(steps_done=steps, losses=[r["loss"] for r in records],
                      peak_mem_bytes=max((r.get("peak_mem_bytes") or 0 for r in records), default=0),
                      samples_per_s=[r["samples_per_s"] for r in records if r.get("samples_per_s")],
-                     stopped_by=stopped_by, total_steps=recipe.train.steps or steps)
+                     stopped_by=stopped_by, total_steps=recipe.train.steps or steps, output_dir=path.parent)

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ckrun.runner.plan import FullCheckpointing, MemoryPlan
 from ckrun.runner.recipe import Recipe
-from ckrun.runner.train.run.guard import stop_line
 from ckrun.runner.train.loop import MemoryCapExceeded, RunResult, train
 from ckrun.runner.units import format_bytes
 
@@ -36,8 +35,18 @@ BROKEN = ("crash", "died", "timeout", "bad_input")  # probe states that say noth
 TunedFor = Callable[[TrialRecord], "tuple[Path, Recipe]"]  # a ranked trial -> (tuned.yaml written for it, its recipe)
 
 
+@dataclass(frozen=True)
+class Trained:
+    """The plan that trained, its tuned.yaml and recipe, and how the training went."""
+
+    record: TrialRecord
+    path: Path
+    recipe: Recipe
+    result: RunResult
+
+
 def train_with_fallback(ranked: list[TrialRecord], tuned_for: TunedFor, resume: bool,
-                        train_fn: Callable[..., RunResult] = train) -> RunResult | None:
+                        train_fn: Callable[..., RunResult] = train) -> Trained | None:
     """Train the best plan that stays under the cap in real training; None when none does. A run
     stopped by SIGINT/SIGTERM comes back as it is (`stopped_by` set): stopping is no reason to fall back."""
     for position, record in enumerate(ranked):
@@ -52,13 +61,10 @@ def train_with_fallback(ranked: list[TrialRecord], tuned_for: TunedFor, resume: 
         if result is None:
             _release_memory()  # only now: the exception's traceback held the failed trainer until its block ended
             continue
-        if result.stopped_by:
-            print(stop_line(result.stopped_by, result.steps_done, result.total_steps, Path(recipe.output.dir)),
-                  file=sys.stderr)
-        else:
+        if not result.stopped_by:  # a stopped run's line is the caller's to say (`ckrun tune` prints it)
             log.info("train: done, %d steps, peak %s under the cap", result.steps_done,
                      format_bytes(result.peak_mem_bytes))
-        return result
+        return Trained(record, path, recipe, result)
     log.error("train: every feasible plan went over the cap in training; raise --max-mem or --margin")
     return None
 

@@ -138,14 +138,13 @@ def _head_refusal(model) -> str | None:
 
 
 def parameter_facts(model) -> dict:
-    """What the pools' lower bound reads (autotune/space/pool_floor.py): every parameter's count and bytes as
+    """What the pools' lower bound reads (ckrun.runner.memory.floor): every parameter's count and bytes as
     built, the trainable ones' (they have gradients and optimizer state) and the largest trainable one."""
-    params = list(model.parameters())  # each shared (tied) parameter once
-    trainable = [p for p in params if p.requires_grad]
-    return {"count": sum(p.numel() for p in params), "bytes": sum(p.numel() * p.element_size() for p in params),
-            "trainable": sum(p.numel() for p in trainable),
-            "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable),
-            "largest": max((p.numel() * p.element_size() for p in trainable), default=0)}
+    from dataclasses import asdict
+
+    from ckrun.runner.memory.floor import ParameterFacts
+
+    return asdict(ParameterFacts.of(model))
 
 
 def facts_answer(recipe, nproc: int = 1) -> dict:

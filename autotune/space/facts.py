@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckrun.runner.memory.blocks import Block, BlockList
+from ckrun.runner.memory.floor import ParameterFacts
 
 from .tp_facts import TensorFacts
 
@@ -54,15 +55,3 @@ class ModelFacts:
                    TensorFacts.from_json(tensor) if tensor else None,
                    ParameterFacts(**parameters) if parameters else None,
                    data.get("loss_split", cls.loss_split))
-
-
-@dataclass(frozen=True)
-class ParameterFacts:
-    """The model's parameters as built (the model child counts them on the meta device): what no memory
-    knob but the pools' policies changes, so a lower bound on every plan's peak (autotune/space/pool_floor.py)."""
-
-    count: int  # elements of every parameter (each shared one once)
-    bytes: int  # their bytes in the dtype they are built in
-    trainable: int  # elements of those with requires_grad: they have gradients and optimizer state
-    trainable_bytes: int
-    largest: int  # bytes of the largest trainable parameter: a fractional offload splits between parameters

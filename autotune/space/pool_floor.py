@@ -1,19 +1,6 @@
-"""A lower bound on a plan's peak from what only the pools' policies change, without a fake step.
-
-At the optimizer's step (or, where gradients leave early, throughout the backward) every parameter,
-every gradient that is still on the device and the device's share of the optimizer state are alive
-at once, whatever the activation knobs do: checkpointing, offload, micro-batching, compile and the
-loss shrink only what comes on top. So from the model's parameter counts (the model child counts them
-on the meta device: autotune/space/facts.py `ParameterFacts`) and a plan's weights, optimizer state,
-optimizer step and optimizer offload, `pool_floor` says how many bytes the plan holds at least; the
-CUDA context comes on top of that on a card. Each bound takes the pool's best case:
-
-- parameters: as built, or 2 B an element where memory.weights holds them in bf16;
-- gradients: the trainable parameters' bytes in the same dtype; none where the step runs in the
-  backward; with the optimizer offloaded and every gradient final once accumulated (one micro-batch,
-  no clipping), only the device's share (less the largest parameter: the offload splits between them);
-- optimizer state: AdamW's two moments (ckrun's adamw only: another optimizer is taken to keep none),
-  in the parameters' dtype or the low-bit policy's bytes without its scales, for the device's share.
+"""The tuner's side of the pools' lower bound (ckrun.runner.memory.floor: `pool_floor`, what a plan holds at
+least from its pools' policies and the model's parameter counts, which the model child counts on the meta
+device: autotune/space/facts.py `ParameterFacts`).
 
 The tuner rules out a plan whose bound is over the limit before predicting it (autotune/search/screening.py),
 and when every plan of the space is, it says so at once with the knob or the cap that would change
@@ -27,50 +14,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from ckrun.runner.choices import choice_class, choice_fields
-from ckrun.runner.plan import MemoryPlan, StepFacts, gradients_final, plan_problems
+from ckrun.runner.memory.floor import BF16_BYTES, MOMENTS, Floor, pool_floor  # noqa: F401 - the bound, importable here as before
+from ckrun.runner.plan import MemoryPlan, StepFacts, plan_problems
 from ckrun.runner.pool_policies import POOL_KINDS
 from ckrun.runner.units import format_bytes
 
 from .facts import ParameterFacts
-
-MOMENTS = 2  # AdamW's first and second moment
-BF16_BYTES = 2
-
-
-@dataclass(frozen=True)
-class Floor:
-    """Bytes a plan holds at least, per pool, and the context on top (a card's)."""
-
-    parameters: int
-    gradients: int
-    optimizer_state: int
-    context: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.context
-
-    def words(self) -> str:
-        return (f"{format_bytes(self.total)} (parameters {format_bytes(self.parameters)}, gradients "
-                f"{format_bytes(self.gradients)}, optimizer state {format_bytes(self.optimizer_state)}"
-                + (f", CUDA context {format_bytes(self.context)}" if self.context else "") + ")")
-
-
-def pool_floor(plan: MemoryPlan, facts: ParameterFacts, step: StepFacts, context: int = 0) -> Floor:
-    """The fewest bytes `plan` can hold on the device (module docstring), the CUDA context added."""
-    bf16 = plan.weights.holds_bf16
-    parameters = min(facts.bytes, BF16_BYTES * facts.count) if bf16 else facts.bytes
-    gradients = min(facts.trainable_bytes, BF16_BYTES * facts.trainable) if bf16 else facts.trainable_bytes
-    moment = plan.optimizer_state.moment_bytes()
-    state = 0 if not step.adamw else int(MOMENTS * (gradients if moment is None else moment * facts.trainable))
-    host = plan.optimizer_offload.host_fraction()
-    largest = facts.largest / max(facts.trainable_bytes, 1)  # the largest parameter's share of them
-    device_share = lambda total: max(0, int((1 - host - largest) * total)) if host else total  # noqa: E731
-    if plan.optimizer_step.updates_in_backward:
-        gradients = 0
-    elif host and gradients_final(plan, step):
-        gradients = device_share(gradients)
-    return Floor(parameters, gradients, device_share(state), context)
 
 
 # --- over a space's pool settings -------------------------------------------------------------------
@@ -109,7 +58,7 @@ def nothing_fits_line(space_values: dict[str, list[str]], every_value: dict[str,
     if floor.total <= limit:
         return None
     shown = ", ".join(f"{section} {label}" for section, label in labels.items()
-                      if label != _default(section))
+                      if label != default_label(section))
     line = (f"every plan holds at least {floor.words()} before any activation, even with "
             f"{shown or 'the pools as they are'}: over the limit {format_bytes(limit)}")
     wider, wide_floor = least(every_value, facts, step, context)
@@ -125,7 +74,8 @@ def nothing_fits_line(space_values: dict[str, list[str]], every_value: dict[str,
             "model")
 
 
-def _default(section: str) -> str:
+def default_label(section: str) -> str:
+    """The tuner label of a pool's default policy (`fp32`, `full`, `none`)."""
     return MemoryPlan.model_fields[section].default_factory().label()
 
 

@@ -21,19 +21,18 @@ from functools import partial
 from ckrun.runner.choices import choice_class, choice_fields
 from ckrun.runner.plan import MemoryPlan, plan_problems
 from ckrun.runner.policy_base import library_missing
-from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, HostOptimizerOffload, LowBitState, MasterWeights,
-                                  POOL_KINDS, StepInBackward)
+from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, LowBitState, MasterWeights,
+                                        POOL_KINDS, StepInBackward)
 from ckrun.runner.units import format_bytes
 
-
-from .pool_floor import Bound, least, nothing_fits_line, pool_floor, pool_plan, settings
+from .pool_floor import Bound, default_label, least, nothing_fits_line, pool_floor, pool_plan, settings
 from .space import Asked, Knob, Space
 
 log = logging.getLogger(__name__)
 
 LOSSY_KNOB = "compression"  # the knob whose flag (--allow-lossy) opens every lossy knob
 ROOM = 0.8  # a start's pool setting leaves a fifth of the limit for activations, the batch and the allocator's cache
-SECTIONS = tuple(POOL_KINDS)  # weights, optimizer_state, optimizer_step, optimizer_offload, loss
+SECTIONS = tuple(POOL_KINDS)  # one knob per pool, in the table's order (runner/pool_policies.py)
 
 
 def _own(asked: Asked, section: str) -> str:
@@ -66,7 +65,7 @@ def add_weights(space: Space, asked: Asked) -> None:
     precisions = space.choices.get("precision") or [space.fixed.get("precision", asked.recipe.precision)]
     half = any(p != "fp32" for p in precisions)
     exact = MasterWeights.tuner_labels("bf16" if half else "fp32")
-    lossy = BF16Weights.tuner_labels() if "bf16" in precisions and _one_adamw(asked) else []
+    lossy = BF16Weights.tuner_labels() if "bf16" in precisions and asked.recipe.step_facts().adamw else []
     why = ("fp32 masters; fp32:uncached drops autocast's cast copies between a checkpointed block's forward and "
            "its backward" if half else "the run computes in fp32: no cast copies to drop")
     _join(space, asked, "weights", exact, lossy, why + _lossy_missing(BF16Weights, asked, "bf16"))
@@ -74,7 +73,7 @@ def add_weights(space: Space, asked: Asked) -> None:
 
 def add_optimizer_state(space: Space, asked: Asked) -> None:
     lossy = [label for label in LowBitState.tuner_labels() if not _low_bit(label).unsupported()] \
-        if _one_adamw(asked) else []
+        if asked.recipe.step_facts().adamw else []
     why = "AdamW's moments as the recipe's optimizer keeps them" if asked.recipe.step_facts().adamw else \
         f"train.optimizer {asked.recipe.train.optimizer.name} is not ckrun's adamw, which the low-bit states replace"
     _join(space, asked, "optimizer_state", ["full"], lossy, why + _lossy_missing(LowBitState, asked, "8bit"))
@@ -83,24 +82,27 @@ def add_optimizer_state(space: Space, asked: Asked) -> None:
 def add_optimizer_step(space: Space, asked: Asked) -> None:
     facts = asked.recipe.step_facts()
     why_not = ("train.grad_clip is set (global clipping needs every gradient first)" if facts.grad_clip else
-               "--nproc: it runs in one process only" if asked.nproc > 1 else
                "precision fp16's loss scaler must see every gradient first" if space.fixed.get("precision") == "fp16"
                else None)
     exact = ["after"] if why_not else ["after", StepInBackward(policy="in_backward").label()]
     why = (f"in_backward left out: {why_not}" if why_not else
            "in_backward updates each parameter as its gradient is accumulated (exact; a plan of several "
-           "micro-batches with it is told invalid)")
+           "micro-batches with it" + (", or with ddp, whose gradients are averaged after that," if asked.nproc > 1
+                                      else "") + " is told invalid)")
     _join(space, asked, "optimizer_step", exact, [], why)
 
 
 def add_optimizer_offload(space: Space, asked: Asked) -> None:
     why_not = (f"the run is on the {asked.device.kind}: there is no device memory to free" if asked.device.kind != "cuda"
-               else "--nproc: it runs in one process only (FSDP's own offload is memory.sharding.offload)"
-               if asked.nproc > 1 else "precision fp16's loss scaler unscales gradients on the device"
+               else "--nproc: the ranks' host offload is FSDP2's own, the sharding knob's cpu "
+               "(memory.sharding.offload)" if asked.nproc > 1
+               else "precision fp16's loss scaler unscales gradients on the device"
                if space.fixed.get("precision") == "fp16" else None)
-    exact = ["none"] + ([] if why_not else HostOptimizerOffload.tuner_labels(asked.device.kind))
-    why = why_not or ("cpu:F keeps the optimizer state and update of a fraction F of the parameters in host memory "
-                      "(exact), its step priced at the host's AdamW rate")
+    exact = ["none"] + ([] if why_not else [label for cls in POOL_KINDS["optimizer_offload"] if cls.active
+                                            for label in cls.tuner_labels(asked.device.kind)])
+    why = why_not or ("cpu:F keeps the optimizer state and update of a fraction F of the parameters in host memory, "
+                      "master the float32 master weights too, with bf16 weights on the device (precision bf16); "
+                      "exact, the host's step priced at its AdamW rate and the copies at the host link's")
     _join(space, asked, "optimizer_offload", exact, [], why)
 
 
@@ -112,8 +114,17 @@ def add_loss(space: Space, asked: Asked) -> None:
     _join(space, asked, "loss", exact, [], why)
 
 
-def _one_adamw(asked: Asked) -> bool:
-    return asked.recipe.step_facts().adamw and asked.nproc == 1
+def add_pool(section: str, space: Space, asked: Asked) -> None:
+    """A pool without an adder of its own in ADDERS: its policies' tuner labels, the exact ones searched,
+    the lossy ones with --allow-lossy."""
+    kind = POOL_KINDS[section]
+    exact = [label for cls in kind if not cls.lossy for label in cls.tuner_labels()] or [default_label(section)]
+    _join(space, asked, section, exact, lossy_labels(section), "its policies' tuner labels")
+
+
+def lossy_labels(section: str) -> list[str]:
+    """The tuner labels of the pool's lossy policies (none where their library is missing)."""
+    return [label for cls in POOL_KINDS[section] if cls.lossy for label in cls.tuner_labels()]
 
 
 def _low_bit(label: str) -> LowBitState:
@@ -164,14 +175,16 @@ def lossy_comment(section: str, space: Space, record) -> str | None:
             "training")
 
 
-def pool_knob(section: str, flag=None) -> Knob:
-    return Knob(section, ADDERS[section], partial(to_plan, section), partial(from_plan, section),
-                partial(start, section), partial(words, section), joins=True, solver=True,
-                note=partial(lossy_comment, section))
+def pool_knob(section: str) -> Knob:
+    return Knob(section, ADDERS.get(section, partial(add_pool, section)), partial(to_plan, section),
+                partial(from_plan, section), partial(start, section), partial(words, section), joins=True,
+                solver=True, note=partial(lossy_comment, section))
 
 
 ADDERS = {"weights": add_weights, "optimizer_state": add_optimizer_state, "optimizer_step": add_optimizer_step,
           "optimizer_offload": add_optimizer_offload, "loss": add_loss}
+"""The pools whose choices depend on the device, the recipe or the ranks, with their adders; any other
+pool of POOL_KINDS is searched over its policies' own tuner labels (`add_pool`)."""
 POOL_KNOBS = tuple(pool_knob(section) for section in SECTIONS)
 
 
@@ -180,7 +193,7 @@ POOL_KNOBS = tuple(pool_knob(section) for section in SECTIONS)
 
 def space_values(space: Space) -> dict[str, list[str]]:
     """Each pool knob's values in the space (its choices, or the one it is pinned to)."""
-    return {s: list(space.choices.get(s, [space.fixed.get(s, _default(s))])) for s in SECTIONS}
+    return {s: list(space.choices.get(s, [space.fixed.get(s, default_label(s))])) for s in SECTIONS}
 
 
 def start_settings(space: Space) -> dict[str, str]:
@@ -243,10 +256,6 @@ def _least(values: dict[str, list[str]], space: Space) -> tuple[dict, str]:
                     "with each knob's strongest value; the starting points that save the most are tried first")
 
 
-def _default(section: str) -> str:
-    return MemoryPlan.model_fields[section].default_factory().label()
-
-
 def _lossy_or_unsafe(section: str, label: str, whole_batch: bool) -> bool:
     """Not for a start: lossy, or the step in backward where the starts' micro-batches split the batch."""
     return choice_class(POOL_KINDS[section], label).lossy or _unsafe(section, label, whole_batch)
@@ -270,8 +279,7 @@ def bound_space(space: Space, recipe, facts, device, cap, nproc: int = 1) -> str
         return None
     space.bound = Bound(facts.parameters, recipe.step_facts(), device.context_bytes, cap.limit)
     values = space_values(space)
-    lossy = {"weights": BF16Weights.tuner_labels(), "optimizer_state": LowBitState.tuner_labels()} \
-        if recipe.step_facts().adamw else {}
+    lossy = {section: lossy_labels(section) for section in SECTIONS} if recipe.step_facts().adamw else {}
     every = {s: list(dict.fromkeys([*v, *lossy.get(s, [])])) for s, v in values.items()}
     line = nothing_fits_line(values, every, space.bound, "--allow-lossy")
     labels, floor = least(values, facts.parameters, space.bound.step, device.context_bytes)

@@ -4,14 +4,19 @@ runner/predict's per-op-class table, and the command that writes a campaign's en
     rows = kernel_rates.measure(...)     # one dict per measurement (kernel_rates.py)
     entry = calibration_entry(rows, ...) # the shape of runner/predict's calibration table
 
-The entry (`calibration_entry`) is one entry of the time model's per-op-class table
-(runner/predict/calibration.json, issue 35): `applies_to` (ckrun's key for the card, else its
-compute capability `smXY`), `efficiency` {matmul: {dtype: share}, conv: {dtype: share}, attention:
-{family: share}, memory: share, optimizer: share, tile}, `source`, `device`, `date`, `versions`.
-Shares come from the large products (8192^3: little wave quantisation), the median of each other
-class's rows, and fused AdamW (what ckrun's trainer runs on CUDA). The products by shape stay in the
-rows for a wave-quantisation model to be checked against. `python bench/gpu/calibrate.py OUT/calibration.json
---write` puts a measured entry into the repository's table, where runner/predict has one.
+The entry (`calibration_entry`) is one entry of the time model's calibration table
+(runner/predict/calibration.json): `applies_to` (ckrun's key for the card, else its compute capability
+`smXY`), `figures` (one row per fact: `matmul.bf16`, `matmul_fill_us.bf16`, `attention.flash`,
+`attention_causal.flash`, `attention_backward.flash`, `efficient_fp32_slowdown`, `memory`, `norm.forward`,
+`norm.backward`, `optimizer`, `launch_us`, each with the rows it was taken from), `source`, `device`,
+`date`, `versions`. Products: a share and a fill time fitted to the products by shape, as
+bench/product_fit.py fits a published table (the large square products alone where too few shapes were
+measured); attention: the median share of each family's forward rows without and with a causal mask and
+of its backward rows; the memory-efficient kernel's fp32 slowdown from its fp32 and bf16 rows of one shape;
+the rest the median of their rows. A figure nothing measured is left out: the entry less specific than
+this one gives it. `python bench/gpu/calibrate.py OUT/calibration.json --write` puts a measured entry into
+the repository's table; `--facts-json FILE` writes the card's measured facts (with the host's AdamW rate)
+for `--gpu FILE`.
 """
 
 from __future__ import annotations
@@ -30,42 +35,89 @@ if str(REPO) not in sys.path:  # bench/ is no installed package
 from bench.gpu.kernel_rates import DTYPES  # noqa: E402
 
 TILE = 128  # a product's output tile edge: not measured here, the table's default
+MIN_PRODUCT_SHAPES = 4  # fewer products by shape than this: the share from the large squares, no fill time
 
 
 # --- the table's entry ----------------------------------------------------------------------------
 
 
-def _shares(rows: list[dict], **match) -> list[float]:
-    return [r["share"] for r in rows if r.get("share") and all(r.get(k) == v for k, v in match.items())]
+def _match(rows: list[dict], **match) -> list[dict]:
+    return [r for r in rows if r.get("share") and all(r.get(k) == v for k, v in match.items())]
 
 
-def _share(values: list[float]) -> float | None:
+def _median(rows: list[dict]) -> float | None:
     """The median share, kept within (0, 1] as the table's shares are; None without a measurement."""
-    return min(1.0, statistics.median(values)) if values else None
+    return min(1.0, statistics.median(r["share"] for r in rows)) if rows else None
 
 
-def efficiency(rows: list[dict]) -> dict:
-    """{matmul, conv, attention, memory, optimizer, tile} from the rows (module docstring); a class or
-    dtype nothing measured is left out."""
-    found = {"matmul": {d: _share(_shares(rows, op_class="matmul", kernel="large", dtype=d)) for d in DTYPES},
-             "conv": {d: _share(_shares(rows, op_class="conv", dtype=d)) for d in DTYPES},
-             "attention": {f: _share(_shares(rows, op_class="attention", kernel=f))
-                           for f in ("flash", "efficient", "cudnn")},
-             "memory": _share(_shares(rows, op_class="memory")),
-             "optimizer": _share(_shares(rows, op_class="optimizer", kernel="adamw_fused")), "tile": TILE}
-    return {k: ({d: s for d, s in v.items() if s is not None} if isinstance(v, dict) else v)
-            for k, v in found.items() if v is not None and v != {}}
+def figures(rows: list[dict], facts=None) -> list[dict]:
+    """The entry's figure rows (module docstring), each saying which measured rows it comes from."""
+    found: list[dict] = []
+
+    def add(name: str, value: float | None, chosen: list[dict], how: str) -> None:
+        if value is not None:
+            shapes = "; ".join(f"{r['kernel']} {r.get('direction', '')} {r['shape']}".replace("  ", " ") for r in chosen)
+            found.append({"figure": name, "value": round(value, 4),
+                          "source": f"measured by the GPU campaign: {how} of {len(chosen)} row(s) ({shapes})"})
+
+    for dtype in DTYPES:
+        _products(add, rows, dtype, facts)
+        add(f"conv.{dtype}", _median(chosen := _match(rows, op_class="conv", dtype=dtype)), chosen, "median share")
+    for family in ("flash", "efficient", "cudnn"):
+        for name, causal, direction in (("attention", False, "forward"), ("attention_causal", True, "forward"),
+                                        ("attention_backward", False, "backward")):
+            chosen = _match(rows, op_class="attention", kernel=family, dtype="bf16", causal=causal, direction=direction)
+            add(f"{name}.{family}", _median(chosen), chosen, "median share")
+    _fp32_slowdown(add, rows)
+    add("memory", _median(chosen := _match(rows, op_class="memory")), chosen, "median share of bandwidth")
+    for direction in ("forward", "backward"):
+        chosen = _match(rows, op_class="norm", direction=direction)
+        add(f"norm.{direction}", _median(chosen), chosen, "median share of bandwidth")
+    chosen = _match(rows, op_class="optimizer", kernel="adamw_fused")
+    add("optimizer", _median(chosen), chosen, "share of bandwidth (fused AdamW)")
+    launch = [r for r in rows if r.get("op_class") == "launch" and r.get("seconds")]
+    add("launch_us", launch[0]["seconds"] * 1e6 if launch else None, launch, "seconds an autograd-recording add takes")
+    return found
 
 
-def calibration_entry(rows: list[dict], versions: dict, applies_to: str) -> dict:
-    """The measured entry for runner/predict's calibration table (module docstring)."""
+def _products(add, rows: list[dict], dtype: str, facts) -> None:
+    """matmul.DTYPE and matmul_fill_us.DTYPE: fitted to the products by shape where enough were measured."""
+    large = _match(rows, op_class="matmul", kernel="large", dtype=dtype)
+    shaped = [r for r in rows if r.get("op_class") == "matmul" and r.get("dtype") == dtype and r.get("rate")]
+    if facts is None or len(shaped) < MIN_PRODUCT_SHAPES or getattr(facts, "sms", 0) == 0:
+        add(f"matmul.{dtype}", _median(large), large, "share of the large square product")
+        return
+    from bench.product_fit import fit
+
+    table = [{"dtype": dtype, "b": 1, "m": r["shape"][0], "n": r["shape"][1], "k": r["shape"][2],
+              "flops_per_s": r["rate"]} for r in shaped]
+    share, fill, errors = fit(table, facts, dtype, dtype)
+    how = f"fitted (bench/product_fit.py: |error| median {statistics.median(abs(e) for e in errors):.1%})"
+    add(f"matmul.{dtype}", min(1.0, share), shaped, how)
+    add(f"matmul_fill_us.{dtype}", fill * 1e6, shaped, how)
+
+
+def _fp32_slowdown(add, rows: list[dict]) -> None:
+    """efficient_fp32_slowdown: the memory-efficient kernel's fp32 forward time over its bf16 one, same shape."""
+    fp32 = [r for r in rows if r.get("op_class") == "attention" and r.get("kernel") == "efficient"
+            and r.get("dtype") == "fp32" and r.get("direction") == "forward" and r.get("seconds")]
+    for row in fp32:
+        twin = next((r for r in rows if r.get("kernel") == "efficient" and r.get("dtype") == "bf16"
+                     and r.get("direction") == "forward" and r.get("shape") == row["shape"] and r.get("seconds")), None)
+        if twin:
+            add("efficient_fp32_slowdown", max(1.0, row["seconds"] / twin["seconds"]), [row, twin],
+                "fp32 over bf16 forward time")
+            return
+
+
+def calibration_entry(rows: list[dict], versions: dict, applies_to: str, facts=None) -> dict:
+    """The measured entry for runner/predict's calibration table (module docstring); `facts`: the card's
+    datasheet facts the shares are of (for the products' fit: its SMs)."""
     measured = sum(1 for r in rows if "error" not in r)
-    return {"applies_to": applies_to, "efficiency": efficiency(rows),
-            "source": f"measured by the GPU campaign (bench/gpu/calibrate.py, {measured} of {len(rows)} rows): "
-                      "matmul from 8192^3 products per dtype, conv from ResNet-50 convolutions forward and backward, "
-                      "attention from SDPA forward and backward per kernel family (causal at half the counted FLOPs), "
-                      "memory from a copy, add, GELU, layer norm and softmax (median), optimizer from fused AdamW "
-                      "over BERT-large's parameter shapes; tile not measured",
+    return {"applies_to": applies_to, "figures": figures(rows, facts),
+            "source": f"measured by the GPU campaign (bench/gpu/calibrate.py, {measured} of {len(rows)} rows): products "
+                      "by shape per dtype, convolutions forward and backward, attention forward and backward per kernel "
+                      "family, memory-bound and normalisation kernels, fused AdamW, the launch floor; tile not measured",
             "device": versions.get("device", "?"), "date": versions.get("date", datetime.date.today().isoformat()),
             "versions": ", ".join(f"{k} {versions.get(k)}" for k in ("torch", "cuda", "cudnn", "driver")
                                   if versions.get(k) is not None)}
@@ -109,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     entry = found["entry"]
     print(json.dumps(entry, indent=1))
     if args.facts_json and found.get("device_facts"):
-        args.facts_json.write_text(json.dumps(found["device_facts"], indent=1), encoding="utf-8")
+        facts = dict(found["device_facts"])
+        adamw = next((r for r in found.get("rows", []) if r.get("kernel") == "adamw" and r.get("params_per_s")), None)
+        if adamw:  # the host's measured AdamW rate (memory.optimizer_offload's update)
+            facts["host_adamw_per_s"] = adamw["params_per_s"]
+        args.facts_json.write_text(json.dumps(facts, indent=1), encoding="utf-8")
         print(f"written: {args.facts_json} (ckrun estimate --gpu {args.facts_json})")
     if found.get("dry_run") and args.write:
         print("calibrate.py: a dry run's figures (a CPU at toy sizes): not written", file=sys.stderr)

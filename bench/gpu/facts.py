@@ -215,7 +215,7 @@ def calibration(cuda: bool, out: Path, found: dict) -> dict:
 
     def landed(row: dict) -> None:
         results["rows"].append(row)
-        results["entry"] = calibrate.calibration_entry(results["rows"], versions_found, key)
+        results["entry"] = calibrate.calibration_entry(results["rows"], versions_found, key, peaks)
         results["entry_problem"] = calibrate.check_entry(results["entry"])
         write_json(path, results)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -50,7 +50,8 @@ GPU = Sizes(large=8192,
             # BERT-large at micro-batch 16 x 512 tokens (attention projection, FFN up, FFN down, MLM head),
             # GPT-2's FFN at 8 x 1024, Llama-3-8B's FFN at 4 x 4096, and a small one that cannot fill the chip
             products=((8192, 1024, 1024), (8192, 4096, 1024), (8192, 1024, 4096), (8192, 30522, 1024),
-                      (8192, 3072, 768), (16384, 14336, 4096), (2048, 768, 768)),
+                      (8192, 3072, 768), (16384, 14336, 4096), (2048, 768, 768), (1024, 1024, 1024),
+                      (512, 512, 512), (4096, 4096, 4096)),
             fp32_product=(8192, 4096, 1024),
             convs=((64, 64, 64, 56, 3), (64, 256, 256, 14, 3), (64, 1024, 256, 14, 1)),
             attention=((16, 16, 512, 64, False), (8, 12, 1024, 64, True), (2, 32, 4096, 128, True),
@@ -123,6 +124,15 @@ def _row(op_class: str, kernel: str, dtype: str, shape, measure: Callable[[], di
     return row
 
 
+def _rows(op_class: str, kernel: str, dtype: str, shape, measure: Callable[[], list[dict]]) -> list[dict]:
+    """Several rows from one measurement (attention's forward and backward), or one row with the error."""
+    base = {"op_class": op_class, "kernel": kernel, "dtype": dtype, "shape": list(shape)}
+    try:
+        return [{**base, **found} for found in measure()]
+    except Exception as err:  # noqa: BLE001 - reported in the row
+        return [{**base, "error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"}]
+
+
 def _rated(amount_key: str, amount: float, took: float, peak: float | None) -> dict:
     """The amount (FLOPs or bytes) over the time, and its share of the peak; no rate where the
     amount is unknown (FlopCounterMode counts no FLOPs for a CPU's fused attention)."""
@@ -173,25 +183,35 @@ class Measurer:
             flops = counted_flops(step)
         return _rated("flops", flops, took, self.flops_peak(dtype))
 
-    def attention(self, family: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> dict:
-        """Forward and backward of scaled_dot_product_attention on one kernel family, bf16."""
+    def attention(self, family: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool,
+                  dtype: str = "bf16") -> list[dict]:
+        """scaled_dot_product_attention on one kernel family: a forward row and a backward row (the forward and
+        backward together less the forward), as the time model prices them apart. FLOPs as torch counts them
+        (a causal call's halved: the kernels skip the masked half, as the model counts it)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                    "cudnn": getattr(SDPBackend, "CUDNN_ATTENTION", None)}[family]
         if backend is None:
             raise RuntimeError(f"torch {torch.__version__} has no {family} attention backend")
-        q, k, v = (self.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16, grad=True) for _ in range(3))
-        grad = self.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
+        q, k, v = (self.randn(batch, heads, seq, head_dim, dtype=DTYPES[dtype], grad=True) for _ in range(3))
+        grad = self.randn(batch, heads, seq, head_dim, dtype=DTYPES[dtype])
+
+        def forward():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         def step():
-            with sdpa_kernel(backend):
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            torch.autograd.grad(out, (q, k, v), grad)
-        took = self.time(step)
-        counted = counted_flops(step)
-        row = _rated("flops", counted // 2 if causal else counted, took, self.flops_peak("bf16"))
-        return {**row, "counted_flops": counted, "causal": causal}
+            torch.autograd.grad(forward(), (q, k, v), grad)
+        with torch.no_grad():
+            forward_s = self.time(forward)
+            forward_flops = counted_flops(forward)
+        both_s, both_flops = self.time(step), counted_flops(step)
+        half = 2 if causal else 1
+        peak = self.flops_peak("bf16")  # fp32 runs as 3xTF32 on sm80+: its slowdown is read against bf16's row
+        return [{**_rated("flops", forward_flops // half, forward_s, peak), "direction": "forward", "causal": causal},
+                {**_rated("flops", (both_flops - forward_flops) // half, max(both_s - forward_s, 1e-9), peak),
+                 "direction": "backward", "causal": causal}]
 
     def memory_ops(self) -> list[dict]:
         """Memory-bound kernels: a copy, an elementwise add and GELU, layer norm and softmax (which reduce)."""
@@ -204,9 +224,21 @@ class Measurer:
                 ("gelu", lambda: (self.randn(n // 2, dtype=bf16),), 2),
                 ("layer_norm", lambda: (self.randn(rows * 4, width, dtype=bf16),), 2),
                 ("softmax", lambda: (self.randn(rows * 4, width, dtype=bf16),), 2)):
-            found.append(_row("memory", kernel, "bf16" if passes else "uint8", [n], lambda k=kernel, m=make, p=passes:
-                              self._memory_op(k, m, p)))
+            op_class = "norm" if kernel == "layer_norm" else "memory"
+            found.append(_row(op_class, kernel, "bf16" if passes else "uint8", [n], lambda k=kernel, m=make, p=passes:
+                              {**self._memory_op(k, m, p), "direction": "forward"}))
+        found.append(_row("norm", "layer_norm", "bf16", [rows * 4, width], lambda: self.norm_backward(rows * 4, width)))
         return found
+
+    def norm_backward(self, rows: int, width: int) -> dict:
+        """Layer norm's backward kernel: the output's gradient and the input read, the input's gradient written
+        (the weight and bias gradients are a row each)."""
+        x = self.randn(rows, width, dtype=torch.bfloat16, grad=True)
+        weight = self.randn(width, dtype=torch.bfloat16, grad=True)
+        y = torch.nn.functional.layer_norm(x, (width,), weight)
+        grad = self.randn(rows, width, dtype=torch.bfloat16)
+        took = self.time(lambda: torch.autograd.grad(y, (x, weight), grad, retain_graph=True))
+        return {**_rated("bytes", 3 * x.nbytes, took, self.bytes_peak()), "direction": "backward"}
 
     def _memory_op(self, kernel: str, make, passes: int | None) -> dict:
         tensors = make()
@@ -245,6 +277,18 @@ class Measurer:
         peak = self.facts.host_gbs * 1e9 or None
         return _rated("bytes", self.sizes.host_bytes, self.time(work), peak)
 
+    def host_adamw(self) -> dict:
+        """The host's fused CPU AdamW over fp32 parameters (memory.optimizer_offload's update): parameters a
+        second, what the time model reads as `host_adamw_per_s` (28 bytes a parameter: parameter, gradient and
+        both moments read, three written)."""
+        count = self.sizes.host_bytes // 4
+        param = torch.randn(count, requires_grad=True)
+        param.grad = torch.randn(count)
+        adamw = torch.optim.AdamW([param], lr=1e-4, fused=True)
+        took = seconds(adamw.step, False, self.sizes.repeats, 1)  # a CPU op: the host clock
+        return {**_rated("bytes", 28 * count, took, None), "params": count, "params_per_s": count / took,
+                "threads": torch.get_num_threads()}
+
     def launch(self, ops: int = 200) -> dict:
         """The least an op costs: many tiny adds that record autograd, as a step's small ops do."""
         x = self.randn(8, grad=True)
@@ -273,7 +317,11 @@ def measure(sizes: Sizes, device: torch.device, facts, on_row: Callable[[dict], 
         add(_row("matmul", "product", dtype, sizes.fp32_product, lambda d=dtype: m.matmul(d, *sizes.fp32_product)))
     for family in ("flash", "efficient", "cudnn"):
         for shape in sizes.attention:
-            add(_row("attention", family, "bf16", shape, lambda f=family, s=shape: m.attention(f, *s)))
+            for row in _rows("attention", family, "bf16", shape, lambda f=family, s=shape: m.attention(f, *s)):
+                add(row)
+    for shape in sizes.attention[:1]:  # fp32 goes to the memory-efficient kernel (3xTF32): its slowdown
+        for row in _rows("attention", "efficient", "fp32", shape, lambda s=shape: m.attention("efficient", *s, "fp32")):
+            add(row)
     for row in m.memory_ops():
         add(row)
     for kernel in ("adamw_fused", "adamw_foreach", "clip_grad_norm"):
@@ -283,6 +331,7 @@ def measure(sizes: Sizes, device: torch.device, facts, on_row: Callable[[dict], 
             add(_row("conv", "conv2d", dtype, shape, lambda d=dtype, s=shape: m.conv(d, *s)))
     for direction in ("h2d", "d2h"):
         add(_row("host", direction, "uint8", [sizes.host_bytes], lambda d=direction: m.host_link(d)))
+    add(_row("host", "adamw", "fp32", [sizes.host_bytes // 4], m.host_adamw))
     add(_row("launch", "add", "fp32", [8], m.launch))
     return rows
 

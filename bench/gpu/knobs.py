@@ -1,23 +1,28 @@
-"""Step 3 of the GPU campaign: the memory knobs issue 33 adds beside the activation policies (the
-optimizer step in backward, optimizer offload to the host, the loss over chunks, ...), each measured
-against the same plan without it, where this checkout has them.
+"""Step of the GPU campaign: the pool knobs beside the activation policies (the optimizer step in backward,
+the optimizer's offload to the host with its pinned copies and host AdamW, the loss over chunks, torchao's
+8-bit, 4-bit and fp8 AdamW, bf16 weights with a stochastically rounded update) each measured against the
+same plan without it, and a mixture of experts run by transformers' grouped_mm kernel against its eager
+loop: predicted against measured peak and step time for each.
 
-    python bench/gpu/knobs.py OUT_DIR [--dry-run] [--budget-s 40]
+    python bench/gpu/knobs.py OUT_DIR [--dry-run] [--budget-s 120]
     python bench/gpu/knobs.py --list            # what this checkout offers, without measuring
 
 Nothing here names a knob. A knob is a field of the recipe's memory plan (ckrun.runner.plan.MemoryPlan)
 that the plans step does not already measure (`MEASURED_ELSEWHERE`), whose type is a union of
-policy classes (runner/choices.py); each exact policy of it other than the field's default is one
-knob to measure, written `memory.FIELD={DISCRIMINATOR: TAG}`; a flag (bool) is one knob, set true.
-Lossy policies are left out (they need memory.allow_lossy and are measured by their own error).
+policy classes (runner/choices.py); each tag of each policy other than the field's default is one knob
+to measure, written `memory.FIELD={DISCRIMINATOR: TAG}`; a flag (bool) is one knob, set true. A lossy
+policy is measured with memory.allow_lossy=true beside it (its error is the trainer's own measurement).
 
 Each knob runs on the plan that lets the most knobs be exact: the whole batch in one pass with full
 checkpointing (small activations, so the pools the knobs act on show); where the recipe refuses it
-there (issue 33: the optimizer step in backward is exact only without global clipping), once more
-with train.grad_clip=null, and the refusal is recorded either way. Beside each base, the same plan
-without any knob (`none`). Measured with the plans step's engine (plans.measure_entries): step time,
-peaks, losses, predictions where the budget leaves time; OUT_DIR/knobs.json after every plan. With
-no knob present, knobs.json says so and what was looked for: nothing is faked.
+there (the optimizer step in backward is exact only without global clipping), once more with
+train.grad_clip=null, or precision=bf16 (bf16 weights need bf16 autocast), and the refusal is recorded
+either way. Beside each base, the same plan without
+any knob (`none`). Measured with the plans step's engine (plans.measure_entries): step time, peaks,
+losses; each entry's prediction (the committed file's, or made on the GPU machine's CPU at the end when
+the budget leaves time) sits beside it. The experts comparison (`EXPERTS`) runs on a Mixtral recipe and
+lands in knobs.json's "experts". A dry run runs the same code at toy size on the CPU: knobs a CPU
+refuses (the host offload is CUDA only) are recorded refused with the reason, and still predicted.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ MEASURED_ELSEWHERE = frozenset({"micro_batch", "checkpointing", "offload", "bloc
                                 "max_mem"})
 KNOB_BASE = ("memory.micro_batch=null", "memory.checkpointing={policy: full}", "memory.offload={policy: none}")
 UNCLIPPED = "train.grad_clip=null"
-KNOB_S = 15  # one knob's plan on an H100: build, 7 steps, a counted one (as a plan of the plans step)
+LOSSY = "memory.allow_lossy=true"
+HALF = "precision=bf16"  # bf16 weights need bf16 autocast: the base for them where the recipe trains in fp32 (the dry run)
+KNOB_S = 10  # one knob's plan on an H100: build, 7 steps, a counted one (BERT-large: 0.22 s a step)
 
 
 def _policy_classes(annotation) -> tuple[type, ...] | None:
@@ -72,11 +79,11 @@ def present(plan_class=None) -> tuple[list[dict], list[dict]]:
         for cls in classes:
             if isinstance(default, cls):
                 continue  # the plan without the knob: the baseline
-            if getattr(cls, "lossy", False):
-                left.append({"field": field, "policy": cls.tag(), "reason": "lossy: measured by its own error"})
-                continue
-            knobs.append({"field": field, "label": f"{field} {cls.tag()}", "policy": cls.__name__,
-                          "override": f"memory.{field}={{{cls.discriminator}: {cls.tag()}}}"})
+            lossy = bool(getattr(cls, "lossy", False))
+            for tag in cls.tags():
+                knobs.append({"field": field, "label": f"{field} {tag}", "policy": cls.__name__, "lossy": lossy,
+                              "override": f"memory.{field}={{{cls.discriminator}: {tag}}}",
+                              "extra": [LOSSY] if lossy else []})
     return knobs, left
 
 
@@ -97,12 +104,13 @@ def knob_entries(campaign, knobs: list[dict]) -> list[dict]:
     from ckrun.runner.load import load_recipe
 
     batch = load_recipe(campaign.recipe_path, list(campaign.base)).train.batch_size
-    bases = {(): [*campaign.base, *KNOB_BASE], (UNCLIPPED,): [*campaign.base, *KNOB_BASE, UNCLIPPED]}
+    bases = {(): [*campaign.base, *KNOB_BASE], (UNCLIPPED,): [*campaign.base, *KNOB_BASE, UNCLIPPED],
+             (HALF,): [*campaign.base, *KNOB_BASE, HALF]}
     placed: dict[tuple, list[dict]] = {key: [] for key in bases}
     for knob in knobs:
         refusals = []
         for key, base in bases.items():
-            why = _accepted(campaign, [*base, knob["override"]])
+            why = _accepted(campaign, [*base, *_knob_overrides(knob)])
             if why is None:
                 placed[key].append({**knob, "refused": refusals})
                 break
@@ -115,7 +123,7 @@ def knob_entries(campaign, knobs: list[dict]) -> list[dict]:
             continue
         suffix = f" ({', '.join(key)})" if key else ""
         for name, knob in [("none", None), *((k["label"], k) for k in on_base)]:
-            overrides = [*bases[key], *([knob["override"]] if knob else [])]
+            overrides = [*bases[key], *(_knob_overrides(knob) if knob else [])]
             entry = {"name": name + suffix, "micro_batch": batch, "key": f"{name}{suffix} @ {batch}",
                      "overrides": overrides, "knob": knob}
             if knob and knob.get("status") == "refused":
@@ -126,11 +134,45 @@ def knob_entries(campaign, knobs: list[dict]) -> list[dict]:
     return entries
 
 
+def _knob_overrides(knob: dict) -> list[str]:
+    return [knob["override"], *knob.get("extra", [])]
+
+
+# a mixture of experts: transformers' grouped_mm experts (one grouped product over all experts) against its
+# eager loop over the experts hit, on Mixtral's layer at a width that fills an H100 (the dry run: the recipe's)
+EXPERTS = ("experts grouped_mm", "experts eager")
+MOE_GPU = ("train.device=cuda", "model.config.hidden_size=1024", "model.config.intermediate_size=2048",
+           "model.config.num_attention_heads=16", "model.config.num_key_value_heads=4",
+           "model.config.max_position_embeddings=1024", "data.seq_len=1024", "train.batch_size=16")
+
+
+def experts_campaign(dry_run: bool):
+    from dataclasses import replace
+
+    from bench.gpu import plans
+
+    base = plans.DRY_RUN if dry_run else plans.GPU
+    return replace(base, recipe="recipes/mixtral_tiny.yaml", base=("train.device=cpu",) if dry_run else MOE_GPU,
+                   micro_batches=(None,), solver_limit=None)
+
+
+def experts_entries(campaign) -> list[dict]:
+    from bench.gpu import predictions
+
+    entries = []
+    for name in EXPERTS:
+        overrides = [*campaign.base, f"model.config.experts_implementation={name.split()[-1]}"]
+        entries.append({"name": name, "micro_batch": None, "key": f"{name} @ whole batch", "overrides": overrides,
+                        "knob": {"field": "model.config.experts_implementation", "label": name},
+                        "recipe_hash": predictions.recipe_hash(campaign, overrides)})
+    return entries
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--dry-run", action="store_true", help="toy size on the CPU")
-    parser.add_argument("--budget-s", type=float, default=40.0, help="this step's share of the call (default 40)")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="this step's share of the call (default 120)")
     parser.add_argument("--list", action="store_true", help="print the knobs this checkout has and leave")
     args = parser.parse_args(argv)
     knobs, left = present()
@@ -160,7 +202,26 @@ def measure(args, knobs: list[dict], left: list[dict]) -> int:
     results = {**plans.start_results(campaign, None, {}), **looked, "status": "measured",
                "peak_flops_per_s": None, "snapshot": {"status": "skipped", "reason": "not taken for knobs"}}
     plans.measure_entries(campaign, knob_entries(campaign, knobs), results, args.out, budget, "knobs.json")
+    results["experts"] = measure_experts(args, budget)
+    write_json(args.out / "knobs.json", results)
     return 0
+
+
+def measure_experts(args, budget) -> dict:
+    """The experts comparison, measured through the same engine into a file of its own, then folded into
+    knobs.json (a call brings back at most 8 files)."""
+    from bench.gpu import plans
+
+    campaign = experts_campaign(args.dry_run)
+    if not args.dry_run and not budget.allows(2 * campaign.plan_s):
+        return {"status": "skipped", "reason": f"{budget.left():.0f} s left of the knobs step"}
+    results = {**plans.start_results(campaign, None, {}), "status": "measured", "peak_flops_per_s": None,
+               "snapshot": {"status": "skipped", "reason": "not taken for the experts"}}
+    scratch = args.out / "experts.json"
+    try:
+        return plans.measure_entries(campaign, experts_entries(campaign), results, args.out, budget, scratch.name)
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -41,15 +41,22 @@ def estimator_for(campaign) -> Estimator:
 
 
 def predict(campaign, entries: list[dict], estimator: Estimator | None = None) -> dict:
-    """{plan key: prediction} for the given plans, one Estimator for all (the micro-batch is in the plan)."""
-    estimator = estimator or estimator_for(campaign)
+    """{plan key: prediction} for the given plans: one Estimator for all plans of the campaign's recipe (the
+    micro-batch is in the plan), one more for each recipe a plan's overrides change beyond its memory plan (a
+    knob's base without clipping, or in bf16)."""
+    estimators = {_beyond_memory(load_recipe(campaign.recipe_path, list(campaign.base))): estimator} if estimator \
+        else {}
     found = {}
     for entry in entries:
         key = entry["key"]
         if key in found:
             continue
         try:
-            estimate = estimator.estimate(load_recipe(campaign.recipe_path, entry["overrides"]).memory)
+            recipe = load_recipe(campaign.recipe_path, entry["overrides"])
+            if _beyond_memory(recipe) not in estimators:
+                estimators[_beyond_memory(recipe)] = Estimator(recipe, "cuda" if campaign.cuda else "cpu",
+                                                               GPUS[TIMED_ON[0]])
+            estimate = estimators[_beyond_memory(recipe)].estimate(recipe.memory)
             found[key] = {"peak_bytes": estimate.peak_bytes, "live_peak_bytes": estimate.live_peak_bytes,
                           "breakdown": estimate.breakdown,
                           "predicted_step_s": {name: estimate.time_on(facts).seconds
@@ -59,6 +66,11 @@ def predict(campaign, entries: list[dict], estimator: Estimator | None = None) -
         found[key]["recipe_hash"] = entry["recipe_hash"]
         print(f"predicted {key}: {found[key].get('peak_bytes', found[key].get('error'))}", flush=True)
     return found
+
+
+def _beyond_memory(recipe) -> str:
+    """What an Estimator is built for: the recipe but its memory plan."""
+    return recipe.model_dump_json(exclude={"memory"})
 
 
 def cards(campaign) -> dict:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from bench.gpu.figures import NOT_MEASURED, figure_texts, gb, percent, size
 
-CLASSES = ("matmul", "conv", "attention", "memory", "optimizer")
+CLASSES = ("matmul", "matmul_fill_us", "conv", "attention", "attention_causal", "attention_backward",
+           "efficient_fp32_slowdown", "norm", "memory", "optimizer", "launch_us")
 
 
 # --- the call -------------------------------------------------------------------------------------
@@ -45,6 +46,21 @@ def cuda_tests(campaign: dict) -> str | None:
 # --- the calibration ------------------------------------------------------------------------------
 
 
+def entry_figures(entry: dict) -> dict:
+    """An entry's figures as nested values (`{"matmul": {"bf16": 0.8}, "memory": 0.8}`): its rows, one per figure
+    (runner/predict/efficiency.py), or an older call's `efficiency` as it was written."""
+    if "figures" not in entry:
+        return entry.get("efficiency") or {}
+    nested: dict = {}
+    for row in entry["figures"]:
+        head, _, key = row["figure"].partition(".")
+        if key:
+            nested.setdefault(head, {})[key] = row["value"]
+        else:
+            nested[head] = row["value"]
+    return nested
+
+
 def shares_text(efficiency: dict) -> str:
     """`matmul bf16 0.81, tf32 0.62; attention flash 0.35; memory 0.85; ...`"""
     parts = []
@@ -52,7 +68,7 @@ def shares_text(efficiency: dict) -> str:
         value = efficiency.get(name)
         if isinstance(value, dict) and value:
             parts.append(f"{name} " + ", ".join(f"{k} {v:.2f}" for k, v in value.items()))
-        elif isinstance(value, float):
+        elif isinstance(value, int | float):
             parts.append(f"{name} {value:.2f}")
     return "; ".join(parts) or NOT_MEASURED
 
@@ -68,7 +84,7 @@ def calibration_table(calibration: dict) -> str:
     lines = ["## The time model's calibration", "",
              f"Shares of the datasheet peaks ({calibration.get('peaks_from', '?')}) each class of kernel reached "
              f"(bench/gpu/calibrate.py); the entry for runner/predict's calibration table, `applies_to: "
-             f"{entry.get('applies_to')}`: {shares_text(entry.get('efficiency') or {})}."
+             f"{entry.get('applies_to')}`: {shares_text(entry_figures(entry))}."
              + (f" The table refuses it: {calibration['entry_problem']}." if calibration.get("entry_problem") else ""),
              "", "| class | kernel | dtype | shape | time (ms) | reached | share of peak |", "|---|---|---|---|---|---|---|"]
     for row in calibration.get("rows", []):
@@ -102,24 +118,34 @@ def _knob_line(plan: dict, base: dict | None) -> tuple[str, ...]:
     if plan.get("status") != "ok":
         reason = str(plan.get("reason", ""))
         return (reason if reason.startswith(plan.get("status", "?")) else f"{plan.get('status')}: {reason}",) + \
-            ("",) * 6
+            ("",) * 7
     step = "" if not base else f"{plan['step_time_s'] / base['step_time_s']:.2f}x"
     peak = "" if not base else _signed(plan["measured_peak_bytes"] - base["measured_peak_bytes"])
     loss = "" if not base else f"{max(abs(a - b) for a, b in zip(plan['losses'], base['losses'], strict=False)):.1e}"
     predicted = plan.get("predicted_bytes", plan.get("predicted_here_bytes"))
-    return ("ok", f"{plan['step_time_s']:.3f}", step, size(plan["measured_peak_bytes"]), peak, size(predicted), loss)
+    predicted_step = plan.get("predicted_step_s")
+    return ("ok", f"{plan['step_time_s']:.3f}", "n/a" if predicted_step is None else f"{predicted_step:.3f}", step,
+            size(plan["measured_peak_bytes"]), peak, size(predicted), loss)
 
 
 def knobs_table(knobs: dict) -> str:
     if knobs.get("status") == "none present":
-        return "## Memory knobs (issue 33)\n\nNone present in this checkout's memory plan."
-    lines = ["## Memory knobs (issue 33)", "",
+        return "## Pool knobs\n\nNone present in this checkout's memory plan."
+    lines = ["## Pool knobs", "",
              "Each knob on the whole batch in one pass with full checkpointing, beside the same plan without it "
              "(`none`); where the recipe refuses a knob there, once more without gradient clipping.", "",
-             "| knob | status | step time (s) | vs without | measured peak | vs without | predicted peak | "
-             "max loss diff vs without |", "|---|---|---|---|---|---|---|---|"]
+             "| knob | status | step time (s) | predicted (s) | vs without | measured peak | vs without | predicted peak "
+             "| max loss diff vs without |", "|---|---|---|---|---|---|---|---|---|"]
     for row in knob_rows(knobs):
         lines.append(f"| {row['plan']['name']} | " + " | ".join(_knob_line(row["plan"], row["base"])) + " |")
+    experts = (knobs.get("experts") or {}).get("plans") or []
+    if experts:
+        base = next((p for p in experts if p["name"] == "experts grouped_mm" and p.get("status") == "ok"), None)
+        lines += ["", "Mixture of experts (recipes/mixtral_tiny.yaml at the width knobs.py gives): transformers' "
+                  "grouped_mm experts beside its eager loop.", "",
+                  "| experts | status | step time (s) | predicted (s) | vs grouped_mm | measured peak | vs grouped_mm | "
+                  "predicted peak | max loss diff |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {plan['name']} | " + " | ".join(_knob_line(plan, base)) + " |" for plan in experts]
     left = knobs.get("left_out") or []
     if left:
         lines += ["", "Left out: " + "; ".join(f"{item['field']} {item.get('policy', '')}: {item['reason']}"
@@ -145,7 +171,7 @@ def summary_lines(found: dict) -> list[str]:
                            f"{matmul['bf16_flops_per_s'] / 1e12:.1f} TFLOP/s at {matmul.get('shape')}"
                            + (f", {percent(matmul['datasheet_share'])} of the datasheet peak"
                               if matmul.get("datasheet_share") else "")),
-        "calibration: " + shares_text((calibration.get("entry") or {}).get("efficiency") or {}),
+        "calibration: " + shares_text(entry_figures(calibration.get("entry") or {})),
         "CUDA context: " + (NOT_MEASURED if not context.get("context_at_init_bytes") else
                             f"{gb(context['context_at_init_bytes'])} GB at init, "
                             f"{gb(context.get('context_after_bert_kernels_bytes'))} GB after a step's kernels"),

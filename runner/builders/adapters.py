@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -72,28 +73,74 @@ def lora_note(model: nn.Module, lora) -> str:
             f"frozen base ({format_bytes(frozen)} of {lora.base_dtype} weights) has no gradients or optimizer state")
 
 
-def apply_lora(model: nn.Module, spec: ModelSpec) -> nn.Module:
-    """`model` frozen, with peft's LoRA adapters: the PeftModel the rest of the run trains."""
+def apply_lora(model: nn.Module, spec: ModelSpec, say: bool = True) -> nn.Module:
+    """`model` frozen, with peft's LoRA adapters: the PeftModel the rest of the run trains. `say=False` (a build
+    on the meta device: validate's check of the target lists, the estimate) logs nothing."""
     from peft import LoraConfig, get_peft_model
 
     lora = spec.lora
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias,
                         target_modules=lora.target_modules, modules_to_save=lora.modules_to_save or None,
-                        use_rslora=lora.use_rslora, task_type=_TASK_TYPES.get(infer_task(spec) or ""),
-                        base_model_name_or_path=spec.pretrained)
+                        use_rslora=lora.use_rslora, task_type=_TASK_TYPES.get(infer_task(spec) or ""))
     try:
         with _quiet_peft():
             peft_model = get_peft_model(model, config)
     except (ValueError, KeyError, TypeError) as err:  # no such target module; an architecture peft has no default for
-        raise BuildError(_key_of(str(err)), f"peft cannot put LoRA on {spec.name}: {_first_line(err)}; name the "
-                         "layers in model.lora.target_modules (e.g. [q_proj, v_proj] or all-linear)") from None
+        key = _key_of(str(err))
+        fix = (f"name the layers in model.lora.target_modules ({_linear_names(model)} or all-linear)"
+               if key.endswith("target_modules") else "name leaf modules to train whole (e.g. classifier, lm_head)")
+        said = _first_line(err).split(". ")[0].rstrip(". ")  # peft's first sentence; the rest guesses at causes
+        raise BuildError(key, f"peft cannot put LoRA on {spec.name}: {said}; {fix}") from None
+    _check_modules_to_save(peft_model, lora.modules_to_save, spec.name)
+    _name_the_base(peft_model, model)
     _hold(peft_model, DTYPES[lora.base_dtype])
+    if not say:
+        return peft_model
     _warn_frozen_fresh(peft_model, model.__dict__.get(FRESH, []))
     trained, total = count_trainable(peft_model)
     log.info("LoRA rank %d on %s: %s of %s parameters train (%.2f%%); the frozen base (%s) has no gradients "
              "or optimizer state", lora.rank, _targets(peft_model), f"{trained:,}", f"{total:,}",
              100 * trained / max(total, 1), lora.base_dtype)
     return peft_model
+
+
+def _linear_names(model: nn.Module, shown: int = 6) -> str:
+    """The names the model's linear layers end in, as target_modules takes them: `e.g. [query, value]`."""
+    names = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+    if not names:
+        return "e.g. [q_proj, v_proj]"
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return f"its linear layers: [{', '.join(names[:shown])}{more}]"
+
+
+def _check_modules_to_save(model: nn.Module, wanted: list[str], name: str) -> None:
+    """Each model.lora.modules_to_save entry names a module peft made trainable (peft itself passes over one
+    that matches nothing, which would then stay frozen or absent without a word)."""
+    from peft.utils import ModulesToSaveWrapper
+
+    wrapped = [module_name for module_name, module in model.named_modules() if isinstance(module, ModulesToSaveWrapper)]
+    for index, entry in enumerate(wanted):
+        if not any(module_name == entry or module_name.endswith(f".{entry}") for module_name in wrapped):
+            from ..problems import suggest
+
+            names = {module_name.rpartition(".")[2] for module_name, _ in model.base_model.model.named_modules()}
+            raise BuildError(("model", "lora", "modules_to_save", index), f"{entry!r} is no module of {name}"
+                             f"{suggest(entry, names - {''})}; name a module to train whole beside the adapter "
+                             "(e.g. classifier, lm_head)")
+
+
+def _name_the_base(peft_model: nn.Module, model: nn.Module) -> None:
+    """adapter_config.json names the base as the Hub knows it (its id and the commit trained on), not the cache
+    snapshot's absolute path from_pretrained leaves in name_or_path, which no other machine has: peft's
+    AutoPeftModel and PeftModel users then load the same base from their own cache."""
+    from .hub import hub_origin
+
+    name_or_path = getattr(model, "name_or_path", "") or ""
+    origin = hub_origin(Path(name_or_path)) if name_or_path else None
+    if origin is None:
+        return
+    for config in peft_model.peft_config.values():
+        config.base_model_name_or_path, config.revision = origin
 
 
 def count_trainable(model: nn.Module) -> tuple[int, int]:
@@ -152,6 +199,10 @@ def _targets(model: nn.Module) -> str:
 
 
 def _key_of(message: str) -> str:
+    """The key peft's message is about: its target modules first (a message about them may name
+    modules_to_save as a cause), then modules_to_save."""
+    if "target modules" in message.lower() or "target_modules" in message:
+        return "model.lora.target_modules"
     return "model.lora.modules_to_save" if "modules_to_save" in message else "model.lora.target_modules"
 
 

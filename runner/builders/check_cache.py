@@ -27,7 +27,8 @@ from .hub import in_hub_cache
 TABLE = "model_checks.json"
 CACHED_SOURCES = ("transformers", "torchvision")
 # ckrun's code that decides a pass: a change to it (a new check) must not meet passes it never made
-_CHECK_CODE = ("checks.py", "model_config.py", "resolve.py", "check_cache.py", "vocab.py", "pretrained.py")
+_CHECK_CODE = ("checks.py", "model_config.py", "resolve.py", "check_cache.py", "vocab.py", "pretrained.py",
+               "adapters.py")
 _PACKAGES = ("torch", "transformers", "torchvision", "huggingface_hub")
 
 
@@ -65,6 +66,8 @@ def _key(spec, origin: str | None = None) -> str | None:
     if spec.source not in CACHED_SOURCES:
         return None
     section = spec.model_dump(mode="json", include={"source", "name", "config"})
+    if spec.lora is not None:  # its target lists are checked against the model with it (checks.py's lora_fits)
+        section["lora"] = spec.lora.model_dump(mode="json")
     if origin is not None:
         section["pretrained config"] = origin
     here = Path(__file__).parent

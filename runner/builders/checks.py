@@ -224,6 +224,7 @@ def _transformers_fits(spec: ModelSpec, directory: Path | None = None) -> None:
         raise
     except ValueError as err:
         raise KeyedError("model.config", str(err)) from None
+    lora_fits(spec)
 
 
 # transformers' public implementation switches, which every config takes (PreTrainedConfig pops them from
@@ -251,6 +252,19 @@ def _torchvision_fits(spec: ModelSpec, directory: Path | None = None) -> None:
     known = torchvision.models.list_models()
     if spec.name not in known:
         raise ValueError(f"no torchvision model named {spec.name!r}{suggest(spec.name, known)}")
+    lora_fits(spec)
+
+
+def lora_fits(spec: ModelSpec) -> None:
+    """model.lora's target lists against the model they adapt: the model built on the meta device (nothing
+    allocated, no weights read) and wrapped by peft as the run wraps it, so a target_modules or
+    modules_to_save entry that matches no layer, or an architecture peft has no default targets for, is
+    the run's own line at validate. Kept with the model's pass (check_cache.py keys it on model.lora)."""
+    if spec.lora is None:
+        return
+    from .model import build_model
+
+    build_model(spec, "meta", weights=False)
 
 
 def _factory_problems(spec: ModelSpec) -> list[KeyedError]:
@@ -288,8 +302,18 @@ def own_model_problems(recipe: Recipe) -> list[KeyedError]:
         return []
     if not isinstance(model, torch.nn.Module):
         return [KeyedError("model.name", not_a_module(spec.name, model))]
-    return [*_caught("model.name", adopt_user_model, model, spec.name), *_caught("data.vocab_size", describe_inputs,
-                                                                                  recipe, model)]
+    found = [*_caught("model.name", adopt_user_model, model, spec.name), *_caught("data.vocab_size", describe_inputs,
+                                                                                   recipe, model)]
+    return found or own_lora_problems(model, spec)
+
+
+def own_lora_problems(model, spec: ModelSpec) -> list[KeyedError]:
+    """A python model's model.lora target lists, on the model its factory built on the meta device (`lora_fits`)."""
+    if spec.lora is None:
+        return []
+    from .adapters import apply_lora
+
+    return _caught("model.lora", apply_lora, model, spec, False)
 
 
 def _caught(key: str, check: Callable, *args) -> list[KeyedError]:

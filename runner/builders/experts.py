@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .resolve import BuildError
+
 log = logging.getLogger(__name__)
 
 GROUPED, EAGER = "grouped_mm", "eager"
@@ -60,6 +62,11 @@ def settle_experts(model: nn.Module, given: dict, say: bool = True) -> str | Non
         return None
     if KEYWORD in given:
         chosen, why = given[KEYWORD], "model.config.experts_implementation"
+        unaligned = _unaligned(modules) if chosen == GROUPED else None
+        if unaligned:  # asked for by name: said at the key, not met as a stride error at the first step
+            raise BuildError(("model", "config", KEYWORD), f"grouped_mm needs {ALIGNMENT}-byte strides, and "
+                             f"{unaligned.removesuffix('; eager experts run it')}; give widths that fit (fp32: "
+                             "multiples of 4), or leave experts_implementation out (eager experts run it)")
     else:
         unaligned = _unaligned(modules)
         chosen = EAGER if unaligned else GROUPED

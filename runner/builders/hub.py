@@ -66,6 +66,26 @@ def in_hub_cache(directory: Path) -> bool:
     return directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--")
 
 
+def hub_origin(directory: Path) -> tuple[str, str] | None:
+    """(the Hub repo id, the commit) a snapshot in a Hub cache holds; None for any other directory.
+    huggingface_hub names the folder `models--org--name` (a repo id has no `--` of its own)."""
+    if not in_hub_cache(directory):
+        return None
+    folder = directory.parent.parent.name.removeprefix("models--")
+    return folder.replace("--", "/"), directory.name
+
+
+def redownload_command(directory: Path, path: Path) -> str | None:
+    """`hf download ... --force-download`: a damaged file of a cache snapshot fetched again (a cached blob
+    is otherwise kept as it is); None when `directory` is no snapshot."""
+    origin = hub_origin(directory)
+    if origin is None:
+        return None
+    repo, commit = origin
+    return shlex.join(["hf", "download", repo, path.relative_to(directory).as_posix(), "--revision", commit,
+                       "--force-download", "--cache-dir", str(directory.parent.parent.parent)])
+
+
 def locate(repo: str, revision: str | None, weights: bool) -> Path:
     """The snapshot directory of `repo` at `revision` in the cache, fetched first where the Hub is
     reachable: the JSON files, and with `weights` the weights too. Offline the weights are looked for
@@ -144,7 +164,9 @@ def _download_hint(repo: str, revision: str | None) -> str:
 
 
 def _holds_weights(snapshot: Path) -> bool:
-    return any(path.suffix in WEIGHT_SUFFIXES for path in snapshot.rglob("*") if path.is_file())
+    """Whether the snapshot names a weight file: a link whose blob is gone, or something that is no file,
+    counts too, so the weights' own check (weight_files.py) names it rather than a line saying there is none."""
+    return any(path.suffix in WEIGHT_SUFFIXES for path in snapshot.rglob("*") if not path.is_dir())
 
 
 def _at(revision: str | None, snapshot: Path) -> str:

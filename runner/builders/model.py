@@ -19,7 +19,8 @@ from .adapters import apply_lora, pretrained_settings
 from .contract import adapted_user_model, adopt_user_model
 from .experts import settle_experts
 from .oom import describe_out_of_memory, is_out_of_memory
-from .pretrained import config_of, from_pretrained, is_checkpoint, load_state, pretrained_directory
+from .pretrained import (config_of, from_pretrained, is_checkpoint, load_state, pretrained_directory,
+                         refuse_adapter_checkpoint)
 from .resolve import BuildError, check_factory, check_kwargs, not_a_module, resolve_import_path, transformers_class
 from .user_code import Overdue, UserExit, bounded
 
@@ -41,7 +42,9 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", weights: bo
             settle_experts(model, spec.config, say=torch.device(device).type != "meta")
         if spec.source == "python":
             model = adopt_user_model(model, spec.name)
-        return model if spec.lora is None else adapted_user_model(apply_lora(model, spec), model)
+        if spec.lora is None:
+            return model
+        return adapted_user_model(apply_lora(model, spec, say=torch.device(device).type != "meta"), model)
 
 
 def _build_shapes(spec: ModelSpec, device: str | torch.device) -> nn.Module:
@@ -68,6 +71,8 @@ def _build_transformers(spec: ModelSpec) -> nn.Module:
     if directory is not None and not is_checkpoint(directory):
         model = _from_pretrained(model_class, directory, pretrained_settings(spec, torch.get_default_device()))
     else:
+        if directory is not None:  # before the build: its config is model.config's alone, maybe the class's default
+            _checked(refuse_adapter_checkpoint, directory)
         with _recipe_fault("model.config", f"{spec.name} cannot be built from this config"):
             model = model_class(config_class(**spec.config))
         if directory is not None:  # a training checkpoint holds weights but no config.json
@@ -149,16 +154,18 @@ def _recipe_fault(key: str, what: str):
 
 
 def _from_pretrained(model_class, directory: Path, config: dict) -> nn.Module:
-    try:
-        return from_pretrained(model_class, directory, config)
-    except ValueError as err:
-        raise BuildError("model.pretrained", str(err)) from None
+    return _checked(from_pretrained, model_class, directory, config)
 
 
 def _load_local_state(model: nn.Module, directory: Path) -> None:
     """Weights from an export, a checkpoint or a state dict file (never unpickled code)."""
+    _checked(load_state, model, directory)
+
+
+def _checked(read, *args):
+    """`read(*args)`, its one-line ValueError about model.pretrained's files a BuildError at that key."""
     try:
-        load_state(model, directory)
+        return read(*args)
     except ValueError as err:
         raise BuildError("model.pretrained", str(err)) from None
 

@@ -94,12 +94,19 @@ def _check_layer_counts(config_class, config, given: dict) -> None:
 @functools.lru_cache(maxsize=64)
 def _trial_build(model_class, given_json: str) -> str | None:
     """The one-line reason building `model_class` from this config fails, or None when it builds."""
+    given = json.loads(given_json)
     try:
         with quiet_transformers(), warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # e.g. torch's "zero-element tensors" for a size of 0
-            model = model_class(model_class.config_class(**json.loads(given_json)))
+            model = model_class(model_class.config_class(**given))
     except Exception as err:  # whatever a model's __init__ trips over is still the config's to fix
         return _one_line(err)
+    from .experts import settle_experts
+
+    try:
+        settle_experts(model, given, say=False)  # the experts' kernel the run picks: eager where grouped_mm cannot run
+    except ValueError as err:  # grouped_mm asked for by name where it cannot run
+        return str(err)
     try:
         with quiet_transformers(), warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -105,6 +105,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, steps: i
     if schedule.warmup_ratio is not None:
         log.info("warm-up: %d steps (train.scheduler.warmup_ratio %g of %d steps, rounded up)", warmup,
                  schedule.warmup_ratio, steps)
+    if warmup >= steps > 0:
+        key = "warmup_ratio" if schedule.warmup_ratio is not None else "warmup_steps"
+        log.warning("train.scheduler.%s: the warm-up (%d steps) is as long as the run's %d steps or longer, so the "
+                    "learning rate rises the whole run and its last step takes %.0f%% of train.optimizer.lr; shorten "
+                    "the warm-up (warmup_ratio: 0.05 takes a share of the run) or train longer", key, warmup, steps,
+                    100 * (steps - 1) / warmup)
     if schedule.name in ("constant", "cosine"):
         floor = getattr(schedule, "min_lr_ratio", 0.0)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(

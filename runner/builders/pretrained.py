@@ -28,11 +28,14 @@ from torch import nn
 from ..checkpoint_files import MARKER, STATE_FILE, load_checkpoint
 from ..problems import first_line
 from .hub import hub_name, locate
+from .weight_files import check_weight_files, state_dict_file
 
 log = logging.getLogger(__name__)
 
 EXPORT_RECIPE = "recipe.yaml"  # the resolved recipe an export carries beside its weights
 WEIGHTS = "model.safetensors"
+LORA_CHECKPOINT = ("is a LoRA run's checkpoint, which holds the adapter and not the model it adapts; continue that "
+                   "run with --resume, or start from its merged export (model.lora.export_merged: true)")
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a LoRA adapter, not a model
 TRAINABLE_ONLY = "trainable_only"  # a checkpoint's mark: its model state holds what trains, not the frozen base
 FRESH = "_ckrun_fresh_weights"  # on a model from_pretrained built: the weights its directory lacked, made fresh
@@ -82,11 +85,13 @@ def exported_from(directory: Path) -> tuple[str, str] | None:
 
 
 def check_pretrained_dir(directory: Path, source: str | None, name: str | None) -> None:
-    """A one-line ValueError when `directory` cannot hold weights for this model."""
+    """A one-line ValueError when `directory` cannot hold weights for this model, or a weight file it
+    holds cannot be read (read as far as its header: runner/builders/weight_files.py)."""
     if not directory.is_dir():
         raise ValueError(f"no local directory {str(directory)!r}; give a directory holding the weights, "
                          "e.g. a finished run's OUTPUT_DIR/model")
     if is_checkpoint(directory):
+        refuse_adapter_checkpoint(directory)
         return
     if (directory / ADAPTER_CONFIG).is_file():
         raise ValueError(f"{directory} holds a LoRA adapter, not a model; start from its base model with the same "
@@ -103,6 +108,19 @@ def check_pretrained_dir(directory: Path, source: str | None, name: str | None) 
     elif state_dict_file(directory) is None:
         raise ValueError(f"{directory} holds no {WEIGHTS} or .pt/.pth/.bin state dict; give a run's OUTPUT_DIR/model "
                          "or OUTPUT_DIR/checkpoints/step-N")
+    check_weight_files(directory, source == "transformers")
+
+
+def refuse_adapter_checkpoint(checkpoint: Path) -> None:
+    """A LoRA run's checkpoint holds the adapter alone: refused before a model is built for it (a recipe
+    without model.config would build its class's default config, a 7B Llama, only to find that out). Its
+    pickle is read with the tensors memory-mapped; one that cannot be read is left to the load to say."""
+    try:
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - damaged: load_checkpoint checks its digest and says which way
+        return
+    if isinstance(state, dict) and state.get(TRAINABLE_ONLY):
+        raise ValueError(f"{checkpoint} {LORA_CHECKPOINT}")
 
 
 def _check_transformers_dir(directory: Path, name: str | None) -> None:
@@ -127,35 +145,27 @@ def _config_model_type(name: str | None) -> str | None:
     return getattr(getattr(model_class, "config_class", None), "model_type", None) or None
 
 
-def state_dict_file(directory: Path) -> Path | None:
-    candidates = [directory / WEIGHTS, *sorted(directory.glob("*.pt")), *sorted(directory.glob("*.pth")),
-                  *sorted(directory.glob("*.bin"))]
-    return next((c for c in candidates if c.is_file()), None)
-
-
 def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The model weights a directory holds, and the file they came from; a one-line ValueError
     when they cannot be read (never torch's advice to load with weights_only=False)."""
     if is_checkpoint(directory):  # checked against the digest its marker recorded
         state = load_checkpoint(directory, torch.device("cpu"))
         if state.get(TRAINABLE_ONLY):
-            raise ValueError(f"{directory} is a LoRA run's checkpoint, which holds the adapter and not the model "
-                             "it adapts; continue that run with --resume, or start from its merged export "
-                             "(model.lora.export_merged: true)")
+            raise ValueError(f"{directory} {LORA_CHECKPOINT}")
         return state["model"], directory / STATE_FILE
     path = state_dict_file(directory)
     if path is None:
         raise ValueError(f"{directory} holds no {WEIGHTS} or .pt/.pth/.bin state dict")
+    check_weight_files(directory, transformers=False)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             return load_file(str(path)), path
         return torch.load(path, map_location="cpu", weights_only=True), path
-    except Exception as err:  # noqa: BLE001 - torch's own error advises weights_only=False: never pass that on
-        why = "holds pickled Python objects, not only tensors" if "weights_only" in str(err) else "cannot be read"
-        raise ValueError(f"{path} {why} ({type(err).__name__}); ckrun loads only tensor files: "
-                         "save a state_dict or model.safetensors") from None
+    except Exception as err:  # noqa: BLE001 - read past a sound header: torch's own error advises weights_only=False
+        raise ValueError(f"{path} cannot be read ({type(err).__name__}: {first_line(err, 120)}); save or copy the "
+                         "weights again") from None
 
 
 def load_state(model: nn.Module, directory: Path) -> None:
@@ -179,6 +189,7 @@ def from_pretrained(model_class, directory: Path, config: dict) -> nn.Module:
     directory lacks (a new head on a base model) are initialised fresh and logged."""
     from transformers.utils import logging as transformers_logging
 
+    check_weight_files(directory, transformers=True)  # transformers' own errors would be a traceback's
     verbosity, bar = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()

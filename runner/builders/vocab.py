@@ -48,8 +48,9 @@ def model_vocab(model_class, given: dict) -> dict | None:
 
 def vocab_problems(recipe, vocab: dict | None, warn: bool = True) -> list[KeyedError]:
     """The tokenizer of data (and eval.data) against the model's vocabulary `vocab` (`model_vocab`, or
-    None: a python model's size comes from data.vocab_size when set); warnings are logged."""
-    found = []
+    None: a python model's size comes from data.vocab_size when set); warnings are logged, each once (data and
+    eval.data with the same tokenizer meet the same one)."""
+    found, warnings = [], []
     for key, data in [("data", recipe.data), ("eval.data", recipe.eval.data if recipe.eval else None)]:
         directory = getattr(data, "tokenizer", None)
         if directory is None:
@@ -61,9 +62,11 @@ def vocab_problems(recipe, vocab: dict | None, warn: bool = True) -> list[KeyedE
             continue
         size_key, size = _model_size(recipe, data, key, vocab)
         if size is not None:
-            found += _size_problems(tokens, size, size_key, key, directory, vocab, warn)
+            found += _size_problems(tokens, size, size_key, key, directory, vocab, warnings)
         if vocab is not None:
-            found += _special_problems(tokens, vocab, recipe.model.config, key, warn)
+            found += _special_problems(tokens, vocab, recipe.model.config, key, warnings)
+    for warning in dict.fromkeys(warnings) if warn else ():
+        log.warning(warning)
     return found
 
 
@@ -76,17 +79,17 @@ def _model_size(recipe, data, key: str, vocab: dict | None) -> tuple[str, int | 
 
 
 def _size_problems(tokens: TokenizerFacts, size: int, size_key: str, key: str, directory: str, vocab: dict | None,
-                   warn: bool) -> list[KeyedError]:
+                   warnings: list[str]) -> list[KeyedError]:
     if size < tokens.size:
         where = size_key if size_key in ("model.config.vocab_size", f"{key}.vocab_size") else f"{key}.tokenizer"
         return [KeyedError(where, f"the model's vocabulary has {size} ids but the tokenizer {directory} has "
                                   f"{tokens.size} tokens: ids from {size} on would index past the embedding at the first "
                                   f"step; set {size_key} to {tokens.size} (or more)")]
     padded = -(-tokens.size // PADDING) * PADDING
-    if size > padded and warn:
-        log.warning("%s: the model's vocabulary has %d ids but the tokenizer %s has %d tokens: %d rows are never "
-                    "used%s; set %s: %d (or %d, padded to a multiple of %d)", size_key, size, directory, tokens.size,
-                    size - tokens.size, _cost(size - tokens.size, vocab), size_key, tokens.size, padded, PADDING)
+    if size > padded:
+        warnings.append(f"{size_key}: the model's vocabulary has {size} ids but the tokenizer {directory} has "
+                        f"{tokens.size} tokens: {size - tokens.size} rows are never used{_cost(size - tokens.size, vocab)}; "
+                        f"set {size_key}: {tokens.size} (or {padded}, padded to a multiple of {PADDING})")
     return []
 
 
@@ -97,11 +100,13 @@ def _cost(rows: int, vocab: dict | None) -> str:
 
     parameters = rows * vocab["width"] * (1 if vocab["tied"] else 2)
     head = "" if vocab["tied"] else ", the embedding's and the untied head's"
-    return (f" ({parameters / 1e6:.1f}M parameters{head}: {format_bytes(parameters * ADAMW_BYTES)} of fp32 weights, "
+    count = f"{parameters / 1e6:.1f}M" if parameters >= 100_000 else f"{parameters:,}"  # never "0.0M"
+    return (f" ({count} parameters{head}: {format_bytes(parameters * ADAMW_BYTES)} of fp32 weights, "
             f"gradients and AdamW state, and logits {rows} wider for every token)")
 
 
-def _special_problems(tokens: TokenizerFacts, vocab: dict, given: dict, key: str, warn: bool) -> list[KeyedError]:
+def _special_problems(tokens: TokenizerFacts, vocab: dict, given: dict, key: str,
+                      warnings: list[str]) -> list[KeyedError]:
     """Ids the recipe's model.config sets; the config class's defaults (GPT-2's 50256) are replaced at export."""
     found = []
     for name in MODEL_SPECIAL:
@@ -113,10 +118,10 @@ def _special_problems(tokens: TokenizerFacts, vocab: dict, given: dict, key: str
         if not 0 <= ours < tokens.size:
             found.append(KeyedError(("model", "config", setting), f"{ours} is not a token of the tokenizer "
                                     f"({tokens.size} tokens, {key}.tokenizer); {fix}"))
-        elif theirs is not None and ours != theirs and warn:
-            log.warning("model.config.%s: %d, but the tokenizer's %s token is %d: generation would %s at another "
-                        "token than the text has; %s", setting, ours, name, theirs,
-                        "stop" if name == "eos" else "pad" if name == "pad" else "start", fix)
+        elif theirs is not None and ours != theirs:
+            verb = "stop" if name == "eos" else "pad" if name == "pad" else "start"
+            warnings.append(f"model.config.{setting}: {ours}, but the tokenizer's {name} token is {theirs}: generation "
+                            f"would {verb} at another token than the text has; {fix}")
     return found
 
 

@@ -72,10 +72,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def gpu_names() -> str:
     """The GPUs `--gpu` knows by a short name, for the help of the verbs that take it: read from the
-    device table (runner/predict/hardware.py) when the verb's parser is built, not written again."""
-    from ..predict.hardware import known_names
+    device table (runner/predict/gpus.py, which needs no torch) when the verb's parser is built."""
+    from ..predict.gpus import GPUS
 
-    return ", ".join(name for name in known_names() if name != "cpu")
+    return ", ".join(GPUS)
 
 
 def _plugins() -> dict[str, object]:

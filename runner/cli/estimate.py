@@ -9,15 +9,14 @@ all for --device cuda on a machine without a GPU (the line says how to ask for i
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import time
 
 from ..builders.checks import load_checked
 from ..library import resolve_recipe
 from ..located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
+from ..predict.plan_lines import plan_lines_quiet, plan_words
 from ..units import format_bytes
 from . import Command, add_recipe_arguments, gpu_names
 
@@ -37,11 +36,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    path = resolve_recipe(args.recipe)
+    recipe, doc = load_checked(path, args.overrides)  # a typo is said before torch is imported
+    device, facts, why_no_time = target_facts(args.device, args.gpu)
     from ..predict.estimate import EstimateUnavailable, Estimator
 
-    path = resolve_recipe(args.recipe)
-    recipe, doc = load_checked(path, args.overrides)
-    device, facts, why_no_time = target_facts(args.device, args.gpu)
     started = time.perf_counter()
     if args.nproc is not None:  # one rank of N: runner/predict/per_rank.py
         from ..parallel.launch import check_launch
@@ -57,11 +56,9 @@ def run(args) -> int:
                           **({"time_unavailable": why_no_time} if why_no_time else {})}))
         return 0
     per = f" per rank of {args.nproc}" if args.nproc else ""
-    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} "
-          f"(batch {recipe.train.batch_size}, micro-batch {recipe.micro_batch}, {recipe.precision}, "
-          f"checkpointing {', '.join([recipe.memory.checkpointing.label(), *recipe.memory.pool_changes()])})")
-    for category, count in estimate.breakdown.items():
-        print(f"  {category:<16} {format_bytes(count):>10}")
+    print(f"{path}: predicted peak {format_bytes(estimate.peak_bytes)} per step{per} on {device} ({plan_words(recipe)})")
+    for line in breakdown_lines(estimate.breakdown, estimate.pool_peaks):
+        print(f"  {line}")
     for line in time_lines(estimate.time) if estimate.time else [f"step time: not predicted ({why_no_time})"]:
         print(f"  {line}")
     for note in estimate.notes:
@@ -69,6 +66,18 @@ def run(args) -> int:
     for warning in estimate.warnings:
         print(f"  warning: {warning}")
     return 0
+
+
+def breakdown_lines(breakdown: dict[str, int], pool_peaks: dict[str, int]) -> list[str]:
+    """Each pool's bytes at the moment of the peak (they sum to it) and, beside them, the most it holds at any
+    moment of the step (the allocator's own columns have none: they are what the peak's moment leaves)."""
+    width = max(16, *(len(category) for category in breakdown))
+    lines = [f"{'':<{width}} {'at the peak':>11}  {'own most':>10}"] if pool_peaks else []
+    for category, count in breakdown.items():
+        most = pool_peaks.get(category)
+        lines.append(f"{category:<{width}} {format_bytes(count):>11}" + (f"  {format_bytes(most):>10}" if most is not None
+                                                                          else ""))
+    return lines
 
 
 def target_facts(device: str, gpu: str | None):
@@ -108,25 +117,9 @@ def time_lines(step) -> list[str]:
             f"{step.flops / 1e12:.2f} run, a step)",
             f"  {parts}", *([f"  by kernel: {kernels}"] if kernels else []), *([first] if first else []),
             "  (a roofline of the step's ops: an ordering of plans and a first number, not a promise; "
-            "README: calibrating it on a GPU)"]
+            "docs/predicting.md: calibrating it on a GPU)"]
 
 
-@contextlib.contextmanager
-def plan_lines_quiet():
-    """The estimator applies the plan to a stand-in model; the lines a run prints for that ("checkpointing
-    2 of 2 blocks") would only repeat the recipe above the prediction (or, for autotune/api.py, the plan
-    it picks). Warnings still show; -v shows all."""
-    # the plan; FSDP's sharding; model.lora's line, which a note repeats
-    logs = [logging.getLogger(name) for name in ("ckrun.runner.memory", "ckrun.runner.parallel", "ckrun.runner.builders.adapters")]
-    levels = [plan_log.level for plan_log in logs]
-    for plan_log in logs:
-        if not plan_log.isEnabledFor(logging.DEBUG):
-            plan_log.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for plan_log, level in zip(logs, levels, strict=True):
-            plan_log.setLevel(level)
 def _estimate(estimator, unavailable, recipe, device: str, facts, source: str):
     from ..predict.estimate import Estimator
     from ..predict.fallback import estimate_or_probe

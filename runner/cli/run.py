@@ -12,34 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-from ..builders.checks import load_checked
-from ..library import resolve_recipe
-from ..located import located_errors
 from . import Command, is_rank_zero, add_recipe_arguments
 
 log = logging.getLogger(__name__)
-
-
-PREDICT_FROM = 10_000_000  # parameters: a smaller model's first step comes within seconds, unannounced
-
-
-def predicted_step(recipe, device, parameters: int) -> float | None:
-    """Seconds a step, from the time model on this device's facts (`ckrun estimate`), for the line
-    before step 1; None for a small model, a device the table lacks, or a model fake tensors cannot run."""
-    if parameters < PREDICT_FROM:
-        return None
-    from ..predict.estimate import EstimateUnavailable, Estimator
-    from ..predict.hardware import this_cpu, this_gpu
-
-    facts = this_gpu() if device.type == "cuda" else this_cpu()
-    if facts is None:
-        return None
-    log.info("predicting the step time on %s (ckrun estimate's fake step)", facts.name)
-    try:
-        return Estimator(recipe, device.type, facts).estimate().time.seconds
-    except (EstimateUnavailable, ValueError) as err:
-        log.debug("no predicted step time: %s", err)
-        return None
 
 
 def add_arguments(parser):
@@ -55,15 +30,13 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..parallel.slurm import check_environment
-    from ..train.run.guard import stop_line
-    from ..train.loop import train
+    from ..api import checked_recipe, train_checked
 
-    check_environment()  # a bad variable is one line before anything is read or started
-    path = resolve_recipe(args.recipe)
     if args.device is not None:  # a flag for what people look for first; the override does the work
         args.overrides = [*args.overrides, f"train.device={args.device}"]
-    recipe, doc = load_checked(path, args.overrides)
+    path, recipe, doc = checked_recipe(args.recipe, args.overrides)  # a typo is said before torch is imported
+    from ..train.run.guard import stop_line
+
     args.resume = args.resume or args.resume_changed
     if args.nproc is not None:  # this process starts the ranks; each of them comes back through here without it
         from ..train.run.ownership import launch_owned
@@ -71,9 +44,7 @@ def run(args) -> int:
         flags = ["--resume-changed"] if args.resume_changed else ["--resume"] if args.resume else []
         return launch_owned(recipe, str(path), [args.recipe, *args.overrides, *flags], args.nproc, args.resume,
                             args.verbose, accept_changes=args.resume_changed)
-    with located_errors(doc):
-        result = train(recipe, str(path), resume=args.resume, accept_changes=args.resume_changed,
-                       predict_step=predicted_step)
+    result = train_checked(path, recipe, doc, resume=args.resume, accept_changes=args.resume_changed)
     if result.stopped_by:
         if not is_rank_zero():  # rank 0 says it for the group
             return 128 + result.stopped_by

@@ -59,7 +59,7 @@ def print_costs(recipe, source: str, as_json: bool) -> int:
 
     from ..predict.block_costs import cost_table, format_table
     from ..predict.estimate import EstimateUnavailable, Estimator
-    from .estimate import plan_lines_quiet
+    from ..predict.plan_lines import plan_lines_quiet
 
     cuda = recipe.train.device == "cuda" or (recipe.train.device == "auto" and torch.cuda.is_available())
     try:

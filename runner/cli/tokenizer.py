@@ -20,14 +20,13 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..builders.make_tokenizer import train_tokenizer
+    from ..builders.make_tokenizer import check_out, train_tokenizer
     from ..builders.resolve import BuildError
     from ..problems import InputError, Place, Problem
 
     out = Path(args.out).expanduser()
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise InputError([Problem(Place(str(out)), "--out", "holds files already; give another directory or --force")])
     try:
+        check_out(out, args.force)
         facts = train_tokenizer(args.paths, out, args.vocab_size, args.min_frequency)
     except BuildError as err:  # its key is an argument here, not a recipe's
         raise InputError([Problem(Place("ckrun tokenizer"), err.key, err.message)]) from None

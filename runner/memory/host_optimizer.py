@@ -1,8 +1,8 @@
 """Optimizer offload to host memory (memory.optimizer_offload: cpu), whole or for a fraction.
 
 The design is torchao's CPUOffloadOptimizer: each offloaded parameter has a float32 copy and a
-gradient buffer in pinned host memory; the recipe's optimizer (torch's fused CPU AdamW) keeps their
-state there and updates them on the CPU; each step copies their gradients to the host and the
+gradient buffer in pinned host memory; the plan's optimizer (torch's fused CPU AdamW, or torchao's
+low-bit AdamW over the host's tensors) keeps their state there and updates them on the CPU; each step copies their gradients to the host and the
 updated parameters back. The rest of the parameters keep an ordinary optimizer on the device.
 
 Why ckrun has its own rather than torchao's: torchao's asserts a CUDA (or XPU) device when it is
@@ -29,6 +29,13 @@ import torch
 from torch import nn
 
 MakeOptimizer = Callable[[list[torch.Tensor], torch.device], torch.optim.Optimizer]
+LOW_BIT_HOST_COST = {"AdamW8bit": 136.0, "AdamW4bit": 95.0, "AdamWFp8": 18.5}
+"""torchao's low-bit AdamW on the host's tensors (memory.optimizer_state 8bit/4bit/fp8 beside an offload), in
+elements of torch's fused CPU AdamW: its update runs eagerly there, one small op at a time, at 2.3, 3.3 and
+16.9 M parameters a second of one thread's CPU time (bench/host_low_bit.py, 2026-11-29, torch 2.14.1, torchao
+0.18, on this 2-core machine at a load of 10: to re-measure on an idle one), against the 313 M a second the
+time model takes for the fused step (runner/predict/roofline.py HOST_ADAMW_PER_CORE). It saves host memory
+only, at that cost."""
 
 
 class HostOffloadOptimizer(torch.optim.Optimizer):
@@ -116,6 +123,12 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._handles.clear()
 
+    def hold(self) -> None:
+        """The device's parameters stay as they are (runner/memory/host_master.py holds bfloat16 copies)."""
+
+    def release(self) -> None:
+        """Nothing was held."""
+
     # --- what schedules, checkpoints and the tracker read ----------------------------------------
 
     def _inner(self) -> list[torch.optim.Optimizer]:
@@ -133,6 +146,15 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         handles = [optimizer.register_step_post_hook(hook) for optimizer in self._inner()]
         return _Handles(handles)
 
+    def register_step_pre_hook(self, hook):
+        """On the inner optimizers, whose steps run the hooks (this one's step is not torch's wrapped one)."""
+        return _Handles([optimizer.register_step_pre_hook(hook) for optimizer in self._inner()])
+
+    def stepped(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """What the inner optimizers step for each of `params`: its host copy, or itself on the device (a
+        follower of the update, runner/train/measure/update_error.py, reads those and their gradients)."""
+        return [self.copies.get(param, param) for param in params]
+
     def state_dict(self) -> dict:
         return {"host": self.host_optimizer.state_dict(),
                 "device": self.device_optimizer.state_dict() if self.device_optimizer is not None else None}
@@ -148,9 +170,20 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             for param, copy in self.copies.items():
                 copy.copy_(param)
 
+    def host_work(self, micro_batches: int) -> int:
+        """The host's work in one step, in elements of its fused AdamW rate (what the estimate prices): the
+        update of the elements it holds, a low-bit one at its cost (`LOW_BIT_HOST_COST`)."""
+        cost = LOW_BIT_HOST_COST.get(type(self.host_optimizer).__name__, 1.0)
+        return int(cost * sum(t.numel() for t in self.copies.values()))
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What it keeps in host memory beside the host optimizer's state: the parameters' copies and gradient
+        buffers (a memory tracker counts them before the step: they exist before it, as the state does)."""
+        return [*self.copies.values(), *self.buffers.values()]
+
     def host_bytes(self) -> int:
-        """What it holds in host memory: the parameters' copies, gradient buffers and the host's state."""
-        tensors = [*self.copies.values(), *self.buffers.values(),
+        """What it holds in host memory: `host_tensors` and the host's state."""
+        tensors = [*self.host_tensors(),
                    *(v for state in self.host_optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
         return sum(t.numel() * t.element_size() for t in tensors)
 

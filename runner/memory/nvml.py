@@ -30,11 +30,22 @@ def _handle(index: int):
 
 def card_used_bytes(index: int) -> int | None:
     """The card's used memory, every process's and the driver's own."""
+    info = _memory_info(index)
+    return None if info is None else int(info.used)
+
+
+def card_free_bytes(index: int) -> int | None:
+    """The card's free memory: its total less what every process and the driver use."""
+    info = _memory_info(index)
+    return None if info is None else int(info.free)
+
+
+def _memory_info(index: int):
     nvml, handle = _handle(index)
     if handle is None:
         return None
     try:
-        return int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        return nvml.nvmlDeviceGetMemoryInfo(handle)
     except Exception:
         return None
 

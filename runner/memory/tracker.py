@@ -80,17 +80,22 @@ class _Record:
 
 
 class _DeviceBytes:
-    """Running totals of one device; the breakdown is copied whenever the peak rises."""
+    """Running totals of one device; the breakdown is copied whenever the peak rises, and each category's
+    own most is kept beside it (gradients are 0 at a peak that comes before backward makes them)."""
 
-    __slots__ = ("total", "peak", "by_category", "peak_breakdown")
+    __slots__ = ("total", "peak", "by_category", "peak_breakdown", "category_peaks")
 
     def __init__(self):
         self.total = self.peak = 0
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_breakdown = dict(self.by_category)
+        self.category_peaks = dict(self.by_category)
 
     def add(self, category: str, nbytes: int) -> None:
-        self.by_category[category] += nbytes
+        held = self.by_category[category] + nbytes
+        self.by_category[category] = held
+        if held > self.category_peaks[category]:
+            self.category_peaks[category] = held
         self.total += nbytes
         if self.total > self.peak:
             self.peak = self.total
@@ -99,6 +104,7 @@ class _DeviceBytes:
     def reset_peak(self) -> None:
         self.peak = self.total
         self.peak_breakdown = dict(self.by_category)
+        self.category_peaks = dict(self.by_category)
 
 
 def _normalize(device: str | torch.device) -> torch.device:
@@ -151,6 +157,9 @@ class LiveBytesTracker(TorchDispatchMode):
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if optimizer is not None:
             self.count_existing(_state_tensors(optimizer), "optimizer_state")
+            # an offloaded optimizer's host copies and buffers (runner/memory/host_optimizer.py): first
+            # touched inside the step, they would count as activations made there
+            self.count_existing(getattr(optimizer, "host_tensors", list)(), "optimizer_state")
             self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_step))
         self.count_existing(extra_tensors, "inputs")
         return self
@@ -199,6 +208,11 @@ class LiveBytesTracker(TorchDispatchMode):
     def breakdown_at_peak(self) -> dict[str, int]:
         """Bytes per category (see the module docstring) at the moment of the peak; sums to the peak."""
         return dict(self._on(self.device).peak_breakdown)
+
+    @property
+    def category_peaks(self) -> dict[str, int]:
+        """The most bytes each category held at any moment since registration or `reset_peak()` (not at once)."""
+        return dict(self._on(self.device).category_peaks)
 
     @property
     def current_breakdown(self) -> dict[str, int]:
@@ -301,6 +315,7 @@ class LiveBytesTracker(TorchDispatchMode):
         stats = self._on(record.device)
         stats.by_category[record.category] -= record.nbytes
         stats.by_category[category] += record.nbytes
+        stats.category_peaks[category] = max(stats.category_peaks[category], stats.by_category[category])
         record.category = category
 
     def _on(self, device: torch.device) -> _DeviceBytes:

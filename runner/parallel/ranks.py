@@ -147,6 +147,12 @@ def check_world(recipe: Recipe, world_size: int, source: str = "<recipe>") -> No
         raise InputError([Problem(Place(source), "memory.micro_batch", f"{micro} does not divide a rank's share "
                                   f"{share} (train.batch_size {batch} over {ranks}); use "
                                   f"{largest_divisor_at_most(share, micro)}")])
+    if micro is not None and micro < share and recipe.memory.optimizer_step.updates_in_backward:
+        raise InputError([Problem(Place(source), "memory.optimizer_step", f"in_backward updates each parameter as "
+                                  f"soon as its gradient is accumulated, but memory.micro_batch {micro} makes "
+                                  f"{share // micro} micro-batches of a rank's share {share} (train.batch_size "
+                                  f"{batch} over {ranks}) and the first would update the weights the others still "
+                                  "need; leave memory.micro_batch out, or use policy after")])
 
 
 def leave(ranks: Ranks) -> None:

@@ -108,11 +108,24 @@ def shard(model: nn.Module, recipe: Recipe, device: torch.device, source: str, m
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for block in blocks:
         fully_shard(block.module, **options)
-    fully_shard(model, **options)
+    fully_shard(model, **{**options, "reshard_after_forward": root_reshards(recipe.memory)})
+    if reshard and not root_reshards(recipe.memory):
+        log.info("%s: the root's parameters (embeddings, the output projection) stay gathered from the forward to "
+                 "the backward: memory.loss %s runs the output projection after the model's forward and again in the "
+                 "backward", recipe.distributed.label(), recipe.memory.loss.label())
     log.info("%s: %d blocks and the root sharded over %s (reshard_after_forward %s, cpu offload %s, mixed "
              "precision %s)", recipe.distributed.label(), len(blocks), _mesh_text(mesh), reshard,
              "on" if offload else "off", recipe.precision)
     return [block.name for block in blocks]
+
+
+def root_reshards(plan) -> bool:
+    """Whether the root's FSDP2 unit frees its gathered parameters after the forward: as the blocks do
+    (memory.sharding), unless the loss splits the head (memory.loss chunked), which reads the output
+    projection's weight after the forward returns and recomputes each piece from it in the backward, before
+    the root's own backward would gather it again."""
+    reshard = True if plan.sharding is None else plan.sharding.reshard_after_forward
+    return reshard and not plan.loss.splits_head
 
 
 def _mesh_text(mesh) -> str:

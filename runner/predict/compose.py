@@ -68,6 +68,8 @@ class _Bytes:
     peak_bytes: int
     breakdown: dict[str, int]
     peak_by_device: dict[str, int]
+    category_peaks: dict[str, int]
+    """Each category's own most on the step's device, as the tracker keeps it."""
 
     @property
     def breakdown_at_peak(self) -> dict[str, int]:
@@ -667,11 +669,11 @@ class _Composition:
                 out.allocate((BASE, stored.ordinal), stored)
         baseline = len(out.events)
         pending: dict[int, dict[int, list]] = {}  # part's place -> allocations made -> frees and re-labels
-        for store, at in self.frees.items():
-            pending.setdefault(at[0], {}).setdefault(at[1], []).append(("free", store))
-        for store, changes in self.labels.items():
+        for store, changes in self.labels.items():  # a re-label placed where its storage goes came before it
             for at, category in changes:
                 pending.setdefault(at[0], {}).setdefault(at[1], []).append(("label", store, category))
+        for store, at in self.frees.items():
+            pending.setdefault(at[0], {}).setdefault(at[1], []).append(("free", store))
         for sid in self.order:
             trace, tsid, _ = self.source(sid)
             part = trace.parts.get(tsid)
@@ -718,7 +720,9 @@ class _Composition:
                 work.ops += part.ops
                 work.to_host += part.to_host
             work.update_copies += part.update_copies
-        hosted = self.layout.update.hosted
+            work.gradients_to_host += part.gradients_to_host
+        plan, batch = self.layout.plan, recipe.train.batch_size
+        hosted = self.layout.update.host_work(batch // micro_batch_of(plan, batch))
         if hosted:
             work.host_updates.append(("first" if self.layout.micro_batches == 1 else "repeat", "update", hosted))
         return work
@@ -834,12 +838,14 @@ def _replayed(events: list, initial: dict[int, str], labels: list) -> _Bytes:
     where: dict[int, str] = {}
     by_category = dict.fromkeys(CATEGORIES, 0)
     peak, breakdown, at, device_name = 0, dict(by_category), 0, str(CPU)
+    most = dict(by_category)
     for index, (key, nbytes, device) in enumerate(events):
         while at < len(labels) and labels[at][0] <= index:
             _, relabelled, new = labels[at]
             if relabelled in category and where[relabelled] == device_name:
                 by_category[category[relabelled]] -= size[relabelled]
                 by_category[new] += size[relabelled]
+                most[new] = max(most[new], by_category[new])
             if relabelled in category:
                 category[relabelled] = new
             at += 1
@@ -851,8 +857,9 @@ def _replayed(events: list, initial: dict[int, str], labels: list) -> _Bytes:
         on_device = name == device_name
         if on_device:
             by_category[category[key]] += nbytes
+            most[category[key]] = max(most[category[key]], by_category[category[key]])
         if nbytes < 0:
             category.pop(key, None)
         if on_device and totals[name] > peak:
             peak, breakdown = totals[name], dict(by_category)
-    return _Bytes(events, peak, breakdown, peaks)
+    return _Bytes(events, peak, breakdown, peaks, most)

@@ -381,7 +381,7 @@ def replay_within(events, device: torch.device, baseline: int, capacity: int | N
         return unlimited, ""
     limited = replay(events, device, baseline, capacity=capacity, **settings)
     if limited.over_capacity:
-        return unlimited, (f"more than the {capacity / 2**30:.1f} GiB the card leaves the allocator, even after "
+        return unlimited, (f"needs more than the {capacity / 2**30:.1f} GiB the card leaves the allocator, even after "
                            "releasing every cached segment: the step runs out of memory there")
     return limited, (f"reaches the {capacity / 2**30:.1f} GiB the card leaves the allocator, which then releases its "
                      f"cached segments and retries ({limited.releases} times in two steps; each release synchronises "

@@ -34,7 +34,12 @@ class DeviceFacts(BaseModel):
     """Parameters a second the host's fused CPU AdamW updates (memory.optimizer_offload's host step);
     0: the time model's assumption for a GPU machine's host (runner/predict/roofline.py HOST_ADAMW_PER_S)."""
     peer_gbs: float = 0.0
-    """GPU <-> GPU, GB/s each way (NVLink, else PCIe): what collectives move over."""
+    """GPU <-> GPU within a host, GB/s each way (NVLink, else PCIe): what collectives move over there."""
+    network_gbs: float = Field(0.0, ge=0)
+    """Each GPU's share of the host-to-host network, GB/s each way (InfiniBand or RoCE: 400 Gb/s a GPU is
+    50): what a collective whose ranks span hosts moves over; 0: not known (priced at `peer_gbs`)."""
+    gpus_per_host: int = Field(8, gt=0)
+    """GPUs a host holds: ranks beyond them are on other hosts (torchrun's --nproc-per-node)."""
     capability: tuple[int, int] | None = None
     """CUDA compute capability (sizes the cuBLAS workspace the memory estimate counts)."""
     sms: int = Field(0, ge=0)
@@ -64,15 +69,36 @@ class DeviceFacts(BaseModel):
         tflops = self.matmul_tflops.get(dtype) or self.matmul_tflops.get("fp32") or min(self.matmul_tflops.values())
         return tflops * 1e12
 
-    def compute_rate(self, op_class: str, dtype: str, family: str = "") -> float:
+    def compute_rate(self, op_class: str, dtype: str, family: str = "", backward: bool = False,
+                     causal: bool = False) -> float:
         """Achievable FLOP/s of an op of `op_class` (efficiency.OP_CLASSES) computed in `dtype`."""
-        share = self.efficiency.compute(op_class, dtype, family) if self.efficiency else self.matmul_efficiency
+        share = self.efficiency.compute(op_class, dtype, family, backward, causal) if self.efficiency \
+            else self.matmul_efficiency
         return self.peak_flops(dtype) * share
 
-    def traffic_rate(self, op_class: str) -> float:
-        """Achievable device-memory bytes per second of an op of `op_class`."""
-        share = self.efficiency.traffic(op_class) if self.efficiency else self.memory_efficiency
+    def traffic_rate(self, op_class: str, backward: bool = False) -> float:
+        """Achievable device-memory bytes per second of an op of `op_class` (`norm` too)."""
+        share = self.efficiency.traffic(op_class, backward) if self.efficiency else self.memory_efficiency
         return self.memory_gbs * 1e9 * share
+
+    def fill_seconds(self, dtype: str) -> float:
+        """A product's fixed time beside its FLOPs (efficiency.matmul_fill_us), seconds."""
+        return (self.efficiency.matmul_fill_us.get(dtype, 0.0) if self.efficiency else 0.0) * 1e-6
+
+    def floor_seconds(self) -> float:
+        """The least an op costs: the calibration's launch floor where it gives one, else `launch_us`."""
+        given = self.efficiency.launch_us if self.efficiency else None
+        return (self.launch_us if given is None else given) * 1e-6
+
+    def ring_rate(self, ranks: int, ranks_per_host: int) -> float:
+        """Bytes per second each rank of a ring collective over `ranks` ranks, `ranks_per_host` of them on each
+        host, moves: the peer link within one host; across hosts, each host's rails together (its ranks'
+        network shares: NCCL spreads its rings over the rails) unless the peer link is slower. 0 when the device
+        has no peer link (a CPU)."""
+        peer = self.peer_gbs * 1e9
+        if ranks <= ranks_per_host or not self.network_gbs:
+            return peer
+        return min(peer, ranks_per_host * self.network_gbs * 1e9)
 
     def wave_share(self, outputs: tuple[int, int, int] | None, flops: float = 0.0) -> float:
         """The share of the SMs a product of `outputs` (batch, rows, columns) keeps busy. Its output tiles run

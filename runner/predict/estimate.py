@@ -45,7 +45,7 @@ from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
 from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport
-from ..memory.optimizers import PlannedOptimizer, build_planned_optimizer
+from ..memory.optimizers import PlannedOptimizer, accumulates_in_float32, build_planned_optimizer
 from ..memory.tracker import LiveBytesTracker
 from ..plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
 from ..recipe import Precision as PrecisionName, Recipe
@@ -91,6 +91,9 @@ class Estimate:
     work: StepWork | None = field(default=None, repr=False, compare=False)
     """What the step's ops did (device-independent): `time_on` prices it on another device."""
     shape: StepShape | None = field(default=None, repr=False, compare=False)
+    pool_peaks: dict[str, int] = field(default_factory=dict)
+    """The most bytes each tracker category holds at any moment of the step: not at once, so they may sum past
+    the peak (the breakdown is the moment of the peak, when gradients may not exist yet)."""
 
     def time_on(self, facts: DeviceFacts) -> StepTime:
         """The same step's time on another device (the peak is this estimate's)."""
@@ -100,7 +103,8 @@ class Estimate:
 
     def record(self) -> dict:
         return {"device": self.device, "peak_bytes": self.peak_bytes, "live_peak_bytes": self.live_peak_bytes,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes), "warnings": list(self.warnings),
+                "breakdown": dict(self.breakdown), "pool_peaks": dict(self.pool_peaks), "notes": list(self.notes),
+                "warnings": list(self.warnings),
                 "time": self.time.record() if self.time else None}
 
 
@@ -159,22 +163,26 @@ class Estimator:
                                               torch.device("cuda" if self.cuda else "cpu"), key[-1], host=HOST)
             try:
                 with watch or contextlib.nullcontext():
-                    self._warm_up(whole, planned)
+                    self._warm_up(plan, whole, planned)
             finally:
                 planned.remove()
+                planned.release()
         self._optimizers[key] = planned
         return planned
 
     def optimizer_key(self, plan: MemoryPlan) -> tuple:
         """What the optimizer a plan asks for depends on: plans with one key share one (warmed up once)."""
         return (plan.weights.holds_bf16, plan.optimizer_state.label(), plan.optimizer_step.label(),
-                plan.optimizer_offload.label(), gradients_final(plan, self.recipe.step_facts()))
+                plan.optimizer_offload.label(), accumulates_in_float32(plan, self.recipe.train),
+                gradients_final(plan, self.recipe.step_facts()))
 
-    def _warm_up(self, whole: MemoryPlan, planned: PlannedOptimizer) -> None:
+    def _warm_up(self, plan: MemoryPlan, whole: MemoryPlan, planned: PlannedOptimizer) -> None:
         """One whole step, untracked, that creates the optimizer's state (runner/predict/parts.py steps the
         optimizer alone)."""
-        warm = "bf16" if whole.weights.holds_bf16 else "fp32"  # bf16 weights run under bf16 autocast
-        self._step(self.recipe.train.batch_size, warm, whole, planned.optimizer)
+        # bf16 weights, and the device's bf16 copies of host masters, run under bf16 autocast
+        half = plan.weights.holds_bf16 or plan.optimizer_offload.masters_on_host
+        self._step(self.recipe.train.batch_size, "bf16" if half else "fp32", whole,
+                   planned.stepper)  # creates the state, through the hooks a step runs
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The built model as the step runs it; predict/ranks.py shards it here (FSDP), before the optimizer."""
@@ -213,6 +221,7 @@ class Estimator:
                       self._optimizing(plan))
         planned = run.planned
         with self.fake_mode, self._device_behaviour(plan), self._applied(plan, run.clock) as run.applied:
+            planned.hold()  # before the tracker counts the parameters: the bf16 copies of host masters
             run.tracker.track(self.model, planned.optimizer, [*self.batch.tensors(), *self.batch_only])
             run.baseline = len(run.tracker.events or ())
             planned.install()
@@ -220,12 +229,13 @@ class Estimator:
                 with unavailable_on_fake_errors("the training step"), run.tracker, \
                         (run.clock or contextlib.nullcontext()), (watch(run) if watch else contextlib.nullcontext()):
                     step(run)
-                hosted = host_parameters(planned)
-                if run.clock is not None and hosted:  # the host's share of the update, priced at its AdamW rate
-                    run.clock.host_update(hosted)
+                work = host_work(planned, self.recipe.train.batch_size // micro_batch_of(plan, self.recipe.train.batch_size))
+                if run.clock is not None and work:  # the host's share of the update, priced at its AdamW rate
+                    run.clock.host_update(work)
             finally:
                 planned.remove()
                 run.tracker.close()
+                planned.release()
         return run
 
     # --- running ---------------------------------------------------------------------------------
@@ -304,15 +314,20 @@ class Estimator:
 
     def _weights_held(self, plan: MemoryPlan, precision: str) -> str:
         """What the weights' bytes are, one line (a split model's says what its rank holds: per_rank.py)."""
+        if plan.optimizer_offload.masters_on_host:
+            return ("weights: bf16 copies of the nn.Linear weights (2 B a parameter) and float32 embeddings, norms "
+                    "and tied or split heads on the device; the float32 masters on the host (memory.optimizer_offload "
+                    "master), no cast copies")
         return plan.weights.holds(precision)
 
     def _result(self, tracker: LiveBytesTracker, baseline: int, plan: MemoryPlan, precision: str,
                 planned: PlannedOptimizer) -> Estimate:
         live = tracker.peak_bytes
-        breakdown = tracker.breakdown_at_peak
+        breakdown, pool_peaks = tracker.breakdown_at_peak, tracker.category_peaks
         notes = [f"one step of batch {self.recipe.train.batch_size} in micro-batches of "
                  f"{micro_batch_of(plan, self.recipe.train.batch_size)}, {precision}, after the optimizer state exists",
-                 self._weights_held(plan, precision), *pool_notes(plan, precision, self.cuda)]
+                 self._weights_held(plan, precision), *pool_notes(plan, precision, self.cuda),
+                 *_moment_note(breakdown, pool_peaks)]
         optimizer_host = getattr(planned.optimizer, "host_bytes", lambda: 0)()
         if optimizer_host:
             notes.append(f"memory.optimizer_offload {plan.optimizer_offload.label()}: {format_bytes(optimizer_host)} "
@@ -329,7 +344,7 @@ class Estimator:
         if self.recipe.model.lora is not None:
             notes.append(lora_note(self.model, self.recipe.model.lora))
         if not self.cuda:
-            return Estimate(live, breakdown, notes, live, "cpu")
+            return Estimate(live, breakdown, notes, live, "cpu", pool_peaks=pool_peaks)
         reserve = cuda_reserve(tracker.events, baseline, live, plan, self.facts)
         breakdown["cublas_workspaces"] = reserve.workspace_bytes
         breakdown["allocator_cache"] = reserve.reserved_bytes - live - reserve.workspace_bytes
@@ -337,7 +352,17 @@ class Estimator:
         host = tracker.peak_by_device.get(str(HOST), 0) - optimizer_host
         if plan.offload.moves and host > 0:
             notes.append(f"offload: up to {format_bytes(host)} of saved activations in pinned host memory")
-        return Estimate(reserve.reserved_bytes, breakdown, notes, live, "cuda")
+        return Estimate(reserve.reserved_bytes, breakdown, notes, live, "cuda", pool_peaks=pool_peaks)
+
+
+def _moment_note(breakdown: dict[str, int], pool_peaks: dict[str, int]) -> list[str]:
+    """Why a pool the step fills reads 0 B at the peak: the peak comes before backward makes gradients (the
+    activations of the whole forward pass are live), and they are made as activations are freed."""
+    if breakdown.get("gradients") or not pool_peaks.get("gradients"):
+        return []
+    return [f"the breakdown is the moment of the peak, before backward has made any gradient (the forward pass's "
+            f"activations all live): gradients are 0 B there and reach {format_bytes(pool_peaks['gradients'])} later, "
+            "as backward frees the activations (each pool's own most is in the column beside)"]
 
 
 @dataclass
@@ -353,9 +378,10 @@ class FakeRun:
     """The plan as apply_plan put it on the model (memory.apply.AppliedPlan)."""
 
 
-def host_parameters(planned: PlannedOptimizer) -> int:
-    """Parameters whose update runs on the host (memory.optimizer_offload), priced at the host's AdamW rate."""
-    return sum(t.numel() for t in getattr(planned.optimizer, "copies", {}).values())
+def host_work(planned: PlannedOptimizer, micro_batches: int) -> int:
+    """The host's work in a step (memory.optimizer_offload: parameters updated there, and under master the
+    micro-batches' gradients added up, in AdamW-element equivalents), priced at the host's AdamW rate."""
+    return getattr(planned.optimizer, "host_work", lambda _: 0)(micro_batches)
 
 
 def pool_notes(plan: MemoryPlan, precision: str, cuda: bool) -> list[str]:

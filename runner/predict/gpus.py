@@ -14,6 +14,12 @@ both ways together). `peer_gbs` is GPU <-> GPU each way, what a ring collective 
 on SXM boards (A100 300, H100/H200 450, B200 900), PCIe on PCIe cards. A PCIe card's NVLink
 bridge joins two cards (the H200 NVL's up to four), so a ring over more runs at PCIe rate, the
 rate used here; an A100 PCIe has no NVLink peer link unless bridged.
+
+Between hosts: `network_gbs` is each GPU's share of the host-to-host network, from the vendor's reference
+system for the SXM boards (one InfiniBand port a GPU: DGX A100 eight 200 Gb/s HDR ports, 25 GB/s a GPU;
+DGX H100, DGX H200 and DGX B200 eight 400 Gb/s ConnectX-7 ports, 50 GB/s a GPU), 0 where no reference
+system fixes it (PCIe cards: priced at their peer rate); `gpus_per_host` the GPUs of that system (8).
+A cluster that differs says so in a facts file (`--gpu FILE.json`, `base` plus the fields that differ).
 """
 
 from __future__ import annotations
@@ -45,11 +51,11 @@ def squeeze(name: str) -> str:
 
 def _row(key: str, patterns: tuple[str, ...], name: str, fp32: float, tf32: float, half: float, memory_gbs: float,
          memory: int, host_gbs: float, peer_gbs: float, capability: tuple[int, int], sms: int,
-         source: str) -> GpuRow:
+         source: str, network_gbs: float = 0.0) -> GpuRow:
     entry = calibration().entry_for(key, capability)
     facts = DeviceFacts(name=name, matmul_tflops={"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half},
                         memory_gbs=memory_gbs, memory_bytes=memory, host_gbs=host_gbs, peer_gbs=peer_gbs,
-                        capability=capability, sms=sms, efficiency=entry.efficiency,
+                        network_gbs=network_gbs, capability=capability, sms=sms, efficiency=entry.efficiency,
                         source=f"{source}; efficiencies: {entry.label()}")
     return GpuRow(key, patterns, facts)
 
@@ -63,23 +69,28 @@ ROWS: tuple[GpuRow, ...] = (
     _row("h200-nvl", (r"^H200NVL",), "NVIDIA H200 NVL", 60, 417.5, 835, 4800, 143771 * MiB, 55, 55, (9, 0), 132,
          "NVIDIA H200 NVL datasheet (dense: half its sparse 835/1671 TFLOP/s); PCIe 5 card"),
     _row("h200", (r"^H200",), "NVIDIA H200", 67, 494.7, 989.4, 4800, 143771 * MiB, 55, 450, (9, 0), 132,
-         "NVIDIA H200 SXM datasheet (dense); memory as nvidia-smi showed on the H200 lent here"),
+         "NVIDIA H200 SXM datasheet (dense); memory as nvidia-smi showed on the H200 lent here; "
+         "between hosts 400 Gb/s a GPU (DGX H100/H200 datasheet: 8x ConnectX-7 400 Gb/s)", 50),
     _row("h100-nvl", (r"^H100NVL",), "NVIDIA H100 NVL", 60, 417.5, 835, 3900, 94 * GB, 55, 55, (9, 0), 132,
          "NVIDIA H100 NVL datasheet (dense: half its sparse 835/1671 TFLOP/s; 94 GB HBM3 at 3.9 TB/s); PCIe 5 card"),
     _row("h100-pcie", (r"^H100PCIE",), "NVIDIA H100 PCIe", 51, 378, 756, 2000, 81559 * MiB, 55, 55, (9, 0), 114,
          "NVIDIA H100 PCIe datasheet (dense; 80 GB HBM2e at 2 TB/s); PCIe 5 card"),
     _row("h100", (r"^H100",), "NVIDIA H100 80GB HBM3", 67, 494.7, 989.4, 3350, 81559 * MiB, 55, 450, (9, 0), 132,
-         "NVIDIA H100 SXM5 datasheet (dense); memory as nvidia-smi showed on the H100 lent here"),
+         "NVIDIA H100 SXM5 datasheet (dense); memory as nvidia-smi showed on the H100 lent here; "
+         "between hosts 400 Gb/s a GPU (DGX H100/H200 datasheet: 8x ConnectX-7 400 Gb/s)", 50),
     _row("a100-pcie-40gb", (r"^A100PCIE40GB", r"^A100.*40GB.*PCIE"), "NVIDIA A100-PCIE-40GB", 19.5, 156, 312, 1555,
          40960 * MiB, 25, 25, (8, 0), 108, "NVIDIA A100 40GB PCIe datasheet (dense); PCIe 4 card"),
     _row("a100-pcie", (r"^A100.*PCIE",), "NVIDIA A100 80GB PCIe", 19.5, 156, 312, 1935, 81920 * MiB, 25, 25, (8, 0),
          108, "NVIDIA A100 80GB PCIe datasheet (dense); PCIe 4 card"),
     _row("a100-40gb", (r"^A100.*40GB",), "NVIDIA A100-SXM4-40GB", 19.5, 156, 312, 1555, 40960 * MiB, 25, 300, (8, 0),
-         108, "NVIDIA A100 40GB SXM datasheet (dense)"),
+         108, "NVIDIA A100 40GB SXM datasheet (dense); between hosts 200 Gb/s a GPU (DGX A100 datasheet: 8x "
+         "ConnectX-6 200 Gb/s HDR)", 25),
     _row("a100", (r"^A100",), "NVIDIA A100-SXM4-80GB", 19.5, 156, 312, 2039, 81920 * MiB, 25, 300, (8, 0), 108,
-         "NVIDIA A100 80GB SXM datasheet (dense)"),
+         "NVIDIA A100 80GB SXM datasheet (dense); between hosts 200 Gb/s a GPU (DGX A100 datasheet: 8x ConnectX-6 "
+         "200 Gb/s HDR)", 25),
     _row("b200", (r"^B200",), "NVIDIA B200", 75, 1125, 2250, 8000, 180 * GB, 55, 900, (10, 0), 148,
-         "NVIDIA HGX B200 datasheet, per GPU (dense: half its sparse figures; 180 GB HBM3e at 8 TB/s, NVLink 5)"),
+         "NVIDIA HGX B200 datasheet, per GPU (dense: half its sparse figures; 180 GB HBM3e at 8 TB/s, NVLink 5); "
+         "between hosts 400 Gb/s a GPU (DGX B200 datasheet: 8x ConnectX-7 400 Gb/s)", 50),
     _row("l40s", (r"^L40S$",), "NVIDIA L40S", 91.6, 183, 362, 864, 46068 * MiB, 25, 25, (8, 9), 142,
          "NVIDIA L40S datasheet (dense: half its sparse 366/733 TFLOP/s); PCIe 4 card, no NVLink"),
     _row("l40", (r"^L40$",), "NVIDIA L40", 90.5, 90.5, 181, 864, 46068 * MiB, 25, 25, (8, 9), 142,

@@ -66,9 +66,14 @@ def known_names() -> list[str]:
 
 def load_facts(path: Path) -> DeviceFacts:
     """Measured facts: `python -m ckrun.runner.predict.hardware OUT.json`, a GPU campaign's (`python bench/gpu/calibrate.py
-    OUT/calibration.json --facts-json FILE`), or written by hand with the same fields."""
+    OUT/calibration.json --facts-json FILE`), or written by hand with the same fields. A file with `base` (a
+    `--gpu` name) gives only what differs from that row (a cluster's network, a card's power limit); the rest,
+    its calibration included, is the row's."""
     try:
-        return DeviceFacts.model_validate(json.loads(path.read_text(encoding="utf-8")))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and "base" in data:
+            data = _over_base(data)
+        return DeviceFacts.model_validate(data)
     except OSError as err:
         raise UnknownDevice(f"cannot read device facts {path}: {err.strerror}") from None
     except (ValueError, ValidationError) as err:
@@ -76,11 +81,18 @@ def load_facts(path: Path) -> DeviceFacts:
         raise UnknownDevice(f"{path}: not a device facts file ({' '.join(first[:3])})") from None
 
 
+def _over_base(data: dict) -> dict:
+    """A facts file's fields over those of the row it names as `base` (load_facts)."""
+    own = {key: value for key, value in data.items() if key != "base"}
+    base = resolve_device(str(data["base"]))
+    source = f"{own.pop('source', '')}; otherwise ckrun's {data['base']!r} row: {base.source}".lstrip("; ")
+    return {**base.model_dump(), **own, "source": source}
+
+
 def _from_torch_table(name: str) -> DeviceFacts | None:
     """A GPU only torch's datasheet table knows, where that torch reports dense figures by name."""
-    try:
-        from torch._inductor.analysis import device_info
-    except ImportError:
+    device_info = _torch_device_table()
+    if device_info is None:
         return None
     info = getattr(device_info, "lookup_device_info", lambda _: None)(name)
     if info is None or "tops_sparsity_factor" not in getattr(type(info), "__dataclass_fields__", {}):
@@ -94,6 +106,30 @@ def _from_torch_table(name: str) -> DeviceFacts | None:
     return DeviceFacts(name=name, matmul_tflops=dense, memory_gbs=info.dram_bw_gbs,
                        memory_bytes=int(info.dram_gb * 1e9),
                        source=f"torch {torch.__version__.split('+')[0]} datasheet table (not in ckrun's own)")
+
+
+@functools.cache
+def _torch_device_table():
+    """torch's datasheet table (torch._inductor.analysis.device_info), where it says which figures are sparse
+    (`tops_sparsity_factor`; older tables mix sparse and dense: not trusted); None otherwise. Its file needs only
+    torch, so it is loaded by itself: importing it through torch._inductor takes seconds (dynamo, distributed
+    tensors), which a mistyped --gpu name should not cost; where that cannot be done, it is imported."""
+    import importlib.util
+
+    table = Path(torch.__file__).parent / "_inductor" / "analysis" / "device_info.py"
+    try:
+        if "tops_sparsity_factor" not in table.read_text(encoding="utf-8"):
+            return None
+        spec = importlib.util.spec_from_file_location("_ckrun_torch_device_info", table)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError, AttributeError):  # no sources beside the install: the package's own import
+        try:
+            from torch._inductor.analysis import device_info
+        except ImportError:
+            return None
+        return device_info if hasattr(device_info.DeviceInfo, "tops_sparsity_factor") else None
 
 
 def this_gpu() -> DeviceFacts | None:

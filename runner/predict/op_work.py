@@ -1,7 +1,8 @@
 """What one aten op does, for the roofline: its class of kernel, its FLOPs, its bytes, its product's shape.
 
 - The class (`efficiency.OP_CLASSES`) picks the share of the device's peaks the op reaches: products,
-  convolutions, fused attention (by kernel family), the optimizer's step, everything else.
+  convolutions, fused attention (by kernel family), normalisation kernels, the optimizer's step,
+  everything else.
 - FLOPs: torch's own formulas (`torch.utils.flop_counter.flop_registry`), with two corrections.
   Causal attention: the registry counts the whole s x s score matrix whatever `is_causal` says, but
   the fused kernels skip the blocks above the diagonal, so a causal call counts the share of the
@@ -46,6 +47,8 @@ _ATTENTION = {  # op -> kernel family
     "_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_cudnn_attention_backward": "cudnn",
 }
 _OPTIMIZER_PREFIXES = ("_fused_adam", "_fused_sgd", "_fused_adagrad", "_foreach_")
+_NORMS = frozenset({"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
+                    "native_group_norm", "native_group_norm_backward"})  # one kernel each way (not BatchNorm's two)
 # ops that read some of their inputs twice (module docstring): op -> how many leading tensor inputs
 _TWO_PASS = {"native_batch_norm": 1, "_native_batch_norm_legit": 1, "cudnn_batch_norm": 1,
              "native_batch_norm_backward": 2, "cudnn_batch_norm_backward": 2}
@@ -70,7 +73,14 @@ def op_class(name: str, phase: str) -> tuple[str, str]:
         return "attention", _ATTENTION[name]
     if phase == "update" and name.startswith(_OPTIMIZER_PREFIXES):
         return "optimizer", ""
+    if name in _NORMS:
+        return "norm", ""
     return "memory", ""
+
+
+def is_causal(func, args, kwargs) -> bool:
+    """Whether an attention op computes under a causal mask (its FLOPs are then the half it computes)."""
+    return func._overloadpacket.__name__ in _ATTENTION and causal_share(func, local(args), local(kwargs)) < 1
 
 
 def local(tree):

@@ -40,7 +40,7 @@ from ..memory.blocks import BlockList, find_blocks, undo_all, wrap_forward
 from ..plan import MemoryPlan
 from ..recipe import Precision as PrecisionName
 from ..train.step import Accumulated, Precision, accumulate, label_count, update
-from .estimate import MICRO_BATCHES_RUN, Estimator, FakeRun, unavailable_on_fake_errors
+from .estimate import MICRO_BATCHES_RUN, Estimator, FakeRun, host_work, unavailable_on_fake_errors
 from .fake_gaps import FakeGapWatch
 
 Sid = tuple  # a part: ("head",), ("pre", m, "f"|"b"), ("blk", j, m, "f"|"b"), ("gap", j, m), ("post", m, "f"|"b"),
@@ -70,6 +70,7 @@ class Part:
     allocs: list[int] = field(default_factory=list)
     ops: list = field(default_factory=list)
     to_host: list = field(default_factory=list)
+    gradients_to_host: list = field(default_factory=list)
     update_copies: list = field(default_factory=list)
 
 
@@ -105,7 +106,8 @@ class Trace:
     copies: dict[int, int] = field(default_factory=dict)
     """A real block's own copy of a shared input (serial, made in a "copies" part) -> the input (`Cutter._own_copies`)."""
     warnings: list[str] = field(default_factory=list)
-    hosted: int = 0
+    host_work: object = None
+    """micro-batches -> the host's work in the step (`estimate.host_work` of the trace's optimizer)."""
 
 
 # --- relays: a block's shapes without its work -----------------------------------------------------
@@ -243,7 +245,7 @@ class Cutter(TorchDispatchMode):
         self.parts: dict[Sid, Part] = {}
         self.serial: dict[int, int] = {}  # storage key -> its serial while it lives
         self.events_done = self.labels_done = 0
-        self.ops_done = self.to_host_done = self.copies_done = 0
+        self.ops_done = self.to_host_done = self.copies_done = self.gradients_done = 0
         self.boundaries: dict[tuple[int, int], Boundary] = {}
         self.signatures: dict[int, tuple] = {}
         self.problems: list[str] = []
@@ -286,7 +288,9 @@ class Cutter(TorchDispatchMode):
             part.ops += work.ops[self.ops_done:]
             part.to_host += work.to_host[self.to_host_done:]
             part.update_copies += work.update_copies[self.copies_done:]
+            part.gradients_to_host += work.gradients_to_host[self.gradients_done:]
             self.ops_done, self.to_host_done, self.copies_done = len(work.ops), len(work.to_host), len(work.update_copies)
+            self.gradients_done = len(work.gradients_to_host)
 
     def _allocated(self, key: int, nbytes: int, device: str, part: Part | None) -> None:
         serial = len(self.stores)
@@ -426,12 +430,20 @@ class PartsEstimator(Estimator):
     update alone, on gradients of every trainable parameter (not by a whole step, which for a deep
     model costs what a whole prediction did): the same state, the same bytes."""
 
-    def _warm_up(self, whole: MemoryPlan, planned) -> None:
-        for param in self.model.parameters():
-            if param.requires_grad:
-                param.grad = torch.empty_like(param)
+    def _warm_up(self, plan: MemoryPlan, whole: MemoryPlan, planned) -> None:
+        _gradients_arrive(self.model, {i for i, p in enumerate(self.model.parameters()) if p.requires_grad})
         done = torch.zeros(())
-        update(self.model, planned.optimizer, None, self.recipe.train.grad_clip, Accumulated(done, done, None))
+        update(self.model, planned.stepper, None, self.recipe.train.grad_clip, Accumulated(done, done, None))
+
+
+def _gradients_arrive(model: torch.nn.Module, accumulated: set[int]) -> None:
+    """Set the gradients of the parameters `accumulated` (indices in model.parameters() order) and run their
+    post-accumulate-grad hooks, as AccumulateGrad does once the backward has made each."""
+    for index, param in enumerate(model.parameters()):
+        if index in accumulated:
+            param.grad = torch.empty_like(param)
+            for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(param)
 
 
 def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: PrecisionName, real: set[int],
@@ -447,8 +459,7 @@ def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: Precision
         accumulated = accumulate(estimator.model, batch, micro, Precision(precision, "cpu", plan.weights.autocast_cache()),
                                  None, label_count(estimator.batch.labels), run.applied.head)
         cutter.enter(("update",))  # empty here: the update is traced alone (trace_update)
-        grads.update({index: cutter.serial_of(p.grad) for index, p in enumerate(estimator.model.parameters())
-                      if p.grad is not None})
+        grads.update(_gradient_serials(cutter, estimator.model, run.planned.stepper))
         cutter.enter(("end",))
         del accumulated  # what the step's end lets go
 
@@ -490,14 +501,9 @@ def trace_update(estimator: PartsEstimator, plan: MemoryPlan, precision: Precisi
 
     def step(run: FakeRun) -> None:
         cutter.enter(("head",))
-        for index, param in enumerate(estimator.model.parameters()):
-            if index in accumulated:
-                param.grad = torch.empty_like(param)
-                for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-                    hook(param)  # as AccumulateGrad does once it has set the gradient
+        _gradients_arrive(estimator.model, accumulated)
         cutter.catch_up()
-        grads.update({index: cutter.serial_of(p.grad) for index, p in enumerate(estimator.model.parameters())
-                      if p.grad is not None})
+        grads.update(_gradient_serials(cutter, estimator.model, run.planned.stepper))
         if run.clock is not None:  # what the clock counts as the last micro-batch's update
             run.clock.micro, run.clock.backward_seen = micro_batches, True
         cutter.enter(("update",))
@@ -519,9 +525,15 @@ def trace_update(estimator: PartsEstimator, plan: MemoryPlan, precision: Precisi
     return _trace(cutter, run, frozenset(), micro_batches, grads, [])
 
 
-def _trace(cutter: Cutter, run: FakeRun, real: frozenset[int], micro_batches: int, grads: dict, warnings) -> Trace:
-    from .estimate import host_parameters
+def _gradient_serials(cutter: Cutter, model: torch.nn.Module, stepper) -> dict[int, int | None]:
+    """Parameter index -> the serial of what holds its gradient as the backward left it: the gradient, or
+    the stepper's own (bf16 weights' float32 sums over micro-batches: runner/memory/accumulation.py)."""
+    held = getattr(stepper, "held_gradients", dict)()
+    return {index: cutter.serial_of(held.get(p, p.grad)) for index, p in enumerate(model.parameters())
+            if p.grad is not None or p in held}
 
+
+def _trace(cutter: Cutter, run: FakeRun, real: frozenset[int], micro_batches: int, grads: dict, warnings) -> Trace:
     cutter.catch_up()
     problems = list(dict.fromkeys(cutter.problems))
     for sid, part in cutter.parts.items():
@@ -529,7 +541,7 @@ def _trace(cutter: Cutter, run: FakeRun, real: frozenset[int], micro_batches: in
             problems.append("the model runs code that allocates between its blocks")
     return Trace(cutter.stores, cutter.parts, real, micro_batches, cutter.boundaries, cutter.signatures,
                  {k: v for k, v in grads.items() if v is not None}, frozenset(cutter.accumulated), problems,
-                 dict(cutter.copies), list(warnings), host_parameters(run.planned))
+                 dict(cutter.copies), list(warnings), functools.partial(host_work, run.planned))
 
 
 def _trigger(estimator: Estimator) -> torch.Tensor:

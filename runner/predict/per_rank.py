@@ -39,7 +39,8 @@ import torch
 
 from ..parallel.mesh import TENSOR_DIM, build_mesh
 from ..parallel.ranks import check_world
-from ..parallel.wrap import place_on_mesh
+from ..memory.weights import apply_weights
+from ..parallel.wrap import place_on_mesh, root_reshards
 from ..plan import Sharding
 from ..recipe import Recipe
 from ..units import format_bytes
@@ -101,13 +102,15 @@ class RankPredictor:
         self._check_offload(share)
         if strategy.shards and self.nproc > 1:
             estimator = self.estimator(share)
-            _set_reshard(estimator.model, share.memory.sharding)
+            _set_reshard(estimator.model, share.memory)
             with _meshes_outside_fake_mode(), self._dropped_on_failure(share):
                 estimate = estimator.estimate(share.memory, share.precision)
             if _fully_sharded(estimator.model):  # tp alone reduce-scatters nothing
                 estimate = _add_reduce_in_flight(estimate, _unit_gradient_bytes(estimator.model, share.memory.blocks))
         else:
             estimator = self.estimator(share)
+            if self._buckets(share):  # counted on the kept model between plans, in the dtype the plan holds
+                estimator.ddp_gradient_bytes = _gradient_bytes(estimator.model, share.memory)
             with self._dropped_on_failure(share):
                 estimate = estimator.estimate(share.memory, share.precision)
             if estimator.ddp_gradient_bytes:
@@ -151,9 +154,6 @@ class RankPredictor:
                 return _ShardedEstimator(share, self.device, self._mesh(share.distributed), self.source, self.facts)
         estimator = Estimator(share, self.device, self.facts)
         estimator.world_size = self.nproc
-        if self._buckets(share):  # counted on the built model, before any plan changes its parameters
-            estimator.ddp_gradient_bytes = sum(p.numel() * p.element_size() for p in estimator.model.parameters()
-                                               if p.requires_grad)
         return estimator
 
     def _buckets(self, share: Recipe) -> bool:
@@ -179,21 +179,35 @@ def rank_share(recipe: Recipe, nproc: int) -> Recipe:
 def layout_key(recipe: Recipe) -> str:
     """What the built estimator of a rank depends on: the whole recipe but the memory plan, less the
     precision where nothing is sharded (the estimate takes it per plan; FSDP2's mixed precision is fixed
-    when it shards), plus the plan's parts that `place_on_mesh` reads: memory.blocks and, of
-    memory.sharding, the offload (reshard_after_forward is set per plan: `_set_reshard`)."""
+    when it shards), plus the plan's parts that `place_on_mesh` reads: memory.blocks, of memory.sharding
+    the offload (reshard_after_forward is set per plan: `_set_reshard`), and for FSDP2 whether the
+    weights are held in bf16 (its shards are made in their dtype)."""
     data = recipe.model_dump(mode="json", exclude={"memory"})
     if not recipe.distributed.shards:
         data.pop("precision")
     sharding = recipe.memory.sharding or Sharding()
     kept = sharding.model_dump(mode="json", exclude={"reshard_after_forward"} if _reshard_settable() else None)
-    return json.dumps({**data, "memory": {"blocks": recipe.memory.blocks, "sharding": kept}}, sort_keys=True)
+    memory = {"blocks": recipe.memory.blocks, "sharding": kept}
+    if recipe.distributed.shards:  # FSDP2 shards the parameters in the dtype they are held in
+        memory["bf16_weights"] = recipe.memory.weights.holds_bf16
+        if not _reshard_settable():
+            memory["root_reshards"] = root_reshards(recipe.memory)
+    return json.dumps({**data, "memory": memory}, sort_keys=True)
 
 
-def _set_reshard(model: torch.nn.Module, knobs: Sharding | None) -> None:
+def _set_reshard(model: torch.nn.Module, plan) -> None:
     """The plan's reshard_after_forward on every FSDP2 unit of a kept model, the state `fully_shard` gives
-    when passed the same value (wrap.shard passes it to every block and the root)."""
+    when passed the same values (wrap.shard passes the plan's to every block, `root_reshards` to the root)."""
     if _reshard_settable() and hasattr(model, "set_reshard_after_forward"):  # tp alone shards nothing
-        model.set_reshard_after_forward((knobs or Sharding()).reshard_after_forward, recurse=True)
+        model.set_reshard_after_forward((plan.sharding or Sharding()).reshard_after_forward, recurse=True)
+        model.set_reshard_after_forward(root_reshards(plan), recurse=False)
+
+
+def _gradient_bytes(model: torch.nn.Module, plan) -> int:
+    """The trainable parameters' gradients, as DDP's buckets hold them: in the dtype `plan` holds the weights in."""
+    bf16 = plan.weights.holds_bf16
+    return sum(p.numel() * (2 if bf16 and p.is_floating_point() else p.element_size())
+               for p in model.parameters() if p.requires_grad)
 
 
 @functools.cache
@@ -214,6 +228,7 @@ class _ShardedEstimator(Estimator):
         super().__init__(recipe, device, facts)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        apply_weights(model, self.recipe.memory.weights)  # as the trainer's plan holds them before they are split
         return place_on_mesh(model, self.recipe, self.mesh, torch.device("cpu"), self.source)
 
     def _weights_held(self, plan, precision: str) -> str:

@@ -8,17 +8,23 @@ reads and writes (`get_num_bytes` of torch's runtime estimation: broadcast dimen
 its compute dtype and, for a product, its output's shape. `price(work, facts)` then gives each op
 the longest of
 - its FLOPs at the share of the device's matrix peak its class reaches in that dtype (fp32
-  products and convolutions at the TF32 rate where the recipe's `tf32` lets them), a product
-  further slowed by wave quantisation (`DeviceFacts.wave_share`),
-- its bytes at the share of the device's bandwidth its class reaches,
+  products and convolutions at the TF32 rate where the recipe's `tf32` lets them; attention by
+  kernel family, forward or backward, causal or not; the memory-efficient kernel in fp32 at its
+  half-precision rate over its fp32 slowdown, its products being CUTLASS's 3xTF32), a product
+  further slowed by wave quantisation (`DeviceFacts.wave_share`) and given its fixed fill time,
+- its bytes at the share of the device's bandwidth its class reaches (normalisation kernels
+  their own, forward and backward),
 - the device's per-op floor (eager dispatch and kernel launch, plus the Python dispatch mode's
   cost where selective checkpointing's cache handles the op), which small ops never beat.
-The shares come from the calibration table (runner/predict/efficiency.py). Views and tensor
+The figures come from the calibration table (runner/predict/efficiency.py). Views and tensor
 creation cost nothing. Copies between the device and the host (activation offload: the estimate's
 host is the meta device) go to a copy stream at the host link's rate, and collectives (FSDP's
-all-gathers and reduce-scatters on the fake process group) to a comm stream at the peer link's
-rate (ring: (N-1)/N of the bytes). `step_time.assemble` overlaps those streams with compute. The
-work does not depend on the device, so one fake step can be priced on many.
+all-gathers and reduce-scatters, tensor parallelism's redistributes, on the fake process group) to a
+comm stream at the rate of their group's ring (`DeviceFacts.ring_rate`: the peer link within a host,
+the hosts' network rails across them; (N-1)/N of the bytes), in program order beside the compute
+(overlap.py says what each kind of collective hides behind). MFU counts each op's FLOPs against the
+peak of the rate it was priced at (`Ledger.peak_s`), so it never passes 100 %. The work does not
+depend on the device, so one fake step can be priced on many.
 
 This is torch's own roofline (`torch.distributed._tools.runtime_estimator.RuntimeEstimator`'s
 "operator-level-cost-model") rebuilt from the same parts, because RuntimeEstimator itself cannot
@@ -47,7 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory.selective import learning
 from .device_facts import DeviceFacts
-from .op_work import layout_bytes, measure, op_class
+from .op_work import is_causal, layout_bytes, measure, op_class
+from .overlap import Collective, exposed
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,8 @@ log = logging.getLogger(__name__)
 _FREE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                    "detach", "alias", "_local_scalar_dense", "set_", "resize_", "_unsafe_view", "_reshape_alias"})
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+_BLOCKING_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional"})  # DTensor's: eager waits on them
+_NOT_COLLECTIVES = frozenset({"wait_tensor", "barrier", "monitored_barrier_"})  # waits, no bytes of their own
 _PRICED = frozenset({"aten", "fsdp", *_COLLECTIVE_NAMESPACES})  # fsdp: FSDP2's copy-in/out kernels
 AFTER_BLOCKS = -1  # the block field of a forward op after the last block (the head, the loss)
 # memory.optimizer_offload's host step: torch's fused CPU AdamW, memory-bound (each float32 element reads
@@ -82,6 +91,24 @@ class OpWork:
     family: str = ""  # an attention kernel's family (flash, efficient, cudnn)
     outputs: tuple[int, int, int] | None = None  # a product's (batch, rows, columns)
     layout_bytes: int = 0  # a channels-first convolution's transposes, paid on tensor cores (op_work)
+    causal: bool = False  # an attention op under a causal mask
+    backward_kernel: bool = False  # a kernel's own backward (attention's, a norm's): priced at its backward figures
+
+
+@dataclass(frozen=True)
+class CollectiveWork:
+    """One collective of a fake step, device-independent (`price` gives it its seconds)."""
+
+    kind: str  # "first" or "repeat"
+    phase: str
+    nbytes: float
+    """What a ring moves for it before the (n-1)/n of its group: the gathered size, twice for an all-reduce."""
+    ranks: tuple[int, ...]
+    """The global ranks of its group (how many share a host decides its rate)."""
+    position: int
+    """Compute ops of its micro-batch (`kind`, update phase aside) recorded before it."""
+    shape: str  # "gather" | "reduce" | "other" (overlap.Collective.kind)
+    blocking: bool
 
 
 @dataclass
@@ -94,12 +121,13 @@ class StepWork:
     host_updates: list[tuple[str, str, int]] = field(default_factory=list)
     """(kind, phase, parameters) of each optimizer update that runs on the host (the estimate's host is
     the meta device): memory.optimizer_offload's step, priced at the host's AdamW rate."""
+    gradients_to_host: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, bytes) of each gradient copied to the host inside the backward (an offloaded optimizer's, as the
+    backward accumulates it): one way, behind the rest of the backward."""
     update_copies: list[tuple[str, int]] = field(default_factory=list)
     """(kind, bytes) of each copy between the device and the host after the backward (the offloaded
     optimizer's gradients out, its parameters back): nothing computes meanwhile, so each is exposed."""
-    collectives: list[tuple[str, str, float]] = field(default_factory=list)
-    """(kind, phase, ring bytes: what one rank sends, (n-1)/n of the gathered bytes over its group of n) of
-    each collective."""
+    collectives: list[CollectiveWork] = field(default_factory=list)
     world_size: int = 1
     matmul_tf32: bool = False
     """fp32 products on TF32 tensor cores (torch's default: no; the recipe's `tf32: true`)."""
@@ -110,9 +138,10 @@ class StepWork:
         """A later micro-batch starts: "repeat" holds only the last one (the step's update runs after it)."""
         self.ops = [op for op in self.ops if op.kind != "repeat"]
         self.to_host = [copy for copy in self.to_host if copy[0] != "repeat"]
-        self.collectives = [c for c in self.collectives if c[0] != "repeat"]
+        self.collectives = [c for c in self.collectives if c.kind != "repeat"]
         self.host_updates = [u for u in self.host_updates if u[0] != "repeat"]
         self.update_copies = [c for c in self.update_copies if c[0] != "repeat"]
+        self.gradients_to_host = [c for c in self.gradients_to_host if c[0] != "repeat"]
 
 
 @dataclass
@@ -126,34 +155,69 @@ class Ledger:
     block_recompute_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     block_to_host: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     to_host: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    gradients_to_host: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     comm_s: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     class_seconds: dict[str, dict[tuple[str, str], float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     """The `seconds` table of each class of kernel (efficiency.OP_CLASSES) alone."""
     outside_blocks_forward_s: float = 0.0
     """Forward seconds of the first micro-batch after its last block (head, loss)."""
+    peak_s: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    """Each op's FLOPs at the datasheet peak of the rate it was priced at: what MFU and HFU divide."""
+    comm_exposed: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Per micro-batch kind, the seconds its compute waits for its collectives (overlap.exposed), the
+    update's aside."""
 
 
 def price(work: StepWork, facts: DeviceFacts) -> Ledger:
     """The step's work on `facts`: each op the slowest of compute, memory traffic and its floor."""
     ledger = Ledger()
-    seconds_of = _op_pricer(work, facts)
+    seconds_of, peak_of = _op_pricer(work, facts)
+    timeline: dict[str, list[float]] = defaultdict(list)  # each micro-batch kind's compute, update aside
     for op in work.ops:
         seconds = seconds_of(op)
         ledger.seconds[(op.kind, op.phase)] += seconds
         ledger.class_seconds[op.op_class][(op.kind, op.phase)] += seconds
         ledger.flops[(op.kind, op.phase)] += op.flops
+        if op.flops:
+            ledger.peak_s[(op.kind, op.phase)] += op.flops / peak_of(op)
+        if op.phase != "update":
+            timeline[op.kind].append(seconds)
         if op.kind == "first":
             _file_block(ledger, op, seconds)
     for kind, block, nbytes in work.to_host:
         ledger.to_host[kind] += nbytes
         if kind == "first" and block is not None and block >= 0:
             ledger.block_to_host[block] += nbytes
+    for kind, nbytes in work.gradients_to_host:
+        ledger.gradients_to_host[kind] += nbytes
     _price_host(work, facts, ledger)
-    if work.world_size > 1 and facts.peer_gbs:
-        for kind, phase, nbytes in work.collectives:
-            ledger.comm_s[(kind, phase)] += nbytes / (facts.peer_gbs * 1e9)
+    _price_collectives(work, facts, ledger, timeline)
     return ledger
+
+
+def _price_collectives(work: StepWork, facts: DeviceFacts, ledger: Ledger, timeline: dict[str, list[float]]) -> None:
+    """Each collective's seconds at its group's ring rate; per micro-batch kind, what compute does not hide."""
+    if work.world_size < 2 or not facts.peer_gbs:
+        return
+    streams: dict[str, list[Collective]] = defaultdict(list)
+    for c in work.collectives:
+        n = len(c.ranks)
+        rate = facts.ring_rate(n, _per_host(c.ranks, facts.gpus_per_host))
+        seconds = c.nbytes * (n - 1) / n / rate if n > 1 and rate else 0.0
+        ledger.comm_s[(c.kind, c.phase)] += seconds
+        if c.phase != "update":
+            streams[c.kind].append(Collective(c.position, seconds, c.shape, c.blocking))
+    for kind, collectives in streams.items():
+        ledger.comm_exposed[kind] = exposed(timeline.get(kind, []), collectives)
+
+
+def _per_host(ranks: tuple[int, ...], gpus_per_host: int) -> int:
+    """The most of a group's ranks one host holds (ranks are laid out host by host, as torchrun numbers them)."""
+    hosts: dict[int, int] = defaultdict(int)
+    for rank in ranks:
+        hosts[rank // gpus_per_host] += 1
+    return max(hosts.values(), default=1)
 
 
 def _price_host(work: StepWork, facts: DeviceFacts, ledger: Ledger) -> None:
@@ -173,28 +237,45 @@ def _add(ledger: Ledger, op_class: str, where: tuple[str, str], seconds: float) 
 
 
 def _op_pricer(work: StepWork, facts: DeviceFacts):
-    """seconds(op) on `facts`: rates looked up once per (class, dtype, family), not per op."""
-    floor, moded_floor = facts.launch_us * 1e-6, (facts.launch_us + facts.python_mode_us) * 1e-6
+    """(seconds(op), peak(op)) on `facts`: the op's time, and the datasheet peak of the rate its FLOPs were
+    priced at (for MFU); rates looked up once per (class, dtype, family, direction), not per op."""
+    floor = facts.floor_seconds()
+    moded_floor = floor + facts.python_mode_us * 1e-6
     tf32 = {"matmul": work.matmul_tf32, "conv": work.conv_tf32}
     ampere = facts.kind == "cuda" and (facts.capability or (0, 0)) >= (8, 0)
 
     @functools.cache
-    def rates(kind: str, dtype: str, family: str) -> tuple[float, float]:
+    def rates(kind: str, dtype: str, family: str, backward: bool, causal: bool) -> tuple[float, float, float]:
+        """(FLOP/s, bytes/s, the peak FLOP/s the rate is a share of)."""
+        traffic = facts.traffic_rate(kind, backward)
         if kind == "attention" and dtype == "fp32" and ampere:
-            # the memory-efficient kernel's fp32 products are CUTLASS's 3xTF32 on tensor cores, whatever the
-            # tf32 settings (torch's mem_eff_attention gemm_kernel_utils.h: OpMultiplyAddFastF32, sm80+):
-            # three TF32 products for each
-            return facts.compute_rate(kind, "tf32", family) / 3, facts.traffic_rate(kind)
+            # the memory-efficient kernel, the one SDPA dispatches fp32 to (flash and cuDNN take half precision
+            # only: sdp_utils.cpp), runs its products as CUTLASS's 3xTF32 on sm80+ (mem_eff_attention
+            # gemm_kernel_utils.h: OpMultiplyAddFastF32): its half-precision rate over its measured fp32 slowdown,
+            # against the 3xTF32 peak (a third of TF32's)
+            slowdown = facts.efficiency.efficient_fp32_slowdown if facts.efficiency else 6.0
+            own_peak = facts.peak_flops("tf32") / 3
+            rate = facts.compute_rate(kind, "bf16", family, backward, causal) / slowdown
+            return min(rate, own_peak), traffic, own_peak
         rate_dtype = "tf32" if dtype == "fp32" and tf32.get(kind) else dtype
-        return facts.compute_rate(kind, rate_dtype, family), facts.traffic_rate(kind)
+        return (facts.compute_rate(kind, rate_dtype, family, backward, causal), traffic,
+                facts.peak_flops(rate_dtype))
+
+    def of(op: OpWork) -> tuple[float, float, float]:
+        return rates(op.op_class, op.dtype, op.family, op.backward_kernel, op.causal)
 
     def seconds(op: OpWork) -> float:
-        compute, traffic = rates(op.op_class, op.dtype, op.family)
-        flops_s = op.flops / (compute * facts.wave_share(op.outputs, op.flops)) if op.flops else 0.0
+        compute, traffic, _ = of(op)
+        flops_s = 0.0
+        if op.flops:
+            flops_s = op.flops / (compute * facts.wave_share(op.outputs, op.flops))
+            if op.op_class == "matmul":
+                flops_s += facts.fill_seconds("tf32" if op.dtype == "fp32" and work.matmul_tf32 else op.dtype)
         tensor_cores = ampere and (op.dtype != "fp32" or tf32.get(op.op_class))
         nbytes = op.nbytes + (op.layout_bytes if tensor_cores else 0)
         return max(flops_s, nbytes / traffic, moded_floor if op.moded else floor)
-    return seconds
+
+    return seconds, lambda op: of(op)[2]
 
 
 def _file_block(ledger: Ledger, op: OpWork, seconds: float) -> None:
@@ -219,6 +300,7 @@ class OpClock(TorchDispatchMode):
         self.work = StepWork(world_size=world_size, matmul_tf32=bool(tf32), conv_tf32=tf32 is not False)
         self.moded_blocks = moded_blocks  # blocks whose forward and recompute run under a Python mode
         self.micro = 0
+        self.positions: dict[str, int] = {"first": 0, "repeat": 0}  # compute ops a collective comes after
         self.block: int | None = None
         self.backward_seen = False  # since this micro-batch's forward began
         self.last_block_seen = -1
@@ -230,6 +312,7 @@ class OpClock(TorchDispatchMode):
         self.backward_seen = False
         if self.micro > 2:
             self.work.forget_repeat()
+            self.positions["repeat"] = 0
 
     def in_block(self, forward, index: int):
         """A block's forward that tells the clock it runs (wrap it inside the checkpoint)."""
@@ -279,12 +362,17 @@ class OpClock(TorchDispatchMode):
             return  # prim::device and the like read metadata; profiler ops mark ranges
         kind, phase = self._where()
         if func.namespace in _COLLECTIVE_NAMESPACES:
-            group = _group_size(args, self.work.world_size)
-            self.work.collectives.append((kind, phase, _ring_bytes(name, args, out) * (group - 1) / group))
+            if name not in _NOT_COLLECTIVES:
+                self.work.collectives.append(CollectiveWork(
+                    kind, phase, _ring_bytes(name, args, out), _group_ranks(args, self.work.world_size),
+                    self.positions[kind], _shape(name), func.namespace in _BLOCKING_NAMESPACES))
             return
         moved = _host_copy_bytes(args, out)
         if moved and phase == "update":  # the offloaded optimizer's copies: each way, nothing to hide behind
             self.work.update_copies.append((kind, abs(moved)))
+            return
+        if moved > 0 and phase in ("backward", "recompute"):  # a gradient to an offloaded optimizer (activations go forward)
+            self.work.gradients_to_host.append((kind, moved))
             return
         if moved:
             if moved > 0:  # what comes back in backward is what went out: priced both ways from this
@@ -295,32 +383,68 @@ class OpClock(TorchDispatchMode):
         flops, dtype, nbytes, outputs = measure(func, args, kwargs, out)
         moded = self.block in self.moded_blocks and phase in ("forward", "recompute", "learn")
         kind_of_kernel, family = op_class(name, phase)
+        causal = kind_of_kernel == "attention" and is_causal(func, args, kwargs)
         self.work.ops.append(OpWork(kind, phase, self._block(phase), flops, dtype, nbytes, moded, kind_of_kernel,
-                                    family, outputs, layout_bytes(func, args, out)))
+                                    family, outputs, layout_bytes(func, args, out), causal, name.endswith("_backward")))
+        if phase != "update":
+            self.positions[kind] += 1
 
 
 def _ring_bytes(name: str, args, out) -> float:
-    """Ring collectives send (N-1)/N of the gathered bytes (priced in `price`); an all-reduce twice that."""
+    """What a ring collective moves before its (n-1)/n (priced in `price`): the gathered or reduced bytes, twice
+    for an all-reduce (a reduce-scatter, then an all-gather)."""
     tensors = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
     nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
     return (2.0 if "all_reduce" in name or "allreduce" in name else 1.0) * nbytes
 
 
-def _group_size(args, world_size: int) -> int:
-    """The ranks a collective runs over: a sub-mesh's group (tensor parallelism's, HSDP's replicas) is
-    smaller than the world. c10d ops carry their ProcessGroup, functional collectives its name."""
+def _shape(name: str) -> str:
+    """What the comm stream does with it (overlap.py): an all-gather is prefetched, a reduction waited for late."""
+    if "gather" in name:
+        return "gather"
+    return "reduce" if "reduce" in name else "other"
+
+
+@functools.cache
+def _world(world_size: int) -> tuple[int, ...]:
+    return tuple(range(world_size))
+
+
+def _group_ranks(args, world_size: int) -> tuple[int, ...]:
+    """The global ranks a collective runs over: a sub-mesh's group (tensor parallelism's, HSDP's replicas) is a
+    part of the world. c10d ops carry their ProcessGroup, functional collectives its name."""
     from torch.distributed import distributed_c10d
 
     resolve = getattr(distributed_c10d, "_resolve_process_group", None)  # private: looked for, not assumed
     for arg in args:
+        group = None
         if isinstance(arg, str) and resolve is not None:
             try:
-                return resolve(arg).size()
+                group = resolve(arg)
             except RuntimeError:  # another string argument: the reduce op's name
                 continue
-        if not isinstance(arg, torch.Tensor) and callable(getattr(arg, "size", None)):
-            return int(arg.size())
-    return world_size
+        elif not isinstance(arg, torch.Tensor) and callable(getattr(arg, "size", None)):
+            group = arg
+        if group is not None:
+            return _ranks_of(group, world_size)
+    return _world(world_size)
+
+
+def _ranks_of(group, world_size: int) -> tuple[int, ...]:
+    from torch.distributed import distributed_c10d
+
+    try:
+        return _interned(tuple(sorted(distributed_c10d.get_process_group_ranks(group))))
+    except (RuntimeError, ValueError, KeyError, AttributeError, TypeError):  # not a registered group: its size
+        return _world(int(group.size())) if int(group.size()) != world_size else _world(world_size)
+
+
+_INTERNED: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _interned(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """One tuple per group however many of its collectives a step records."""
+    return _INTERNED.setdefault(ranks, ranks)
 
 
 def _on_host(args, out) -> bool:

@@ -9,10 +9,17 @@ plus what the side streams cannot hide:
 - activation offload: a block's copy to the host hides behind the next block's forward, its copy
   back behind the next block's backward (taken as the step's backward in proportion to that
   block's forward); only the excess shows;
-- collectives: FSDP's all-gathers behind the forward, its reduce-scatters behind the backward, and
-  DDP's gradient all-reduce behind the last micro-batch's backward; only the excess shows.
-MFU counts the model's FLOPs (a recompute does not count), HFU every FLOP the device runs, both
-against the datasheet peak of the precision's matrix rate (fp32 with `tf32: true`: the TF32 rate).
+- an offloaded optimizer's gradients, copied to the host as the backward makes them, behind that
+  micro-batch's backward; only the excess shows;
+- collectives: each micro-batch replayed on a compute and a comm stream (overlap.py): FSDP's all-gathers
+  prefetched one unit ahead, its reduce-scatters behind the next unit's backward, tensor parallelism's
+  eager collectives blocking; DDP's bucketed all-reduce through the last micro-batch's backward, its
+  last bucket (at least) after it. Only what compute waits for shows, so a step over several ranks is
+  never as fast per rank as one alone.
+MFU counts the model's FLOPs (a recompute does not count), HFU every FLOP the device runs, each
+op's FLOPs against the datasheet peak of the rate it was priced at (bf16 products at the bf16 peak,
+fp32 convolutions that cuDNN runs in TF32 at the TF32 peak, fp32 products at TF32's where `tf32: true`
+lets them, else fp32's): the rate used is the rate stated against, so neither passes 100 %.
 Under tensor parallelism both count a rank's own share of the FLOPs, against one device's peak.
 What only a run's first step does (selective checkpointing's learning forward, once per block and
 input shape) is `first_step_extra_s`, outside the step's time, FLOPs, MFU and HFU.
@@ -23,6 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .device_facts import DeviceFacts
+from .overlap import ddp_buckets_exposed
 from .roofline import STEP_PHASES, Ledger, StepWork, price
 
 
@@ -86,7 +94,7 @@ class StepShape:
     """Groups of ranks that see different samples (the step's samples are one group's); None: world_size.
     Tensor parallelism's groups share samples, so they count once."""
     tf32: bool | None = None
-    """The recipe's `tf32`: with fp32, MFU is stated against the TF32 peak when products run in TF32."""
+    """The recipe's `tf32` (MFU now follows each op's priced rate, `Ledger.peak_s`; kept for callers)."""
 
 
 def step_time(work: StepWork, shape: StepShape, facts: DeviceFacts) -> StepTime:
@@ -101,18 +109,21 @@ def assemble(ledger: Ledger, shape: StepShape, facts: DeviceFacts) -> StepTime:
     flops = sum(_extrapolated(ledger.flops, name, n) for name in STEP_PHASES)
     flops += _tails(ledger.flops, n)
     recompute_flops = _extrapolated(ledger.flops, "recompute", n)
-    offload = n * _offload_exposed(ledger, facts, phase["forward"] / n, (phase["backward"] + phase["recompute"]) / n)
+    backward = (phase["backward"] + phase["recompute"]) / n
+    offload = n * (_offload_exposed(ledger, facts, phase["forward"] / n, backward)
+                   + _gradients_exposed(ledger, facts, backward))
     comm = _comm_exposed(ledger, shape, facts, phase)
     seconds = sum(phase.values()) + update + offload + comm
-    peak = facts.peak_flops(_matmul_dtype(shape))
+    peak_s = sum(_extrapolated(ledger.peak_s, name, n) for name in STEP_PHASES) + _tails(ledger.peak_s, n)
+    model_peak_s = peak_s - _extrapolated(ledger.peak_s, "recompute", n)
     samples_per_s = shape.samples * (shape.data_parallel or shape.world_size) / seconds if seconds else 0.0
     blocks = [BlockTime(i, n * ledger.block_forward_s[i], n * ledger.block_recompute_s.get(i, 0.0))
               for i in sorted(ledger.block_forward_s)]
     return StepTime(
         device=facts.name, seconds=seconds, forward_s=phase["forward"], backward_s=phase["backward"],
         recompute_s=phase["recompute"], update_s=update, offload_s=offload, comm_s=comm, flops=flops,
-        model_flops=flops - recompute_flops, mfu=(flops - recompute_flops) / seconds / peak if seconds else 0.0,
-        hfu=flops / seconds / peak if seconds else 0.0, samples_per_s=samples_per_s,
+        model_flops=flops - recompute_flops, mfu=model_peak_s / seconds if seconds else 0.0,
+        hfu=peak_s / seconds if seconds else 0.0, samples_per_s=samples_per_s,
         tokens_per_s=samples_per_s * shape.tokens_per_sample if shape.tokens_per_sample else None,
         blocks=blocks, source=facts.source,
         first_step_extra_s=ledger.seconds[("first", "learn")] + ledger.seconds[("repeat", "learn")],
@@ -135,12 +146,6 @@ def _tails(table: dict, micro_batches: int) -> float:
     return (micro_batches - 1) * first + last if micro_batches > 1 else first
 
 
-def _matmul_dtype(shape: StepShape) -> str:
-    if shape.precision in ("bf16", "fp16"):
-        return shape.precision
-    return "tf32" if shape.tf32 else "fp32"
-
-
 def _offload_exposed(ledger: Ledger, facts: DeviceFacts, forward_s: float, backward_s: float) -> float:
     """One micro-batch's copy time that the next block's compute does not hide, both ways."""
     if not ledger.to_host.get("first"):
@@ -161,13 +166,23 @@ def _offload_exposed(ledger: Ledger, facts: DeviceFacts, forward_s: float, backw
     return exposed + 2 * max(0, unplaced) / rate
 
 
+def _gradients_exposed(ledger: Ledger, facts: DeviceFacts, backward_s: float) -> float:
+    """One micro-batch's gradient copies to the host (an offloaded optimizer's) that its backward does not hide."""
+    nbytes = ledger.gradients_to_host.get("first", 0)
+    if not nbytes or not facts.host_gbs:
+        return 0.0
+    return max(0.0, nbytes / (facts.host_gbs * 1e9) - backward_s)
+
+
 def _comm_exposed(ledger: Ledger, shape: StepShape, facts: DeviceFacts, phase: dict[str, float]) -> float:
-    n, exposed = shape.micro_batches, 0.0
-    for name, compute in (("forward", phase["forward"]), ("backward", phase["backward"] + phase["recompute"])):
-        comm = _extrapolated(ledger.comm_s, name, n)
-        exposed += max(0.0, comm - compute)
+    """What compute does not hide of the step's collectives: each micro-batch's replay (overlap.exposed), the
+    update's collectives (clipping's norm) whole, and DDP's buckets after the last backward."""
+    n = shape.micro_batches
+    first, repeat = ledger.comm_exposed.get("first", 0.0), ledger.comm_exposed.get("repeat", 0.0)
+    exposed = first + (n - 1) * repeat if n > 1 else first
     exposed += _tails(ledger.comm_s, n)
-    if shape.ddp_gradient_bytes and shape.world_size > 1 and facts.peer_gbs:
-        ring = 2 * shape.ddp_gradient_bytes * (shape.world_size - 1) / shape.world_size / (facts.peer_gbs * 1e9)
-        exposed += max(0.0, ring - (phase["backward"] + phase["recompute"]) / n)
+    if shape.ddp_gradient_bytes and shape.world_size > 1:
+        rate = facts.ring_rate(shape.world_size, min(shape.world_size, facts.gpus_per_host))
+        exposed += ddp_buckets_exposed(shape.ddp_gradient_bytes, rate, shape.world_size,
+                                       (phase["backward"] + phase["recompute"]) / n)
     return exposed

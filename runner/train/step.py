@@ -180,7 +180,8 @@ def run_step(model, optimizer, batch: Batch, micro_batch: int, precision: Precis
              scaler: torch.amp.GradScaler | None, grad_clip: float | None,
              label_total: torch.Tensor | None = None, head: SplitHead | None = None) -> StepResult:
     """`label_total`: the loss's denominator when `batch` is one rank's share (runner/train/ranked.py);
-    `optimizer`: what steps (a PlannedOptimizer's stepper); `head`: memory.loss chunked's split head."""
+    `optimizer`: what steps (a PlannedOptimizer's stepper: one with `gradients_complete()` is told when
+    the last micro-batch's backward is done); `head`: memory.loss chunked's split head."""
     accumulated = accumulate(model, batch, micro_batch, precision, scaler, label_total, head)
     return update(model, optimizer, scaler, grad_clip, accumulated)
 
@@ -214,7 +215,11 @@ def accumulate(model, batch: Batch, micro_batch: int, precision: Precision, scal
 
 def update(model, optimizer, scaler: torch.amp.GradScaler | None, grad_clip: float | None,
            accumulated: Accumulated) -> StepResult:
-    """The second part of `run_step`: clipping, the optimizer's step and the gradients let go."""
+    """The second part of `run_step`: the gradients made final (bf16 weights' float32 sums), clipping, the
+    optimizer's step and the gradients let go."""
+    complete = getattr(optimizer, "gradients_complete", None)  # bf16 weights' float32 sums become the gradients
+    if complete is not None:
+        complete()
     skipped, grad_norm = _optimizer_step(model, optimizer, scaler, grad_clip)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(accumulated.loss, skipped, grad_norm)
@@ -232,7 +237,10 @@ def _optimizer_step(model, optimizer, scaler, grad_clip) -> tuple[bool, torch.Te
     clipping, as HF Trainer logs its grad_norm; None without train.grad_clip, which computes none)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = clip_gradients(model.parameters(), grad_clip) if grad_clip is not None else None
+    # an optimizer that keeps the gradients itself (memory.optimizer_offload master: on the host) clips them there
+    own = getattr(optimizer, "clip_gradients", None)
+    norm = None if grad_clip is None else own(grad_clip) if own is not None else \
+        clip_gradients(model.parameters(), grad_clip)
     if scaler is None:
         optimizer.step()
         return False, norm

@@ -82,7 +82,14 @@ class Trainer:
 
     def _build(self) -> None:
         recipe = self.recipe
-        self.model = build_model(recipe.model, self.device)
+        # the masters' plan builds in host memory: its optimizer moves the bfloat16 copies to the device, so the
+        # device never holds the float32 model (27 GB for a 7B, more than the plan needs in all)
+        on_host = recipe.memory.optimizer_offload.masters_on_host and self.device.type == "cuda"
+        if on_host:
+            log.info("memory.optimizer_offload master: the model is built in host memory, its bf16 copies then moved "
+                     "to the GPU; weights it initialises at random are drawn by the CPU's generator (a run without "
+                     "the plan draws them on the GPU), pretrained ones are the same")
+        self.model = build_model(recipe.model, torch.device("cpu") if on_host else self.device)
         self.model.train()
         self.plan = _apply_plan(self.model, recipe, self.device, self.source)
         wrapped = wrap_model(self.model, recipe, self.ranks, self.device, self.source)  # after the plan, before the optimizer
@@ -96,15 +103,17 @@ class Trainer:
             torch.manual_seed(recipe.train.seed + (self.ranks.data_rank << 32))
         self.data = build_data(recipe, self.model)
         self.total_steps = total_steps(recipe, self.data)  # what the loop, schedule and evaluation count to
+        # before the optimizer: its hooks (the update in the backward, float32 sums, the host's copies) would act
+        # on the measuring passes' gradients, an update or a sum before step 1
+        self.step = 0
+        self.gradient_error = self._lossy_error()  # None for an exact plan
         self.planned = build_planned_optimizer(self.model, recipe.train, recipe.memory, self.device,
                                                gradients_final(recipe.memory, recipe.step_facts()))
         self.optimizer = self.planned.optimizer  # what the schedule, checkpoints and the memory meter see
         self.scheduler = build_scheduler(self.optimizer, recipe.train, self.total_steps)
         self.scaler = self.precision.grad_scaler()
         self.meter = PeakMeter(self.device, self.model, self.optimizer, recipe.output.log_every)
-        self.step = 0
         self.saving = None  # a sharded checkpoint still being written behind the steps (train/sharded.py)
-        self.gradient_error = self._lossy_error()  # None for an exact plan
         self.update_error: float | None = None  # a lossy optimizer's, measured over the first steps from step 0
         self.update_meter: UpdateErrorMeter | None = None
 
@@ -207,7 +216,9 @@ class Trainer:
     def _follow_exact_update(self) -> None:
         """A lossy optimizer starting from step 0: exact AdamW follows its first steps (measure/update_error.py)."""
         if self.step == 0 and self.update_error is None and self.update_meter is None and lossy_labels(self.recipe):
-            self.update_meter = UpdateErrorMeter(self.optimizer, [p for p in self.model.parameters() if p.requires_grad])
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            stepped = getattr(self.optimizer, "stepped", None)  # an offload steps the host's copies
+            self.update_meter = UpdateErrorMeter(self.optimizer, stepped(params) if stepped else params)
 
     def _timed_step(self, batch, label_total=None):
         """(result, seconds, peak) of one optimizer step, or None when the device ran out of memory."""
@@ -230,7 +241,7 @@ class Trainer:
 
     def _out_of_memory(self) -> MemoryCapExceeded:
         """Under a cap the allocator stops at the cap, so running out is the cap being hit."""
-        self.optimizer.zero_grad(set_to_none=True)  # gradients of the micro-batches that did run
+        self.planned.stepper.zero_grad(set_to_none=True)  # gradients (and float32 sums) of the micro-batches that ran
         if self.device.type != "cuda":
             gc.collect()
             return OutOfMemory(self.step + 1, self.out_of_memory_reason, self.device)

@@ -78,3 +78,16 @@ def test_report_reprints_the_front_and_the_plot(study, ckrun):
 def test_report_of_a_directory_without_a_study(ckrun, tmp_path):
     code, _, err = ckrun("report", tmp_path)
     assert code == 2 and "no study (no study.journal)" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_run_in_the_recipes_output_dir_is_refused_saying_which_flag_moves_what(tmp_path, ckrun):
+    """--output moves the study, not the training that follows it: the line says so, before any search."""
+    run = tmp_path / "run"
+    assert ckrun(BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={run}")[0] == 0
+    code, _, err = ckrun("tune", BERT_TINY, *TINY_BERT, "train.steps=1", f"output.dir={run}", "--max-mem", "1GB",
+                         "--output", str(tmp_path / "study"), "--trials", "1")
+    lines = [line for line in err.splitlines() if "output.dir:" in line]
+    assert code == 2 and len(lines) == 1, err
+    assert f"{run} already holds a run" in lines[0] and "--output moves only the study" in lines[0] and \
+        "output.dir=..." in lines[0] and "--no-train" in lines[0]
+    assert not (tmp_path / "study" / "tuned.yaml").exists()

@@ -97,12 +97,13 @@ def test_a_breach_in_training_falls_back_to_the_next_best_plan(tmp_path):
             raise MemoryCapExceeded(100, 120, 2)
         return RunResult(3, peak_mem_bytes=80)
 
-    assert train_with_fallback(ranked, _tuned_for, resume=False, train_fn=train)
+    assert train_with_fallback(ranked, _tuned_for, resume=False, train_fn=train).record.number == 7
     assert trained == [("tuned-4.yaml", False), ("tuned-7.yaml", True)]  # the fallback continues the same run
 
 
 def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
-    """SIGTERM during tune's training ends it like `ckrun run`: one line, no next plan tried."""
+    """SIGTERM during tune's training ends it like `ckrun run`, no next plan tried; the line that says so
+    is `ckrun tune`'s to print (the library prints nothing)."""
     import signal
 
     ranked = [_ranked(4, "a", 90), _ranked(7, "b", 80)]
@@ -112,9 +113,33 @@ def test_a_stopped_training_run_is_not_a_reason_to_fall_back(capsys):
         trained.append(source)
         return RunResult(2, peak_mem_bytes=80, stopped_by=signal.SIGTERM)
 
-    result = train_with_fallback(ranked, _tuned_for, resume=False, train_fn=train)
-    assert result.stopped_by == signal.SIGTERM and trained == ["tuned-4.yaml"]
-    assert capsys.readouterr().err.strip().startswith("ckrun: stopped by SIGTERM after step 2 of ")
+    found = train_with_fallback(ranked, _tuned_for, resume=False, train_fn=train)
+    assert found.result.stopped_by == signal.SIGTERM and found.record.number == 4 and trained == ["tuned-4.yaml"]
+    assert capsys.readouterr() == ("", "")
+
+
+def test_ckrun_tune_prints_the_stop_line_of_a_stopped_training_and_its_status(ckrun, monkeypatch, tmp_path):
+    """The library returns a stopped run; the command says so in `ckrun run`'s line and exits 143."""
+    import signal
+
+    from ckrun.autotune import cli_tune
+    from ckrun.autotune.tune import Found, TuneResult
+    from ckrun.runner.load import load_recipe
+
+    recipe = load_recipe(BERT_TINY, [f"output.dir={tmp_path}"])
+    record = _ranked(4, "a", 90)
+
+    def stopped_tune(request, on_found):
+        found = Found(request.directory, [record], "the table", [record], "the winner changes nothing")
+        on_found(found)
+        return TuneResult(found, record, tmp_path / "tuned.yaml", recipe,
+                          RunResult(2, total_steps=5, stopped_by=signal.SIGTERM, output_dir=tmp_path))
+
+    monkeypatch.setattr(cli_tune, "tune", stopped_tune)
+    code, out, err = ckrun("tune", BERT_TINY, *TINY_BERT, "--max-mem", "1GB", "--output", tmp_path)
+    assert code == 128 + signal.SIGTERM
+    assert out == "the table\nckrun tune: the winner changes nothing\n"
+    assert err.strip().startswith("ckrun: stopped by SIGTERM after step 2 of 5")
 
 
 @pytest.mark.parametrize("error", [

@@ -6,7 +6,7 @@ import json
 import pytest
 from optuna.trial import TrialState
 
-from ckrun.autotune.cli_tune import parse_duration
+from ckrun.autotune.request import parse_duration
 from ckrun.autotune.probes.model_child import model_facts
 from ckrun.autotune.space.facts import Device, ModelFacts
 from ckrun.autotune.space.knobs import KNOBS, build_space, describe

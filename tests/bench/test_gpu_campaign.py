@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # bench/ is no installed package; a bare `pytest` does not put the root on the path
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu import budget, campaign, snapshot  # noqa: E402
+from bench.gpu import budget, campaign, sections, snapshot  # noqa: E402
 
 MiB = 1 << 20
 STEP_ORDER = ["facts", "plans", "knobs", "tune", "cuda_tests"]
@@ -134,13 +134,28 @@ def test_facts_dry_run_measures_every_op_class_for_the_calibration_table(call):
     assert all(facts[probe] is None for probe in ("context", "cublas", "attention", "bandwidth"))
     assert facts["matmul"]["bf16_flops_per_s"] > 0
     classes = {row["op_class"] for row in calibration["rows"]}
-    assert classes == {"matmul", "conv", "attention", "memory", "optimizer", "host", "launch"}
+    assert classes == {"matmul", "conv", "attention", "norm", "memory", "optimizer", "host", "launch"}
     measured = [row for row in calibration["rows"] if "error" not in row]
     assert all(row["seconds"] > 0 for row in measured) and len(measured) >= len(calibration["rows"]) - 6
+    # the kernel classes the time model prices apart: attention forward and backward, fp32 attention (3xTF32),
+    # normalisation forward and backward, the host's AdamW (memory.optimizer_offload's update)
+    attention = [r for r in calibration["rows"] if r["op_class"] == "attention"]
+    assert {r["kernel"] for r in attention} == {"flash", "efficient", "cudnn"}  # each family tried (a CPU has flash)
+    for family in {r["kernel"] for r in attention if "error" not in r}:
+        assert {r["direction"] for r in attention if r["kernel"] == family and "error" not in r} == \
+            {"forward", "backward"}, family
+    assert any(r["dtype"] == "fp32" and r["kernel"] == "efficient" for r in attention)
+    assert {r.get("direction") for r in calibration["rows"] if r["op_class"] == "norm"} == {"forward", "backward"}
+    adamw = next(r for r in calibration["rows"] if r["kernel"] == "adamw" and r["op_class"] == "host")
+    assert adamw["params_per_s"] > 0
     entry = calibration["entry"]
-    assert {"applies_to", "efficiency", "source", "device", "date", "versions"} <= set(entry)
-    shares = entry["efficiency"]
-    assert set(shares["matmul"]) == {"bf16", "fp16", "tf32", "fp32"} and shares["tile"] == 128
+    assert {"applies_to", "figures", "source", "device", "date", "versions"} <= set(entry)
+    assert all(row["source"].startswith("measured by the GPU campaign") for row in entry["figures"])
+    shares = sections.entry_figures(entry)
+    assert set(shares["matmul"]) == {"bf16", "fp16", "tf32", "fp32"} and shares["launch_us"] > 0
+    assert {"forward", "backward"} <= set(shares["norm"])
+    efficient = [r for r in attention if r["kernel"] == "efficient" and "error" not in r]  # a CPU has none
+    assert ("efficient_fp32_slowdown" in shares) == bool(efficient) and shares.get("efficient_fp32_slowdown", 1) >= 1
     assert all(0 < value <= 1 for value in [*shares["matmul"].values(), shares["memory"], shares["optimizer"]])
     assert calibration.get("entry_problem") is None  # runner/predict's table takes it, where it has one
     assert calibration["device_facts"]["kind"] == "cpu"
@@ -330,6 +345,29 @@ def test_the_campaign_refuses_a_step_it_does_not_have(tmp_path, capsys):
     assert "no step tuen" in capsys.readouterr().err
 
 
+def test_knobs_dry_run_goes_through_every_pool_knob_and_the_experts(call):
+    """Each knob of the plan, lossy ones too, and both experts kernels get an entry with its overrides: measured,
+    or refused with the reason (the CPU refuses what is CUDA only), and predicted beside it."""
+    from bench.gpu import knobs
+
+    out, _ = call
+    found = _json(out / "knobs.json")
+    labels = {k["label"] for k in knobs.present()[0]}
+    assert {"optimizer_state 8bit", "optimizer_state 4bit", "weights bf16", "optimizer_offload cpu",
+            "optimizer_step in_backward", "loss chunked"} <= labels
+    entries = {p["knob"]["label"]: p for p in found["plans"] if p.get("knob")}
+    assert labels <= set(entries)
+    for label, entry in entries.items():
+        assert entry["status"] in ("ok", "skipped", "oom", "error"), (label, entry)
+        assert entry["status"] == "ok" or entry.get("reason"), (label, entry)
+        assert (knobs.LOSSY in entry["overrides"]) == entry["knob"].get("lossy", False), label
+    measured = [e for e in entries.values() if e["status"] == "ok"]
+    assert measured and all(e.get("predicted_here_bytes") or e.get("predicted_bytes") for e in measured)
+    experts = {p["name"]: p for p in found["experts"]["plans"]}
+    assert set(experts) == set(knobs.EXPERTS) and all(p["status"] == "ok" for p in experts.values()), experts
+    assert "experts.json" not in {p.name for p in out.iterdir()}
+
+
 # --- the knobs of issue 33, found by what the plan's types say ---------------------------------------
 
 
@@ -362,9 +400,11 @@ def test_knobs_are_the_plans_new_exact_policies_and_flags():
     ours = ("optimizer_step", "fuse_loss", "notes")  # the plan's own pool knobs are found beside them
     found, left = [k for k in found if k["field"] in ours], [k for k in left if k["field"] in ours]
     assert found == [{"field": "optimizer_step", "label": "optimizer_step in_backward", "policy": "InBackward",
-                      "override": "memory.optimizer_step={policy: in_backward}"},
+                      "lossy": False, "override": "memory.optimizer_step={policy: in_backward}", "extra": []},
+                     {"field": "optimizer_step", "label": "optimizer_step 8bit", "policy": "EightBit", "lossy": True,
+                      "override": "memory.optimizer_step={policy: 8bit}", "extra": ["memory.allow_lossy=true"]},
                      {"field": "fuse_loss", "label": "fuse_loss", "override": "memory.fuse_loss=true"}]
-    assert [(item["field"], item.get("policy")) for item in left] == [("optimizer_step", "8bit"), ("notes", None)]
+    assert [(item["field"], item.get("policy")) for item in left] == [("notes", None)]
     assert knobs.present(MemoryPlan)[0] == [] or all(k["field"] not in knobs.MEASURED_ELSEWHERE
                                                      for k in knobs.present(MemoryPlan)[0])
 
@@ -385,10 +425,11 @@ def test_each_knob_is_shown_beside_the_same_plan_without_it():
         plan("optimizer_step in_backward (train.grad_clip=null)", "optimizer_step in_backward", step_time_s=0.9,
              measured_peak_bytes=9 * 10**9, losses=[2.0, 1.4])]}
     table = sections.knobs_table(knobs)
-    assert "| loss chunked | ok | 1.100 | 1.10x | 8.00 GB | -2.00 GB | 8.00 GB | 1.0e-07 |" in table
+    assert "| loss chunked | ok | 1.100 | n/a | 1.10x | 8.00 GB | -2.00 GB | 8.00 GB | 1.0e-07 |" in table
     assert "| optimizer_offload cpu | skipped: needs CUDA |" in table
     # held to the plan without gradient clipping, as it ran: not to the clipped `none`
-    assert "| optimizer_step in_backward (train.grad_clip=null) | ok | 0.900 | 0.90x | 9.00 GB | -1.00 GB | n/a | 0.0e+00 |" \
+    assert "| optimizer_step in_backward (train.grad_clip=null) | ok | 0.900 | n/a | 0.90x | 9.00 GB | -1.00 GB | n/a | "\
+        "0.0e+00 |" \
         in table
     assert "Left out: weights bf16: lossy." in table
     assert sections.knobs_summary(knobs).startswith("loss chunked peak -2.00 GB, step 1.10x; optimizer_offload cpu skipped")

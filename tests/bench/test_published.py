@@ -19,14 +19,26 @@ from ckrun.runner.load import load_recipe  # noqa: E402
 from ckrun.runner.predict.hardware import resolve_device  # noqa: E402
 
 
-@pytest.mark.parametrize("setup", [*published.SETUPS, *published.RATIO_SETUPS, *published.QUICK],
+@pytest.mark.parametrize("setup", [*published.SETUPS, *published.RATIO_SETUPS, *published.QUICK, *published.HELDOUT],
                          ids=lambda setup: setup.key)
 def test_every_setup_is_a_valid_recipe_with_its_source(setup):
     recipe = load_recipe(ROOT / "bench" / "published" / f"{setup.recipe}.yaml", list(setup.overrides))
     assert resolve_device(str(ROOT / setup.gpu) if setup.gpu.endswith(".json") else setup.gpu).kind == "cuda"
     assert setup.source.startswith("https://") and setup.quote
     if setup.nproc:
-        assert recipe.train.batch_size % setup.nproc == 0 and recipe.distributed.strategy == "fsdp"
+        groups = recipe.distributed.data_parallel(setup.nproc)
+        assert recipe.train.batch_size % groups == 0 and recipe.distributed.strategy in ("fsdp", "hsdp", "tp")
+
+
+def test_the_held_out_mpt_rows_are_the_tables_model_sizes():
+    """The MPT recipe is GPT-2's architecture at MPT's sizes: its parameter count is the table's NumParams."""
+    from ckrun.runner.builders.model import build_model
+
+    for setup in (s for s in published.HELDOUT if s.key in ("mpt-760m-a100", "mpt-1b-h100")):
+        recipe = load_recipe(ROOT / "bench" / "published" / f"{setup.recipe}.yaml", list(setup.overrides))
+        model = build_model(recipe.model, "meta", weights=False)  # shapes only: nothing allocated
+        count = sum(p.numel() for p in model.parameters())
+        assert count == int(setup.quote.split("|")[-2]), setup.key
     command = setup.command()
     assert command[:3] == ["ckrun", "estimate", f"bench/published/{setup.recipe}.yaml"] and "--json" in command
 
@@ -60,12 +72,14 @@ def test_the_headline_is_the_faithful_setups_median_and_the_overheads_are_step_t
     assert figures["median_abs_error"] == pytest.approx(0.1)  # of +10 %, -10 %, +25 %
     assert figures["worst_abs_error"] == pytest.approx(0.25)
     assert figures["worst_any"] == pytest.approx(3.0)  # the mismatched row counts among all, not the faithful
+    assert figures["median_all"] == pytest.approx((0.1 + 0.25) / 2)  # the headline keeps every row: all four
     assert figures["spearman_faithful"] == pytest.approx(1.0) and figures["spearman_all"] == pytest.approx(0.4)
     assert figures["overheads"][0]["predicted"] == pytest.approx(0.25)
     assert figures["overheads"][0]["points"] == pytest.approx(5.0)
     assert figures["overheads"][1]["predicted"] == pytest.approx(0.4)  # 0.5 s more over 1.25 s of layers
     text = published.table(results, figures, ["- gpu"], "versions", 60.0)
     assert "| d |" in text and "no: another kernel" in text and "+5.0 points" in text
+    assert "Over all 4 setups, the 1 ckrun cannot express faithfully included" in text and "median 17.5 %" in text
 
 
 @pytest.mark.slow

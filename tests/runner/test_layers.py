@@ -16,7 +16,7 @@ own layer or the ones below it:
 6. train        train/ (the step and the loop; the plan applied, the memory measured), its folders
                 (checkpoint/, eval/, output/, run/, measure/) in finer layers of their own: TRAIN_LAYERS
 7. predict      predict/ (the training step run on fake tensors with a plan applied: above train)
-8. cli          cli/, __main__ (the one place that sees everything)
+8. top          api (training as a call), cli/, __main__ (the one place that sees everything)
 
 autotune/ stands above all of runner/, and no runner module imports it: the CLI names the tune and
 report verbs as module strings and loads the one asked for with importlib (DESIGN: the CLI is the
@@ -46,13 +46,14 @@ LAYERS = [
                      "ckrun.runner.pool_policies", "ckrun.runner.strategies", "ckrun.runner.plan", "ckrun.runner.checkpoint_files",
                      "ckrun.runner.user_cache"}),
     ("recipe", {"ckrun.runner.recipe", "ckrun.runner.recipe_data", "ckrun.runner.recipe_train", "ckrun.runner.recipe_eval", "ckrun.runner.recipe_sinks",
-                "ckrun.runner.recipe_adapters", "ckrun.runner.load", "ckrun.runner.located", "ckrun.runner.library"}),
+                "ckrun.runner.recipe_adapters", "ckrun.runner.key_tree", "ckrun.runner.load", "ckrun.runner.located",
+                "ckrun.runner.library"}),
     ("builders", {"ckrun.runner.builders", "ckrun.runner.models"}),
     ("memory", {"ckrun.runner.memory"}),
     ("parallel", {"ckrun.runner.parallel"}),
     ("train", {"ckrun.runner.train"}),
     ("predict", {"ckrun.runner.predict"}),
-    ("cli", {"ckrun.runner.cli", "ckrun.runner"}),
+    ("top", {"ckrun.runner.api", "ckrun.runner.cli", "ckrun.runner"}),
 ]
 
 # (importer, imported) -> why it may run up a layer
@@ -142,6 +143,40 @@ def test_every_runner_module_has_a_layer():
         layer_of(module_name(path))
 
 
+# The command line's modules: they parse, call and print. The library never calls its CLI (as optuna's
+# library never calls optuna's): what a verb and a Python call share is below both (runner/api.py,
+# autotune/request.py, autotune/tune.py, runner/predict/plan_lines.py).
+CLI_MODULES = ("ckrun.runner.cli", "ckrun.__main__", "ckrun.autotune.cli_tune", "ckrun.autotune.cli_report")
+
+
+def _is_cli(module: str) -> bool:
+    return any(module == cli or module.startswith(f"{cli}.") for cli in CLI_MODULES)
+
+
+def test_no_module_outside_the_cli_imports_a_cli_module():
+    top = sorted((ROOT / "ckrun").glob("*.py"))
+    calling = {module_name(path) if path.parent.name != "ckrun" else f"ckrun.{path.stem}".removesuffix(".__init__"):
+               sorted(m for m in imports_of(path) | _ckrun_imports(path) if _is_cli(m))
+               for path in [*runner_files(), *autotune_files(), *top]}
+    assert not {module: cli for module, cli in calling.items() if cli and not _is_cli(module)}
+    assert _is_cli("ckrun.runner.cli.estimate") and not _is_cli("ckrun.runner.client")  # the check itself
+    assert "ckrun.runner.cli" in calling["ckrun.__main__"]  # the walk reads the top package too
+    import ckrun
+
+    assert not [module for module in ckrun._PUBLIC.values() if _is_cli(module)]  # the API's names, imported by name
+
+
+def _ckrun_imports(path: Path) -> set[str]:
+    """`ckrun.x` names of the top package's files (`from ckrun.runner.cli import entry`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ckrun"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("ckrun"))
+    return found
+
+
 def test_the_walk_sees_relative_lazy_and_from_package_imports():
     """The checker itself: on the real files it must find the imports known to be there."""
     estimate = imports_of(ROOT / "runner" / "predict" / "estimate.py")
@@ -158,7 +193,7 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
 # store is below what a run writes, --resume above it).
 TRAIN_LAYERS = [
     ("step and saved state", {"step", "checkpoint", "checkpoint.store", "checkpoint.fingerprint", "checkpoint.sharded",
-                              "run.memory_cap", "measure", "measure.measurement", "measure.update_error", "eval",
+                              "run.memory_cap", "run.room", "measure", "measure.measurement", "measure.update_error", "eval",
                               "eval.metrics", "eval.early_stop", "output", "output.numbers", "run"}),
     ("what a run writes and says", {"output.directory", "output.trackers", "output.sinks", "output.curves",
                                     "run.guard", "run.progress", "run.start_line"}),
@@ -334,7 +369,7 @@ AUTOTUNE_LAYERS = [
     ("probes", {"probes"}),
     ("outputs", {"outputs"}),
     ("one tune", {"tune"}),
-    ("front", {"cli_tune", "cli_report", "api"}),
+    ("front", {"request", "cli_tune", "cli_report", "api"}),
 ]
 
 

@@ -19,12 +19,11 @@ def fingerprint(recipe: Recipe) -> dict[str, str]:
 
 
 def _optimizer_layout(recipe: Recipe) -> dict[str, str]:
-    """The memory plan's knobs that change what the weights and the optimizer state are saved as (the
-    parameters' dtype, the moments' precision, which of them the host holds); the update in the backward,
-    the cast cache and the loss's pieces save the same state and may change on resume."""
-    plan = recipe.memory
-    return {"weights": plan.weights.tag(), "optimizer_state": plan.optimizer_state.label(),
-            "optimizer_offload": plan.optimizer_offload.label()}
+    """The memory plan's pool policies that change what the weights and the optimizer state are saved as
+    (the parameters' dtype, the moments' precision, which of them the host holds), each as its `saved_as`:
+    the update in the backward, the cast cache and the loss's pieces save the same state and may change
+    on resume."""
+    return {policy.section: saved for policy in recipe.memory.pool_policies() if (saved := policy.saved_as()) is not None}
 
 
 RUN = "run"  # the fingerprint's section of settings --resume-changed may accept

@@ -53,6 +53,7 @@ def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) ->
             set_aside_unresumable(out_dir)
         return {}
     name = f"step-{int(state['step']):08d}"
+    check_not_past_end(int(state["step"]), trainer.total_steps, trainer.recipe, name, source)
     _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), name, source)
     changes = run_changes(state.get("recipe"), trainer.recipe, name, source, accept_changes)
     try:
@@ -66,6 +67,20 @@ def resume(trainer, out_dir: Path, source: str, accept_changes: bool = False) ->
     return changes
 
 
+def check_not_past_end(step: int, total: int, recipe: Recipe, name: str, source: str) -> None:
+    """A run resumed with fewer steps than its checkpoint reached cannot go back (a checkpoint holds the state
+    after its step): one line at the key that sets the length, not a silent export of the weights it had. A
+    run resumed at its last step (a requeued job that had finished) has nothing to train, and says so."""
+    key = "train.steps" if recipe.train.steps is not None else "train.epochs"
+    length = f"train.steps {total}" if recipe.train.steps is not None else f"train.epochs {recipe.train.epochs:g} ({total} steps)"
+    if step > total:
+        raise InputError([Problem(Place(source), key, f"--resume: {name} is at step {step}, already past the run's end "
+                                  f"at {length}; a checkpoint cannot go back: give more than {step} steps to train "
+                                  "on, start from its weights in a new output.dir (model.pretrained), or leave it")])
+    if step == total:
+        log.info("--resume: %s is the run's last step (%s): nothing to train; the end is written again", name, length)
+
+
 def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_changes: bool) -> dict[str, list] | None:
     """Resume from the newest sharded (DCP) checkpoint, on any world size, returning the accepted
     changes; None when the newest is not one."""
@@ -73,6 +88,7 @@ def _resumed_sharded(trainer, root: Path, out_dir: Path, source: str, accept_cha
     if picked is None:
         return None
     checkpoint, state = picked
+    check_not_past_end(int(state["step"]), trainer.total_steps, trainer.recipe, checkpoint.name, source)
     _check_same_recipe(state.get("recipe"), fingerprint(trainer.recipe), checkpoint.name, source)
     changes = run_changes(state.get("recipe"), trainer.recipe, checkpoint.name, source, accept_changes)
     try:
@@ -169,6 +185,8 @@ def check_before_ranks(out_dir: Path, recipe: Recipe, source: str, accept_change
         saved = read_trainer_state(found[-1]) if is_sharded(found[-1]) else _peek(found[-1])
     except (CheckpointError, OSError, RuntimeError, ValueError):
         return
+    if recipe.train.steps is not None and isinstance(saved.get("step"), int):  # epochs: the ranks count their data
+        check_not_past_end(saved["step"], recipe.train.steps, recipe, found[-1].name, source)
     _check_same_recipe(saved.get("recipe"), fingerprint(recipe), found[-1].name, source)
     if not accept_changes:  # accepted, each rank logs and records them as it resumes
         run_changes(saved.get("recipe"), recipe, found[-1].name, source, accept=False)

@@ -98,12 +98,25 @@ def _start_upload(trainer, temporary: Path, wait: bool) -> Future | None:
     `wait`) a blocking dcp.save, and None."""
     import torch.distributed.checkpoint as dcp
 
-    async_save = getattr(dcp, "async_save", None)
-    if wait or async_save is None or not trainer.ranks.joined:
-        dcp.save(_tensors(trainer), checkpoint_id=str(temporary))
+    async_save, tensors = getattr(dcp, "async_save", None), _tensors(trainer)
+    if wait or async_save is None or not trainer.ranks.joined or not _stageable(tensors):
+        dcp.save(tensors, checkpoint_id=str(temporary))
         return None
-    started = async_save(_tensors(trainer), checkpoint_id=str(temporary), process_group=_checkpoint_group())
+    started = async_save(tensors, checkpoint_id=str(temporary), process_group=_checkpoint_group())
     return getattr(started, "upload_completion", started)  # torch 2.15 may answer an AsyncSaveResponse
+
+
+def _stageable(tensors: dict) -> bool:
+    """Whether async_save can stage the state: it copies plain tensors (a DTensor's pieces) to host memory,
+    but not a library's tensor subclass (torchao's quantized optimizer moments: memory.optimizer_state
+    8bit, 4bit, fp8), which has no `new_empty`; such a state is written before training goes on."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(tensors):
+        local = getattr(leaf, "_local_tensor", leaf)
+        if isinstance(local, torch.Tensor) and type(local) not in (torch.Tensor, torch.nn.Parameter):
+            return False
+    return True
 
 
 def _checkpoint_group():

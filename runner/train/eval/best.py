@@ -19,12 +19,10 @@ from pathlib import Path
 from ...builders.resolve import BuildError
 from ...files import write_atomic
 from ...parallel.ranks import any_rank
+from ..output.directory import BEST_DIR as FOLDER, BEST_RANKING as RANKING  # the run's start checks the folder
 from ..ranked import full_weights
 
 log = logging.getLogger(__name__)
-
-FOLDER, RANKING = "best", "best.json"
-
 
 class BestKept:
     def __init__(self, spec, out_dir: Path, step: int):

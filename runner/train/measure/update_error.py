@@ -7,7 +7,8 @@ first `SAMPLE` elements, whole quantization blocks of torchao's) from the same s
 fed the same gradients each step: the gradients the lossy run computed, so what is measured is the
 optimizer's own error, not the drift of later gradients. After `STEPS` steps the error is the
 relative L2 distance of the two weight changes over all samples together,
-||Δw_lossy - Δw_exact|| / ||Δw_exact||. For bf16 weights it includes the stochastic rounding's
+||Δw_lossy - Δw_exact|| / ||Δw_exact|| (on FSDP2's ranks each samples its own shards, and the two sums
+are taken over every rank's). For bf16 weights it includes the stochastic rounding's
 noise, which is unbiased and averages out over many steps: a single step's error is large by design.
 
 The exact copy's work runs outside any memory tracker (its bytes are the host's, not the step's)
@@ -39,7 +40,7 @@ class UpdateErrorMeter:
         self.optimizer, self.steps, self.done = optimizer, steps, 0
         self.error: float | None = None
         with _UNTRACKED(), torch.no_grad():
-            self.samples = [(p, min(p.numel(), SAMPLE)) for p in params]
+            self.samples = [(p, min(_local(p).numel(), SAMPLE)) for p in params]
             self.start = [_host_sample(p, n) for p, n in self.samples]
             self.exact = [nn.Parameter(start.clone()) for start in self.start]
             self.exact_optimizer = torch.optim.AdamW([{"params": [e]} for e in self.exact], foreach=False)
@@ -74,7 +75,18 @@ class UpdateErrorMeter:
                 lossy_change, exact_change = _host_sample(param, count) - start, exact - start
                 difference += float((lossy_change.double() - exact_change.double()).square().sum())
                 norm += float(exact_change.double().square().sum())
+            difference, norm = self._over_shards(difference, norm)
         return (difference / norm) ** 0.5 if norm > 0 else float(difference > 0)
+
+    def _over_shards(self, difference: float, norm: float) -> tuple[float, float]:
+        """FSDP2's ranks each sample their own shards: the sums over every rank's (collective; DDP's replicas
+        sample the same elements, each its own error already)."""
+        shard = next((p for p, _ in self.samples if hasattr(p, "device_mesh")), None)
+        if shard is None:
+            return difference, norm
+        sums = torch.tensor([difference, norm], dtype=torch.float64, device=_local(shard).device)
+        torch.distributed.all_reduce(sums)
+        return tuple(sums.tolist())
 
     def close(self) -> None:
         """Stop following (the hook goes, the host copies with it)."""
@@ -83,8 +95,14 @@ class UpdateErrorMeter:
 
 
 def _host_sample(tensor: torch.Tensor, count: int) -> torch.Tensor:
-    """The first `count` elements of `tensor` as a float32 host copy."""
-    return torch.empty(count, dtype=torch.float32).copy_(tensor.detach().reshape(-1)[:count])
+    """The first `count` elements of this rank's piece of `tensor` (an FSDP2 shard is a DTensor) as a
+    float32 host copy."""
+    return torch.empty(count, dtype=torch.float32).copy_(_local(tensor.detach()).reshape(-1)[:count])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def lossy_labels(recipe) -> list[str]:

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 MODEL_DIR = "model"  # the export (runner/train/output/export.py)
+BEST_DIR, BEST_RANKING = "best", "best.json"  # eval.best's exports and their ranking (runner/train/eval/best.py)
 EXPORT_HEADER = "# exported by ckrun after step"  # the first line of the recipe.yaml every export carries
 SET_ASIDE = "metrics.previous.jsonl"  # the metrics of an attempt that left nothing to resume from
 _MACHINE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
@@ -55,10 +57,13 @@ def write_failure(err: OSError, path: Path, source: str) -> Exception:
                                "directory with output.dir=...")])
 
 
-def prepare_output(out_dir: Path, resume: bool, source: str) -> None:
-    """Refuse to overwrite a finished or running run unless resuming it; make the directory."""
+def prepare_output(out_dir: Path, resume: bool, source: str, recipe: Recipe | None = None) -> None:
+    """Refuse to overwrite a finished or running run unless resuming it, or anything of the user's where the
+    run will write (`recipe`'s eval.best folder too); make the directory."""
     try:
         _check_output_dir(out_dir, resume, source)
+        if recipe is not None and recipe.eval is not None and recipe.eval.best is not None:
+            _check_best_dir(out_dir / BEST_DIR, source)
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".ckrun-write-test-{os.getpid()}"
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))  # a read-only directory: found now, not after step 1
@@ -68,6 +73,10 @@ def prepare_output(out_dir: Path, resume: bool, source: str) -> None:
 
 
 def _check_output_dir(out_dir: Path, resume: bool, source: str) -> None:
+    if out_dir.is_symlink() and not out_dir.exists():  # exists() follows it: a loop or a dangling link
+        raise InputError([Problem(Place(source), "output.dir", f"{out_dir} is a symbolic link to "
+                                  f"{os.readlink(out_dir)}, which {_unresolved(out_dir)}; point it at a directory, or "
+                                  "choose another directory with output.dir=...")])
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError([Problem(Place(source), "output.dir", f"{out_dir} is a file, not a directory; "
                                   "choose another directory with output.dir=...")])
@@ -79,6 +88,45 @@ def _check_output_dir(out_dir: Path, resume: bool, source: str) -> None:
         raise InputError([Problem(Place(source), "output.dir", f"{export} is not a model ckrun exported, and the "
                                   "run exports its model there; move it, or choose another directory with "
                                   "output.dir=...")])
+
+
+def _unresolved(link: Path) -> str:
+    """Why a link leads to no file: it names itself, it ends in a loop, or what it names is not there."""
+    try:
+        link.resolve(strict=True)
+    except RuntimeError:  # pathlib's "Symlink loop" before Python 3.13
+        return "leads back to itself"
+    except OSError as err:
+        return "leads back to itself" if err.errno == errno.ELOOP else "does not exist"
+    return "does not exist"
+
+
+def _check_best_dir(best: Path, source: str) -> None:
+    """eval.best keeps exports in OUTPUT_DIR/best and deletes the ones that fall out of the top k: a folder
+    there that holds anything but what it keeps (best.json, exports ckrun wrote, a save cut short) is the
+    user's, refused now, as a user's OUTPUT_DIR/model is, not found after training."""
+    if not os.path.lexists(best):
+        return
+    if best.is_symlink() or not best.is_dir():
+        what = "a symbolic link" if best.is_symlink() else "a file"
+        raise InputError([Problem(Place(source), "eval.best", f"{best} is {what}, and eval.best keeps the best weights "
+                                  "in a folder there; move it, or choose another directory with output.dir=...")])
+    foreign = next((entry for entry in sorted(best.iterdir()) if not _kept_by_best(entry)), None)
+    if foreign is not None:
+        raise InputError([Problem(Place(source), "eval.best", f"{best} holds {foreign.name}, which ckrun did not write, "
+                                  "and eval.best keeps its exports there and deletes those that fall out; move it, or "
+                                  "choose another directory with output.dir=...")])
+
+
+def _kept_by_best(entry: Path) -> bool:
+    """What eval.best writes into its folder (runner/train/eval/best.py): the ranking, the exports, and a save
+    a kill cut short (a hidden temporary beside its final name)."""
+    name = entry.name
+    if name == BEST_RANKING and entry.is_file() and not entry.is_symlink():
+        return True
+    if name.startswith(".") and (name.endswith(".tmp") or ".tmp-" in name or ".old-" in name):
+        return True
+    return re.fullmatch(r"step-\d{8}", name) is not None and is_export(entry)
 
 
 def is_export(directory: Path) -> bool:

@@ -1,13 +1,15 @@
-"""The memory cap during a run: the errors that end a step over it, and the CUDA allocator limit
-that makes a card-level cap fail where a card of that size would."""
+"""The memory cap during a run: the errors that end a step over it, the CUDA allocator limit that makes a
+card-level cap fail where a card of that size would, and the prediction (`ckrun estimate`'s fake step,
+made before step 1) that stops a run over the cap before it starts."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from ...memory.measure import context_after_kernels
+from ...memory.measure import context_after_kernels, cuda_context_bytes
 from ...problems import EXIT_OVER_CAP, CkrunError, one_line
 from ...units import format_bytes
 
@@ -63,3 +65,52 @@ def limit_cuda_memory(device: torch.device, cap: int) -> int | None:
     log.info("memory cap %s: allocator limited to %.1f%% of %s (CUDA context %s, with a step's kernels loaded)",
              format_bytes(cap), 100 * fraction, format_bytes(total), format_bytes(context))
     return context
+
+
+# A prediction the estimate does not claim exact (the CUDA allocator's model, eager experts' routing) stops a
+# run only when clearly over, as `ckrun tune` screens plans by its default --margin; nearer, step 1 measures.
+ROUGH = 0.05
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What `ckrun estimate`'s fake step says of a run before its step 1 (the CLI makes it: runner/predict stands
+    above train)."""
+
+    step_s: float | None
+    """Seconds an optimizer step on this device; None when the time model has no facts for it."""
+    peak_bytes: int | None = None
+    """The step's peak as the cap counts it (CPU: live tensor bytes; CUDA: the allocator's reserve)."""
+    exact: bool = False
+    """Whether a step measures exactly this peak (a CPU step whose bytes do not follow an expert router)."""
+    plan: str = ""
+    """The batch, micro-batch, precision and plan the peak is for, in words."""
+
+
+class PredictedOverCap(MemoryCapExceeded):
+    """The estimate puts the step's peak over memory.max_mem: the run stops before step 1, not after it."""
+
+    def __init__(self, cap: int, peak: int, device: str, plan: str):
+        self.cap, self.peak, self.step = cap, peak, 0
+        RuntimeError.__init__(self, f"memory cap {format_bytes(cap)}: `ckrun estimate` predicts a peak of "
+                                    f"{format_bytes(peak)} per step on {device} ({plan}), so the run stops before "
+                                    "step 1")
+
+    advice = ("lower memory.micro_batch or checkpoint more blocks; `ckrun tune RECIPE --max-mem SIZE` finds a plan "
+              "under it")
+
+
+def check_predicted_peak(prediction: Prediction | None, cap, device: torch.device, context: int | None = None) -> None:
+    """Stop before step 1 when the predicted peak (on CUDA with the context, `context` where the allocator
+    limit measured it, as the in-run check counts it) is over memory.max_mem: exactly over for an exact
+    prediction, clearly over (ROUGH) for another; a rough one near the cap is said and left to step 1."""
+    if cap is None or prediction is None or prediction.peak_bytes is None:
+        return
+    if device.type == "cuda" and context is None:
+        context = cuda_context_bytes(device)
+    peak, cap = prediction.peak_bytes + (context or 0), int(cap)
+    if peak > cap * (1 if prediction.exact else 1 + ROUGH):
+        raise PredictedOverCap(cap, peak, device.type, prediction.plan)
+    if peak > cap:
+        log.warning("memory cap %s: `ckrun estimate` predicts a peak of %s per step (%s), within %.0f%% over it; "
+                    "step 1 measures it", format_bytes(cap), format_bytes(peak), prediction.plan, 100 * ROUGH)

@@ -59,6 +59,8 @@ def _take(out_dir: Path) -> tuple[DirLock | None, LockHeld | None]:
     """(the lock, None), or (None, why another holds it or why what sits at run.lock is not taken). A
     directory that cannot hold a lock file (a file in its place, no permission) is left to
     prepare_output, which names the problem."""
+    if os.path.lexists(out_dir) and not out_dir.is_dir():  # a file, a link to nothing or to itself: said there
+        return None, None
     lock = DirLock(out_dir / LOCK_FILE, WHAT, _doing(out_dir), whole_directory=True)
     try:
         lock.acquire()
@@ -94,7 +96,7 @@ def launch_owned(recipe, source: str, argv: list[str], nproc: int, resume: bool,
     if refusal is not None:
         raise _refused(refusal, source)
     try:
-        prepare_output(out_dir, resume, source)
+        prepare_output(out_dir, resume, source, recipe)
         if resume:
             check_before_ranks(out_dir, recipe, source, accept_changes)
         if lock is not None:

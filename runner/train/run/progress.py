@@ -92,6 +92,8 @@ def done_line(result, out_dir: Path) -> str:
     end = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
     how = f"stopped early after step {result.steps_done} of {result.total_steps} ({result.stopped_early})" \
         if result.stopped_early else f"{result.steps_done} steps"
+    if result.diverged:  # said when it happened, many lines up: the last line keeps it in view
+        end += " (diverged: see the warning at its step)"
     if not result.resumed_at:
         return f"done: {how}, {end}, metrics in {metrics}"
     records = read_metrics_lines(metrics)[0] if metrics.is_file() else []

@@ -147,7 +147,7 @@ def test_the_pool_knobs_search_their_exact_policies_by_default_and_lossy_ones_on
     for section in POOL_KINDS:
         assert not any(choice_class(POOL_KINDS[section], v).lossy for v in closed.choices.get(section, [])), section
         assert any(section in line for line in closed.reasons), section
-    assert closed.choices["optimizer_offload"] == ["none", "cpu:0.5", "cpu"]
+    assert closed.choices["optimizer_offload"] == ["none", "cpu:0.5", "cpu", "master"]
     assert "fp32:uncached" not in closed.choices.get("weights", []) or closed.fixed.get("precision") != "fp32"
     if importlib.util.find_spec("torchao") is not None:
         assert {"8bit", "4bit"} <= set(opened.choices["optimizer_state"])

@@ -43,7 +43,7 @@ def _facts() -> ModelFacts:
 
 POOLS = {"weights": ["fp32", "fp32:uncached"] + (["bf16"] if LOSSY else []),
          "optimizer_state": ["full"] + (["8bit", "4bit"] if LOSSY else []),
-         "optimizer_step": ["after", "in_backward"], "optimizer_offload": ["none", "cpu:0.5", "cpu"]}
+         "optimizer_step": ["after", "in_backward"], "optimizer_offload": ["none", "cpu:0.5", "cpu", "master"]}
 
 
 @pytest.mark.slow  # a CUDA estimate per example, torchao's compiled updates among them: minutes on 2 cores
@@ -54,8 +54,9 @@ def test_the_bound_is_never_above_the_estimate_of_a_plan_with_its_pools(labels, 
     _check_below_the_estimate(labels, micro_batch)
 
 
-@pytest.mark.parametrize("labels", [{}, {"optimizer_offload": "cpu"}, {"optimizer_step": "in_backward"}],
-                         ids=["default", "offloaded", "in-backward"])
+@pytest.mark.parametrize("labels", [{}, {"optimizer_offload": "cpu"}, {"optimizer_step": "in_backward"},
+                                    {"optimizer_offload": "master"}],
+                         ids=["default", "offloaded", "in-backward", "masters-on-host"])
 def test_the_bound_is_below_the_estimate_of_the_exact_pool_settings(labels):
     _check_below_the_estimate(labels, 1)
 
@@ -133,11 +134,27 @@ def test_with_little_room_the_starts_that_save_the_most_come_first():
     space = _space()
     step = _recipe(1).step_facts()
     least_floor = min(pool_floor(pool_plan({"optimizer_offload": label}), _facts().parameters, step,
-                                 GPU.context_bytes).total for label in ("cpu", "cpu:0.5", "none"))
+                                 GPU.context_bytes).total for label in ("cpu", "cpu:0.5", "none", "master"))
     cap = Cap(int(least_floor / 0.9 / 0.95), 0.05)  # the least bound is 90 % of the limit
     assert bound_space(space, _recipe(1), _facts(), GPU, cap) is None and space.tight
-    assert start_settings(space)["optimizer_offload"] == "cpu" and start_settings(space)["loss"] == "chunked:8"
+    # the float32 masters on the host leave the device the least: bf16 weights, no gradients, no state
+    assert start_settings(space)["optimizer_offload"] == "master" and start_settings(space)["loss"] == "chunked:8"
     seen = []
     space.starting_points(_recipe(1), lambda candidate: seen.append(candidate) or False)
     first = seen[0].plan
     assert first.checkpointing.label() == "full" and first.offload.label() == "all"
+
+
+def test_where_only_the_masters_on_the_host_leave_room_the_starts_take_them():
+    """The exact bound of every other setting is over the limit (float32 weights on the device alone): the
+    starting points hold the float32 masters on the host, so the search starts from a plan that can fit."""
+    space = _space()
+    parameters, step = _facts().parameters, _recipe(1).step_facts()
+    bound = {label: pool_floor(pool_plan({"optimizer_offload": label}), parameters, step, GPU.context_bytes).total
+             for label in ("none", "cpu", "master")}
+    assert bound["master"] < bound["cpu"] < bound["none"]
+    cap = Cap(int(bound["cpu"] / 0.95) - 1, 0.05)  # under the cpu offload's bound: only the masters' fits
+    assert bound_space(space, _recipe(1), _facts(), GPU, cap) is None
+    assert start_settings(space)["optimizer_offload"] == "master"
+    starts = space.starting_points(_recipe(1))
+    assert starts and all(space.candidate(point).plan.optimizer_offload.masters_on_host for point in starts)

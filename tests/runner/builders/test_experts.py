@@ -84,3 +84,50 @@ def test_grouped_mm_on_fake_fp32_tensors_answers_as_the_real_kernel(operands):
     else:
         assert not isinstance(fake, RuntimeError), (real.shape, fake)
         assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+
+
+# --- widths torch's grouped kernel cannot take: eager experts, as the README promises ----------------
+
+
+@settings(max_examples=10, deadline=None)
+@given(family=st.sampled_from(sorted(FAMILIES)), width=st.integers(5, 40), hidden=st.integers(17, 40),
+       asked=st.sampled_from([None, "grouped_mm", "eager"]))
+def test_any_expert_width_validates_and_trains_by_the_kernel_the_log_names(family, width, hidden, asked, tmp_path_factory):
+    """Any width: validate agrees with the run, which trains; grouped_mm where its 16-byte rows fit, else
+    eager experts, named in the log. grouped_mm asked for by name where it cannot run: one line at its key."""
+    import logging
+
+    from ckrun.runner.cli import main
+
+    config = moe_config(family, width=width) | ({"experts_implementation": asked} if asked else {})
+    if family == "mixtral":  # a hidden width of any size: the heads' width is its own
+        config |= {"hidden_size": hidden, "head_dim": 8}
+    hidden = config["hidden_size"]
+    fits = width % 4 == 0 and hidden % 4 == 0  # fp32 rows of the experts' weights in 16-byte multiples
+    folder = tmp_path_factory.mktemp("moe")
+    recipe = folder / "moe.yaml"
+    recipe.write_text(f"model: {{source: transformers, name: {FAMILIES[family][0]}, config: {json.dumps(config)}}}\n"
+                      "data: {source: synthetic, seq_len: 8}\ntrain: {batch_size: 2, steps: 1, device: cpu}\n"
+                      f"output: {{dir: {folder / 'run'}, checkpoint_every: 0}}\n")
+    logs, logger = _Lines(), logging.getLogger("ckrun")
+    logger.addHandler(logs)
+    logger.setLevel(logging.INFO)  # put back after the test (conftest)
+    try:
+        checked, ran = main(["validate", str(recipe)]), main([str(recipe)])
+    finally:
+        logger.removeHandler(logs)
+    if asked == "grouped_mm" and not fits:
+        assert checked == ran == 2
+        return
+    assert checked == ran == 0
+    kernel = asked or ("grouped_mm" if fits else "eager")
+    assert any(line.startswith(f"experts: {kernel} (") for line in logs.lines), logs.lines
+
+
+class _Lines(__import__("logging").Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())

@@ -168,3 +168,23 @@ _PART = st.from_regex(r"[A-Za-z0-9]{1,8}([-_.][A-Za-z0-9]{1,8}){0,2}", fullmatch
 def test_an_org_slash_name_that_is_no_local_path_is_a_hub_name(first, second):
     text = first if second is None else f"{first}/{second}"
     assert hub_name(text) == (None if Path(text).exists() else text)
+
+
+def test_a_cache_copied_to_another_machine_trains_offline_with_or_without_its_links(ckrun, tmp_path, monkeypatch):
+    """docs/weights.md's "A Hub model on a machine without network": `hf download` where there is network, then copy the model's folder into the offline
+    machine's cache, with rsync -a (links kept) or a copy that follows them (plain files)."""
+    import shutil
+
+    downloaded = tmp_path / "downloaded"
+    put_in_cache(downloaded, "tiny-org/tiny-llama", save_tiny_llama(tmp_path / "saved", seed=3), commit_of("one"))
+    losses = []
+    for name, follow in [("rsync", False), ("cp-L", True)]:
+        (tmp_path / name).mkdir()
+        cache = offline_cache(monkeypatch, tmp_path / name)
+        shutil.copytree(downloaded / "models--tiny-org--tiny-llama", cache / "models--tiny-org--tiny-llama",
+                        symlinks=not follow)
+        assert ckrun("validate", LLAMA, *FROM_HUB, "model.pretrained=tiny-org/tiny-llama")[0] == 0
+        code, _, err = _train(ckrun, tmp_path / f"run-{name}", "model.pretrained=tiny-org/tiny-llama")
+        assert code == 0, err
+        losses.append([r["loss"] for r in read_metrics(tmp_path / f"run-{name}")])
+    assert losses[0] == losses[1]

@@ -123,7 +123,7 @@ class NotATensor:
 
 
 @pytest.mark.parametrize("content, expected", [
-    ("truncated", "cannot be read"), ("pickled object", "holds pickled Python objects, not only tensors"),
+    ("truncated", "is cut short or not a PyTorch file"), ("pickled object", "holds pickled Python objects, not only tensors"),
 ])
 def test_unreadable_local_weights_are_one_line_without_torch_advice(tmp_path, content, expected):
     from ckrun.runner.builders.model import BuildError, build_model

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import optimization
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
@@ -144,6 +145,23 @@ def test_a_linear_schedule_runs_through_the_cli_to_zero(tmp_path, ckrun):
 def test_a_schedule_that_does_not_fit_the_run_is_one_line(tmp_path, ckrun, schedule, line):
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, f"train.scheduler={schedule}", "train.steps=4", f"output.dir={tmp_path}")
     assert code == 2 and line in err and "Traceback" not in err, err
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["constant", "cosine", "linear"]), steps=st.integers(1, 50),
+       warmup=st.one_of(st.integers(0, 80).map(lambda n: f"warmup_steps: {n}"),
+                        st.floats(0, 1).map(lambda r: f"warmup_ratio: {r}")))
+def test_a_warm_up_as_long_as_the_run_is_said_in_one_line_with_the_rate_its_last_step_takes(name, steps, warmup,
+                                                                                             caplog):
+    caplog.clear()
+    recipe = load_recipe(BERT_TINY, [*TINY_BERT, f"train.scheduler={{name: {name}, {warmup}}}", f"train.steps={steps}"])
+    scheduler = build_scheduler(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.01), recipe.train, steps)
+    said = [r.getMessage() for r in caplog.records if "is as long as the run's" in r.getMessage()]
+    length = recipe.train.scheduler.warmup(steps)
+    assert len(said) == (length >= steps)
+    if said:
+        last = _rates(scheduler, steps)[-1] / 0.01
+        assert f"its last step takes {100 * last:.0f}% of train.optimizer.lr" in said[0], (said, last)
 
 
 def test_warmup_steps_and_warmup_ratio_are_one_or_the_other(ckrun):

@@ -1,4 +1,4 @@
-"""Your own model works on the first try: the README's module and recipes, run as written, on
+"""Your own model works on the first try: docs/recipes.md's module and recipes, run as written, on
 records (classification) and plain text (a language model), with no vocab_size anywhere; what
 the recipe must still say (data.task) comes from `ckrun validate`, every problem in one go."""
 
@@ -13,13 +13,13 @@ import pytest
 
 from conftest import ROOT, read_metrics
 
-SECTION = (ROOT / "README.md").read_text().split("### Your own model, step by step", 1)[1].split("`ckrun validate classify", 1)[0]
+SECTION = (ROOT / "docs" / "recipes.md").read_text().split("## Your own model, step by step", 1)[1].split("`ckrun validate classify", 1)[0]
 BLOCKS = re.findall(r"```(python|yaml)\n(.*?)```", SECTION, re.S)
 
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    """A folder as the README sets it up: my_models.py, the two recipes, data/ with records and text."""
+    """A folder as docs/recipes.md sets it up: my_models.py, the two recipes, data/ with records and text."""
     (tmp_path / "data").mkdir()
     for kind, text in BLOCKS:
         name = "my_models.py" if kind == "python" else text.splitlines()[0].split(":")[0].lstrip("# ")

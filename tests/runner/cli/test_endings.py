@@ -21,11 +21,13 @@ from ckrun.runner.predict.hardware import UnknownDevice
 from ckrun.runner.problems import EXIT_STATUSES, CkrunError, InputError, KeyedError, Place, Problem
 from ckrun.runner.train.run.guard import NonFiniteLoss
 from ckrun.runner.train.loop import MemoryCapExceeded, OutOfMemory
+from ckrun.runner.train.run.memory_cap import PredictedOverCap
 from ckrun.runner.train.output.directory import OutputError
 from ckrun.runner.train.output.numbers import RecordValueError
 
 PROBLEM = Problem(Place("r.yaml", 3, 1), "train.steps", "input should be greater than 0")
 CAP, OOM, NAN = MemoryCapExceeded(1000, 2000, 3), OutOfMemory(2, "no memory", torch.device("cpu")), NonFiniteLoss(5, float("nan"))
+PREDICTED = PredictedOverCap(1000, 2000, "cpu", "batch 8, micro-batch 8, fp32, checkpointing none")
 
 # class -> (an instance, its exit status, its lines)
 EXAMPLES = {
@@ -41,6 +43,9 @@ EXAMPLES = {
     UnknownDevice: (UnknownDevice("no GPU named 'h1000'"), 2, ["ckrun: no GPU named 'h1000'"]),
     MemoryCapExceeded: (CAP, 3, [f"ckrun: {CAP}; lower memory.micro_batch or checkpoint more blocks"]),
     OutOfMemory: (OOM, 3, [f"ckrun: {OOM}; {OOM.advice}"]),
+    PredictedOverCap: (PREDICTED, 3, ["ckrun: memory cap 1.0 kB: `ckrun estimate` predicts a peak of 2.0 kB per step on cpu "
+                                      "(batch 8, micro-batch 8, fp32, checkpointing none), so the run stops before step "
+                                      f"1; {PredictedOverCap.advice}"]),
     RanksOverCap: (RanksOverCap(1000), 3, [f"ckrun: {RanksOverCap(1000)}; {RanksOverCap.advice}"]),
     NothingFits: (NothingFits("no plan fits under 1 MB"), 3, ["ckrun tune: no plan fits under 1 MB"]),
     NonFiniteLoss: (NAN, 4, [f"ckrun: {NAN}"]),

@@ -210,3 +210,16 @@ def test_gpu_help_names_every_gpu_of_the_device_table(capsys, verb):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
     shown = out.rsplit("--gpu NAME", 1)[1].split(" --", 1)[0]  # the option, not the usage line
     assert all(f"{name}," in shown or f"{name})" in shown for name in known_names() if name != "cpu"), shown
+
+
+@pytest.mark.parametrize("verb", [["validate"], ["show"], ["estimate"], ["estimate", "--gpu", "h100"], []])
+def test_a_typo_is_said_before_torch_or_transformers_are_imported(verb, ckrun):
+    """A recipe's mistake costs no torch import (4-13 s on a busy machine): the verbs that read a recipe say it first
+    (with the model's check kept from an earlier pass: tests/runner/builders/test_check_cache.py)."""
+    assert ckrun("validate", "bert_tiny")[0] == 0  # the pass kept in this test's user cache, which the child reads
+    code = ("import sys\nfrom ckrun.runner.cli import main\n"
+            f"status = main([*{verb!r}, 'bert_tiny', 'train.stepz=3'])\n"
+            "print(status, sorted(m for m in ('torch', 'transformers', 'torch.distributed') if m in sys.modules))")
+    done = children.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.stdout.splitlines()[-1] == "2 []", done.stderr[-2000:]
+    assert "train.stepz: unknown key (did you mean steps?)" in done.stderr

@@ -280,3 +280,26 @@ def test_an_exact_pass_that_runs_out_of_memory_leaves_the_error_unmeasured(tmp_p
                                               f"output.dir={tmp_path}"]))
     assert trainer.gradient_error is None and trainer.train_step()["step"] == 1
     assert any("the gradient error was not measured" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("pools", [["memory.optimizer_step={policy: in_backward}", "train.grad_clip=null"],
+                                   ["memory.weights={policy: bf16}", "precision=bf16", "memory.micro_batch=2"]],
+                         ids=["in-backward", "bf16-sums"])
+def test_measuring_the_gradient_error_neither_updates_nor_leaves_gradients_behind(tmp_path, pools):
+    """The error's two passes run before the optimizer puts its hooks on the parameters: with them, the
+    update in the backward stepped AdamW twice before step 1 (its moments and step count moved), and
+    bf16 weights' float32 sums carried the passes' gradients into step 1's."""
+    pytest.importorskip("torchao")
+    from ckrun.runner.builders.model import build_model
+    from ckrun.runner.load import load_recipe
+    from ckrun.runner.train.trainer import Trainer
+
+    recipe = load_recipe(BERT_TINY, [*TINY_BERT, *pools, "memory.compression={policy: bf16}", "memory.allow_lossy=true",
+                                     f"output.dir={tmp_path}"])
+    trainer = Trainer(recipe)
+    torch.manual_seed(recipe.train.seed)
+    fresh = build_model(recipe.model)
+    assert trainer.gradient_error > 0 and not trainer.optimizer.state
+    assert all(torch.equal(p, q.to(p.dtype)) for p, q in zip(trainer.model.parameters(), fresh.parameters(), strict=True))
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert not getattr(trainer.planned.stepper, "_sums", {})

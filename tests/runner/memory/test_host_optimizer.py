@@ -100,8 +100,8 @@ def test_the_offloaded_share_is_the_shortest_prefix_reaching_the_fraction(sizes,
 @pytest.mark.parametrize(("memory", "precision", "refusal"), [
     ("{optimizer_offload: {policy: cpu}, optimizer_step: {policy: in_backward}}", "fp32",
      "memory.optimizer_offload: cannot be combined with memory.optimizer_step: in_backward"),
-    ("{optimizer_offload: {policy: cpu}, optimizer_state: {policy: 8bit}, allow_lossy: true}", "fp32",
-     "memory.optimizer_offload: cannot be combined with memory.optimizer_state: 8bit"),
+    ("{optimizer_offload: {policy: cpu}, weights: {policy: bf16}, allow_lossy: true}", "bf16",
+     "memory.optimizer_offload: cannot be combined with memory.weights: bf16"),
     ("{optimizer_offload: {policy: cpu}}", "fp16", "memory.optimizer_offload: fp16's loss scaler unscales gradients"),
     ("{optimizer_offload: {policy: cpu, fraction: 0}}", "fp32", "memory.optimizer_offload.fraction: input should be "
      "greater than 0 (got 0)"),

@@ -77,13 +77,14 @@ def test_in_backward_is_refused_where_every_gradient_is_needed_first(memory, tra
     assert refusal in str(refused.value) and "\n" not in str(refused.value).strip()
 
 
-def test_in_backward_is_refused_with_fp16_and_under_ranks():
+def test_in_backward_is_refused_with_fp16_and_under_ddp():
     base = ("model: " + LLAMA + "\ndata: {source: synthetic, seq_len: 8}\ntrain: {batch_size: 4, steps: 1, "
             "grad_clip: null}\nmemory: " + IN_BACKWARD + "\n")
     with pytest.raises(InputError, match="fp16's loss scaler must see every gradient"):
         recipe_from_text(base + "precision: fp16\n")
-    with pytest.raises(InputError, match="in_backward runs in one process only"):
+    with pytest.raises(InputError, match="with this rank's own gradient: DDP averages it over the ranks afterwards"):
         recipe_from_text(base + "distributed: {strategy: ddp}\n")
+    recipe_from_text(base + "distributed: {strategy: fsdp}\n")  # FSDP2 runs the update on the reduce-scattered shard
 
 
 @needs_torchao

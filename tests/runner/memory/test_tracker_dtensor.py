@@ -9,19 +9,7 @@ import torch
 
 from ckrun.runner.memory.tracker import LiveBytesTracker
 
-fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-
-
-@pytest.fixture
-def two_rank_mesh():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
+pytest.importorskip("torch.testing._internal.distributed.fake_pg")  # two_rank_mesh (tests/conftest.py)
 
 
 @pytest.mark.parametrize("rows", [2, 64, 1000])

@@ -10,7 +10,7 @@ import torch
 from ckrun.runner.plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.problems import InputError
-from tests.runner.memory.tiny_lm import GPT2, WIDE, identical, needs_torchao, recipe, train
+from tests.runner.memory.tiny_lm import GPT2, LLAMA, WIDE, identical, needs_torchao, recipe, train
 
 UNCACHED = "weights: {policy: fp32, cast_cache: false}"
 
@@ -67,3 +67,31 @@ def test_bf16_weights_are_refused_outside_bf16_autocast():
     with pytest.raises(InputError, match="memory.weights: bf16 weights run under bf16 autocast .* not precision fp32; "
                                          "set precision: bf16"):
         recipe("{weights: {policy: bf16}, allow_lossy: true}")
+
+
+@needs_torchao
+def test_bf16_weights_over_micro_batches_sum_their_gradients_in_float32():
+    """The gradient the update reads is the micro-batches' bf16 gradients summed in float32 and rounded to
+    bf16 once (what one pass over the whole batch gets), not a bf16 running sum, which rounds at every
+    addition (that sum differs here: the test can tell the two apart)."""
+    from ckrun.runner.train.step import label_count, micro_batch_loss
+    from ckrun.runner.train.trainer import Trainer
+
+    trainer = Trainer(recipe("{weights: {policy: bf16}, micro_batch: 1, allow_lossy: true}", LLAMA, "bf16", batch_size=4))
+    batch = trainer.data.global_batch(0)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    trainer.planned.remove()
+    parts = []
+    for start in range(4):
+        trainer.model.zero_grad(set_to_none=True)
+        (micro_batch_loss(trainer.model, batch.slice(start, start + 1), trainer.precision) / label_count(batch.labels)).backward()
+        parts.append([p.grad.clone() for p in params])
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.planned.install()
+    float32_sums = [sum(grads[1:], grads[0].float()).bfloat16() for grads in zip(*parts, strict=True)]
+    bf16_sums = [sum(grads[1:], grads[0]) for grads in zip(*parts, strict=True)]
+    handed = []
+    trainer.optimizer.register_step_pre_hook(lambda *_: handed.extend(p.grad.clone() for p in params))
+    trainer.train_step()
+    assert all(g.dtype == torch.bfloat16 for g in handed)
+    assert identical(handed, float32_sums) and not identical(handed, bf16_sums)

@@ -28,6 +28,17 @@ CASES = [  # (arguments, the fragment of the one line)
      "memory.checkpointing: sqrt segments do not work with distributed.strategy fsdp"),
     (["distributed.strategy=fsdp", "memory.sharding.offload=gpu"], "memory.sharding.offload: 'gpu' is not one of none, cpu"),
     (["distributed.strategy=zero3"], "distributed: unknown strategy 'zero3'"),
+    (["distributed.strategy=ddp", "memory.optimizer_step={policy: in_backward}", "train.grad_clip=null"],
+     "memory.optimizer_step: in_backward would update each parameter with this rank's own gradient: DDP averages it"),
+    (["distributed.strategy=fsdp", "memory.optimizer_step={policy: in_backward}", "train.grad_clip=null",
+      "memory.micro_batch=2", "--nproc", "2"],
+     "memory.optimizer_step: in_backward updates each parameter as soon as its gradient is accumulated, but "
+     "memory.micro_batch 2 makes 2 micro-batches of a rank's share 4"),
+    (["distributed.strategy=ddp", "memory.optimizer_offload={policy: cpu}"],
+     "memory.optimizer_offload: ckrun's host optimizer keeps its state in a form the ranks' sharded checkpoint"),
+    (["distributed.strategy=hsdp", "distributed.shard=2", "memory.optimizer_offload={policy: cpu}"],
+     "memory.optimizer_offload: under distributed.strategy hsdp the host offload is FSDP2's own: set "
+     "memory.sharding.offload: cpu"),
 ]
 
 

@@ -68,7 +68,7 @@ def plans(draw, estimator: Estimator, device: str) -> MemoryPlan:
     labels = {"checkpointing": draw(st.sampled_from(checkpointing_choices(blocks)))}
     if device == "cuda":
         labels["offload"] = draw(st.sampled_from(["none", "all"]))
-        labels["optimizer_offload"] = draw(st.sampled_from(["none", "cpu:0.5", "cpu"]))
+        labels["optimizer_offload"] = draw(st.sampled_from(["none", "cpu:0.5", "cpu", "master"]))
     labels["compression"] = draw(st.sampled_from(["none", "bf16"]))
     if recipe.precision != "fp32":
         labels["weights"] = draw(st.sampled_from(["fp32", "fp32:uncached"] + (["bf16"] if HAS_TORCHAO else [])))

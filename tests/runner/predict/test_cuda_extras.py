@@ -149,3 +149,15 @@ def test_a_release_makes_room_for_a_segment_the_cache_would_have_pushed_past_the
         allocator.alloc(2, 50 << 20)  # the cached 30 MiB segment is too small for it
     assert unlimited.peak_reserved == 80 << 20
     assert limited.peak_reserved == 50 << 20 and limited.releases == 1 and not limited.over_capacity
+
+
+def test_the_notes_of_a_card_too_small_read_as_sentences():
+    """The estimate says `the step ` + this: it read "the step more than the 79.3 GiB ..." (issue 43)."""
+    from ckrun.runner.predict.cuda_model import replay_within
+
+    cpu = torch.device("cpu")
+    _, over = replay_within([(1, 100 << 20, cpu)], cpu, 0, 50 << 20)
+    assert f"the step {over}".startswith("the step needs more than the 0.0 GiB the card leaves the allocator")
+    step = [(1, 30 << 20, cpu), (1, -(30 << 20), cpu), (2, 50 << 20, cpu), (2, -(50 << 20), cpu)]
+    _, fits = replay_within(step, cpu, 0, 60 << 20)  # the cached 30 MiB is released for the 50 MiB
+    assert f"the step {fits}".startswith("the step reaches the 0.1 GiB the card leaves the allocator, which then releases")

@@ -18,6 +18,7 @@ KNOBS = [
     ("in-backward", "fp32", "{optimizer_step: {policy: in_backward}}", False),
     ("chunked", "bf16", "{loss: {policy: chunked, chunks: 3}}", False),
     ("bf16-weights", "bf16", "{weights: {policy: bf16}, allow_lossy: true}", True),
+    ("bf16-weights-micro-batches", "bf16", "{weights: {policy: bf16}, micro_batch: 2, allow_lossy: true}", True),
     ("8bit", "fp32", "{optimizer_state: {policy: 8bit}, allow_lossy: true}", True),
     ("4bit", "fp32", "{optimizer_state: {policy: 4bit}, allow_lossy: true}", True),
     ("fp8", "fp32", "{optimizer_state: {policy: fp8}, allow_lossy: true}", True),
@@ -75,3 +76,29 @@ def test_on_a_gpu_the_estimate_is_near_the_measured_reserve(memory):
     measured = trainer.train_step()["peak_mem_bytes"]
     predicted = estimate_peak(plan_recipe, "cuda").peak_bytes
     assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
+
+
+def test_each_pools_own_most_is_beside_its_bytes_at_the_peak_and_gradients_0_b_is_explained(ckrun, tmp_path):
+    """A full fine-tune peaks before backward makes its first gradient: the breakdown's `gradients 0 B` is the
+    peak's moment, said in a note; the column beside gives each pool's own most, the gradients' being one fp32
+    copy of every parameter (what `torch.optim` needs), however the plan splits the batch."""
+    from ckrun.runner.builders.model import build_model
+
+    weights = sum(p.numel() * 4 for p in build_model(recipe().model, "meta").parameters())  # buffers aside
+    for memory, at_peak_zero in [("{}", True), ("{micro_batch: 2}", False)]:
+        estimate = estimate_peak(recipe(memory), "cpu")
+        assert estimate.pool_peaks["gradients"] == weights  # fp32 gradients of fp32 weights, all of them
+        assert all(estimate.pool_peaks[pool] >= held for pool, held in estimate.breakdown.items())
+        assert sum(estimate.breakdown.values()) == estimate.peak_bytes
+        noted = [note for note in estimate.notes if note.startswith("the breakdown is the moment of the peak")]
+        assert (estimate.breakdown["gradients"] == 0) == at_peak_zero == bool(noted), (estimate.breakdown, noted)
+    recipe_file = tmp_path / "lm.yaml"
+    recipe_file.write_text(f"model: {LLAMA}\ndata: {{source: synthetic, seq_len: 16}}\n"
+                           "train: {batch_size: 4, steps: 1, device: cpu}\n")
+    code, out, err = ckrun("estimate", str(recipe_file), "--device", "cpu")
+    assert code == 0, err
+    header, gradients = out.splitlines()[1], next(line for line in out.splitlines() if line.strip().startswith("gradients"))
+    assert header.split() == ["at", "the", "peak", "own", "most"]
+    assert gradients.split()[1:3] == ["0", "B"] and gradients.split()[3:] != ["0", "B"]
+    code, out, _ = ckrun("estimate", str(recipe_file), "--device", "cpu", "--json")
+    assert json.loads(out)["pool_peaks"]["gradients"] > 0

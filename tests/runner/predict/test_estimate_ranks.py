@@ -107,6 +107,27 @@ def test_a_tensor_parallel_rank_counts_its_share_of_the_flops(whole_llama):
     assert rank.time.mfu == pytest.approx(rank.time.model_flops / rank.time.seconds / 4e12)
 
 
+def test_tensor_parallel_collectives_block_and_a_rank_is_never_as_fast_as_one_alone(whole_llama):
+    """Eager tensor parallelism waits for its DTensor collectives (functional, blocking): all of their time shows.
+    Data parallelism's collectives hide only where compute is longer, never all of them (the first gather, the
+    last reduction, DDP's last bucket): a DDP rank, doing one process's work and its all-reduce, is slower per
+    sample than the process alone (an FSDP rank also steps only its shard of the optimizer)."""
+    from ckrun.runner.predict.roofline import price
+
+    rank = per_rank(4)(recipe_from_text(LLAMA + "distributed: {strategy: tp, tensor: 2}\n"), "cuda", FACTS).estimate()
+    blocking = [c for c in rank.work.collectives if c.blocking]
+    assert blocking and all(len(c.ranks) == 2 for c in blocking)  # the tensor groups' own: 2 of the 4 ranks
+    ledger = price(rank.work, FACTS)
+    shown = sum(c.nbytes / 2 / (FACTS.peer_gbs * 1e9) for c in blocking if c.phase != "update" and c.kind == "first")
+    assert ledger.comm_exposed["first"] >= shown * (1 - 1e-9)
+    for strategy in ("ddp", "fsdp"):  # each of 2 ranks takes 4 samples, as the process alone does
+        split = per_rank(2)(recipe_from_text(LLAMA + f"distributed: {{strategy: {strategy}}}\n"), "cuda",
+                            FACTS).estimate()
+        assert split.time.comm_s > 0, strategy
+        if strategy == "ddp":
+            assert split.time.samples_per_s / 2 < whole_llama.time.samples_per_s
+
+
 @pytest.mark.slow
 def test_a_13b_fsdp_run_on_64_ranks_prices_the_optimizer_step_on_the_shard(ckrun):
     """`ckrun estimate --gpu a100 --nproc 64` of Llama 2 13B (torchtitan's setup): fused AdamW reads a

@@ -88,6 +88,30 @@ def test_the_table_agrees_with_torchs_where_torch_states_dense_figures():
         assert device_info.datasheet_dram_bw_gbs(name) == pytest.approx(ours.memory_gbs, rel=0.01)
 
 
+def test_a_gpu_only_torchs_table_knows_is_read_from_it_and_a_mistyped_name_imports_no_inductor():
+    """The table's file is loaded by itself: asking it for a name costs no torch._inductor import (dynamo and the
+    distributed tensors: seconds), and answers as the package's module does."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    device_info = pytest.importorskip("torch._inductor.analysis.device_info")
+    if not hasattr(device_info.DeviceInfo, "tops_sparsity_factor"):
+        pytest.skip(f"torch {torch.__version__}'s table mixes sparse and dense figures")
+    theirs = [name for name in device_info._device_mapping if row_for_name(name) is None]
+    for name in theirs:
+        facts = resolve_device(name)
+        assert "datasheet table (not in ckrun's own)" in facts.source
+        assert facts.matmul_tflops["fp32"] == device_info.datasheet_tops(torch.float32, device_name=name)
+    code = ("import sys\nfrom ckrun.runner.predict.hardware import UnknownDevice, resolve_device\n"
+            f"print(resolve_device({theirs[0]!r}).name)\n"
+            "try:\n    resolve_device('nvidia h9000')\nexcept UnknownDevice:\n    print('unknown')\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._inductor', 'torch._dynamo'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.stdout.splitlines()[-3:] == [theirs[0], "unknown", "[]"], done.stderr[-2000:]
+
+
 def test_a_facts_file_round_trips_and_a_bad_one_is_one_line(tmp_path):
     measured = GPUS["h100"].model_copy(update={"matmul_efficiency": 1.0, "matmul_tflops": {"fp32": 50, "bf16": 700}})
     path = tmp_path / "facts.json"
@@ -98,6 +122,22 @@ def test_a_facts_file_round_trips_and_a_bad_one_is_one_line(tmp_path):
         resolve_device(str(path))
     with pytest.raises(UnknownDevice, match="cannot read device facts"):
         resolve_device(str(tmp_path / "missing.json"))
+
+
+def test_a_facts_file_may_give_only_what_differs_from_a_row(tmp_path):
+    """A cluster's network or a card's power limit over ckrun's row: the rest, calibration included, is the row's."""
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"base": "a100", "network_gbs": 6.25, "source": "a 400 Gb/s host"}))
+    facts = resolve_device(str(path))
+    assert facts.network_gbs == 6.25 and facts.peer_gbs == GPUS["a100"].peer_gbs
+    assert facts.efficiency == GPUS["a100"].efficiency and facts.matmul_tflops == GPUS["a100"].matmul_tflops
+    assert facts.source.startswith("a 400 Gb/s host") and GPUS["a100"].source in facts.source
+    path.write_text(json.dumps({"base": "a100", "network": 1}))
+    with pytest.raises(UnknownDevice, match="not a device facts file"):
+        resolve_device(str(path))
+    path.write_text(json.dumps({"base": "no such gpu"}))
+    with pytest.raises(UnknownDevice, match="unknown GPU"):
+        resolve_device(str(path))
 
 
 def test_this_cpu_is_measured():

@@ -30,10 +30,18 @@ STRATEGIES = ["{strategy: ddp}", "{strategy: fsdp}", "{strategy: hsdp, shard: 2}
 CHECKPOINTING = ["{policy: none}", "{policy: full}", "{policy: every, every: 2}"]
 
 
-def recipe(strategy: str, checkpointing: str = "{policy: none}", micro_batch: int = 2, keep: bool = False):
+POOLS = ["", "weights: {policy: bf16}", "optimizer_state: {policy: 8bit}", "loss: {policy: chunked, chunks: 2}",
+         "weights: {policy: bf16}\n  optimizer_state: {policy: 8bit}\n  loss: {policy: chunked, chunks: 2}"]
+"""Pool knobs (issue 40.3) that change what a kept layout holds: bf16 weights are sharded as bf16, and the
+chunked loss keeps FSDP2's root gathered."""
+
+
+def recipe(strategy: str, checkpointing: str = "{policy: none}", micro_batch: int = 2, keep: bool = False,
+           pools: str = ""):
     sharding = "\n  sharding: {reshard_after_forward: false}" if keep and "ddp" not in strategy else ""
+    pooled = f"\n  {pools}\n  allow_lossy: true" if pools else ""
     return recipe_from_text(LLAMA + f"distributed: {strategy}\nmemory:\n  micro_batch: {micro_batch}\n"
-                                    f"  checkpointing: {checkpointing}{sharding}\n")
+                                    f"  checkpointing: {checkpointing}{sharding}{pooled}\n")
 
 
 def answer(estimate) -> tuple:
@@ -77,7 +85,7 @@ def test_each_layout_is_built_once_across_its_plans(monkeypatch):
 @pytest.mark.slow  # about a minute of CPU: a fresh predictor per plan
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(STRATEGIES), st.sampled_from(CHECKPOINTING), st.sampled_from([1, 2]),
-                          st.booleans()), min_size=2, max_size=4))
+                          st.booleans(), st.sampled_from(POOLS)), min_size=2, max_size=4))
 def test_a_kept_predictor_answers_as_a_fresh_one_in_any_order(plans):
     """Whatever ran on a kept model before (another plan, the other reshard_after_forward), a plan's peak,
     breakdown, notes and time are those of a predictor built for it alone."""
@@ -86,6 +94,18 @@ def test_a_kept_predictor_answers_as_a_fresh_one_in_any_order(plans):
         kept = [answer(ranks.estimate(r)) for r in recipes]
     fresh = [answer(per_rank(4)(r, "cuda", FACTS).estimate()) for r in recipes]
     assert kept == fresh
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torchao") is None, reason="needs torchao")
+def test_the_pool_knobs_on_a_kept_fsdp_layout_answer_as_a_fresh_predictor():
+    """bf16 weights are their own layout (FSDP2 shards them as bf16), the chunked loss keeps the root gathered on
+    the kept model, and neither leaves a trace on the plans after it."""
+    recipes = [recipe(STRATEGIES[1], pools=pools) for pools in POOLS[1:]] + [recipe(STRATEGIES[1])]
+    with RankPredictor(4, "cpu") as ranks:
+        kept = [ranks.estimate(r) for r in recipes]
+        assert len(ranks.estimators) == 2  # fp32 and bf16 weights
+    fresh = [per_rank(4)(r, "cpu").estimate() for r in recipes]
+    assert [(e.peak_bytes, e.breakdown) for e in kept] == [(e.peak_bytes, e.breakdown) for e in fresh]
 
 
 def test_a_failed_plan_drops_its_layout(monkeypatch):

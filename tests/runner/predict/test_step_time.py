@@ -17,6 +17,7 @@ from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.efficiency import Efficiency
 from ckrun.runner.predict.hardware import DeviceFacts
 from ckrun.runner.predict.roofline import OpClock, StepWork, price
+from ckrun.runner.predict.step_time import StepShape, step_time
 
 # round numbers: 1 TFLOP/s for every dtype, 100 GB/s, no efficiency loss, a 10 us floor per op
 FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 1.0, "tf32": 1.0, "bf16": 4.0, "fp16": 4.0},
@@ -241,6 +242,43 @@ def test_each_class_of_kernel_is_priced_at_its_own_share():
     assert ledger.seconds[("first", "forward")] == pytest.approx(expected)
 
 
+def test_attention_is_priced_by_direction_mask_and_dtype_and_norms_at_their_own_share():
+    """A family's backward and causal forward at their own figures (FlashAttention-3's H100 tables give them
+    apart); fp32 attention as SDPA runs it (the memory-efficient kernel, 3xTF32 products on sm80+) at its
+    half-precision rate over its measured slowdown; layer norm at the norm shares, forward and backward; each
+    product paying its fill time."""
+    facts = EFFICIENT.model_copy(update={"efficiency": EFFICIENT.efficiency.model_copy(update={
+        "attention_causal": {"flash": 0.1}, "attention_backward": {"flash": 0.05}, "efficient_fp32_slowdown": 4.0,
+        "norm": {"forward": 0.25, "backward": 0.2}, "matmul_fill_us": {"bf16": 3.0}})})
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+        q32 = torch.empty(1, 2, 64, 32, requires_grad=True)
+        x = torch.empty(256, 1024, requires_grad=True)
+        a = torch.empty(256, 256, dtype=torch.bfloat16)
+        with OpClock() as clock:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True, False)[0]
+            out.sum().backward()
+            torch.ops.aten._scaled_dot_product_efficient_attention(q32, q32, q32, None, False)
+            torch.nn.functional.layer_norm(x, (1024,)).sum().backward()
+            a @ a
+    at = {(op.op_class, op.family, op.backward_kernel, op.dtype): op for op in clock.work.ops
+          if op.op_class in ("attention", "norm", "matmul")}
+    forward, backward = at[("attention", "flash", False, "bf16")], at[("attention", "flash", True, "bf16")]
+    fp32, product = at[("attention", "efficient", False, "fp32")], at[("matmul", "", False, "bf16")]
+    norm_f, norm_b = at[("norm", "", False, "fp32")], at[("norm", "", True, "fp32")]
+    assert forward.causal and backward.causal and not fp32.causal
+    alone = lambda op: price(StepWork(ops=[op]), facts).seconds[("first", op.phase)]  # noqa: E731
+    causal_ratio = 0.1 / 0.125  # causal backward scales as causal forward does
+    assert alone(forward) == pytest.approx(max(forward.flops / (4e12 * 0.1), 10e-6))
+    assert alone(backward) == pytest.approx(max(backward.flops / (4e12 * 0.05 * causal_ratio), 10e-6))
+    assert alone(fp32) == pytest.approx(max(fp32.flops / (4e12 * 0.0625 / 4.0), 10e-6))
+    assert alone(norm_f) == pytest.approx(max(norm_f.nbytes / (100e9 * 0.25), 10e-6))
+    assert alone(norm_b) == pytest.approx(max(norm_b.nbytes / (100e9 * 0.2), 10e-6))
+    assert alone(product) == pytest.approx(max(2 * 256**3 / (4e12 * 0.5 * facts.wave_share(product.outputs,
+                                                                                           product.flops)) + 3e-6,
+                                               product.nbytes / 50e9, 10e-6))
+
+
 def test_the_optimizer_step_is_priced_at_its_own_share(estimator):
     step_work = estimator.estimate(_plan("none")).work
     update = [op for op in step_work.ops if op.phase == "update" and op.op_class == "optimizer"]
@@ -274,10 +312,31 @@ def test_fp32_products_and_convolutions_run_at_the_rate_the_tf32_key_gives(tf32,
     assert convolution == pytest.approx(max(2 * 4 * 64 * 64 * 9 * 32 * 32 / rate[convolutions], moved / 100e9))
 
 
-def test_a_tf32_recipe_states_mfu_against_the_tf32_peak():
+@pytest.mark.parametrize("tf32", [False, True])
+def test_mfu_is_stated_against_the_peak_each_op_was_priced_at(tf32):
+    """ResNet-50 without a tf32 key reported 141.8 % MFU: its convolutions ran at TF32's rate, its MFU was
+    stated against fp32's peak. Each op's FLOPs now count against the peak of the rate it was priced at:
+    products at fp32's or TF32's, the memory-efficient kernel's fp32 attention at its 3xTF32 peak."""
     rates = FACTS.model_copy(update={"matmul_tflops": {"fp32": 1.0, "tf32": 8.0, "bf16": 16.0, "fp16": 16.0},
-                                     "memory_gbs": 1e6, "launch_us": 0.0})  # the tiny model's products decide
-    plain = Estimator(recipe_from_text(TINY_BERT), "cuda", rates).estimate(_plan("none")).time
-    tf32 = Estimator(recipe_from_text(TINY_BERT + "tf32: true\n"), "cuda", rates).estimate(_plan("none")).time
-    assert tf32.seconds < plain.seconds and tf32.model_flops == plain.model_flops
-    assert tf32.mfu == pytest.approx(tf32.model_flops / tf32.seconds / 8e12)
+                                     "memory_gbs": 1e6, "launch_us": 0.0})  # the tiny model's FLOPs decide
+    estimate = Estimator(recipe_from_text(TINY_BERT + ("tf32: true\n" if tf32 else "")), "cuda",
+                         rates).estimate(_plan("none"))
+    step = estimate.time
+    peaks = {"matmul": 8e12 if tf32 else 1e12, "attention": 8e12 / 3}
+    counted = [op for op in estimate.work.ops if op.flops and op.phase in ("forward", "backward", "update")]
+    assert {op.op_class for op in counted} <= set(peaks)
+    assert step.mfu == pytest.approx(sum(op.flops / peaks[op.op_class] for op in counted) / step.seconds)
+    assert 0 < step.mfu <= 1 and step.hfu <= 1
+
+
+def test_a_convolution_net_without_a_tf32_key_stays_under_full_utilisation():
+    """cuDNN runs fp32 convolutions in TF32 unless told not to; MFU follows it."""
+    rates = FACTS.model_copy(update={"matmul_tflops": {"fp32": 1.0, "tf32": 8.0, "bf16": 16.0, "fp16": 16.0},
+                                     "memory_gbs": 1e6, "launch_us": 0.0})
+    with FakeTensorMode():
+        image, weight = torch.empty(4, 64, 32, 32), torch.empty(64, 64, 3, 3)
+        with OpClock() as clock:  # the recipe leaves tf32 unset: convolutions in TF32, products in fp32
+            torch.nn.functional.conv2d(image, weight, padding=1)
+    step = step_time(clock.work, StepShape(micro_batches=1, samples=4, tokens_per_sample=None, precision="fp32"),
+                     rates)
+    assert step.mfu == pytest.approx(1.0) and step.mfu <= 1 + 1e-9

@@ -80,7 +80,7 @@ def test_the_readmes_recipe_for_it_validates(trained, tmp_path, monkeypatch, ckr
 
     from conftest import ROOT
 
-    section = (ROOT / "README.md").read_text().split("### A language model on your own text", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "recipes.md").read_text().split("## A language model on your own text", 1)[1].split("\n## ", 1)[0]
     (recipe,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
     for part in ("train", "valid"):
         (tmp_path / "corpus" / part).mkdir(parents=True)

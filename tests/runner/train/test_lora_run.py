@@ -3,6 +3,7 @@ adapter alone that resume exactly, and what cannot start from them said in one l
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,56 @@ def test_qlora_trains_a_4bit_base_on_cuda_and_exports_its_adapter(hub, tmp_path)
     losses = [trainer.train_step()["loss"] for _ in range(3)]
     assert all(loss == loss and loss > 0 for loss in losses)
     assert (finish_run(trainer, tmp_path / "run") / "adapter_model.safetensors").is_file()
+
+
+def test_a_lora_checkpoint_is_refused_before_a_model_of_the_default_config_is_built(hub, tmp_path, ckrun, monkeypatch):
+    """model.config={} takes the architecture from model.pretrained's config.json, which a checkpoint lacks:
+    building first would make LlamaConfig()'s 7B model, killed for memory before the line could be said."""
+    import transformers
+
+    from ckrun.runner.builders.model import BuildError, build_model
+    from ckrun.runner.recipe import ModelSpec
+
+    run = _write(tmp_path, "run")
+    assert ckrun(str(run), "train.steps=1")[0] == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"
+
+    llama = str(Path(__file__).resolve().parents[3] / "recipes" / "llama_1b.yaml")
+    for verb in (["validate"], []):
+        code, _, err = ckrun(*verb, llama, "model.config={}", f"model.pretrained={checkpoint}",
+                             f"output.dir={tmp_path / 'x'}", "train.device=cpu")
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "model.pretrained:" in err and "merged export (model.lora.export_merged: true)" in err, err
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built for a LoRA checkpoint")
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "__init__", never)  # validate's build is on the meta device
+    with pytest.raises(BuildError, match="is a LoRA run's checkpoint"):
+        build_model(ModelSpec(source="transformers", name="LlamaForCausalLM", pretrained=str(checkpoint)))
+
+
+def test_the_adapter_names_its_hub_base_and_loads_with_auto_peft_from_another_cache(hub, tmp_path, ckrun, monkeypatch):
+    """adapter_config.json names the base by its Hub id and the commit trained on, not the snapshot's absolute path:
+    AutoPeftModelForCausalLM on another machine finds the base in its own cache, under that name."""
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    run = _write(tmp_path, "run", "{rank: 4, target_modules: all-linear, export_merged: true}")
+    code, _, err = ckrun(str(run), "train.steps=2")
+    assert code == 0, err
+    adapter = tmp_path / "run" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == (REPO, commit_of("base"))
+    elsewhere = tmp_path / "elsewhere"  # another machine's cache: the base downloaded there, this one gone
+    elsewhere.mkdir()
+    second = offline_cache(monkeypatch, elsewhere)
+    put_in_cache(second, REPO, save_tiny_llama(tmp_path / "downloaded", seed=7), commit_of("base"))
+    shutil.rmtree(hub.parent.parent.parent)
+    moved = tmp_path / "moved-adapter"  # and the adapter copied to another folder
+    shutil.copytree(adapter, moved)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(moved))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "model"))
+    torch.testing.assert_close(_logits(loaded), _logits(merged), rtol=0, atol=1e-5)

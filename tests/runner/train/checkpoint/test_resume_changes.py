@@ -46,3 +46,19 @@ def test_the_memory_plan_and_the_steps_may_change(finished, ckrun):
                          f"output.dir={finished}", "--resume")
     assert code == 0, err
     assert not any("resumed_with_changes" in r for r in read_metrics(finished))
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--resume-changed"])
+def test_fewer_steps_than_the_checkpoint_reached_is_one_line_and_leaves_the_run_as_it_was(finished, ckrun, caplog, flag):
+    """A checkpoint holds the state after its step: a shorter run cannot be had from it (it exited 0 silently,
+    exporting the weights it had)."""
+    caplog.set_level("INFO", logger="ckrun")
+    metrics, export = (finished / "metrics.jsonl").read_text(), (finished / "model" / "model.safetensors").read_bytes()
+    code, _, err = ckrun(*RUN, "train.steps=1", "train.seed=3", f"output.dir={finished}", flag)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "train.steps: --resume: step-00000002 is at step 2, already past the run's end at train.steps 1" in err
+    assert (finished / "metrics.jsonl").read_text() == metrics
+    assert (finished / "model" / "model.safetensors").read_bytes() == export
+    code, _, err = ckrun(*RUN, f"output.dir={finished}", flag)  # a requeued job that had finished: nothing to do
+    assert code == 0, err
+    assert "step-00000002 is the run's last step (train.steps 2): nothing to train" in caplog.text

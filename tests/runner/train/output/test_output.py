@@ -162,3 +162,85 @@ def test_every_attempt_that_ended_before_a_checkpoint_keeps_its_metrics(tmp_path
     kept = sorted(p.name for p in out.glob("metrics.previous*.jsonl"))
     assert kept == ["metrics.previous-2.jsonl", "metrics.previous-3.jsonl", "metrics.previous.jsonl"]
     assert not (out / "metrics.jsonl").exists()
+
+
+OUT_KINDS = {"absent": True, "empty folder": True, "link to a folder": True, "link to itself": False,
+             "link to nothing": False, "loop of two links": False, "file": False, "fifo": False}
+BEST_KINDS = {"absent": True, "empty folder": True, "ckrun's own": True, "user's file inside": False,
+              "user's step-00000001": False, "file": False, "fifo": False, "link to a folder": False}
+
+
+def _place_out(kind: str, tmp: Path) -> Path:
+    out = tmp / "out"
+    if kind in ("empty folder",):
+        out.mkdir()
+    elif kind == "link to a folder":
+        (tmp / "real").mkdir()
+        out.symlink_to(tmp / "real")
+    elif kind == "link to itself":
+        out.symlink_to(out)
+    elif kind == "link to nothing":
+        out.symlink_to(tmp / "gone")
+    elif kind == "loop of two links":
+        out.symlink_to(tmp / "other")
+        (tmp / "other").symlink_to(out)
+    elif kind == "file":
+        out.write_text("mine")
+    elif kind == "fifo":
+        os.mkfifo(out)
+    return out
+
+
+def _place_best(kind: str, best: Path) -> None:
+    from ckrun.runner.train.output.directory import EXPORT_HEADER
+
+    if kind == "absent":
+        return
+    if kind in ("file", "fifo"):
+        best.write_text("mine") if kind == "file" else os.mkfifo(best)
+        return
+    if kind == "link to a folder":
+        (best.parent / "mine").mkdir()
+        best.symlink_to(best.parent / "mine")
+        return
+    best.mkdir()
+    if kind == "ckrun's own":  # what eval.best left: its ranking and an export
+        (best / "step-00000001").mkdir()
+        (best / "step-00000001" / "recipe.yaml").write_text(f"{EXPORT_HEADER} 1: the recipe\n")
+        (best / "best.json").write_text('{"metric": "loss", "larger_is_better": false, "kept": []}\n')
+    elif kind == "user's file inside":
+        (best / "notes.txt").write_text("mine")
+    elif kind == "user's step-00000001":
+        (best / "step-00000001").mkdir()
+        (best / "step-00000001" / "weights.bin").write_text("mine")
+
+
+def _contents(tmp: Path) -> dict[str, str]:
+    """Every file of the user's under `tmp`, with its text: what the run must leave as it was."""
+    return {str(p.relative_to(tmp)): p.read_text() for p in tmp.rglob("*") if p.is_file() and not p.is_symlink()
+            and p.name in ("notes.txt", "weights.bin")}
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(out_kind=st.sampled_from(sorted(OUT_KINDS)), best_kind=st.sampled_from(sorted(BEST_KINDS)))
+def test_what_sits_where_the_run_writes_is_refused_at_the_start_or_trained_past(out_kind, best_kind, ckrun,
+                                                                                 tmp_path_factory):
+    """output.dir and eval.best's OUTPUT_DIR/best: anything of the user's there is one line before step 1 (as a
+    user's OUTPUT_DIR/model is), never found after training as an internal error, never deleted."""
+    tmp = tmp_path_factory.mktemp("places")
+    out = _place_out(out_kind, tmp)
+    placed = OUT_KINDS[out_kind] and out.is_dir()  # absent: nothing to place the best folder in
+    if placed:
+        _place_best(best_kind, out / "best")
+    usable = OUT_KINDS[out_kind] and (BEST_KINDS[best_kind] or not placed)
+    before = _contents(tmp)
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=2", f"output.dir={out}", "eval={every: 1, batches: 1, "
+                         "best: {keep: 1}}")
+    assert _contents(tmp) == before
+    if usable:
+        assert code == 0, (out_kind, best_kind, err)
+        assert json.loads((out / "best" / "best.json").read_text())["kept"]
+        return
+    line = one_line(err)
+    assert code == 2 and ("eval.best: " if OUT_KINDS[out_kind] else "output.dir: ") in line, (out_kind, best_kind, line)
+    assert not placed or not (out / "metrics.jsonl").exists()

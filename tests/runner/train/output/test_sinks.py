@@ -285,7 +285,7 @@ def test_a_missing_package_is_one_line_at_its_entry(ckrun, monkeypatch, sink, pa
 @pytest.mark.parametrize("sinks, said", [
     ("[wandbb]", "output.sinks.0: unknown name 'wandbb' (did you mean wandb?); choose one of tensorboard, wandb, mlflow"),
     ("[mlflow, mlflow]", "output.sinks: mlflow is listed twice; list each sink once"),
-    ("[{name: wandb, projekt: x}]", "output.sinks.0.projekt: unknown key"),
+    ("[{name: wandb, projekt: x}]", "output.sinks.0.projekt: unknown key (did you mean project?)"),
 ])
 def test_a_wrong_sink_is_one_located_line(ckrun, sinks, said):
     if "mlflow" in sinks:

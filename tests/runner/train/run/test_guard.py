@@ -9,7 +9,7 @@ import os
 import signal
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT
@@ -72,6 +72,39 @@ def test_the_run_stops_at_the_first_non_finite_loss_the_fp16_scaler_cannot_expla
             assert f"step {number}: the loss is {loss}" in str(err)
             break
     assert stopped == expected
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(losses=st.lists(st.floats(min_value=-1e6, max_value=1e9, allow_nan=False), min_size=1, max_size=40),
+       start=st.one_of(st.none(), st.floats(min_value=0.01, max_value=100)))
+def test_divergence_is_said_once_where_the_loss_first_passes_five_times_the_first_steps(losses, start, caplog):
+    """`start`: a resumed run's first step, read from its metrics; else the first loss it sees."""
+    caplog.clear()
+    watch = guard.LossWatch(start, lr=0.5)
+    for number, loss in enumerate(losses, 1):
+        watch.check({"step": number, "loss": loss})
+    first = start if start is not None else losses[0]
+    rest = losses if start is not None else losses[1:]
+    offset = 1 if start is not None else 2
+    over = next((n for n, loss in enumerate(rest, offset) if first > 0 and loss >= guard.DIVERGED * first), None)
+    said = [r.getMessage() for r in caplog.records if "training diverges" in r.getMessage()]
+    assert len(said) == (over is not None) and (watch.diverged is None) == (over is None)
+    if over is not None:
+        assert said[0].startswith(f"step {over}: the loss ") and "(train.optimizer.lr 0.5)" in said[0]
+
+
+def test_a_learning_rate_far_too_high_that_stays_finite_is_said_in_one_line(tmp_path, ckrun, caplog):
+    """Adam at lr 30 without clipping: a tiny BERT's loss goes 5.5, 11242, 36633, ... and the run exits 0; the
+    line is said once, at the step, and the last line keeps it in view. The default rate says nothing."""
+    caplog.set_level("INFO", logger="ckrun")
+    diverging = ["train.steps=4", "train.scheduler={name: constant}", "train.grad_clip=null"]
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, *diverging, "train.optimizer.lr=30", f"output.dir={tmp_path / 'a'}")
+    said = [r.getMessage() for r in caplog.records if "training diverges" in r.getMessage()]
+    assert code == 0 and len(said) == 1 and "times the first step's" in said[0], (err, said)
+    assert any("(diverged: see the warning at its step)" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    code, _, err = ckrun(BERT_TINY, *TINY_BERT, *diverging, f"output.dir={tmp_path / 'b'}")
+    assert code == 0 and not any("diverge" in r.getMessage() for r in caplog.records), err
 
 
 def test_fp16_stops_after_a_run_of_skipped_non_finite_steps_and_saves_none_of_them(tmp_path, ckrun):
