@@ -313,19 +313,22 @@ class Tuner:
         after them would measure one of them instead. Under --predict a queued plan already predicted
         (a starting point's) is told its prediction instead: a fit is never thrown away."""
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        skipped = 0
+        skipped = []
         for _ in waiting:
             trial = self.study.ask(self.space.distributions())
             candidate = self.space.candidate(trial.params)
             if self.predicted_search and (candidate.key in self.screening.peaks or candidate.key in self.first_of):
                 self._evaluate(trial, candidate)  # its prediction is made: telling it costs nothing
                 continue
-            skipped += 1
-            store_record(trial, TrialRecord(state="skipped", reason=f"queued, but the search stopped before it was "
-                                                                    f"{'predicted' if self.predicted_search else 'measured'}"))
+            label = describe(candidate)
+            skipped.append(f"{label} ({trial.user_attrs.get('proposed_by', 'a starting point')})")
+            store_record(trial, TrialRecord(label=label, state="skipped",
+                                            reason=f"queued, but the search stopped before it was "
+                                                   f"{'predicted' if self.predicted_search else 'measured'}"))
             self.study.tell(trial, state=TrialState.FAIL)
         if skipped:
-            log.info("tune: %d queued plan(s) were not reached before the search stopped", skipped)
+            log.info("tune: %d queued plan(s) were not reached before the search stopped (a larger --time-budget "
+                     "or --trials reaches them): %s", len(skipped), "; ".join(skipped))
 
     def _evaluate(self, trial: Trial, candidate: Candidate) -> None:
         earlier = self.first_of.get(candidate.key)
