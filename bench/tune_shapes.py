@@ -58,6 +58,8 @@ ROWS = {  # name: (what, recipe, overrides, flags)
                 LLAMA2_7B, ["--max-mem", "24GB", "--gpu", "a100", "--time-budget", "60s"]),
     "7b-full": ("Llama 2 7B full fine-tune, batch 8, seq 2048, 24 GB", "recipes/llama3_8b.yaml", LLAMA2_7B,
                 ["--max-mem", "24GB", "--gpu", "a100", "--allow-lossy"]),
+    "7b-full-b2": ("Llama 2 7B full fine-tune as torchtune's low-memory config (batch 2), 24 GB",
+                   "bench/published/llama2_7b_full.yaml", [], ["--max-mem", "24GB", "--gpu", "a100", "--allow-lossy"]),
 }
 
 
@@ -176,14 +178,20 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--exhaustive", action="store_true", help="price the 8B row's whole space (hours of CPU)")
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--keep", type=Path, help="a JSON file of rows measured before: the rows run now replace "
+                                                   "theirs, and the section shows them all (rows run one at a time)")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M %Z")
-    rows = []
+    kept = json.loads(args.keep.read_text()) if args.keep and args.keep.exists() else {"rows": {}, "checks": {}}
     for name in args.rows:
-        rows.append(run_row(name))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "winner"}, default=str), flush=True)
-    checks = {"8b": exhaustive("8b", "80GB")} if args.exhaustive and "8b" in args.rows else {}
-    text = markdown(rows, checks, started)
+        row = kept["rows"][name] = {**run_row(name), "date": started}
+        print(json.dumps({k: v for k, v in row.items() if k != "winner"}, default=str), flush=True)
+    if args.exhaustive and "8b" in args.rows:
+        kept["checks"]["8b"] = exhaustive("8b", "80GB")
+    if args.keep:
+        args.keep.write_text(json.dumps(kept, indent=1, default=str))
+    rows = [kept["rows"][name] for name in ROWS if name in kept["rows"]]
+    text = markdown(rows, {k: v for k, v in kept["checks"].items() if k in kept["rows"]}, started)
     if not args.no_docs:
         write_section(ROOT / "docs" / "benchmarks.md", "tune_shapes", text)
     print(text)

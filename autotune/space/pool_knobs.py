@@ -11,6 +11,9 @@ memory.allow_lossy, so tuned.yaml shows it. A lossy winner's measured update err
 The starting points take one pool setting (`start_settings`): the one with the fewest changes from
 the pools' defaults whose lower bound (autotune/space/pool_floor.py) leaves room for the activations, else the
 one with the least bound; the solver plans its blocks on top of the same setting (autotune/search/frontier.py).
+Where that setting offloads the optimizer's update to the host and --allow-lossy opened pools that leave
+the activations room on the device, the starting points are made with one of those too
+(`Space.pool_alternatives`): the search then starts from both kinds of step.
 """
 
 from __future__ import annotations
@@ -221,7 +224,44 @@ def start_settings(space: Space) -> dict[str, str]:
     space.pool_start = chosen
     changed = ", ".join(f"{s} {label}" for s, label in chosen.items() if label != first[s]) or "the pools as they are"
     log.info("space: starting points and the solver take %s: %s", changed, why)
+    space.pool_alternatives = _on_the_device(values, chosen, first, whole, space)
     return chosen
+
+
+def _on_the_device(values: dict[str, list[str]], chosen: dict[str, str], first: dict[str, str], whole: bool,
+                   space: Space) -> list[dict[str, str]]:
+    """Where the chosen setting moves the optimizer's update to the host (an order slower than the device's)
+    and the values the options opened (--allow-lossy's) leave the activations room without it, that
+    setting too: the starting points are then made with both, so the search starts from each kind of
+    step, whatever it samples later."""
+    offload = "optimizer_offload"
+    if chosen.get(offload, "none") == "none" or "none" not in values.get(offload, []):
+        return []
+    kept = {s: [label for label in v if not _unsafe(s, label, whole)] or v[:1] for s, v in values.items()}
+    kept[offload] = ["none"]
+    bound = space.bound
+    roomy = [(floor, labels) for labels in _allowed(kept, bound.step)
+             if (floor := pool_floor(pool_plan(labels), bound.facts, bound.step, bound.context)).total <= ROOM * bound.limit]
+    if not roomy:
+        return []
+
+    def lossy(labels: dict[str, str]) -> int:
+        return sum(choice_class(POOL_KINDS[s], label).lossy for s, label in labels.items())
+
+    # the fewest and mildest lossy values, and of the exact ones the strongest (a chunked loss, no cast cache): the
+    # activations share the device with the pools the host no longer holds
+    def strength(labels: dict[str, str], of_lossy: bool) -> int:
+        return sum(kept[s].index(v) for s, v in labels.items() if choice_class(POOL_KINDS[s], v).lossy == of_lossy)
+
+    floor, alternative = min(roomy, key=lambda f: (lossy(f[1]), strength(f[1], True), -strength(f[1], False),
+                                                   f[0].total))
+    if alternative == chosen:
+        return []
+    changed = ", ".join(f"{s} {label}" for s, label in alternative.items() if label != first[s])
+    log.info("space: the starting points take %s too: the fewest, mildest lossy values whose lower bound %s leaves a fifth of "
+             "the limit for activations with the optimizer's update on the device (the host's is an order slower), "
+             "each exact one at its strongest", changed, format_bytes(floor.total))
+    return [alternative]
 
 
 def _roomy(values: dict[str, list[str]], first: dict[str, str], space: Space) -> tuple[dict | None, str]:

@@ -116,6 +116,9 @@ class Space:
     starting points that save the most come first."""
     pool_start: dict[str, str] | None = None
     """The pool setting of the starting points and the solver's plans (autotune/space/pool_knobs.py), once chosen."""
+    pool_alternatives: list[dict[str, str]] = field(default_factory=list)
+    """Other pool settings the starting points are made with too (autotune/space/pool_knobs.py: without the
+    host's update, where --allow-lossy leaves the activations room without it)."""
 
     @property
     def size(self) -> int:
@@ -163,6 +166,14 @@ class Space:
         A combination with a value the space lacks, or with nothing that fits, is left out."""
         searched = [knob for knob in self.knobs if self.searched(knob.name)]
         starts = {knob.name: knob.start(self, recipe, fits is not None) for knob in searched}
+        points = []
+        for pools in [{}, *self.pool_alternatives]:  # the knobs' own starts, then each other pool setting
+            here = {name: [pools[name]] if name in pools else values for name, values in starts.items()}
+            points += [p for p in self._starts_of(searched, here, fits) if p not in points]
+        return points
+
+    def _starts_of(self, searched: list[Knob], starts: dict[str, list], fits) -> list[dict]:
+        """`starting_points` of one set of the knobs' start values."""
         alternatives = {k.name: starts[k.name] for k in searched if not k.fits_first}
         ordered = {k.name: starts[k.name] if fits else starts[k.name][:1] for k in searched if k.fits_first}
         points = []
