@@ -43,17 +43,18 @@ LLAMA2_7B = ["model.config.vocab_size=32000", "model.config.hidden_size=4096", "
 LLAMA3_70B = ["model.config.hidden_size=8192", "model.config.intermediate_size=28672",
               "model.config.num_hidden_layers=80", "model.config.num_attention_heads=64",
               "model.config.num_key_value_heads=8"]
-ROWS = {  # name: (what, recipe, overrides, flags)
+ROWS = {  # name: (what, recipe, overrides, flags); --nproc rows price each plan by a whole rank's step (not composed):
+    # their budget is 2 minutes here, enough to see the first plan priced
     "1b": ("Llama 3.2 1B, one H100", "recipes/llama3_2_1b.yaml", [], ["--max-mem", "80GB", "--gpu", "h100"]),
     "3b": ("Llama 3.2 3B, one H100", "recipes/llama3_2_3b.yaml", [], ["--max-mem", "80GB", "--gpu", "h100"]),
     "8b": ("Llama 3 8B, one H100 (issue 42's done-when)", "recipes/llama3_8b.yaml", [],
            ["--max-mem", "80GB", "--gpu", "h100", "--allow-lossy"]),
     "8b-nproc8": ("Llama 3 8B, 8 H100", "recipes/llama3_8b.yaml", [],
-                  ["--max-mem", "80GB", "--gpu", "h100", "--nproc", "8"]),
+                  ["--max-mem", "80GB", "--gpu", "h100", "--nproc", "8", "--time-budget", "120s"]),
     "70b-nproc8": ("Llama 3 70B shape, 8 H100", "recipes/llama3_8b.yaml", LLAMA3_70B,
-                   ["--max-mem", "80GB", "--gpu", "h100", "--nproc", "8"]),
+                   ["--max-mem", "80GB", "--gpu", "h100", "--nproc", "8", "--time-budget", "120s"]),
     "70b-nproc64": ("Llama 3 70B shape, 64 H100", "recipes/llama3_8b.yaml", [*LLAMA3_70B, "train.batch_size=64"],
-                    ["--max-mem", "80GB", "--gpu", "h100", "--nproc", "64"]),
+                    ["--max-mem", "80GB", "--gpu", "h100", "--nproc", "64", "--time-budget", "120s"]),
     "7b-lora": ("Llama 2 7B LoRA (rank 16, all linear, bf16 base), batch 8, seq 2048, 24 GB", "recipes/llama_1b_lora.yaml",
                 LLAMA2_7B, ["--max-mem", "24GB", "--gpu", "a100", "--time-budget", "60s"]),
     "7b-full": ("Llama 2 7B full fine-tune, batch 8, seq 2048, 24 GB", "recipes/llama3_8b.yaml", LLAMA2_7B,
