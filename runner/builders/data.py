@@ -10,7 +10,6 @@ exactly the same samples.
 from __future__ import annotations
 
 import functools
-import glob
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from ..problems import first_line
 from ..recipe import SyntheticData, Task, TextFilesData
 from ..recipe_data import BYTE_VOCAB
+from .data_checks import matching_files
 from .resolve import BuildError
 
 IGNORE = -100  # label of positions that do not count towards the loss
@@ -216,11 +216,7 @@ class TextFilesSource(TextSource):
         self.samples = stream[: count * data.seq_len].view(count, data.seq_len)
 
     def _files(self) -> list[Path]:
-        files = sorted({Path(f) for pattern in self.data.paths for f in glob.glob(str(Path(pattern).expanduser()))})
-        files = [f for f in files if f.is_file()]
-        if not files:
-            raise BuildError("data.paths", f"no files match {', '.join(self.data.paths)}")
-        return files
+        return matching_files(self.data.paths, "data")
 
     def _tokens(self, files: list[Path]) -> torch.Tensor:
         texts = [_read_text(f) for f in files]

@@ -16,24 +16,31 @@ import json
 from pathlib import Path
 
 from ..problems import KeyedError
+from .resolve import BuildError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}
 
 
-def matching_files(patterns: list[str]) -> list[Path]:
-    """The files the patterns match, sorted (folders are not files); the run reads the same list."""
-    files = sorted({Path(f) for pattern in patterns for f in glob.glob(str(Path(pattern).expanduser()))})
-    return [f for f in files if f.is_file()]
+def matching_files(patterns: list[str], key: str) -> list[Path]:
+    """The files the patterns match, sorted (folders are not files); validate and the run read the same list.
+    Each pattern must match a file: a name mistyped among several would otherwise leave its file out of the
+    training without a word."""
+    files: set[Path] = set()
+    for pattern in patterns:
+        found = {Path(f) for f in glob.glob(str(Path(pattern).expanduser())) if Path(f).is_file()}
+        if not found:
+            others = f" (one of {len(patterns)} paths: fix or remove it)" if len(patterns) > 1 else ""
+            raise BuildError(f"{key}.paths", f"no files match {pattern}{others}")
+        files |= found
+    return sorted(files)
 
 
 def local_data_problems(data, key: str, task: str | None) -> list[KeyedError]:
     """The problems of a text, records or image_folder section that reading its files' first lines finds."""
     try:
         if data.first_lines in ("files", "records"):  # the section says what its files' first lines tell
-            files = matching_files(data.paths)
-            if not files:
-                raise KeyedError(f"{key}.paths", f"no files match {', '.join(data.paths)}")
+            files = matching_files(data.paths, key)
             if data.first_lines == "records":
                 for path in files:
                     _first_record_fits(path, data, key, task)

@@ -29,18 +29,21 @@ def text_files(patterns: list[str]) -> list[Path]:
     """The regular files `patterns` name or match. A path named outright that is a directory, and anything
     named or matched that is no regular file (a FIFO or a device would be read without end, /dev/zero for
     ever), is a one-line BuildError saying what it is; a directory a wildcard matches is passed over."""
-    files = set()
+    files: set[Path] = set()
     for pattern in patterns:
+        matched = False
         for found in glob.glob(str(Path(pattern).expanduser()), recursive=True):
             kind = path_kind(Path(found))
             if kind == "file":
                 files.add(Path(found))
+                matched = True
             elif kind != "directory" or not glob.has_magic(pattern):
                 raise BuildError("paths", f"{found} is {described(kind)}, not a text file; " + (
                     f"give the files in it ('{found}/*.txt', or '{found}/**/*.txt' with its folders)"
                     if kind == "directory" else "give regular files of text"))
-    if not files:
-        raise BuildError("paths", f"no files match {', '.join(patterns)}")
+        if not matched:  # one name mistyped among several would leave its file out unsaid
+            others = f" (one of {len(patterns)} paths: fix or remove it)" if len(patterns) > 1 else ""
+            raise BuildError("paths", f"no files match {pattern}{others}")
     return sorted(files)
 
 

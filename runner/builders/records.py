@@ -11,7 +11,6 @@ micro-batching stay exact.
 from __future__ import annotations
 
 import csv
-import glob
 import io
 import json
 import logging
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..recipe import RecordsData
-from .data_checks import CSV_DELIMITERS, JSONL_SUFFIXES, json_objects
+from .data_checks import CSV_DELIMITERS, JSONL_SUFFIXES, json_objects, matching_files
 from .data import IGNORE, Batch, Shape, TextSource, epoch_rows, load_tokenizer
 from .resolve import BuildError
 
@@ -40,12 +39,8 @@ class Example:
 
 def read_examples(data: RecordsData, key: str = "data") -> list[Example]:
     """Every example of every file the paths match, in file order; a BuildError naming file and line."""
-    files = sorted({Path(f) for pattern in data.paths for f in glob.glob(str(Path(pattern).expanduser()))})
-    files = [f for f in files if f.is_file()]
-    if not files:
-        raise BuildError(f"{key}.paths", f"no files match {', '.join(data.paths)}")
     examples = []
-    for path in files:
+    for path in matching_files(data.paths, key):
         found = list(_read_file(path, data, key))
         if not found:
             raise BuildError(f"{key}.paths", f"{path} holds no records; give a file with one example per line or row")

@@ -41,7 +41,7 @@ def test_the_plan_gets_the_new_pools_field_documented_and_defaulted(seen):
 def test_the_rules_the_fingerprint_and_the_error_labels_see_it(seen):
     assert len(seen["refused"]) == 1 and "memory.dummy: squeezed:3 changes the training" in seen["refused"][0]
     assert seen["changes"] == ["dummy squeezed:3"]
-    assert seen["on_ranks"] == [["dummy"]]  # a pool policy runs in one process unless it says otherwise
+    assert seen["on_ranks"] == []  # a pool runs on ranks unless a strategy's own rules refuse it
     assert seen["fingerprints"] == ["kept", "squeezed:3"]  # a resume under another setting is refused
     assert seen["lossy_labels"] == ["memory.dummy squeezed:3"]
 

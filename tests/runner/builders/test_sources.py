@@ -89,3 +89,13 @@ def test_no_text_files_matching_is_one_line(tmp_path, ckrun):
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "data={source: text, paths: [" + str(tmp_path) + "/*.txt], seq_len: 32}",
                          f"output.dir={tmp_path / 'x'}")
     assert code == 2 and len(err.splitlines()) == 1 and "data.paths: no files match" in err
+
+
+def test_one_mistyped_name_among_the_paths_is_refused_not_left_out(tmp_path, ckrun):
+    (tmp_path / "train.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    paths = f"[{tmp_path}/train.txt, {tmp_path}/trian.txt]"  # the second mistyped: training on the first alone is silent
+    for verb in (["validate"], []):
+        code, out, err = ckrun(*verb, BERT_TINY, *TINY_BERT, "data={source: text, paths: " + paths + ", seq_len: 32}",
+                               "train.steps=1", f"output.dir={tmp_path / 'x'}")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"data.paths: no files match {tmp_path}/trian.txt (one of 2 paths" in err and not (tmp_path / "x").exists()

@@ -53,9 +53,9 @@ def test_memory_cap_stops_the_run_with_one_line(tmp_path, ckrun, monkeypatch):
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=3", "memory.max_mem=1MB", f"output.dir={tmp_path / 'r'}")
     line = err.strip().splitlines()[-1]
     assert code == 3 and "memory cap 1.0 MB: `ckrun estimate` predicts a peak of" in line  # before step 1
-    from ckrun.runner.cli import run
+    from ckrun.runner import api
 
-    monkeypatch.setattr(run, "predicted", lambda *args: None)  # a model fake tensors cannot run: step 1 measures
+    monkeypatch.setattr(api, "predicted", lambda *args: None)  # a model fake tensors cannot run: step 1 measures
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, "train.steps=3", "memory.max_mem=1MB", f"output.dir={tmp_path / 's'}")
     line = err.strip().splitlines()[-1]
     assert code == 3 and "memory cap 1.0 MB exceeded: step 1 peaked at" in line
