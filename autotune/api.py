@@ -43,9 +43,9 @@ from pydantic import ValidationError
 from torch import nn
 
 from ckrun.runner.memory.apply import AppliedPlan, apply_plan
-from ckrun.runner.plan import MemoryPlan, NoCheckpointing, NoOffload
+from ckrun.runner.plan.memory_plan import MemoryPlan, NoCheckpointing, NoOffload
 from ckrun.runner.problems import CkrunError, InputError, first_line, one_line
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 from ckrun.runner.units import format_bytes
 
 from .cap import Cap
@@ -262,7 +262,7 @@ def _cap(max_mem, margin: float) -> Cap:
 
 def _recipe_settings(recipe: str | Path, overrides: list[str]) -> Recipe:
     from ckrun.runner.builders.checks import load_checked
-    from ckrun.runner.library import resolve_recipe
+    from ckrun.runner.recipe.library import resolve_recipe
 
     try:
         return load_checked(resolve_recipe(str(recipe)), overrides)[0]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ckrun.runner.cli import Command, gpu_names
-from ckrun.runner.library import DEFAULT_RECIPE
+from ckrun.runner.recipe.library import DEFAULT_RECIPE
 from ckrun.runner.problems import EXIT_BAD_INPUT, EXIT_NOTHING_FITS
 from ckrun.runner.train.run.guard import stop_line
 

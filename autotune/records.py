@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from ckrun.runner.strategies import Distributed, strategy_from_label
+from ckrun.runner.plan.strategies import Distributed, strategy_from_label
 from ckrun.runner.train.measure.measurement import Measurement
 
 if TYPE_CHECKING:  # the probe child imports this module: optuna would only slow its start

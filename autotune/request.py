@@ -11,12 +11,12 @@ import re
 from pathlib import Path
 
 from ckrun.runner.builders.checks import load_checked
-from ckrun.runner.library import DEFAULT_RECIPE, resolve_recipe
+from ckrun.runner.recipe.library import DEFAULT_RECIPE, resolve_recipe
 from ckrun.runner.parallel.slurm import check_environment
 from ckrun.runner.problems import InputError, Place, Problem
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 from ckrun.runner.units import format_bytes
-from ckrun.runner.yamlio import dump_yaml
+from ckrun.runner.recipe.yamlio import dump_yaml
 
 from .cap import Cap
 from .outputs.rank_tune import check_ranks

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ckrun.runner.located import located_errors
-from ckrun.runner.lock import locked
+from ckrun.runner.recipe.located import located_errors
+from ckrun.runner.disk.lock import locked
 from ckrun.runner.problems import EXIT_NOTHING_FITS, CkrunError, InputError, Place, Problem
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 from ckrun.runner.train.loop import RunResult
 from ckrun.runner.units import format_bytes
 

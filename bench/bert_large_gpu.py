@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.train.run.memory_cap import MemoryCapExceeded
 from ckrun.runner.train.trainer import Trainer

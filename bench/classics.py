@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ckrun.runner.library import resolve_recipe
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.library import resolve_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.units import format_bytes
 from ckrun.runner.train.trainer import Trainer
 

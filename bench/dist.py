@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ckrun.runner.strategies import strategy_from_label  # noqa: E402 - after the path that finds it
+from ckrun.runner.plan.strategies import strategy_from_label  # noqa: E402 - after the path that finds it
 
 LLAMA = str(ROOT / "recipes" / "llama_1b.yaml")
 # 4 layers x 256, 4 heads (each also its own key/value head, so tp:4 splits them), vocab 8192, seq 128

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckrun.runner.files import write_atomic
+from ckrun.runner.disk.files import write_atomic
 
 
 def markers(name: str) -> tuple[str, str]:

@@ -28,7 +28,7 @@ from PIL import Image
 
 from ckrun.runner.builders.data import Shape
 from ckrun.runner.builders.image_loader import ImageFolderSource, usable_cores
-from ckrun.runner.recipe import ImageFolderData
+from ckrun.runner.recipe.recipe import ImageFolderData
 
 
 def write_images(root: Path, count: int, size: int) -> None:

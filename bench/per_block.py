@@ -26,8 +26,8 @@ from pathlib import Path
 
 from ckrun.autotune.probes.probe import ProbeRunner, ProbeSettings
 from ckrun.autotune.search.solver import frontier
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.units import format_bytes
 

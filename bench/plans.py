@@ -22,7 +22,7 @@ import torch
 from ckrun.runner.builders.sources import build_data
 from ckrun.runner.builders.model import build_model
 from ckrun.runner.builders.optim import build_optimizer
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.memory.apply import apply_plan
 from ckrun.runner.memory.measure import SavedBytes
 from ckrun.runner.train.step import call_model, loss_sum, make_precision, run_step

@@ -28,8 +28,8 @@ import torch
 
 from bench.doc_sections import write_section
 from bench.stats import spearman
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.hardware import this_cpu
 from ckrun.runner.train.measure.probe import probe

@@ -48,9 +48,9 @@ from ckrun.autotune.space.knobs import build_space, describe
 from ckrun.autotune.space.pool_knobs import POOL_KNOBS
 from ckrun.autotune.search.study import Budget, Prediction, open_study
 from ckrun.autotune.search.tuner import FINALIST_RUNS
-from ckrun.runner.files import write_atomic
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.disk.files import write_atomic
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import EstimateUnavailable, Estimator
 from ckrun.runner.predict.hardware import GPUS
 from ckrun.runner.problems import first_line

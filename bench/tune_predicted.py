@@ -26,7 +26,7 @@ from ckrun.autotune.cap import Cap
 from bench.doc_sections import write_section
 from bench.tune_oracle import Oracle, grid_answers, problem_space
 from ckrun.runner.cli import main as ckrun
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

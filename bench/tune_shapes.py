@@ -110,7 +110,7 @@ def exhaustive(name: str, cap_text: str) -> dict:
     from ckrun.autotune.space.knobs import build_space, describe
     from ckrun.autotune.space.pool_knobs import bound_space
     from ckrun.autotune.space.validity import invalid_reason
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
     from ckrun.runner.predict.compose import Composer
     from ckrun.runner.predict.hardware import resolve_device
     from ckrun.runner.predict.parts import PartsEstimator

@@ -40,8 +40,8 @@ from ckrun.autotune.space.facts import Device, ModelFacts
 from ckrun.autotune.space.knobs import build_space, describe
 from ckrun.autotune.search.tuner import FINALIST_RUNS
 from ckrun.runner.cli import main as ckrun
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.hardware import resolve_device
 

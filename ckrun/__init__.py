@@ -32,7 +32,7 @@ if not (_HERE / "runner").is_dir() and (_HERE.parent / "runner" / "__init__.py")
 
 
 def append_import_roots(value: str) -> None:
-    """The user's code folders (CKRUN_IMPORT_ROOTS: runner/load.py's add_import_root) on sys.path, after
+    """The user's code folders (CKRUN_IMPORT_ROOTS: runner/recipe/load.py's add_import_root) on sys.path, after
     every installed package, never before: a user's runner.py or ckrun/ cannot shadow ckrun's modules.
     ckrun's child processes start with `python -P` and get these here, since each imports this first."""
     added = [root for root in value.split(os.pathsep) if root and root not in sys.path]

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .builders.checks import load_checked
-from .library import resolve_recipe
-from .located import located_errors
-from .recipe import Recipe
+from .recipe.library import resolve_recipe
+from .recipe.located import located_errors
+from .recipe.recipe import Recipe
 
 if TYPE_CHECKING:  # the training stack (torch) is imported once the recipe has passed its checks
     from .train.loop import RunResult

@@ -17,11 +17,11 @@ from .problems import InputError, Place, Problem
 
 PLACE = Place("environment")
 
-HEARTBEAT_ENV = "CKRUN_LOCK_HEARTBEAT_S"  # how often a lock's holder touches it (runner/lock.py)
+HEARTBEAT_ENV = "CKRUN_LOCK_HEARTBEAT_S"  # how often a lock's holder touches it (runner/disk/lock.py)
 IMPORT_TIMEOUT_ENV = "CKRUN_IMPORT_TIMEOUT"  # how long importing the user's module may take before it counts as hung
 USER_CODE_TIMEOUT_ENV = "CKRUN_USER_CODE_TIMEOUT"  # how long one call of the user's factory or metric may take
 DURATIONS = {HEARTBEAT_ENV: 5.0, IMPORT_TIMEOUT_ENV: 120.0, USER_CODE_TIMEOUT_ENV: 900.0}  # their defaults
-IMPORT_ROOTS_ENV = "CKRUN_IMPORT_ROOTS"  # the user's code folders for child processes (runner/load.py, ckrun/__init__.py)
+IMPORT_ROOTS_ENV = "CKRUN_IMPORT_ROOTS"  # the user's code folders for child processes (runner/recipe/load.py, ckrun/__init__.py)
 CAPABILITY_ENV = "CKRUN_CUDA_CAPABILITY"  # "9.0": the card's, when the tuner hides the GPUs from its model child
 
 # torchrun's variables: when WORLD_SIZE is set, this process is one rank of a group

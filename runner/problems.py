@@ -4,7 +4,7 @@ command ends on purpose.
 Every user-facing error in ckrun is a `CkrunError`: it carries its exit status and the lines that
 say it. Bad input is an `InputError` of `Problem`s: where it is (a file with line and column, or a
 command-line override), the dotted key, and what to do; `KeyedError` is one problem whose key is
-known where it is raised but whose line is not yet (runner/located.py finds it). The CLI's one
+known where it is raised but whose line is not yet (runner/recipe/located.py finds it). The CLI's one
 map (`ckrun.runner.cli.ending`) prints the lines and exits with the status; nothing here raises a
 traceback at the user.
 """
@@ -79,7 +79,7 @@ class InputError(CkrunError):
         return [str(problem) for problem in self.problems]
 
 
-UNPLACED = Place("<recipe>")  # a key's line not known yet: runner/located.py puts it there
+UNPLACED = Place("<recipe>")  # a key's line not known yet: runner/recipe/located.py puts it there
 
 
 class KeyedError(InputError, ValueError):

@@ -65,7 +65,7 @@ def lstm_step_reaches(op: str) -> bool:
 @pytest.fixture(autouse=True)
 def _own_user_cache(monkeypatch, tmp_path_factory):
     """ckrun keeps ls's counts, validate's passed model checks and tokenised data in the user's cache
-    (runner/user_cache.py): each test gets an empty one, so no test sees what another kept, and the
+    (runner/disk/user_cache.py): each test gets an empty one, so no test sees what another kept, and the
     suite leaves nothing in the home folder. Children inherit it through the environment."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("user-cache")))
 

@@ -209,7 +209,7 @@ def _links(text: str) -> set[str]:
 def test_every_path_the_guide_names_exists():
     text = DEVELOPING.read_text(encoding="utf-8")
     paths = _paths(text)
-    assert {"runner/policies.py", "autotune/space/knobs.py", "bench/gpu/call.sh"} <= paths, "the path reader reads nothing"
+    assert {"runner/plan/policies.py", "autotune/space/knobs.py", "bench/gpu/call.sh"} <= paths, "the path reader reads nothing"
     missing = sorted(path for path in paths if not _exists(path))
     missing += sorted(link for link in _links(text) if not (DEVELOPING.parent / link).exists())
     assert not missing, f"docs/DEVELOPING.md names paths that do not exist: {missing}"

@@ -23,7 +23,7 @@ def test_every_package_installs_under_the_one_name_and_none_is_left_out():
     folders = {"ckrun." + ".".join(p.parent.relative_to(ROOT).parts)
                for top in ("runner", "autotune", "recipes") for p in (ROOT / top).rglob("__init__.py")}
     assert set(PYPROJECT["packages"]) == folders | {"ckrun"}
-    assert {name.split(".")[0] for name in PYPROJECT["packages"]} == {"ckrun"}  # the wheel's: tests/runner/test_library.py
+    assert {name.split(".")[0] for name in PYPROJECT["packages"]} == {"ckrun"}  # the wheel's: tests/runner/recipe/test_library.py
 
 
 def test_import_ckrun_gives_the_public_api_without_importing_torch():

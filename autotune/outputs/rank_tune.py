@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 from ckrun.runner.problems import EXIT_OVER_CAP, CkrunError, InputError, Place, Problem
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 from ckrun.runner.train.loop import MemoryCapExceeded, RunResult
 
 from ..space.facts import Device

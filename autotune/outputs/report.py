@@ -14,7 +14,7 @@ import logging
 import statistics
 from pathlib import Path
 
-from ckrun.runner.files import write_atomic
+from ckrun.runner.disk.files import write_atomic
 from ckrun.runner.units import format_bytes
 
 from ..cap import Cap

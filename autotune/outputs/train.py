@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ckrun.runner.plan import FullCheckpointing, MemoryPlan
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.plan.memory_plan import FullCheckpointing, MemoryPlan
+from ckrun.runner.recipe.recipe import Recipe
 from ckrun.runner.train.loop import MemoryCapExceeded, RunResult, train
 from ckrun.runner.units import format_bytes
 

@@ -18,12 +18,12 @@ import logging
 import time
 from pathlib import Path
 
-from ckrun.runner.files import write_atomic
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.disk.files import write_atomic
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.problems import InputError
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 from ckrun.runner.units import format_bytes
-from ckrun.runner.yamlio import Document, dump_yaml, parse_document
+from ckrun.runner.recipe.yamlio import Document, dump_yaml, parse_document
 
 from ..cap import Cap
 from ..records import TrialRecord
@@ -44,7 +44,7 @@ def tuned_data(doc: Document, winner: TrialRecord, cap_text: str) -> dict:
     if winner.strategy is not None:  # tune --nproc: how the ranks share the work is part of the plan, all of it
         data["distributed"] = distributed_section(winner.strategy)
         if winner.strategy.shards and "sharding" not in memory:  # written out, as the other knobs are
-            from ckrun.runner.plan import Sharding
+            from ckrun.runner.plan.memory_plan import Sharding
 
             memory["sharding"] = Sharding().model_dump(mode="json")
     return data
@@ -54,7 +54,7 @@ _QUIET = ("adaptive", "compression", "allow_lossy")  # left out at their default
 
 
 def _quiet_default(key: str, value) -> bool:
-    from ckrun.runner.plan import MemoryPlan
+    from ckrun.runner.plan.memory_plan import MemoryPlan
 
     return key in _QUIET and value == MemoryPlan().model_dump(mode="json")[key]
 

@@ -33,7 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ckrun.runner.files import write_atomic
+from ckrun.runner.disk.files import write_atomic
 from ckrun.runner.problems import first_line
 
 from ..records import ProbeResult
@@ -98,7 +98,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def recipe_from_json(text: str):
-    from ckrun.runner.recipe import Recipe
+    from ckrun.runner.recipe.recipe import Recipe
 
     return Recipe.model_validate_json(text)  # JSON mode: strict fields accept lists for tuples
 

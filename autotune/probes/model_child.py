@@ -38,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ckrun.runner.files import write_atomic
+from ckrun.runner.disk.files import write_atomic
 
 from ckrun.runner.problems import first_line
 
@@ -184,7 +184,7 @@ def _ranks(recipe, nproc: int, device: str, facts) -> _Ranks:
     """Ready once the layout the tuner tries first is built and warmed up: the recipe's own strategy, or
     ddp for strategy none (every rank a share of the batch, as `check_world` reads none under --nproc)."""
     from ckrun.runner.predict.per_rank import rank_share
-    from ckrun.runner.strategies import SingleProcess, strategy_from_label
+    from ckrun.runner.plan.strategies import SingleProcess, strategy_from_label
 
     ranks = _Ranks(recipe, nproc, device, facts)
     first = recipe.model_copy(update={"distributed": strategy_from_label("ddp")}) \
@@ -200,7 +200,7 @@ def _rank_estimate(ranks: _Ranks, candidate, nproc: int):
 
 
 def _frontier(estimator, request: dict) -> dict:
-    from ckrun.runner.plan import MemoryPlan
+    from ckrun.runner.plan.memory_plan import MemoryPlan
 
     from ..search.solver import frontier
 

@@ -19,7 +19,7 @@ import os
 import time
 
 from ckrun.runner.problems import first_line
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 
 from ..search.study import Prediction
 from .screen import CHILD_ENV
@@ -112,7 +112,7 @@ class PricedPredictor:
         """The solver's plans (autotune/search/solver.py), answered as the model child answers them."""
         if self.nproc > 1 or self.off or not self._started():
             return {"status": "unavailable", "reason": f"no estimator ({self.off or 'ranks'})"}
-        from ckrun.runner.plan import MemoryPlan
+        from ckrun.runner.plan.memory_plan import MemoryPlan
 
         from ..search.solver import frontier
 

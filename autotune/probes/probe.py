@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckrun.runner.files import write_atomic
+from ckrun.runner.disk.files import write_atomic
 from ckrun.runner.memory.allocator import allocator_env
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 
 from ..records import ProbeResult
 from .warm import Cold, Forked, WarmServer, note_launch, start_child

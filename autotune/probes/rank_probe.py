@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ckrun.runner.files import write_atomic
+from ckrun.runner.disk.files import write_atomic
 
 from ..records import ProbeResult
 

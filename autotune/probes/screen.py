@@ -24,10 +24,10 @@ import os
 import time
 from pathlib import Path
 
-from ckrun.runner.files import write_atomic
+from ckrun.runner.disk.files import write_atomic
 from ckrun.runner.predict.cuda_extras import CAPABILITY_ENV
 from ckrun.runner.problems import InputError, Place, Problem
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 
 from .probe import exit_words, kill_group
 from .warm import note_launch

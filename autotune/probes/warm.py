@@ -211,7 +211,7 @@ def start_child(module: str, argv: list[str], log_path: Path, env: dict[str, str
             return Forked(server, pid, os.fdopen(write, "w", encoding="utf-8") if requests else None)
         if write is not None:
             os.close(write)
-    with open(log_path, "a", encoding="utf-8") as log_file:  # -P: see runner/load.py's add_import_root
+    with open(log_path, "a", encoding="utf-8") as log_file:  # -P: see runner/recipe/load.py's add_import_root
         process = subprocess.Popen([sys.executable, "-P", "-m", module, *argv], stdout=log_file, stderr=subprocess.STDOUT,
                                    stdin=subprocess.PIPE if requests else subprocess.DEVNULL, start_new_session=True,
                                    env=env, text=requests or None)

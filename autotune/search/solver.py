@@ -17,7 +17,7 @@ by the excess. The plan is written with the fields a recipe already has (`checkp
 layers}`, `offload: {policy: layers}`), so tuned.yaml reads like a hand-written plan.
 
 What a block may be given is no list of the solver's: it is every `block_action` the plan's policy
-types declare (runner/policies.py; keep, recompute, selective, offload today), each written back by
+types declare (runner/plan/policies.py; keep, recompute, selective, offload today), each written back by
 the classes that say they can (`on_blocks`). An action some class writes for any set of blocks is a
 per-block choice (one per plan field: a plan holds one checkpointing policy); an action that can
 only cover every block (selective) is the whole-model alternative to the per-block plan.
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckrun.runner.memory.blocks import short_list
-from ckrun.runner.plan import POLICY_FIELDS, FullCheckpointing, MemoryPlan, Policy
+from ckrun.runner.plan.memory_plan import POLICY_FIELDS, FullCheckpointing, MemoryPlan, Policy
 from ckrun.runner.predict.block_costs import CostTable
 from ckrun.runner.units import format_bytes
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
-from ckrun.runner.plan import MemoryPlan
-from ckrun.runner.recipe import Recipe
-from ckrun.runner.strategies import Distributed, Strategy
+from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.recipe.recipe import Recipe
+from ckrun.runner.plan.strategies import Distributed, Strategy
 
 _STRATEGY = TypeAdapter(Distributed)
 

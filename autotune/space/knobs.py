@@ -4,7 +4,7 @@ tune`'s flags loop over. Each record says how its knob joins the space (the valu
 value pinned, and the reason either way), how a value becomes the candidate's plan and is read back,
 its starting values and its words in a log line.
 
-Adding a knob: its field in runner/plan.py (with any rule on combining it in `plan_problems`), the
+Adding a knob: its field in runner/plan/memory_plan.py (with any rule on combining it in `plan_problems`), the
 module that applies it (runner/memory/ or runner/train/), and here its adder and one `Knob(...)`
 line in `KNOBS`. Its place in the table is its place in every log line; a new knob goes last, so
 the choices of the knobs before it (and the sampler's draws over them) stay as they were.
@@ -20,11 +20,11 @@ import logging
 
 from optuna.distributions import FloatDistribution
 
-from ckrun.runner.choices import choice_class, choice_fields
-from ckrun.runner.plan import MemoryPlan
-from ckrun.runner.policies import (CHECKPOINTING, AllBlocksOffload, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
+from ckrun.runner.plan.choices import choice_class, choice_fields
+from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.plan.policies import (CHECKPOINTING, AllBlocksOffload, COMPRESSION, EVERY_K, OFFLOAD, checkpointing_choices, compression_choices,
                              offload_choices)
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 from ckrun.runner.units import format_bytes
 
 from .candidate import Candidate

@@ -13,10 +13,10 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ckrun.runner.choices import choice_class, choice_fields
+from ckrun.runner.plan.choices import choice_class, choice_fields
 from ckrun.runner.memory.floor import BF16_BYTES, MOMENTS, Floor, pool_floor  # noqa: F401 - the bound, importable here as before
-from ckrun.runner.plan import MemoryPlan, StepFacts, plan_problems
-from ckrun.runner.pool_policies import POOL_KINDS
+from ckrun.runner.plan.memory_plan import MemoryPlan, StepFacts, plan_problems
+from ckrun.runner.plan.pool_policies import POOL_KINDS
 from ckrun.runner.units import format_bytes
 
 from .facts import ParameterFacts
@@ -41,7 +41,7 @@ def settings(values: dict[str, Iterable[str]]) -> list[dict[str, str]]:
 def least(values: dict[str, Iterable[str]], facts: ParameterFacts, step: StepFacts,
           context: int = 0) -> tuple[dict[str, str], Floor]:
     """The pool settings with the smallest bound among `values`' combinations that the plan's rules allow
-    (runner/plan.py: no lossy state beside the host's optimizer, ...), and the bound."""
+    (runner/plan/memory_plan.py: no lossy state beside the host's optimizer, ...), and the bound."""
     plans = [(labels, pool_plan(labels)) for labels in settings(values)]
     allowed = [(labels, plan) for labels, plan in plans if not plan_problems(plan, step)] or plans
     floors = [(labels, pool_floor(plan, facts, step, context)) for labels, plan in allowed]

@@ -1,8 +1,8 @@
-"""The tuner's knobs for the pools beside the activations (runner/pool_policies.py): weights, optimizer
+"""The tuner's knobs for the pools beside the activations (runner/plan/pool_policies.py): weights, optimizer
 state, optimizer step, optimizer offload and the loss, one `Knob` each in autotune/space/knobs.py's table.
 
 Each is searched over its policy types' own tuner labels where this device, the recipe and the rules
-of runner/plan.py allow; each choice left out is logged with its reason. Exact policies are searched
+of runner/plan/memory_plan.py allow; each choice left out is logged with its reason. Exact policies are searched
 by default; lossy ones (bf16 weights, low-bit optimizer state) only with --allow-lossy (the flag of
 the compression knob, which opens every lossy knob), and a plan holding one carries
 memory.allow_lossy, so tuned.yaml shows it. A lossy winner's measured update error goes to tuned.yaml
@@ -21,10 +21,10 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from ckrun.runner.choices import choice_class, choice_fields
-from ckrun.runner.plan import MemoryPlan, plan_problems
-from ckrun.runner.policy_base import library_missing
-from ckrun.runner.pool_policies import (BF16Weights, ChunkedLoss, LowBitState, MasterWeights,
+from ckrun.runner.plan.choices import choice_class, choice_fields
+from ckrun.runner.plan.memory_plan import MemoryPlan, plan_problems
+from ckrun.runner.plan.policy_base import library_missing
+from ckrun.runner.plan.pool_policies import (BF16Weights, ChunkedLoss, LowBitState, MasterWeights,
                                         POOL_KINDS, StepInBackward)
 from ckrun.runner.units import format_bytes
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 LOSSY_KNOB = "compression"  # the knob whose flag (--allow-lossy) opens every lossy knob
 ROOM = 0.8  # a start's pool setting leaves a fifth of the limit for activations, the batch and the allocator's cache
-SECTIONS = tuple(POOL_KINDS)  # one knob per pool, in the table's order (runner/pool_policies.py)
+SECTIONS = tuple(POOL_KINDS)  # one knob per pool, in the table's order (runner/plan/pool_policies.py)
 
 
 def _own(asked: Asked, section: str) -> str:
@@ -279,7 +279,7 @@ def _roomy(values: dict[str, list[str]], first: dict[str, str], space: Space) ->
 
 
 def _allowed(values: dict[str, list[str]], step) -> list[dict[str, str]]:
-    """The pools' settings among `values` that the plan's rules allow (runner/plan.py: no lossy state beside
+    """The pools' settings among `values` that the plan's rules allow (runner/plan/memory_plan.py: no lossy state beside
     the host's optimizer, ...); all of them where none is."""
     every = settings(values)
     return [labels for labels in every if not plan_problems(pool_plan(labels), step)] or every

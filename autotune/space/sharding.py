@@ -8,7 +8,7 @@ after tensor parallelism splits each planned layer over T ranks (tp:T). FSDP2's 
 the gathered parameters from forward to backward (`reshard_after_forward: false`) saves a second
 all-gather, and CPU offload (CUDA only) moves the shards, gradients and optimizer step to the host.
 
-A choice is a `ShardingChoice`: a strategy (a ckrun.runner.strategies type) and its memory.sharding. The
+A choice is a `ShardingChoice`: a strategy (a ckrun.runner.plan.strategies type) and its memory.sharding. The
 space stores it as one optuna categorical string, its label, read back by `ShardingChoice.from_label`:
 
     label   := strategy [":" words]         strategy's own label first: ddp, fsdp, hsdp:2, tp:2
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckrun.runner.plan import Sharding
-from ckrun.runner.strategies import STRATEGIES, HybridSharded, SingleProcess, Strategy, TensorParallel, strategy_from_label
+from ckrun.runner.plan.memory_plan import Sharding
+from ckrun.runner.plan.strategies import STRATEGIES, HybridSharded, SingleProcess, Strategy, TensorParallel, strategy_from_label
 
 from .candidate import Candidate
 from .facts import Device

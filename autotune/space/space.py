@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
-from ckrun.runner.plan import MemoryPlan
-from ckrun.runner.recipe import Recipe
-from ckrun.runner.strategies import Strategy
+from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.recipe.recipe import Recipe
+from ckrun.runner.plan.strategies import Strategy
 
 from .candidate import Candidate
 from .facts import Device, ModelFacts

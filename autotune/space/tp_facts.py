@@ -34,7 +34,7 @@ def tensor_facts(model, nproc: int) -> dict:
     """`TensorFacts` of a built (meta-device) model for the tensor sizes `nproc` ranks offer, as JSON:
     the first problem runner/builders/tensor_plan.py finds with the model's own plan at each size."""
     from ckrun.runner.builders.tensor_plan import resolve
-    from ckrun.runner.strategies import TensorParallel, strategy_from_label
+    from ckrun.runner.plan.strategies import TensorParallel, strategy_from_label
 
     problems = {}
     for label in TensorParallel.tuner_labels(nproc):

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def invalid_reason(candidate: Candidate, space: Space) -> str | None:
     """Why `candidate` cannot run, said before anything is probed (it is told infeasible, never run):
-    what the recipe's schema refuses (ckrun.runner.plan.plan_problems; fsdp with fp16 or with segments that
+    what the recipe's schema refuses (ckrun.runner.plan.memory_plan.plan_problems; fsdp with fp16 or with segments that
     span blocks), what the ranks refuse (the strategy's layout, a micro-batch that does not divide a
     rank's share), the rules the probe's child would meet, then what this device or torch lacks."""
     if space.base is not None:

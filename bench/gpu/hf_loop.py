@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ckrun.runner.load import load_recipe  # noqa: E402
+from ckrun.runner.recipe.load import load_recipe  # noqa: E402
 from ckrun.runner.memory.measure import cuda_context_bytes, note_card_before_cuda  # noqa: E402
 from ckrun.runner.problems import first_line  # noqa: E402
 

@@ -7,9 +7,9 @@ loop: predicted against measured peak and step time for each.
     python bench/gpu/knobs.py OUT_DIR [--dry-run] [--budget-s 120]
     python bench/gpu/knobs.py --list            # what this checkout offers, without measuring
 
-Nothing here names a knob. A knob is a field of the recipe's memory plan (ckrun.runner.plan.MemoryPlan)
+Nothing here names a knob. A knob is a field of the recipe's memory plan (ckrun.runner.plan.memory_plan.MemoryPlan)
 that the plans step does not already measure (`MEASURED_ELSEWHERE`), whose type is a union of
-policy classes (runner/choices.py); each tag of each policy other than the field's default is one knob
+policy classes (runner/plan/choices.py); each tag of each policy other than the field's default is one knob
 to measure, written `memory.FIELD={DISCRIMINATOR: TAG}`; a flag (bool) is one knob, set true. A lossy
 policy is measured with memory.allow_lossy=true beside it (its error is the trainer's own measurement).
 
@@ -51,7 +51,7 @@ KNOB_S = 10  # one knob's plan on an H100: build, 7 steps, a counted one (BERT-l
 
 def _policy_classes(annotation) -> tuple[type, ...] | None:
     """The policy classes a field's type is a union of (or the one it is); None for anything else."""
-    from ckrun.runner.choices import Choice
+    from ckrun.runner.plan.choices import Choice
 
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     classes = [a for a in (typing.get_args(annotation) if union else (annotation,)) if a is not type(None)]
@@ -62,7 +62,7 @@ def _policy_classes(annotation) -> tuple[type, ...] | None:
 
 def present(plan_class=None) -> tuple[list[dict], list[dict]]:
     """(knobs to measure, fields looked at and left out with the reason) in this checkout's plan."""
-    from ckrun.runner.plan import MemoryPlan
+    from ckrun.runner.plan.memory_plan import MemoryPlan
 
     knobs, left = [], []
     for field, info in (plan_class or MemoryPlan).model_fields.items():
@@ -89,7 +89,7 @@ def present(plan_class=None) -> tuple[list[dict], list[dict]]:
 
 def _accepted(campaign, overrides: list[str]) -> str | None:
     """None where the recipe takes the overrides, else the first line of why not."""
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     try:
         load_recipe(campaign.recipe_path, overrides)
@@ -101,7 +101,7 @@ def _accepted(campaign, overrides: list[str]) -> str | None:
 def knob_entries(campaign, knobs: list[dict]) -> list[dict]:
     """Entries for the plans engine: each base's `none` first, then its knobs; refusals recorded."""
     from bench.gpu import predictions
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     batch = load_recipe(campaign.recipe_path, list(campaign.base)).train.batch_size
     bases = {(): [*campaign.base, *KNOB_BASE], (UNCLIPPED,): [*campaign.base, *KNOB_BASE, UNCLIPPED],
@@ -189,7 +189,7 @@ def measure(args, knobs: list[dict], left: list[dict]) -> int:
     from bench.gpu.budget import Budget, write_json
 
     args.out.mkdir(parents=True, exist_ok=True)
-    looked = {"looked_for": "fields of ckrun.runner.plan.MemoryPlan beyond " + ", ".join(sorted(MEASURED_ELSEWHERE)),
+    looked = {"looked_for": "fields of ckrun.runner.plan.memory_plan.MemoryPlan beyond " + ", ".join(sorted(MEASURED_ELSEWHERE)),
               "knobs": knobs, "left_out": left}
     if not knobs:
         write_json(args.out / "knobs.json", {**looked, "status": "none present", "plans": []})

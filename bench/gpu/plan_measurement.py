@@ -19,7 +19,7 @@ import torch
 
 from bench.gpu import snapshot
 from bench.gpu.predictions import one_line
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.run.memory_cap import MemoryCapExceeded
 from ckrun.runner.train.trainer import Trainer
 

@@ -51,7 +51,7 @@ from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
 from bench.gpu.plan_measurement import SNAPSHOT_PLAN, run_plan  # noqa: E402
 from bench.gpu.plan_results import REPEAT  # noqa: E402
-from ckrun.runner.load import load_recipe  # noqa: E402
+from ckrun.runner.recipe.load import load_recipe  # noqa: E402
 
 NO_OFFLOAD = "memory.offload={policy: none}"
 PLANS = {  # plan -> its memory overrides (the micro-batch comes on top); the solver's come from predictions.py

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.hardware import GPUS
 

@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/g
 
 from bench.gpu import sections  # noqa: E402
 from bench.gpu.figures import NOT_MEASURED, against_goal, cap_text, figures_table, gb, percent, size, step_time_text  # noqa: E402
-from ckrun.runner.policy_base import short_list  # noqa: E402
+from ckrun.runner.plan.policy_base import short_list  # noqa: E402
 
 VERSION_KEYS = ("python", "torch", "cuda", "transformers", "torchvision", "optuna", "pydantic")
 
@@ -48,7 +48,7 @@ def _policy(part: dict) -> str:
     """`every 2`, `layers 19,20,21`: a checkpointing or offload section as its policy writes itself."""
     label = part.get("policy", "none")
     for key in ("every", "layers"):
-        if key in part:  # every:2, layers:0,2: the policies' own labels (runner/policies.py)
+        if key in part:  # every:2, layers:0,2: the policies' own labels (runner/plan/policies.py)
             label += ":" + (short_list(part[key]) if key == "layers" else str(part[key]))
     return label.replace(":", " ", 1)
 

@@ -47,7 +47,7 @@ from bench.gpu import tables, tune_verdict  # noqa: E402
 from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
 from bench.gpu.plans import TINY  # noqa: E402
-from ckrun.runner.load import load_recipe  # noqa: E402
+from ckrun.runner.recipe.load import load_recipe  # noqa: E402
 
 
 @dataclass(frozen=True)

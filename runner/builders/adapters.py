@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..recipe import ModelSpec, infer_task
+from ..recipe.recipe import ModelSpec, infer_task
 from .pretrained import FRESH, TRAINABLE_ONLY  # noqa: F401 - the trainer marks its checkpoints with TRAINABLE_ONLY
 from .resolve import BuildError
 

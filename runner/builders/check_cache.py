@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..user_cache import file_digest, key_of, read_table, write_table
+from ..disk.user_cache import file_digest, key_of, read_table, write_table
 from .hub import in_hub_cache
 
 TABLE = "model_checks.json"

@@ -22,13 +22,13 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..load import AcrossSections, read_document, validate_document
+from ..recipe.load import AcrossSections, read_document, validate_document
 from ..problems import InputError, KeyedError, Problem, suggest
-from ..recipe import ModelSpec, Recipe, infer_task
-from ..recipe_eval import EvalSpec
-from ..recipe_data import Data
-from ..strategies import TensorParallel
-from ..yamlio import Document
+from ..recipe.recipe import ModelSpec, Recipe, infer_task
+from ..recipe.eval import EvalSpec
+from ..recipe.data import Data
+from ..plan.strategies import TensorParallel
+from ..recipe.yamlio import Document
 from .check_cache import config_origin, passed_before, remember_pass
 from .data_checks import local_data_problems
 from .hub import in_hub_cache

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ..problems import first_line
-from ..recipe import SyntheticData, Task, TextFilesData
-from ..recipe_data import BYTE_VOCAB
+from ..recipe.recipe import SyntheticData, Task, TextFilesData
+from ..recipe.data import BYTE_VOCAB
 from .data_checks import matching_files
 from .resolve import BuildError
 
@@ -105,7 +105,7 @@ def _permutation(count: int, seed: int, epoch: int) -> torch.Tensor:
 class BatchSource(ABC):
     """What a data source gives the loop, the evaluator and the estimator. One subclass per recipe
     `data.source` literal, registered in runner/builders/sources.py; its recipe section is a model in
-    runner/recipe_data.py.
+    runner/recipe/data.py.
 
     A source reads and prepares its data once, in `build`, and reports what is wrong with it as a
     BuildError at the recipe key to fix. After that, `global_batch(step)` must be a pure function of

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..recipe import DatasetData
+from ..recipe.recipe import DatasetData
 from .data import BatchSource, Shape, TextFilesSource, TextSource, load_tokenizer
 from .dataset_files import READERS, cheap_columns, find_paths, reason, require_datasets, saved_kind, split_folder
 from .records import RecordsSource, encode_examples, to_example

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..problems import first_line
-from ..recipe import ImageFolderData
+from ..recipe.recipe import ImageFolderData
 from .data import Batch, BatchSource, Shape, epoch_rows
 from .resolve import BuildError
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..recipe import ModelSpec
+from ..recipe.recipe import ModelSpec
 from .adapters import apply_lora, pretrained_settings
 from .contract import adapted_user_model, adopt_user_model
 from .experts import settle_experts

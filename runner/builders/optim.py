@@ -11,8 +11,8 @@ from fractions import Fraction
 import torch
 from torch import nn
 
-from ..recipe import Recipe, TorchOptimizer, TrainSpec
-from ..recipe_train import EIGHT_BIT
+from ..recipe.recipe import Recipe, TorchOptimizer, TrainSpec
+from ..recipe.train import EIGHT_BIT
 from .resolve import BuildError
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint_files import MARKER, STATE_FILE, load_checkpoint
+from ..disk.checkpoint_files import MARKER, STATE_FILE, load_checkpoint
 from ..problems import first_line
 from .hub import hub_name, locate
 from .weight_files import check_weight_files, state_dict_file

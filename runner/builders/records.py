@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..recipe import RecordsData
+from ..recipe.recipe import RecordsData
 from .data_checks import CSV_DELIMITERS, JSONL_SUFFIXES, json_objects, matching_files
 from .data import IGNORE, Batch, Shape, TextSource, epoch_rows, load_tokenizer
 from .resolve import BuildError

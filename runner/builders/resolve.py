@@ -11,7 +11,7 @@ import importlib
 import inspect
 import os
 
-from ..load import add_import_root, import_roots
+from ..recipe.load import add_import_root, import_roots
 from ..problems import KeyedError, suggest
 from .user_code import check_import
 

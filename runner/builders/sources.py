@@ -2,7 +2,7 @@
 source (`build_data`), the model's input shapes (`describe_inputs`) and the estimator's stand-in
 batch. What a source must provide is `BatchSource` (runner/builders/data.py).
 
-Adding a source: its section in runner/recipe_data.py (a model with `source: Literal["name"]`,
+Adding a source: its section in runner/recipe/data.py (a model with `source: Literal["name"]`,
 joined to the `Data` union), its `BatchSource` subclass, and one line in SOURCES;
 tests/runner/builders/test_source_registry.py checks the two lists agree and that the source keeps
 the interface.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recipe import Recipe, infer_task
+from ..recipe.recipe import Recipe, infer_task
 from .data import Batch, BatchSource, Shape, SyntheticSource, TextFilesSource
 from .image_loader import ImageFolderSource
 from .hf_dataset import DatasetSource

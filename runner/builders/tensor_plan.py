@@ -22,7 +22,7 @@ from typing import get_args
 from torch import nn
 
 from ..problems import KeyedError
-from ..strategies import TensorParallel, TensorStyle
+from ..plan.strategies import TensorParallel, TensorStyle
 
 STYLES = get_args(TensorStyle)
 HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")  # transformers' config keys that count heads

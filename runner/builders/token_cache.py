@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..problems import first_line
-from ..user_cache import cache_folder
+from ..disk.user_cache import cache_folder
 
 log = logging.getLogger(__name__)
 

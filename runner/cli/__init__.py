@@ -130,7 +130,7 @@ def _verb_and_argv(argv: list[str], plugins: dict[str, object]) -> tuple[str | N
 def _mistyped_verb(word: str, verbs: list[str]) -> str | None:
     """The verb `word` is a typo of; None when it may be a recipe: a file, part of a library name, or
     at least as close to one as to any verb (`ckrun bert` is a recipe typo, `ckrun tnue` a verb typo)."""
-    from ..library import library_recipes
+    from ..recipe.library import library_recipes
 
     if not word.replace("-", "_").isidentifier() or Path(word).expanduser().exists():
         return None  # paths and overrides (`a/b.yaml`, `x.yaml`, `train.steps=5`) are never verbs

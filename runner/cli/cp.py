@@ -14,7 +14,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..library import copy_recipe
+    from ..recipe.library import copy_recipe
 
     target = copy_recipe(args.name, Path(args.dest).expanduser(), force=args.force)
     print(f"copied {args.name} to {target}; run it with: ckrun {target}")

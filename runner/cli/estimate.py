@@ -13,8 +13,8 @@ import json
 import time
 
 from ..builders.checks import load_checked
-from ..library import resolve_recipe
-from ..located import located_errors
+from ..recipe.library import resolve_recipe
+from ..recipe.located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
 from ..predict.plan_lines import plan_lines_quiet, plan_words
 from ..units import format_bytes

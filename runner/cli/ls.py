@@ -6,7 +6,7 @@ user's cache ($XDG_CACHE_HOME/ckrun/parameter_counts.json) under a key of everyt
 the model section, the versions of torch, transformers and torchvision, and for a python model its
 module file's content. A later `ls` builds only what changed. The library's own counts ship with it
 (recipes/parameter_counts.json, under the same key less the versions), so a first `ls` builds
-nothing; tests/runner/test_library.py builds every library model and holds that table to them.
+nothing; tests/runner/recipe/test_library.py builds every library model and holds that table to them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..builders.user_code import module_file
 from ..problems import EXIT_BAD_INPUT, InputError, Place, Problem
-from ..user_cache import file_digest, key_of, read_table, write_table
+from ..disk.user_cache import file_digest, key_of, read_table, write_table
 from . import Command
 
 
@@ -38,7 +38,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..library import library_recipes
+    from ..recipe.library import library_recipes
 
     recipes = library_recipes()
     counts = read_table(COUNTS, _is_count)
@@ -59,7 +59,7 @@ def run(args) -> int:
 def describe(name: str, path: Path, counts: dict[str, int] | None = None) -> Entry:
     """The row of one recipe; a broken one is reported on stderr and shown without a count.
     `counts`: counts by `_count_key`, read and added to (None: build every model)."""
-    from ..load import load_recipe
+    from ..recipe.load import load_recipe
 
     try:
         recipe = load_recipe(path)
@@ -111,7 +111,7 @@ COUNTS = "parameter_counts.json"
 
 def shipped_counts() -> dict[str, int]:
     """The library's counts by version-free key; empty when the table is missing or damaged (then built)."""
-    from ..library import library_root
+    from ..recipe.library import library_root
 
     try:
         table = json.loads((library_root() / COUNTS).read_text())
@@ -125,7 +125,7 @@ def shipped_counts() -> dict[str, int]:
 
 def shipped_table(recipes: dict[str, Path]) -> dict[str, dict]:
     """What recipes/parameter_counts.json holds for `recipes`: each model's built count under its key."""
-    from ..load import load_recipe
+    from ..recipe.load import load_recipe
 
     table = {}
     for name, path in recipes.items():

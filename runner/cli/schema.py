@@ -16,7 +16,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..recipe import Recipe
+    from ..recipe.recipe import Recipe
 
     # pydantic writes draft 2020-12; saying so lets an editor pick the right validator
     schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **Recipe.model_json_schema(),

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..builders.checks import load_checked
-from ..library import resolve_recipe
-from ..located import located_errors
+from ..recipe.library import resolve_recipe
+from ..recipe.located import located_errors
 from ..problems import InputError, Place, Problem, keyed_error
-from ..yamlio import dump_yaml
+from ..recipe.yamlio import dump_yaml
 from . import Command, add_recipe_arguments
 
 

@@ -4,8 +4,8 @@ what this machine cannot run (`check_machine`)."""
 from __future__ import annotations
 
 from ..builders.checks import load_checked
-from ..library import resolve_recipe
-from ..located import located_errors
+from ..recipe.library import resolve_recipe
+from ..recipe.located import located_errors
 from . import Command, add_recipe_arguments
 
 

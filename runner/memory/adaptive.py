@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 
 from ..builders.data import Batch
-from ..plan import MemoryPlan
+from ..plan.memory_plan import MemoryPlan
 from .blocks import BlockList, Undo, short_list
 from .checkpointing import apply_switched
 

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from ..plan import MemoryPlan
+from ..plan.memory_plan import MemoryPlan
 from .torch_features import functorch_config
 
 log = logging.getLogger(__name__)

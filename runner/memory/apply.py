@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..plan import MemoryPlan, StepFacts, plan_problem
-from ..policy_base import PoolPolicy
-from ..pool_policies import LossPolicy, WeightsPolicy
+from ..plan.memory_plan import MemoryPlan, StepFacts, plan_problem
+from ..plan.policy_base import PoolPolicy
+from ..plan.pool_policies import LossPolicy, WeightsPolicy
 from .blocks import BlockList, find_blocks
 from .adaptive import PlanSwitch, apply_adaptive
 from .checkpointing import apply_checkpointing, cuda_refusal
@@ -93,7 +93,7 @@ def _with_the_optimizer(model: nn.Module, policy: PoolPolicy) -> AbstractContext
 POOL_APPLIERS: dict[str, PoolApplier] = {
     "weights": _held_weights, "optimizer_state": _with_the_optimizer, "optimizer_step": _with_the_optimizer,
     "optimizer_offload": _with_the_optimizer, "loss": _split_head}
-"""Each pool of POOL_KINDS (runner/pool_policies.py) -> its applier; a test holds the keys to the table.
+"""Each pool of POOL_KINDS (runner/plan/pool_policies.py) -> its applier; a test holds the keys to the table.
 A new pool's applying module gives its entry here (or `_with_the_optimizer` where the optimizer's
 build applies it)."""
 
@@ -138,7 +138,7 @@ def _apply_to_blocks(model: nn.Module, plan: MemoryPlan, device: torch.device, a
 
 
 def check_combination(plan: MemoryPlan, device: torch.device, facts: StepFacts | None = None) -> None:
-    """What a plan cannot do here: its fields' combinations (ckrun.runner.plan.plan_problems; with `facts`, with
+    """What a plan cannot do here: its fields' combinations (ckrun.runner.plan.memory_plan.plan_problems; with `facts`, with
     the rest of the recipe too), then what needs CUDA or a torch feature this torch lacks. A ValueError
     whose message starts with the key to change."""
     problem = plan_problem(plan, facts)

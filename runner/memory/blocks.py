@@ -28,7 +28,7 @@ from typing import NamedTuple
 from torch import nn
 
 from ..builders.model import count_parameters
-from ..policy_base import check_indices, short_list  # noqa: F401 - short_list: importable from here as before
+from ..plan.policy_base import check_indices, short_list  # noqa: F401 - short_list: importable from here as before
 from ..problems import suggest
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts, noop_context_fn,
                                     set_checkpoint_early_stop)
 
-from ..plan import Checkpointing
+from ..plan.memory_plan import Checkpointing
 from .blocks import BlockList, Undo, undo_all, wrap_forward
 from .segments import apply_segments, input_versions, refuse_written_inputs
 from .selective import SelectiveBlock, static_policy

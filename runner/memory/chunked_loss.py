@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from ..builders.contract import check_classes
 from ..builders.data import IGNORE
 from ..builders.resolve import BuildError
-from ..pool_policies import LossPolicy
+from ..plan.pool_policies import LossPolicy
 from .blocks import wrap_forward
 
 SPLIT_REFUSAL = "memory.loss: chunked needs a language model whose logits are its output projection's output"

@@ -25,8 +25,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..plan import Compression
-from ..policies import CastCompression, float8
+from ..plan.memory_plan import Compression
+from ..plan.policies import CastCompression, float8
 from ..units import format_bytes
 from .blocks import BlockList, Undo, undo_all, wrap_forward
 from .offload import ModuleStorages, derived_from_parameter

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import MemoryPlan, StepFacts, accumulates, gradients_final
+from ..plan.memory_plan import MemoryPlan, StepFacts, accumulates, gradients_final
 from ..units import format_bytes
 
 MOMENTS = 2  # AdamW's first and second moment

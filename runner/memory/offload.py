@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..plan import Offload
+from ..plan.memory_plan import Offload
 from ..units import format_bytes
 from .blocks import BlockList, Undo, short_list, undo_all, wrap_forward
 from .torch_features import storage_key

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from ..builders.optim import build_optimizer, decay_groups, optimizer_over
-from ..plan import MemoryPlan, accumulates
-from ..recipe import TrainSpec
+from ..plan.memory_plan import MemoryPlan, accumulates
+from ..recipe.recipe import TrainSpec
 from .accumulation import Float32Accumulation
 
 log = logging.getLogger(__name__)

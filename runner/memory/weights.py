@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from ..pool_policies import WeightsPolicy
+from ..plan.pool_policies import WeightsPolicy
 from .blocks import Undo
 
 log = logging.getLogger(__name__)

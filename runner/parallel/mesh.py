@@ -1,6 +1,6 @@
 """The rank layout as a torch `DeviceMesh`: built once after joining, from the strategy's `mesh_dims`.
 
-A strategy names its dimensions outermost first (runner/strategies.py): ddp and fsdp `dp`; hsdp
+A strategy names its dimensions outermost first (runner/plan/strategies.py): ddp and fsdp `dp`; hsdp
 `replicate` x `shard`; tp `dp` x `tp`. `init_device_mesh` lays ranks out row-major, so the last
 dimension's ranks are adjacent (0-1, 2-3): a tensor-parallel group, or an HSDP shard group, sits on
 one node's consecutive ranks, where its traffic is fastest, as torchtitan lays out its 2-D mesh.
@@ -12,7 +12,7 @@ the ranks of one model-parallel group. The trainer slices the global batch by th
 
 from __future__ import annotations
 
-from ..strategies import Strategy
+from ..plan.strategies import Strategy
 
 TENSOR_DIM = "tp"  # the mesh dimension whose ranks split layers and see the same samples
 

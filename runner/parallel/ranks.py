@@ -19,7 +19,7 @@ import torch
 
 from ..environment import check_torchrun
 from ..problems import InputError, Place, Problem
-from ..recipe import Recipe, largest_divisor_at_most
+from ..recipe.recipe import Recipe, largest_divisor_at_most
 from .mesh import build_mesh, data_coordinate, node_problem
 from .slurm import adopt
 from .supervise import die_with_parent

@@ -21,7 +21,7 @@ from torch import nn
 from ..builders.tensor_plan import resolve
 from ..memory.blocks import find_blocks
 from ..problems import InputError, Place, Problem
-from ..recipe import Recipe
+from ..recipe.recipe import Recipe
 from .mesh import data_mesh, tensor_mesh
 from .ranks import Ranks
 

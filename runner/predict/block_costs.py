@@ -29,8 +29,8 @@ import torch
 
 from ..memory.apply import apply_plan
 from ..memory.blocks import BlockList, find_blocks, undo_all, wrap_forward
-from ..plan import FullCheckpointing, MemoryPlan, NoCheckpointing, SelectiveCheckpointing
-from ..recipe import Recipe
+from ..plan.memory_plan import FullCheckpointing, MemoryPlan, NoCheckpointing, SelectiveCheckpointing
+from ..recipe.recipe import Recipe
 from ..units import format_bytes
 from .estimate import HOST, Estimate, Estimator
 
@@ -57,7 +57,7 @@ class BlockCost:
 
     def of(self, action: str) -> tuple[int | None, float | None]:
         """(bytes the block leaves for backward, seconds it adds a step) under a policy whose
-        `block_action` is `action` (runner/policies.py): the columns are named after the actions, and
+        `block_action` is `action` (runner/plan/policies.py): the columns are named after the actions, and
         an action without its columns (offload on the CPU) has no bytes, so no solver plans it."""
         seconds = 0.0 if action == "keep" else getattr(self, f"{action}_s", None)
         return getattr(self, f"{action}_bytes", None), seconds

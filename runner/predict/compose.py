@@ -40,8 +40,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..memory.blocks import find_blocks
-from ..plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
-from ..recipe import Precision as PrecisionName
+from ..plan.memory_plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
+from ..recipe.recipe import Precision as PrecisionName
 from ..units import format_bytes
 from ..memory.tracker import CATEGORIES
 from .estimate import CPU, HOST, Estimate, micro_batch_of

@@ -47,8 +47,8 @@ from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport
 from ..memory.optimizers import PlannedOptimizer, accumulates_in_float32, build_planned_optimizer
 from ..memory.tracker import LiveBytesTracker
-from ..plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
-from ..recipe import Precision as PrecisionName, Recipe
+from ..plan.memory_plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
+from ..recipe.recipe import Precision as PrecisionName, Recipe
 from ..train.step import Precision, label_count, run_step
 from ..problems import CkrunError, KeyedError
 from ..units import format_bytes

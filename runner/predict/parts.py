@@ -37,8 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ..memory.blocks import BlockList, find_blocks, undo_all, wrap_forward
-from ..plan import MemoryPlan
-from ..recipe import Precision as PrecisionName
+from ..plan.memory_plan import MemoryPlan
+from ..recipe.recipe import Precision as PrecisionName
 from ..train.step import Accumulated, Precision, accumulate, label_count, update
 from .estimate import MICRO_BATCHES_RUN, Estimator, FakeRun, host_work, unavailable_on_fake_errors
 from .fake_gaps import FakeGapWatch

@@ -41,8 +41,8 @@ from ..parallel.mesh import TENSOR_DIM, build_mesh
 from ..parallel.ranks import check_world
 from ..memory.weights import apply_weights
 from ..parallel.wrap import place_on_mesh, root_reshards
-from ..plan import Sharding
-from ..recipe import Recipe
+from ..plan.memory_plan import Sharding
+from ..recipe.recipe import Recipe
 from ..units import format_bytes
 from .estimate import Estimate, EstimateUnavailable, Estimator
 from .device_facts import DeviceFacts

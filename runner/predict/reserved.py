@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import MemoryPlan
+from ..plan.memory_plan import MemoryPlan
 from ..units import format_bytes
 from .cuda_extras import (BLAS_HANDLES_PER_STEP, CUDA_CONTEXT_BYTES, allocator_settings, cublas_workspace_bytes,
                           target_capability)

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import (
 
 from ..builders.data import Batch
 from ..builders.model import build_model
-from ..recipe import ModelSpec
+from ..recipe.recipe import ModelSpec
 
 CPU = torch.device("cpu")
 READS_VALUES = (DataDependentOutputException, DynamicOutputShapeException)

@@ -16,8 +16,8 @@ import torch
 
 from ..builders.model import BuildError
 from ..parallel.ranks import Ranks
-from ..recipe import Recipe
-from ..yamlio import dump_yaml
+from ..recipe.recipe import Recipe
+from ..recipe.yamlio import dump_yaml
 from .checkpoint.resume import resume as resume_from_checkpoint
 from .checkpoint.sharded import finish_saving
 from .checkpoint.store import save_checkpoint

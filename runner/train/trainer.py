@@ -24,9 +24,9 @@ from ..memory.optimizers import build_planned_optimizer
 from ..parallel.ranks import Ranks, reduce_step_record
 from ..parallel.ranks import join as join_ranks
 from ..parallel.wrap import wrap_model
-from ..plan import gradients_final
+from ..plan.memory_plan import gradients_final
 from ..problems import InputError, Place, Problem, keyed_error
-from ..recipe import Recipe
+from ..recipe.recipe import Recipe
 from ..units import format_bytes
 from .checkpoint.fingerprint import fingerprint
 from .checkpoint.sharded import load_full_into_shards

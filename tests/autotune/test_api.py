@@ -15,7 +15,7 @@ from ckrun.autotune.api import MemoryPlanError, PlannedMemory, apply_memory_plan
 from conftest import BERT_TINY, TINY_BERT
 from tune_helpers import report, use_fake_child
 from ckrun.runner.memory.tracker import LiveBytesTracker
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "own_loop.md").read_text()
@@ -206,7 +206,7 @@ def test_a_measured_plan_comes_from_ckrun_tune(tmp_path):
 
 def test_tune_returns_the_winner_the_tuned_recipe_and_its_training_and_prints_nothing(tmp_path, monkeypatch, capfd):
     import ckrun
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     use_fake_child(monkeypatch)
     result = ckrun.tune(BERT_TINY, [*TINY_BERT, "train.steps=2", f"output.dir={tmp_path / 'run'}"], max_mem="1GB",
@@ -240,7 +240,7 @@ def test_the_pages_calls_run_as_written_and_print_only_what_they_print(tmp_path,
     """docs/own_loop.md's block on my.yaml, a tiny BERT; the probes measure the fake child's formula."""
     import yaml
 
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     _quick_probes(monkeypatch)
     monkeypatch.chdir(tmp_path)

@@ -13,7 +13,7 @@ import pytest
 from ckrun.autotune.probes.probe import ProbeRunner, ProbeSettings
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from tune_helpers import launches, survivors
 
 

@@ -25,7 +25,7 @@ from ckrun.autotune.search.run import SearchSettings, search
 from ckrun.autotune.space.sharding import ShardingChoice
 from ckrun.autotune.search.study import Budget, Prediction, open_study
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=4)
 FACTS = ModelFacts.from_json({"container_name": "encoder.layer", "blocks": [f"encoder.layer.{i}" for i in range(4)],

@@ -7,7 +7,7 @@ import yaml
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.cli import main
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.measure.probe import probe
 from tune_helpers import launches, report, survivors
 

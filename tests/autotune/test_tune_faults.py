@@ -78,7 +78,7 @@ def test_a_cap_larger_than_the_card_is_refused():
 
 def _tuned_for(record):
     """What tune's own tuned_for returns: the tuned.yaml path of a ranked trial and its recipe."""
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     return Path(f"tuned-{record.number}.yaml"), load_recipe(BERT_TINY, TINY_BERT + ["memory.max_mem=100"])
 
@@ -124,7 +124,7 @@ def test_ckrun_tune_prints_the_stop_line_of_a_stopped_training_and_its_status(ck
 
     from ckrun.autotune import cli_tune
     from ckrun.autotune.tune import Found, TuneResult
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     recipe = load_recipe(BERT_TINY, [f"output.dir={tmp_path}"])
     record = _ranked(4, "a", 90)

@@ -14,7 +14,7 @@ from ckrun.autotune.search.study import Budget, open_study, trial_records
 from ckrun.autotune.search.tuner import Tuner
 from tune_helpers import valid_points
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.memory.torch_features import missing_budget
 
 

@@ -15,7 +15,7 @@ from ckrun.autotune.space.facts import Device, ModelFacts
 from ckrun.autotune.space.knobs import build_space
 from ckrun.autotune.space.validity import invalid_reason
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 
 GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x", "12.8", count=2)
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao (ckrun[lowbit])")

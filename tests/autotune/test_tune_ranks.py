@@ -20,10 +20,10 @@ from ckrun.autotune.space.knobs import build_space, describe
 from ckrun.autotune.space.validity import invalid_reason
 from ckrun.autotune.outputs.tuned import tuned_data
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.problems import InputError
-from ckrun.runner.recipe import Recipe
-from ckrun.runner.yamlio import Document
+from ckrun.runner.recipe.recipe import Recipe
+from ckrun.runner.recipe.yamlio import Document
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "test")
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=2)

@@ -9,9 +9,9 @@ import pytest
 from ckrun.autotune.space.candidate import Candidate
 from conftest import ROOT
 from ckrun.runner.cli import main
-from ckrun.runner.load import recipe_from_text
-from ckrun.runner.plan import MemoryPlan
-from ckrun.runner.strategies import strategy_from_label
+from ckrun.runner.recipe.load import recipe_from_text
+from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.plan.strategies import strategy_from_label
 from test_tune_sharding import TINY_LLAMA, _llama
 from tune_helpers import report
 

@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from ckrun.autotune.records import ProbeResult, ProbeStatus, RecordState, TrialRecord, read_record, store_record
 from ckrun.autotune.search.study import open_study
-from ckrun.runner.plan import MemoryPlan
-from ckrun.runner.strategies import strategy_from_label
+from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.plan.strategies import strategy_from_label
 
 NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=20)
 FLOATS = st.floats(min_value=0, max_value=1e12, allow_nan=False)

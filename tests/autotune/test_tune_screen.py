@@ -12,8 +12,8 @@ from ckrun.autotune.probes.screen import MAX_FAULTS, IsolatedPredictor, ModelChi
 from ckrun.autotune.space.candidate import Candidate
 from ckrun.autotune.search.study import Prediction
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from tune_helpers import HERE, launches, survivors
 
 RECIPE = load_recipe(BERT_TINY, TINY_BERT)

@@ -19,9 +19,9 @@ from ckrun.autotune.space.knobs import build_space
 from ckrun.autotune.space.tp_facts import TensorFacts, tensor_facts
 from ckrun.autotune.space.validity import invalid_reason
 from conftest import BERT_TINY, ROOT, TINY_BERT
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan, Sharding
-from ckrun.runner.strategies import DataParallel, FullySharded, HybridSharded, TensorParallel
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan, Sharding
+from ckrun.runner.plan.strategies import DataParallel, FullySharded, HybridSharded, TensorParallel
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "test")
 GPU = Device("cuda", "gpu", 80 * 10**9, ("fp32", "fp16", "bf16"), "test", count=8)
@@ -172,7 +172,7 @@ def test_a_candidate_reaches_the_model_child_as_it_left(strategy, knobs):
 
 
 def test_tuned_yaml_writes_the_whole_distributed_section_and_the_knobs_of_a_sharded_winner():
-    from ckrun.runner.yamlio import Document
+    from ckrun.runner.recipe.yamlio import Document
 
     from ckrun.autotune.outputs.tuned import tuned_data
 
@@ -205,7 +205,7 @@ def test_tune_predict_on_four_ranks_ranks_every_strategy_and_writes_the_winners_
     reads each request back as a typed Candidate and prices it by formula (ddp never fits the cap,
     hsdp:2 keeping its gathered blocks is fastest); the space of 42 plans is predicted whole."""
     from ckrun.runner.cli import main
-    from ckrun.runner.load import recipe_from_text
+    from ckrun.runner.recipe.load import recipe_from_text
     from tune_helpers import HERE, report
 
     monkeypatch.setenv("CKRUN_MODEL_CHILD", "fake_model_child")

@@ -16,8 +16,8 @@ from ckrun.autotune.search.study import Budget, open_study, trial_records
 from ckrun.autotune.search.tuner import Tuner
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 CAP = Cap(2_500_000, 0.05)
 

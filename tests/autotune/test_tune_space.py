@@ -9,7 +9,7 @@ from ckrun.autotune.probes.model_child import model_facts
 from ckrun.autotune.space.facts import Device, ModelFacts
 from ckrun.autotune.space.knobs import build_space, describe
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from tune_helpers import valid_points
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")

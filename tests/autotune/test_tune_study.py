@@ -17,7 +17,7 @@ from ckrun.autotune.search.tuner import Tuner
 from ckrun.autotune.records import ranked_feasible
 from conftest import BERT_TINY, TINY_BERT
 from fake_child import measure
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.problems import InputError
 
 CAP = Cap(2_500_000, 0.05)  # the formula puts no-plan at micro_batch 8 at 4.2 MB: most plans must shrink

@@ -116,7 +116,7 @@ def test_a_preload_that_fails_leaves_the_server_serving(tmp_path):
     """MODULE:NAME gets NAME too (transformers' modeling modules load on that); one that cannot be
     imported is the children's to report, in their own logs, not the server's end."""
     from ckrun.autotune.probes.warm import preload_for
-    from ckrun.runner.recipe import ModelSpec
+    from ckrun.runner.recipe.recipe import ModelSpec
 
     assert preload_for(ModelSpec(source="transformers", name="BertForMaskedLM"))[0] == "transformers:BertForMaskedLM"
     warm = WarmServer(tmp_path, ["json:dumps", "no_such_module_anywhere", "json:no_such_name"])

@@ -58,14 +58,14 @@ def trials_by_number(directory: Path) -> dict[int, dict]:
 
 def valid_points(space, recipe):
     """(params, the validated recipe's memory plan) of every point the recipe schema accepts; a point it
-    refuses must be one of the combinations ckrun.runner.plan.plan_problems names (offload or a bucket beside
+    refuses must be one of the combinations ckrun.runner.plan.memory_plan.plan_problems names (offload or a bucket beside
     sqrt segments, ...), which the tuner tells infeasible without a probe."""
     from dataclasses import replace
 
     from pydantic import ValidationError
 
-    from ckrun.runner.plan import plan_problems
-    from ckrun.runner.recipe import Recipe
+    from ckrun.runner.plan.memory_plan import plan_problems
+    from ckrun.runner.recipe.recipe import Recipe
 
     for params in space.all_params():
         candidate = space.candidate(params)

@@ -377,8 +377,8 @@ def test_knobs_are_the_plans_new_exact_policies_and_flags():
     from pydantic import Field
 
     from bench.gpu import knobs
-    from ckrun.runner.plan import MemoryPlan
-    from ckrun.runner.policy_base import Policy
+    from ckrun.runner.plan.memory_plan import MemoryPlan
+    from ckrun.runner.plan.policy_base import Policy
 
     class After(Policy):
         policy: Literal["after"] = "after"

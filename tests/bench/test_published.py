@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:  # bench/ is no installed package; a bare `pytest`
     sys.path.insert(0, str(ROOT))
 
 from bench import published  # noqa: E402
-from ckrun.runner.load import load_recipe  # noqa: E402
+from ckrun.runner.recipe.load import load_recipe  # noqa: E402
 from ckrun.runner.predict.hardware import resolve_device  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from ckrun.runner.builders.model import build_model, count_parameters
 from ckrun.runner.builders.checks import load_checked
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -41,13 +41,13 @@ import pytest
 from conftest import ROOT
 
 LAYERS = [
-    ("foundations", {"ckrun.runner.problems", "ckrun.runner.units", "ckrun.runner.files", "ckrun.runner.lock", "ckrun.runner.lock_holder",
-                     "ckrun.runner.environment", "ckrun.runner.yamlio", "ckrun.runner.choices", "ckrun.runner.policy_base", "ckrun.runner.policies",
-                     "ckrun.runner.pool_policies", "ckrun.runner.strategies", "ckrun.runner.plan", "ckrun.runner.checkpoint_files",
-                     "ckrun.runner.user_cache"}),
-    ("recipe", {"ckrun.runner.recipe", "ckrun.runner.recipe_data", "ckrun.runner.recipe_train", "ckrun.runner.recipe_eval", "ckrun.runner.recipe_sinks",
-                "ckrun.runner.recipe_adapters", "ckrun.runner.key_tree", "ckrun.runner.load", "ckrun.runner.located",
-                "ckrun.runner.library"}),
+    ("foundations", {"ckrun.runner.problems", "ckrun.runner.units", "ckrun.runner.disk.files", "ckrun.runner.disk.lock", "ckrun.runner.disk.lock_holder",
+                     "ckrun.runner.environment", "ckrun.runner.recipe.yamlio", "ckrun.runner.plan.choices", "ckrun.runner.plan.policy_base", "ckrun.runner.plan.policies",
+                     "ckrun.runner.plan.pool_policies", "ckrun.runner.plan.strategies", "ckrun.runner.plan", "ckrun.runner.disk.checkpoint_files",
+                     "ckrun.runner.disk.user_cache"}),
+    ("recipe", {"ckrun.runner.recipe", "ckrun.runner.recipe.data", "ckrun.runner.recipe.train", "ckrun.runner.recipe.eval", "ckrun.runner.recipe.sinks",
+                "ckrun.runner.recipe.adapters", "ckrun.runner.recipe.key_tree", "ckrun.runner.recipe.load", "ckrun.runner.recipe.located",
+                "ckrun.runner.recipe.library"}),
     ("builders", {"ckrun.runner.builders", "ckrun.runner.models"}),
     ("memory", {"ckrun.runner.memory"}),
     ("parallel", {"ckrun.runner.parallel"}),
@@ -184,7 +184,7 @@ def test_the_walk_sees_relative_lazy_and_from_package_imports():
     assert "ckrun.runner.builders.pretrained" in imports_of(ROOT / "runner" / "builders" / "checks.py")  # inside a function
     assert "ckrun.runner.memory.measure" in imports_of(ROOT / "runner" / "train" / "trainer.py")
     assert layer_of("ckrun.runner.predict.estimate") > layer_of("ckrun.runner.train.step") > layer_of("ckrun.runner.memory.apply")
-    assert layer_of("ckrun.runner.memory.apply") > layer_of("ckrun.runner.builders.pretrained") > layer_of("ckrun.runner.checkpoint_files")
+    assert layer_of("ckrun.runner.memory.apply") > layer_of("ckrun.runner.builders.pretrained") > layer_of("ckrun.runner.disk.checkpoint_files")
 
 
 # runner/train/'s own layers, lowest first: a module of train/ imports only train/ modules of its own
@@ -351,10 +351,10 @@ def test_no_private_name_is_imported_across_modules():
 
 def test_the_private_name_walk_sees_each_form():
     """The checker itself, on a made-up module of runner/memory/ (absolute, relative, attribute reads)."""
-    source = ("from ckrun.runner.units import _x\nfrom .offload import _y, ok\nimport ckrun.runner.files\nimport ckrun.runner.lock as l\n"
+    source = ("from ckrun.runner.units import _x\nfrom .offload import _y, ok\nimport ckrun.runner.disk.files\nimport ckrun.runner.disk.lock as l\n"
               "from ckrun.runner.train import step\nckrun.runner.files._z(); l._w; step.__name__; _own = 1; self._v\n")
     assert private_names_used(ROOT / "runner" / "memory" / "made_up.py", source) == {
-        "ckrun.runner.units._x", "ckrun.runner.memory.offload._y", "ckrun.runner.files._z", "ckrun.runner.lock._w"}
+        "ckrun.runner.units._x", "ckrun.runner.memory.offload._y", "ckrun.runner.disk.files._z", "ckrun.runner.disk.lock._w"}
 
 
 # autotune/'s own layers, lowest first, as runner/train/ has them: its folders name ideas (space/,

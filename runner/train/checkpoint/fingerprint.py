@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ...recipe import Recipe
+from ...recipe.recipe import Recipe
 
 
 def fingerprint(recipe: Recipe) -> dict[str, str]:

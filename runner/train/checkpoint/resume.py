@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ...checkpoint_files import STATE_FILE
+from ...disk.checkpoint_files import STATE_FILE
 from ...problems import InputError, Place, Problem, first_line
-from ...recipe import Recipe
+from ...recipe.recipe import Recipe
 from .store import CheckpointError, complete_checkpoints, load_latest
 from .fingerprint import RUN, fingerprint, run_settings
 from .sharded import is_sharded, load_sharded, pick_sharded, read_trainer_state

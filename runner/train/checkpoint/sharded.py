@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ...checkpoint_files import MARKER, CheckpointError
+from ...disk.checkpoint_files import MARKER, CheckpointError
 from ...parallel.ranks import Ranks, any_rank, barrier
-from ...files import save_torch
+from ...disk.files import save_torch
 from ..output.numbers import plain_record
 from .fingerprint import fingerprint
 from .store import (fsync_path, checkpoint_dir, clear_final, complete_checkpoints, prune, restore_rng_state,

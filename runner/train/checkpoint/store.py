@@ -21,8 +21,8 @@ from typing import Any
 import numpy
 import torch
 
-from ...checkpoint_files import MARKER, STATE_FILE, CheckpointError, file_sha256, load_checkpoint
-from ...files import save_torch
+from ...disk.checkpoint_files import MARKER, STATE_FILE, CheckpointError, file_sha256, load_checkpoint
+from ...disk.files import save_torch
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from ...builders.resolve import BuildError
-from ...files import write_atomic
+from ...disk.files import write_atomic
 from ...parallel.ranks import any_rank
 from ..output.directory import BEST_DIR as FOLDER, BEST_RANKING as RANKING  # the run's start checks the folder
 from ..ranked import full_weights

@@ -19,7 +19,7 @@ import torch
 
 from ...builders.resolve import BuildError
 from ...builders.sources import build_data
-from ...recipe import LANGUAGE_TASKS, infer_task
+from ...recipe.recipe import LANGUAGE_TASKS, infer_task
 from ..checkpoint.store import restore_rng_state, rng_state
 from .metrics import Metrics
 from ..step import call_model, label_count, loss_sum, predict_only_at

@@ -14,7 +14,7 @@ import torch
 
 from ...memory import nvml
 from ...memory.measure import card_peak, cuda_context_bytes
-from ...recipe import Recipe
+from ...recipe.recipe import Recipe
 from ..run.memory_cap import MemoryCapExceeded
 from ..trainer import Trainer
 from .measurement import Measurement

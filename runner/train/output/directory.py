@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from ...files import write_atomic
+from ...disk.files import write_atomic
 from ...problems import EXIT_CANNOT_WRITE, CkrunError, InputError, Place, Problem, one_line
-from ...recipe import Recipe
+from ...recipe.recipe import Recipe
 from ..checkpoint.store import complete_checkpoints
 
 log = logging.getLogger(__name__)

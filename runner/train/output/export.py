@@ -33,10 +33,10 @@ from torch import nn
 
 from ...builders.data import MASK_ID
 from ...builders.pretrained import EXPORT_RECIPE, WEIGHTS
-from ...files import os_errors_kept, write_atomic
-from ...recipe_data import BYTE_VOCAB
-from ...recipe import Recipe, infer_task
-from ...yamlio import dump_yaml
+from ...disk.files import os_errors_kept, write_atomic
+from ...recipe.data import BYTE_VOCAB
+from ...recipe.recipe import Recipe, infer_task
+from ...recipe.yamlio import dump_yaml
 from ..checkpoint.store import checkpoint_dir, complete_checkpoints, save_checkpoint
 from ..ranked import full_weights, save_state
 from ..checkpoint.sharded import finish_saving

@@ -14,7 +14,7 @@ in a thread of its own, so training does not wait for it: its records queue unti
 reach it in order, a failure there is the same one warning at the next record or at the end, and
 the end waits for every queued record (saying so when it must wait).
 
-Adding a sink: its section in runner/recipe_sinks.py (in the SinkSection union, naming the packages
+Adding a sink: its section in runner/recipe/sinks.py (in the SinkSection union, naming the packages
 it needs), its class (open, write, close: directory.py's `Sink`, `takes` naming its section) in
 runner/train/output/trackers.py and in its TRACKERS, its packages as an extra in pyproject.toml;
 tests/runner/train/output/test_sinks.py checks the registry is complete.
@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ...problems import one_line
-from ...recipe import OutputSpec
-from ...recipe_sinks import SinkSection, TensorBoardSink
+from ...recipe.recipe import OutputSpec
+from ...recipe.sinks import SinkSection, TensorBoardSink
 from .directory import Ended, MetricsLog, RunInfo, Sink
 from .numbers import plain_record
 from .trackers import TRACKERS

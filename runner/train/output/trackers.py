@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from ...recipe_sinks import MlflowSink, TensorBoardSink, WandbSink
-from ...user_cache import cache_folder, key_of
+from ...recipe.sinks import MlflowSink, TensorBoardSink, WandbSink
+from ...disk.user_cache import cache_folder, key_of
 from .directory import Ended, RunInfo, scalars
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A run owns its output.dir: OUTPUT_DIR/run.lock (runner/lock.py), held for the run's whole life.
+"""A run owns its output.dir: OUTPUT_DIR/run.lock (runner/disk/lock.py), held for the run's whole life.
 
 Who holds it: the one process of a single-process run; `ckrun --nproc`'s launcher (before any
 rank starts, so a second launch is one line and starts nothing; its ranks find the lock theirs
@@ -19,7 +19,7 @@ from pathlib import Path
 from ...parallel.launch import check_launch, launch
 from ...parallel.ranks import Ranks, any_rank
 from ...parallel.slurm import allocation_hint, srun_step
-from ...lock import DirLock, LockHeld, refusal_text
+from ...disk.lock import DirLock, LockHeld, refusal_text
 from ...problems import InputError, Place, Problem
 from ..output.directory import prepare_output
 from ..checkpoint.resume import check_before_ranks

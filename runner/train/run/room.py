@@ -24,7 +24,7 @@ from pathlib import Path
 from ...builders.model import build_model
 from ...memory.floor import Floor, ParameterFacts, pool_floor
 from ...problems import KeyedError
-from ...recipe import Recipe
+from ...recipe.recipe import Recipe
 from ...units import format_bytes
 
 log = logging.getLogger(__name__)

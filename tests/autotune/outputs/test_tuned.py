@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from ckrun.autotune.records import TrialRecord
 from ckrun.autotune.outputs.tuned import tuned_data, tuned_text
 from conftest import ROOT
-from ckrun.runner.load import recipe_from_text
-from ckrun.runner.plan import MemoryPlan, plan_problems
-from ckrun.runner.yamlio import apply_overrides, load_document, parse_document
+from ckrun.runner.recipe.load import recipe_from_text
+from ckrun.runner.plan.memory_plan import MemoryPlan, plan_problems
+from ckrun.runner.recipe.yamlio import apply_overrides, load_document, parse_document
 
 RECIPES = sorted((ROOT / "recipes").glob("**/*.yaml"))
 CHECKPOINTING = [{"policy": "none"}, {"policy": "full"}, {"policy": "every", "every": 2}, {"policy": "sqrt"},

@@ -10,7 +10,7 @@ import pytest
 
 from ckrun.autotune.probes.probe import COLD_COMPILE_S, ProbeRunner, ProbeSettings, child_env
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 
 EAGER = load_recipe(BERT_TINY, TINY_BERT)
 COMPILED = load_recipe(BERT_TINY, [*TINY_BERT, "memory.compile=true"])

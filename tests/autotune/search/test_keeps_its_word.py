@@ -25,7 +25,7 @@ from ckrun.autotune.search.study import Budget, Prediction, open_study
 from ckrun.autotune.space.candidate import Candidate
 from ckrun.autotune.space.facts import Device, ModelFacts
 from ckrun.autotune.space.knobs import build_space
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from conftest import BERT_TINY, TINY_BERT
 
 CPU = Device("cpu", "cpu", 24 * 10**9, ("fp32", "bf16"), "test")
@@ -128,7 +128,7 @@ def test_out_of_time_a_predicted_search_answers_with_its_best_fit(monkeypatch):
 
 
 def _plan(record):
-    from ckrun.runner.plan import MemoryPlan
+    from ckrun.runner.plan.memory_plan import MemoryPlan
 
     return MemoryPlan.model_validate(record.plan)
 

@@ -8,7 +8,7 @@ import itertools
 from hypothesis import given, settings, strategies as st
 
 from ckrun.autotune.search.solver import Option, plan_for, solve
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 
 def brute_force(blocks: list[list[Option]], budget: int) -> float | None:
@@ -107,7 +107,7 @@ def test_a_policy_type_that_can_name_its_blocks_is_planned_block_by_block(monkey
     blocks (`on_blocks`), the solver weighs it per block against recompute, and picks it where its
     costs are lower; until then it is only the every-block alternative."""
     from ckrun.autotune.search.solver import propose
-    from ckrun.runner.plan import SelectiveCheckpointing
+    from ckrun.runner.plan.memory_plan import SelectiveCheckpointing
     from ckrun.runner.predict.block_costs import BlockCost, CostTable
 
     # selective saves nearly as much as recompute at a tenth of its time; 4 blocks, room for 2 kept

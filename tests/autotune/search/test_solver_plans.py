@@ -9,9 +9,9 @@ import torch
 from ckrun.autotune.search.solver import frontier
 from conftest import BERT_TINY, TINY_BERT
 from ckrun.runner.builders.model import build_model
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.memory.apply import apply_plan
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.builders.sources import stand_in_batch
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.train.step import call_model, loss_sum

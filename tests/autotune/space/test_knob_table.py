@@ -18,11 +18,11 @@ from ckrun.autotune.space.knobs import KNOBS, build_space, describe
 from ckrun.autotune.probes.model_child import model_facts
 from ckrun.autotune.space.space import UNSAID, Space, grid_of
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.choices import choice_class, choice_fields
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
-from ckrun.runner.pool_policies import POOL_KINDS
-from ckrun.runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices, compression_choices
+from ckrun.runner.plan.choices import choice_class, choice_fields
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.plan.pool_policies import POOL_KINDS
+from ckrun.runner.plan.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices, compression_choices
 
 CPU = Device("cpu", "cpu", 0, ("fp32", "bf16"), "2.x")
 GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x", "12.8")

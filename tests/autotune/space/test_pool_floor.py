@@ -18,7 +18,7 @@ from ckrun.autotune.probes.model_child import model_facts
 from ckrun.autotune.space.pool_floor import Bound, nothing_fits_line, pool_floor, pool_plan
 from ckrun.autotune.space.pool_knobs import ROOM, bound_space, start_settings
 from ckrun.autotune.search.tuner import Tuner
-from ckrun.runner.plan import plan_problems
+from ckrun.runner.plan.memory_plan import plan_problems
 from ckrun.runner.predict.estimate import Estimator
 from tests.runner.memory.tiny_lm import HAS_TORCHAO, WIDE, recipe
 

@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.memory.apply import apply_plan
 from ckrun.runner.memory.blocks import find_blocks
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import tiny_llama_recipe
 from tests.runner.memory.generated_models import LAYERS, Stack
@@ -128,8 +128,8 @@ def test_qlora_on_a_cpu_is_one_line_before_any_weight_is_read():
     """Where bitsandbytes is installed the schema lets quantize_base through; building on a CPU then refuses."""
     from ckrun.runner.builders.adapters import pretrained_settings
     from ckrun.runner.builders.resolve import BuildError
-    from ckrun.runner.recipe import ModelSpec
-    from ckrun.runner.recipe_adapters import LoraSpec
+    from ckrun.runner.recipe.recipe import ModelSpec
+    from ckrun.runner.recipe.adapters import LoraSpec
 
     spec = ModelSpec(source="transformers", name="LlamaForCausalLM", pretrained="org/name",
                      lora=LoraSpec.model_construct(**{**LoraSpec().model_dump(), "quantize_base": "nf4"}))
@@ -152,7 +152,7 @@ def test_a_new_head_trains_beside_the_adapter_or_the_log_says_it_never_will(tmp_
     """A classifier from a causal LM's weights: its head starts random. peft trains a sequence classifier's head
     itself (modules_to_save); a head it does not know stays frozen, which the log says, naming the fix."""
     from ckrun.runner.builders.model import build_model
-    from ckrun.runner.recipe import ModelSpec
+    from ckrun.runner.recipe.recipe import ModelSpec
     from tests.runner.builders.hub_cache import save_tiny_llama
 
     files = save_tiny_llama(tmp_path / "causal")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import children
 from conftest import BERT_TINY, ROOT
-from ckrun.runner import user_cache
+from ckrun.runner.disk import user_cache
 from ckrun.runner.builders import check_cache
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 
 
 def table() -> dict:

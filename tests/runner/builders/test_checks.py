@@ -16,8 +16,8 @@ from ckrun.runner.problems import InputError
 def test_the_schema_alone_imports_no_torch_transformers_or_user_code():
     code = textwrap.dedent("""
         import sys
-        from ckrun.runner.library import library_recipes
-        from ckrun.runner.load import load_recipe
+        from ckrun.runner.recipe.library import library_recipes
+        from ckrun.runner.recipe.load import load_recipe
         for path in library_recipes().values():
             load_recipe(path)
         print(sorted(m for m in ("torch", "transformers", "torchvision") if m in sys.modules))

@@ -16,7 +16,7 @@ from conftest import BERT_TINY, ROOT
 from ckrun.runner.builders.data import Shape
 from ckrun.runner.builders.image_loader import ImageFolderSource
 from ckrun.runner.builders.model import BuildError
-from ckrun.runner.recipe import ImageFolderData
+from ckrun.runner.recipe.recipe import ImageFolderData
 
 TEXT_RECIPE = Path(BERT_TINY).read_text()
 SMALL = ["data.seq_len=32", "train.batch_size=4", "train.steps=2", "train.device=cpu", "model.config.hidden_size=32",

@@ -19,7 +19,7 @@ from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.builders.data import Shape
 from ckrun.runner.builders.hf_dataset import dataset_source
 from ckrun.runner.builders.resolve import BuildError
-from ckrun.runner.recipe import DatasetData
+from ckrun.runner.recipe.recipe import DatasetData
 
 datasets = pytest.importorskip("datasets")
 datasets.disable_progress_bars()

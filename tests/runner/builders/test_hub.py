@@ -50,7 +50,7 @@ def test_a_bf16_checkpoint_trains_from_fp32_master_weights_as_its_estimate_says(
     import torch
 
     from ckrun.runner.builders.model import build_model
-    from ckrun.runner.recipe import ModelSpec
+    from ckrun.runner.recipe.recipe import ModelSpec
 
     files = save_tiny_llama(tmp_path / "saved", dtype=torch.bfloat16)
     put_in_cache(hub, "tiny-org/bf16", files, commit_of("bf16"))

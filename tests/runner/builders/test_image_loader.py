@@ -22,7 +22,7 @@ import children
 from conftest import ROOT, read_metrics
 from ckrun.runner.builders.data import Shape, epoch_rows
 from ckrun.runner.builders.image_loader import ImageFolderSource, StepLoader, StepRows, choose_workers
-from ckrun.runner.recipe import ImageFolderData
+from ckrun.runner.recipe.recipe import ImageFolderData
 from test_data_faults import CNN_SMALL, image_recipe, image_root
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckrun.runner.recipe import ModelSpec
+from ckrun.runner.recipe.recipe import ModelSpec
 from tests.runner.builders.hub_cache import TINY_LLAMA, tiny_llama_recipe
 
 

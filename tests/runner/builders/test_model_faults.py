@@ -110,7 +110,7 @@ def test_a_name_that_is_not_callable_is_refused_at_validate(ckrun, user_models):
 
 def test_torchvision_assertions_are_build_errors():
     from ckrun.runner.builders.model import BuildError, build_model
-    from ckrun.runner.recipe import ModelSpec
+    from ckrun.runner.recipe.recipe import ModelSpec
 
     spec = ModelSpec(source="torchvision", name="vit_b_16", config={"image_size": 250})
     with pytest.raises(BuildError) as caught:
@@ -127,7 +127,7 @@ class NotATensor:
 ])
 def test_unreadable_local_weights_are_one_line_without_torch_advice(tmp_path, content, expected):
     from ckrun.runner.builders.model import BuildError, build_model
-    from ckrun.runner.recipe import ModelSpec
+    from ckrun.runner.recipe.recipe import ModelSpec
 
     weights = tmp_path / "weights"
     weights.mkdir()
@@ -157,7 +157,7 @@ def test_a_shape_rule_only_a_forward_meets_is_found_at_validate(kv_heads, fits):
     """Grouped-query attention builds with any key/value head count; only a forward trips on one
     that does not divide the heads, so validation runs one on the meta device."""
     from ckrun.runner.builders.checks import deep_problems
-    from ckrun.runner.load import recipe_from_text
+    from ckrun.runner.recipe.load import recipe_from_text
 
     config = {**TINY_LLAMA, "num_key_value_heads": kv_heads}
     text = f"model: {{source: transformers, name: LlamaForCausalLM, config: {config}}}\n" \
@@ -173,7 +173,7 @@ def test_a_shape_rule_only_a_forward_meets_is_found_at_validate(kv_heads, fits):
 @given(positions=st.integers(8, 64), seq_len=st.integers(1, 96), in_eval=st.booleans())
 def test_a_sequence_longer_than_the_position_table_is_refused_at_validate(positions, seq_len, in_eval):
     from ckrun.runner.builders.checks import deep_problems
-    from ckrun.runner.load import recipe_from_text
+    from ckrun.runner.recipe.load import recipe_from_text
 
     data = f"data: {{source: synthetic, seq_len: 4}}\neval: {{data: {{source: synthetic, seq_len: {seq_len}}}}}" \
         if in_eval else f"data: {{source: synthetic, seq_len: {seq_len}}}"

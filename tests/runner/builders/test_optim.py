@@ -16,8 +16,8 @@ from transformers import optimization
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.builders.optim import build_optimizer, build_scheduler
-from ckrun.runner.load import load_recipe
-from ckrun.runner.recipe_train import TORCH_OPTIMIZERS
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.recipe.train import TORCH_OPTIMIZERS
 from ckrun.runner.train.trainer import Trainer
 
 
@@ -179,7 +179,7 @@ def test_split_layers_beside_whole_ones_step_one_by_one(optimizer):
 
     from ckrun.runner.builders.optim import optimizer_over
     from ckrun.runner.predict.per_rank import fake_process_group
-    from ckrun.runner.recipe import TrainSpec
+    from ckrun.runner.recipe.recipe import TrainSpec
 
     with fake_process_group(2):
         mesh = DeviceMesh("cpu", [0, 1])

@@ -18,7 +18,7 @@ from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.builders.data import Shape
 from ckrun.runner.builders.records import RecordsSource
 from ckrun.runner.builders.resolve import BuildError
-from ckrun.runner.recipe import RecordsData
+from ckrun.runner.recipe.recipe import RecordsData
 
 CLASSIFIER = [*TINY_BERT, "model.name=BertForSequenceClassification", "model.config.num_labels=3"]
 WORDS = {"pos": ["apple", "sunny", "happy"], "neg": ["zebra", "storm", "awful"], "mid": ["table", "chair", "grey"]}
@@ -148,7 +148,7 @@ def test_masked_lm_masks_with_the_tokenizers_mask_id(tmp_path, ckrun, mask):
     code, _, err = ckrun(BERT_TINY, *TINY_BERT, data, "train.steps=1", f"output.dir={tmp_path / 'run'}")
     if mask:
         from ckrun.runner.builders.data import TextFilesSource
-        from ckrun.runner.recipe import TextFilesData
+        from ckrun.runner.recipe.recipe import TextFilesData
 
         assert code == 0, err
         spec = TextFilesData(source="text", paths=[str(tmp_path / "corpus.txt")], tokenizer=str(tokenizer), seq_len=32)

@@ -16,8 +16,8 @@ from pydantic import Field
 
 from ckrun.runner.builders.data import Batch, BatchSource, Shape
 from ckrun.runner.builders.sources import SOURCES
-from ckrun.runner.choices import Strict
-from ckrun.runner.recipe_data import Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, TextFilesData
+from ckrun.runner.plan.choices import Strict
+from ckrun.runner.recipe.data import Data, DatasetData, ImageFolderData, RecordsData, SyntheticData, TextFilesData
 
 
 def schema_literals(data=Data) -> set[str]:

@@ -78,7 +78,7 @@ def test_local_safetensors_weights_are_loaded(tmp_path, ckrun, monkeypatch):
     torch.nn.init.constant_(model.fc.bias, 0.25)
     save_file(model.state_dict(), str(weights / "model.safetensors"))
     from ckrun.runner.builders.model import build_model
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     recipe = load_recipe(BERT_TINY, [*RESNET, f"model.pretrained={weights}"])
     built = build_model(recipe.model)

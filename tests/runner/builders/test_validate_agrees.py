@@ -17,7 +17,7 @@ from ckrun.runner.builders.checks import load_checked
 from ckrun.runner.builders.records import read_examples
 from ckrun.runner.builders.resolve import BuildError
 from ckrun.runner.problems import InputError
-from ckrun.runner.recipe import RecordsData
+from ckrun.runner.recipe.recipe import RecordsData
 
 FIELDS = ["text", "label", "other"]
 

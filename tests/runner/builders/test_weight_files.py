@@ -21,7 +21,7 @@ from conftest import ROOT
 from ckrun.runner.builders.model import build_model
 from ckrun.runner.builders.resolve import BuildError
 from ckrun.runner.builders.weight_files import check_weight_files
-from ckrun.runner.recipe import ModelSpec
+from ckrun.runner.recipe.recipe import ModelSpec
 from tests.runner.builders.hub_cache import FROM_HUB, commit_of, offline_cache, put_in_cache, save_tiny_llama
 
 LLAMA = str(ROOT / "recipes" / "llama_1b.yaml")

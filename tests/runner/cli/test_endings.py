@@ -13,9 +13,9 @@ from ckrun.autotune.api import MemoryPlanError
 from ckrun.autotune.tune import NothingFits
 from ckrun.autotune.outputs.rank_tune import RanksEnded, RanksOverCap
 from ckrun.runner.builders.resolve import BuildError
-from ckrun.runner.checkpoint_files import CheckpointError
+from ckrun.runner.disk.checkpoint_files import CheckpointError
 from ckrun.runner.cli import UsageError, ending
-from ckrun.runner.load import AcrossSections
+from ckrun.runner.recipe.load import AcrossSections
 from ckrun.runner.predict.estimate import EstimateUnavailable
 from ckrun.runner.predict.hardware import UnknownDevice
 from ckrun.runner.problems import EXIT_STATUSES, CkrunError, InputError, KeyedError, Place, Problem

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckrun.runner.cli import main
-from ckrun.runner.library import library_recipes
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.library import library_recipes
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.problems import InputError
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import ckrun.runner.cli
 from ckrun.runner.cli import VERBS, main
-from ckrun.runner.library import library_recipes
+from ckrun.runner.recipe.library import library_recipes
 
 ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("optuna", "transformers")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ckrun.runner.builders.model import build_model
-from ckrun.runner.recipe import ModelSpec
+from ckrun.runner.recipe.recipe import ModelSpec
 
 FAMILIES = {
     "mixtral": ("MixtralForCausalLM", lambda experts, width: {"num_local_experts": experts, "intermediate_size": width}),

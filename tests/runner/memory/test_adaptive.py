@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.builders.data import Batch
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.memory.adaptive import batch_length
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.train.trainer import Trainer
 
 SHORT, LONG = 12, 32  # bucket max_len, and the longest line (data.seq_len)

@@ -15,11 +15,11 @@ from pydantic import ValidationError
 
 import children
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.memory import allocator
 from ckrun.runner.memory.allocator import ALLOC_ENV, ALLOC_ENVS, apply_allocator
 from ckrun.runner.memory.torch_features import functorch_config, missing_budget
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.train.trainer import Trainer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -130,7 +130,7 @@ def test_the_probe_child_gets_it_in_its_environment(tmp_path):
 @pytest.mark.cuda
 def test_on_cuda_the_allocator_runs_with_it(tmp_path):
     """In a fresh process: the trainer sets it before CUDA starts, and the allocator's segments expand."""
-    code = (f"from ckrun.runner.load import load_recipe; from ckrun.runner.train.trainer import Trainer; import torch\n"
+    code = (f"from ckrun.runner.recipe.load import load_recipe; from ckrun.runner.train.trainer import Trainer; import torch\n"
             f"t = Trainer(load_recipe({BERT_TINY!r}, ['memory.allocator={SETTING}', 'train.device=cuda', "
             f"'output.dir={tmp_path}']))\nt.train_step()\n"
             "print(all(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from ckrun.runner.memory.apply import apply_plan
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 
 def _gpt():

@@ -12,7 +12,7 @@ from torch import nn
 from ckrun.runner.cli.show import print_blocks
 from ckrun.runner.memory.blocks import find_blocks
 from ckrun.runner.problems import InputError
-from ckrun.runner.recipe import Recipe
+from ckrun.runner.recipe.recipe import Recipe
 
 SMALL = dict(hidden_size=64, num_attention_heads=2, intermediate_size=128)
 

@@ -16,9 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ckrun.runner.memory.apply import apply_plan
 from ckrun.runner.memory.blocks import find_blocks
-from ckrun.runner.policies import sqrt_segments
+from ckrun.runner.plan.policies import sqrt_segments
 from ckrun.runner.memory.measure import SavedBytes
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 TEXT = dict(vocab_size=100, max_position_embeddings=32)
 

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ckrun.runner.memory.apply import apply_plan
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from tests.runner.memory.generated_models import BETWEEN, LAYERS, Stack
 
 POLICIES = [{"policy": "full"}, {"policy": "every", "every": 2}, {"policy": "layers", "layers": [1]},

@@ -14,7 +14,7 @@ from torch import nn
 
 from ckrun.runner.builders.data import IGNORE
 from ckrun.runner.memory.chunked_loss import SplitHead
-from ckrun.runner.plan import ChunkedLoss, MemoryPlan
+from ckrun.runner.plan.memory_plan import ChunkedLoss, MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.problems import InputError
 from ckrun.runner.train.trainer import Trainer

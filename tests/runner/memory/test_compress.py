@@ -20,10 +20,10 @@ from ckrun.runner.memory.apply import apply_plan
 from ckrun.runner.memory.blocks import find_blocks, wrap_forward
 from ckrun.runner.memory.compress import ActivationCompression, apply_compression, to_fp8
 from ckrun.runner.memory.compress import FP8
-from ckrun.runner.policies import CastCompression
+from ckrun.runner.plan.policies import CastCompression
 from ckrun.runner.memory.tracker import LiveBytesTracker
 from ckrun.runner.memory.offload import ActivationOffload, CopyTransport, ModuleStorages
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 POLICIES = ["bf16"] + (["fp8"] if FP8 is not None else [])
 
@@ -251,7 +251,7 @@ def test_training_reports_the_gradient_error(tmp_path, ckrun, caplog):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
     """The estimator runs the same hooks on fake tensors: its CPU peak is the peak a real step measures."""
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
     from ckrun.runner.predict.estimate import estimate_peak
     from ckrun.runner.train.trainer import Trainer
 
@@ -269,7 +269,7 @@ def test_the_cpu_estimate_counts_it_as_training_measures(tmp_path, policy):
 def test_an_exact_pass_that_runs_out_of_memory_leaves_the_error_unmeasured(tmp_path, monkeypatch, caplog):
     """The exact plan keeps every activation: where that does not fit, training goes on, and says so."""
     import ckrun.runner.train.measure.lossy
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
     from ckrun.runner.train.trainer import Trainer
 
     def out_of_memory(*args, **kwargs):
@@ -291,7 +291,7 @@ def test_measuring_the_gradient_error_neither_updates_nor_leaves_gradients_behin
     bf16 weights' float32 sums carried the passes' gradients into step 1's."""
     pytest.importorskip("torchao")
     from ckrun.runner.builders.model import build_model
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
     from ckrun.runner.train.trainer import Trainer
 
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, *pools, "memory.compression={policy: bf16}", "memory.allow_lossy=true",

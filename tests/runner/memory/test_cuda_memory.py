@@ -44,7 +44,7 @@ def test_prediction_is_close_to_the_allocator_peak(tmp_path, ckrun):
 def test_an_out_of_memory_step_gives_its_memory_back():
     import gc
 
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
     from ckrun.runner.train.run.memory_cap import MemoryCapExceeded
     from ckrun.runner.train.trainer import Trainer
 

@@ -17,9 +17,9 @@ from torch import nn
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.builders.resolve import BuildError
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.memory.host_master import HostMasterOptimizer
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.hardware import resolve_device
 from ckrun.runner.predict.roofline import HOST_ADAMW_PER_S
@@ -236,7 +236,7 @@ def test_the_llama2_7b_full_fine_tune_is_predicted_at_or_under_torchtunes_16_gb_
     """bench/published/llama2_7b_full.yaml (batch 2, seq 2048, the exact split with full checkpointing, block
     offload and the chunked loss): torchtune's low-memory config reserved 15.97 GB at its peak, lossy."""
     from conftest import ROOT
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     recipe_ = load_recipe(ROOT / "bench" / "published" / "llama2_7b_full.yaml")
     estimate = Estimator(recipe_, "cuda", resolve_device("a100")).estimate()

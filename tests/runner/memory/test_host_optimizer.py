@@ -14,7 +14,7 @@ from ckrun.runner.builders.optim import build_scheduler
 from ckrun.runner.memory.host_optimizer import HostOffloadOptimizer, offloaded_share
 from ckrun.runner.memory.measure import PeakMeter
 from ckrun.runner.memory.optimizers import build_planned_optimizer
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.problems import InputError
 from tests.runner.memory.tiny_lm import WIDE, identical, recipe, train

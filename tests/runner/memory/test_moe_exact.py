@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ckrun.runner.builders.experts import EAGER, GROUPED, experts_modules, implementation
 from ckrun.runner.memory.apply import apply_plan
 from ckrun.runner.memory.blocks import find_blocks
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from tests.runner.memory.moe_models import FAMILIES, VOCAB, moe_model
 from tests.runner.memory.test_checkpointing_generated import _differences  # what differs: losses, then tensors
 

@@ -15,7 +15,7 @@ from ckrun.runner.memory.apply import apply_plan
 from ckrun.runner.memory.blocks import find_blocks, wrap_forward
 from ckrun.runner.memory.offload import (ActivationOffload, CopyTransport, HostPool, derived_from_parameter, device_like,
                                    host_view, size_class)
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

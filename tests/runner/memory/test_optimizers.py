@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.memory.optimizers import InBackwardUpdate
 from ckrun.runner.problems import InputError
 from tests.runner.memory.tiny_lm import GPT2, LLAMA, WIDE, identical, needs_torchao, recipe, train

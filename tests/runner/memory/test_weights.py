@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.problems import InputError
 from tests.runner.memory.tiny_lm import GPT2, LLAMA, WIDE, identical, needs_torchao, recipe, train

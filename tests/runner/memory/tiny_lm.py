@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.train.trainer import Trainer
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import children
 from conftest import ROOT, read_metrics
-from ckrun.runner.checkpoint_files import MARKER
+from ckrun.runner.disk.checkpoint_files import MARKER
 from ckrun.runner.cli import main
 from ckrun.runner.train.checkpoint.store import complete_checkpoints
 

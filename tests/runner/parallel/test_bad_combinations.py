@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import ROOT
 from ckrun.runner.parallel.ranks import Ranks, check_world, join
-from ckrun.runner.load import load_recipe_document
+from ckrun.runner.recipe.load import load_recipe_document
 from ckrun.runner.problems import InputError
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")

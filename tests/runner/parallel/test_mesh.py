@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from conftest import ROOT
 from ckrun.runner.builders.model import build_model
-from ckrun.runner.load import load_recipe_document
+from ckrun.runner.recipe.load import load_recipe_document
 from ckrun.runner.parallel.mesh import data_coordinate
 from ckrun.runner.parallel.ranks import Ranks, join
 from ckrun.runner.builders.tensor_plan import matches, resolve
 from ckrun.runner.problems import InputError
-from ckrun.runner.strategies import HybridSharded, TensorParallel, strategy_from_label
+from ckrun.runner.plan.strategies import HybridSharded, TensorParallel, strategy_from_label
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",

@@ -5,7 +5,7 @@ losses, resume after a kill -9 of a rank mid-save, export, and are predicted by 
 --nproc 2` within 5 % of the highest rank's measured peak. DDP's replicas stay bit-identical under
 stochastic rounding (a test hook writes each rank's weights after every step).
 
-Tolerances, each knob's own (runner/pool_policies.py says them): an exact knob trains the losses of one
+Tolerances, each knob's own (runner/plan/pool_policies.py says them): an exact knob trains the losses of one
 process up to float summation order (1e-5 relative; measured: at most 1e-7); a lossy one is no farther
 from one process's losses than twice one process's distance from exact training (its rounding drawn
 again), plus that order.

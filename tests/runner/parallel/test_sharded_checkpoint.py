@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from ckrun.runner.checkpoint_files import MARKER, CheckpointError
-from ckrun.runner.load import load_recipe_document
+from ckrun.runner.disk.checkpoint_files import MARKER, CheckpointError
+from ckrun.runner.recipe.load import load_recipe_document
 from ckrun.runner.train.trainer import Trainer
 from ckrun.runner.train.checkpoint.sharded import is_sharded, load_sharded, pick_sharded, save_sharded
 from ckrun.runner.parallel.ranks import SINGLE

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import children
 from conftest import ROOT, read_metrics
 from ckrun.runner.parallel.slurm import adopt, allocation_hint, check_node_launch, expand_hostlist, job_port, srun_step
-from ckrun.runner.lock import DirLock
+from ckrun.runner.disk.lock import DirLock
 from ckrun.runner.problems import InputError
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")

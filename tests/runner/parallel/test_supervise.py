@@ -16,7 +16,7 @@ import pytest
 
 import children
 from conftest import ROOT
-from ckrun.runner.lock import DirLock
+from ckrun.runner.disk.lock import DirLock
 
 STACK = str(ROOT / "recipes" / "classic_transformer_stack.yaml")
 TINY = ["model.config.vocab_size=64", "model.config.width=16", "model.config.depth=2", "model.config.heads=2",

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckrun.runner.choices import choice_fields
-from ckrun.runner.load import load_recipe
-from ckrun.runner.plan import MemoryPlan
-from ckrun.runner.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices
-from ckrun.runner.pool_policies import POOL_KINDS
+from ckrun.runner.plan.choices import choice_fields
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.plan.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices
+from ckrun.runner.plan.pool_policies import POOL_KINDS
 from ckrun.runner.predict.compose import Composer
 from ckrun.runner.predict.estimate import EstimateUnavailable, Estimator
 from ckrun.runner.predict.hardware import DeviceFacts

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.predict.cuda_model import CachingAllocatorModel, CudaOnCpu, attention_as_on_cuda
 from ckrun.runner.predict.estimate import EstimateUnavailable, Estimator, estimate_peak
 from ckrun.runner.predict.shapes import weight_init_skipped
 from ckrun.runner.memory.tracker import LiveBytesTracker
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 
 MiB = 1 << 20
 
@@ -179,7 +179,7 @@ def test_freed_blocks_merge_and_are_reused_best_fit():
 
 @pytest.mark.slow
 def test_bert_large_estimates_within_a_minute():
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
     from pathlib import Path
 
     started = time.perf_counter()

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from estimate_models import INPLACE_OPS, INPLACE_PLACES
 from ckrun.runner.builders.resolve import BuildError
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.predict.estimate import estimate_peak
 from ckrun.runner.train.trainer import Trainer
 
@@ -78,7 +78,7 @@ def test_sqrt_replays_a_block_that_writes_an_input_its_region_made():
     from estimate_models import in_place_net
     from ckrun.runner.memory.apply import apply_plan
     from ckrun.runner.memory.blocks import find_blocks
-    from ckrun.runner.plan import MemoryPlan
+    from ckrun.runner.plan.memory_plan import MemoryPlan
 
     torch.manual_seed(0)
     model, images = in_place_net("block_input", "add_", depth=6), torch.randn(8, 3, 8, 8)

@@ -8,7 +8,7 @@ import json
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.predict.estimate import estimate_peak
 from ckrun.runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import tiny_llama_recipe

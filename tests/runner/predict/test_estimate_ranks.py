@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.hardware import DeviceFacts
 from ckrun.runner.predict.per_rank import per_rank

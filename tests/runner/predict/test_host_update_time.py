@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.hardware import resolve_device
 from ckrun.runner.predict.roofline import HOST_ADAMW_PER_S

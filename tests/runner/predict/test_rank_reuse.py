@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.predict import per_rank as per_rank_module
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.hardware import DeviceFacts

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from ckrun.runner.builders.experts import EAGER
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.routing import BalancedRouting, balanced_routing
 from ckrun.runner.train.trainer import Trainer

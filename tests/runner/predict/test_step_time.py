@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ckrun.runner.load import recipe_from_text
-from ckrun.runner.plan import MemoryPlan
+from ckrun.runner.recipe.load import recipe_from_text
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict import estimate as estimate_module
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.predict.efficiency import Efficiency

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.builders.optim import total_steps
 from ckrun.runner.builders.resolve import BuildError
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.measure.probe import probe
 
 EPOCHS = ["train.steps=null", "train.scheduler={name: constant}"]  # batch 8 (TINY_BERT)

@@ -46,7 +46,7 @@ from ckrun.autotune.space.knobs import build_space, describe
 from ckrun.autotune.space.space import grid_of
 from ckrun.autotune.space.validity import invalid_reason
 from ckrun.runner.builders.model import build_model
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.checkpoint.store import complete_checkpoints
 
 HERE = Path(__file__).resolve().parent

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.train.step import set_fp32_math
 
 RECIPE = """

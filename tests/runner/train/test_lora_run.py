@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import read_metrics
-from ckrun.runner.load import recipe_from_text
+from ckrun.runner.recipe.load import recipe_from_text
 from ckrun.runner.train.output.export import finish_run
 from ckrun.runner.train.trainer import Trainer
 from tests.runner.builders.hub_cache import commit_of, offline_cache, put_in_cache, save_tiny_llama, tiny_llama_recipe
@@ -157,7 +157,7 @@ def test_a_lora_checkpoint_is_refused_before_a_model_of_the_default_config_is_bu
     import transformers
 
     from ckrun.runner.builders.model import BuildError, build_model
-    from ckrun.runner.recipe import ModelSpec
+    from ckrun.runner.recipe.recipe import ModelSpec
 
     run = _write(tmp_path, "run")
     assert ckrun(str(run), "train.steps=1")[0] == 0

@@ -16,7 +16,7 @@ import torch
 
 import children
 from conftest import BERT_TINY, ROOT, TINY_BERT, read_metrics
-from ckrun.runner import checkpoint_files
+from ckrun.runner.disk import checkpoint_files
 from ckrun.runner.cli import main
 from ckrun.runner.train import loop
 from ckrun.runner.train.checkpoint import store

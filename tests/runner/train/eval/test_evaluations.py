@@ -188,7 +188,7 @@ def test_a_ctrl_c_stop_evaluates_the_weights_it_leaves(tmp_path, ckrun, monkeypa
 
 
 def test_early_stopping_on_perplexity_when_the_loss_is_past_exps_range():
-    from ckrun.runner.recipe_eval import EarlyStopping
+    from ckrun.runner.recipe.eval import EarlyStopping
     from ckrun.runner.train.eval.early_stop import EarlyStop
 
     early = EarlyStop(EarlyStopping(metric="perplexity", patience=1))

@@ -7,7 +7,7 @@ import torch
 from conftest import BERT_TINY, TINY_BERT, read_metrics
 from ckrun.runner.builders.sources import build_data
 from ckrun.runner.builders.model import build_model
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.step import call_model
 
 TORCHVISION = ["model.source=torchvision", "model.name=resnet18", "model.config={num_classes: 10}",

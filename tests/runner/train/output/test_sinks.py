@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
-from ckrun.runner.load import load_recipe
-from ckrun.runner.recipe import OutputSpec
-from ckrun.runner.recipe_sinks import SECTIONS, SinkSection, TensorBoardSink
+from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.recipe.recipe import OutputSpec
+from ckrun.runner.recipe.sinks import SECTIONS, SinkSection, TensorBoardSink
 from ckrun.runner.train.output.directory import METRICS, MetricsLog, OutputError, RunInfo
 from ckrun.runner.train.output.sinks import SINKS, InBackground, Sinks, chosen, make_sink, open_sinks
 from ckrun.runner.train.output.trackers import TensorBoardLog
@@ -172,7 +172,7 @@ def test_a_sink_failing_in_the_background_is_the_same_one_warning(tmp_path, capl
 
 
 def test_mlflow_opens_in_the_background_and_the_others_do_not():
-    from ckrun.runner.recipe_sinks import MlflowSink, WandbSink
+    from ckrun.runner.recipe.sinks import MlflowSink, WandbSink
 
     assert isinstance(make_sink(MlflowSink(name="mlflow")), InBackground)
     assert not isinstance(make_sink(TensorBoardSink(name="tensorboard")), InBackground)
@@ -295,7 +295,7 @@ def test_a_wrong_sink_is_one_located_line(ckrun, sinks, said):
 
 
 def test_the_schema_offers_a_sink_by_name_or_as_a_section():
-    from ckrun.runner.recipe import Recipe
+    from ckrun.runner.recipe.recipe import Recipe
 
     schema = Recipe.model_json_schema()
     items = schema["$defs"]["OutputSpec"]["properties"]["sinks"]["items"]["anyOf"]

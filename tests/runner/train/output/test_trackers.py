@@ -121,8 +121,8 @@ def test_mlflow_holds_every_record_once_across_a_resume(resumed):
 @pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'ckrun[mlflow]')")
 @mock.patch.dict(os.environ)  # the sink sets MLFLOW_DISABLE_TELEMETRY
 def test_a_run_started_afresh_is_a_new_mlflow_run_and_a_resumed_one_continues_the_newest(tmp_path):
-    from ckrun.runner.load import load_recipe
-    from ckrun.runner.recipe_sinks import MlflowSink
+    from ckrun.runner.recipe.load import load_recipe
+    from ckrun.runner.recipe.sinks import MlflowSink
     from ckrun.runner.train.output.trackers import MlflowLog
     from ckrun.runner.train.output.directory import RunInfo
 

@@ -43,7 +43,7 @@ def test_over_the_cap_on_cuda_names_the_reserve_and_the_context():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_the_first_steps_kernels_are_already_in_the_limits_context(tmp_path, caplog):
-    from ckrun.runner.load import load_recipe
+    from ckrun.runner.recipe.load import load_recipe
 
     caplog.set_level(logging.INFO)
     total = torch.cuda.get_device_properties(0).total_memory

@@ -10,7 +10,7 @@ from conftest import BERT_TINY, ROOT, TINY_BERT
 from ckrun.runner.memory import nvml
 from ckrun.runner.memory.floor import ParameterFacts, pool_floor
 from ckrun.runner.builders.model import build_model
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.run import room
 
 MIXTRAL = str(ROOT / "recipes" / "mixtral_tiny.yaml")

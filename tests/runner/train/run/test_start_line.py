@@ -8,7 +8,7 @@ import logging
 import torch
 
 from conftest import BERT_TINY, TINY_BERT
-from ckrun.runner.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe
 from ckrun.runner.train.run.start_line import start_lines
 
 CPU = torch.device("cpu")
