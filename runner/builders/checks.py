@@ -1,6 +1,6 @@
 """What a recipe is checked for after its schema: what only its named classes, files and code can tell.
 
-The schema (runner/recipe*.py) checks a recipe's shape and values without importing torch,
+The schema (runner/recipe/) checks a recipe's shape and values without importing torch,
 transformers or the user's code. The rest is checked here, once, by every verb that loads a
 recipe to use it (`load_checked`: validate, show, run, estimate, tune): that a transformers class
 exists, takes the config's keys and builds from them on the meta device (runner/builders/model_config.py,
