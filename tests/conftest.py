@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,22 @@ def ckrun(capsys):
         return code, captured.out, captured.err
 
     return run
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, what: str):
+    """End a call that would never return (a FIFO or device read, a hang) with a TimeoutError saying `what`,
+    instead of the whole test run."""
+    def stop(signum, frame):
+        raise TimeoutError(f"{what} ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def read_metrics(out_dir: Path) -> list[dict]:

@@ -6,16 +6,15 @@ internal error, never a read of a FIFO or a device (which would never end), neve
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 from pathlib import Path
 
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from ckrun.runner.builders.tokenizer_facts import tokenizer_facts
 from ckrun.runner.cli import main
+from conftest import time_limit
 
 SPECIAL_INPUTS = ("empty folder named", "fifo", "/dev/zero", "/dev/null", "missing", "link to nothing", "link to fifo")
 INPUTS = ("text", "empty file", "folder by wildcard", *SPECIAL_INPUTS)
@@ -71,21 +70,6 @@ def _output(kind: str, folder: Path) -> tuple[str, list[str]]:
     return str(path), ["--force"] if kind.endswith("--force") else []
 
 
-@contextlib.contextmanager
-def _bounded(seconds: int):
-    """A read of a FIFO or a device never returns: end the call instead of the test run."""
-    def stop(signum, frame):
-        raise TimeoutError(f"ckrun tokenizer ran past {seconds} s (a FIFO or device read?)")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(inputs=st.lists(st.tuples(st.sampled_from(INPUTS), text), min_size=1, max_size=3),
        output=st.sampled_from(OUTPUTS), vocab_size=st.one_of(st.integers(258, 270), st.integers(200, 330)),
@@ -96,7 +80,7 @@ def test_every_input_and_output_ends_in_the_tokenizer_asked_for_or_one_line(inpu
     paths = [_input(kind, folder, index, content) for index, (kind, content) in enumerate(inputs)]
     out, flags = _output(output, folder)
     before = sorted(p.name for p in folder.iterdir())
-    with _bounded(120):
+    with time_limit(120, "ckrun tokenizer (a FIFO or device read?)"):
         code = main(["tokenizer", *paths, "--out", out, "--vocab-size", str(vocab_size),
                      "--min-frequency", str(min_frequency), *flags])
     said = capsys.readouterr()

@@ -8,10 +8,8 @@ a time limit, and must print no traceback and only problem lines.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import signal
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import children
-from conftest import BERT_TINY, ROOT
+from conftest import BERT_TINY, ROOT, time_limit
 from ckrun.runner.cli import main
 
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
@@ -72,25 +70,11 @@ def parsed(recipe: Path) -> dict:
     return yaml.load(recipe.read_text(), Loader=FAST_LOADER)
 
 
-@contextlib.contextmanager
-def time_limit(seconds: int):
-    def stop(signum, frame):
-        raise TimeoutError(f"one ckrun call ran past {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def validate(capsys, recipe: Path | str, *overrides: str) -> tuple[int, str]:
     """`ckrun validate` in this process; asserts the contract and returns (exit code, stderr)."""
     capsys.readouterr()
     started = time.process_time()
-    with time_limit(HANG_S):
+    with time_limit(HANG_S, "one ckrun call"):
         code = main(["validate", str(recipe), *overrides])
     out, err = capsys.readouterr()
     assert_contract(code, out, err, str(recipe), time.process_time() - started)
