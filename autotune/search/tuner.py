@@ -94,6 +94,8 @@ class Tuner:
         how = "the largest micro-batch predicted to fit" if predicted else "the whole batch (no predictions)"
         if "micro_batch" not in self.space.choices:
             how = f"the pinned micro-batch {self.space.fixed['micro_batch']}"
+        if self.starts_cut:
+            how += " (past the starting points' share of --time-budget, unpredicted ones at the smallest)"
         if self.screening.times:
             how += ", the predicted fastest first"
         log.info("tune: trying %d known starting points first, at %s: %s", len(starts), how,
@@ -125,8 +127,10 @@ class Tuner:
         return own
 
     def _fastest_first(self, starts: list[dict]) -> list[dict]:
-        """Starting points in order of predicted step time, when there are predicted times."""
-        seconds = {json.dumps(p, sort_keys=True): self.screening.seconds(self.space.candidate(p)) for p in starts}
+        """Starting points in order of predicted step time, when there are predicted times (past the starting
+        points' share of the budget, only those already predicted: the rest follow, unpredicted)."""
+        seconds = {json.dumps(p, sort_keys=True): self.screening.time_of(self.space.candidate(p).key) if self.starts_cut
+                   else self.screening.seconds(self.space.candidate(p)) for p in starts}
         if not any(v is not None for v in seconds.values()):
             return starts
         return sorted(starts, key=lambda p: (seconds[json.dumps(p, sort_keys=True)] is None,
@@ -159,20 +163,41 @@ class Tuner:
             self.study.enqueue_trial(params, skip_if_exists=True)
 
     def _start_fits(self, candidate: Candidate) -> bool:
-        """A starting point predicted to fit; past START_SHARE of the time budget no more are predicted:
-        the rest are taken as they come (each combination's first try: its largest micro-batch), so the
-        known starting points are still measured first, as far as the budget reaches."""
+        """A starting point predicted to fit; past START_SHARE of the time budget no more are predicted, and
+        the rest are taken by what is known without a prediction (`_may_fit_unpredicted`), so the known
+        starting points are still tried first, as far as the budget reaches."""
         budget = self.budget
         if budget is not None and budget.time_s is not None and \
                 time.monotonic() - budget.started > START_SHARE * budget.time_s:
             if not self.starts_cut:
                 self.starts_cut = True
-                log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; the "
-                         "rest are probed unpredicted", 100 * START_SHARE, budget.time_s)
-            return not invalid_reason(candidate, self.space)
+                log.info("tune: no more starting points predicted: %.0f%% of --time-budget %g s has passed; the rest "
+                         "are taken at the largest micro-batch already predicted to fit, else unpredicted at the "
+                         "smallest (the likeliest to fit), never one predicted or bounded over the limit",
+                         100 * START_SHARE, budget.time_s)
+            return self._may_fit_unpredicted(candidate)
         if self.predicted_search and candidate.key not in self.screening.peaks:
             self.priced_first.append(candidate)
         return self.screening.fits(candidate)
+
+    def _may_fit_unpredicted(self, candidate: Candidate) -> bool:
+        """Whether a starting point may be taken without a new prediction: one predicted already is taken as
+        predicted; one the pools' lower bound puts over the limit never; an unpredicted one only at the
+        smallest micro-batch, since the peak grows with it (the largest, a short budget's first try before,
+        is the likeliest over: a 7B LoRA's every starting point at 24 GB)."""
+        if invalid_reason(candidate, self.space) or self.screening.bound(candidate):
+            return False
+        if candidate.key in self.screening.peaks:
+            return self.screening.fits(candidate)
+        return self._smallest_micro_batch(candidate)
+
+    def _smallest_micro_batch(self, candidate: Candidate) -> bool:
+        """Whether no smaller micro-batch than the candidate's is valid with its other settings."""
+        params = self.space.point_of(candidate)
+        if params is None or "micro_batch" not in params:
+            return True  # the micro-batch is pinned: the only one
+        return not any(not invalid_reason(self.space.candidate({**params, "micro_batch": micro}), self.space)
+                       for micro in self.space.micro_batches() if micro < params["micro_batch"])
 
     def _no_time_to_predict(self) -> str | None:
         """Why no more predictions may run before the first probe: the time budget's share for them is spent."""

@@ -13,7 +13,8 @@ The trace is cut into parts as it runs:
   forward hooks bracket the block ("blk"); what runs after the last block is "post" (norm, head, loss);
 - backward: each op belongs to the part whose forward created the autograd node now running (its
   sequence number: torch numbers nodes in the order they are made); an AccumulateGrad node stays in
-  the part it follows; "tail" is what runs after the backward (the loss summed), "head" before the
+  the part it follows; "tail" is what runs and goes once the engine has run every node (the gradient
+  seed, the loss summed), "head" before the
   first forward (the loss's denominator), "end" what goes when the step returns;
 - a separate trace of the update alone (`trace_update`): the gradients set, then clipping, the
   optimizer's step and the gradients let go, as `runner.train.step.update` runs them.
@@ -332,7 +333,9 @@ class Cutter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch._C._current_graph_task_id() != -1:
-            self.in_backward = True
+            if not self.in_backward:
+                self.in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
             node = torch._C._current_autograd_node()
             if node is not None and node._sequence_nr() != ACCUMULATE_GRAD:
                 self.enter(self._backward_part(node._sequence_nr()))
@@ -340,6 +343,13 @@ class Cutter(TorchDispatchMode):
             self.in_backward = False
             self.enter(("tail", self.micro))
         return func(*args, **(kwargs or {}))
+
+    def _backward_ends(self) -> None:
+        """The engine has run every node: what goes from here (the gradient seed `backward()` made, the graph
+        task's own) is the tail's, not the last node's part, whose allocations differ between a kept and a
+        recomputed block (with a frozen embedding that part is the first block's)."""
+        self.enter(("tail", self.micro))
+        self.in_backward = False
 
     def _backward_part(self, sequence_nr: int) -> Sid:
         at = bisect.bisect_right(self.starts, sequence_nr) - 1

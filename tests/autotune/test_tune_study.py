@@ -300,3 +300,48 @@ def test_the_work_before_the_first_probe_keeps_to_its_share_of_the_budget(tmp_pa
         assert clock.now - budget.started <= max(spent_s, PRE_PROBE_SHARE * budget_s) + 8 * predictor.seconds
     else:
         assert predictor.asked > 20  # no budget: the space is predicted until more than --trials plans fit
+
+
+class Growing:
+    """A predictor whose peak grows with the micro-batch (3 MB a sample without checkpointing, less with),
+    each prediction taking `seconds` of the (fake) clock; it remembers when it was asked."""
+
+    PER_SAMPLE = {"none": 3_000_000, "every:2": 1_000_000, "full": 500_000}
+
+    def __init__(self, clock, seconds):
+        self.clock, self.seconds, self.asked_at = clock, seconds, []
+
+    def peak(self, candidate) -> int:
+        return self.PER_SAMPLE.get(candidate.plan.checkpointing.label(), 400_000) * candidate.plan.micro_batch
+
+    def __call__(self, candidate):
+        self.asked_at.append(self.clock.now)
+        self.clock.now += self.seconds
+        return Prediction(self.peak(candidate))
+
+
+def test_past_the_starting_points_share_of_the_budget_no_start_known_over_the_cap_is_taken(tmp_path, setting,
+                                                                                           monkeypatch, caplog):
+    """A short budget (a 7B LoRA's 60 s): once START_SHARE of it has passed, no starting point is predicted;
+    one predicted already is taken as predicted (none over the cap), the rest at the smallest micro-batch
+    (the likeliest to fit), never at the largest as if it fitted."""
+    from ckrun.autotune.search.tuner import START_SHARE
+
+    recipe, space = setting
+    clock = Clock()
+    monkeypatch.setattr("ckrun.autotune.search.study.time.monotonic", clock)
+    budget = Budget(trials=20, time_s=40, started=clock.now - START_SHARE * 40 + 3)  # 3 s before the cut
+    predictor = Growing(clock, 2)
+    study, _ = open_study(tmp_path, {}, False)
+    tuner = Tuner(study, space, CAP, Counting(recipe), predictor, predicted=True)
+    over = space.candidate({**space.starting_points(recipe)[0], "micro_batch": 1, "checkpointing": "none"})
+    assert tuner.screening.peak(over) > CAP.limit  # predicted before: none at micro-batch 1 is over
+    caplog.set_level("INFO")
+    tuner.start(recipe, budget=budget)
+    cut = budget.started + START_SHARE * budget.time_s
+    assert tuner.starts_cut and predictor.asked_at and all(at <= cut for at in predictor.asked_at)
+    queued = [space.candidate(t.system_attrs["fixed_params"]) for t in study.get_trials(states=(TrialState.WAITING,))]
+    assert queued and all(predictor.peak(c) <= CAP.limit for c in queued), [describe(c) for c in queued]
+    unpredicted = [c for c in queued if c.key not in tuner.screening.peaks]
+    assert unpredicted and all(c.plan.micro_batch == 1 for c in unpredicted)
+    assert "none" not in {c.plan.checkpointing.label() for c in unpredicted}  # its micro-batch 1 is known over
