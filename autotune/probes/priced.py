@@ -22,7 +22,7 @@ from ckrun.runner.problems import first_line
 from ckrun.runner.recipe.recipe import Recipe
 
 from ..search.study import Prediction
-from .screen import CHILD_ENV
+from .screen import CHILD_ENV, Screening
 from ..space.candidate import Candidate
 from ..space.knobs import describe
 
@@ -38,17 +38,16 @@ def in_process(recipe: Recipe, predict: bool, device_kind: str) -> bool:
     return recipe.model.source != "python" and (predict or device_kind == "cpu")
 
 
-class PricedPredictor:
+class PricedPredictor(Screening):
     """Predicted peaks and step times for the tuner, made in this process (module docstring)."""
 
     def __init__(self, recipe: Recipe, device_kind: str, time_facts, context_bytes: int = 0, nproc: int = 1,
                  screen_above: int | None = None):
         """`screen_above`: the peak (CUDA context included) over which a plan is screened out whatever its
         exact figure: past it, its live tensors' peak is enough (no allocator replay)."""
+        super().__init__()
         self.recipe, self.device_kind, self.time_facts, self.nproc = recipe, device_kind, time_facts, nproc
         self.context_bytes, self.screen_above = context_bytes, screen_above
-        self.off: str | None = None
-        self.warnings: list[str] = []
         self.priced = 0  # plans answered, composed or not
         self.seconds = 0.0  # spent predicting
         self._pricer = None
@@ -126,16 +125,6 @@ class PricedPredictor:
         except ValueError as err:
             return {"status": "unavailable", "reason": first_line(err)}
         return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
-
-    def _turn_off(self, reason: str) -> None:
-        self.off = reason
-        log.warning("screening: off (%s): every new plan is probed", reason)
-
-    def _warn(self, warnings: list[str]) -> None:
-        for warning in warnings:
-            if warning not in self.warnings:
-                self.warnings.append(warning)
-                log.warning("screening: the estimate may be low: %s", warning)
 
     def summary(self) -> dict:
         """What report.json says about screening."""

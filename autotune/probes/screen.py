@@ -176,14 +176,32 @@ def read_facts(child: ModelChild, source: str) -> dict:
     raise InputError([Problem(Place(source), key, f"{what}{facts['reason']}")])
 
 
-class IsolatedPredictor:
+class Screening:
+    """What a predictor that screens plans says of itself: whether it is off and why, and the estimate's
+    warnings, each said once."""
+
+    def __init__(self):
+        self.off: str | None = None  # why screening is off
+        self.warnings: list[str] = []
+
+    def _turn_off(self, reason: str) -> None:
+        self.off = reason
+        log.warning("screening: off (%s): every new plan is probed", reason)
+
+    def _warn(self, warnings: list[str]) -> None:
+        for warning in warnings:
+            if warning not in self.warnings:
+                self.warnings.append(warning)
+                log.warning("screening: the estimate may be low: %s", warning)
+
+
+class IsolatedPredictor(Screening):
     """Predicted peaks for screening, from the model child; a fault costs one plan its screening."""
 
     def __init__(self, child: ModelChild, context_bytes: int = 0):
+        super().__init__()
         self.child, self.context_bytes = child, context_bytes
-        self.off: str | None = None  # why screening is off
         self.faults: list[str] = []
-        self.warnings: list[str] = []
         self._ready = False
 
     def __call__(self, candidate: Candidate) -> Prediction | None:
@@ -241,16 +259,6 @@ class IsolatedPredictor:
             return False
         self._ready = True
         return True
-
-    def _turn_off(self, reason: str) -> None:
-        self.off = reason
-        log.warning("screening: off (%s): every new plan is probed", reason)
-
-    def _warn(self, warnings: list[str]) -> None:
-        for warning in warnings:
-            if warning not in self.warnings:
-                self.warnings.append(warning)
-                log.warning("screening: the estimate may be low: %s", warning)
 
     @property
     def time_facts(self):
