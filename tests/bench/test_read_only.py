@@ -13,6 +13,7 @@ from bench.doc_sections import markers
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 20 s of CPU timing a bench script, not the product
 def test_the_quick_run_times_each_command_and_writes_its_section(tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n")

@@ -119,7 +119,8 @@ def check_plan(estimator: Estimator, composer: Composer, plan: MemoryPlan) -> No
     assert composed.time.seconds == pytest.approx(reference.time.seconds, rel=1e-9, abs=1e-15)
 
 
-@pytest.mark.parametrize(("name", "device"), [("llama3_8b", "cuda"), ("llama3_8b", "cpu"), ("llama_1b_lora", "cuda")])
+@pytest.mark.parametrize(("name", "device"), [("llama3_8b", "cuda"), ("llama_1b_lora", "cuda"),
+                                             pytest.param("llama3_8b", "cpu", marks=pytest.mark.slow)])  # 48 s of CPU
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(st.data())
@@ -158,8 +159,10 @@ ORDERED = [  # one composer, plans in an order where later ones reuse the traces
 ]
 
 
-@pytest.mark.parametrize(("name", "device", "weights"), [("llama3_8b", "cuda", "fp32"), ("llama3_8b", "cuda", "bf16"),
-                                                     ("bert_tiny", "cpu", "fp32"), ("llama_1b_lora", "cuda", "fp32")])
+@pytest.mark.parametrize(("name", "device", "weights"), [  # the default run keeps one GPU and one CPU order
+    ("llama3_8b", "cuda", "bf16"), ("bert_tiny", "cpu", "fp32"),
+    pytest.param("llama3_8b", "cuda", "fp32", marks=pytest.mark.slow),
+    pytest.param("llama_1b_lora", "cuda", "fp32", marks=pytest.mark.slow)])  # 39 s; the LoRA's neighbours are checked above
 def test_plans_in_any_order_compose_from_the_traces_of_others(name, device, weights):
     """Each plan reuses what earlier ones traced (a kept block traced beside a recomputed one, a block stood
     for by a later one: BERT's two blocks by its last); with bf16 weights a kept block lets go of its input

@@ -130,7 +130,7 @@ def _cached(text: str, device: str) -> Estimator:
     return _ESTIMATORS[(text, device)]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # 3 s each
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # 3 s each
 @given(model=st.sampled_from([TINY_BERT, GPT2, VISION]), device=st.sampled_from(["cpu", "cuda"]),
        policy=st.sampled_from(["none", "full", "every", "selective", "sqrt"]),
        precision=st.sampled_from(["fp32", "bf16"]), split=st.sampled_from([3, 4, 6]))
