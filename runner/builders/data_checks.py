@@ -15,7 +15,7 @@ import glob
 import json
 from pathlib import Path
 
-from ..problems import KeyedError
+from ..problems import KeyedError, one_line
 from .resolve import BuildError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -67,9 +67,13 @@ def _first_record_fits(path: Path, data, key: str, task: str | None) -> None:
         raise KeyedError(f"{key}.paths", f"{path} holds no records; give a file with one example per line or row")
     for name, setting in ((data.input_field, "input_field"), (data.target_field, "target_field")):
         if name not in record:
-            fields = ", ".join(map(str, list(record)[:8])) or "none"
-            raise KeyedError(f"{key}.{setting}", f"{where}: no field {name!r} (it has {fields}); "
+            raise KeyedError(f"{key}.{setting}", f"{where}: no field {name!r} (it has {field_list(record)}); "
                                                  f"fix the file or set {key}.{setting}")
+
+
+def field_list(record: dict) -> str:
+    """A record's first field names for a one-line message (a quoted CSV header may hold line breaks)."""
+    return one_line(", ".join(map(str, list(record)[:8]))) or "none"
 
 
 def _first(file, suffix: str, path: Path, key: str) -> tuple[dict | None, str]:

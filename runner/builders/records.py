@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..recipe.recipe import RecordsData
-from .data_checks import CSV_DELIMITERS, JSONL_SUFFIXES, json_objects, matching_files
+from .data_checks import CSV_DELIMITERS, JSONL_SUFFIXES, field_list, json_objects, matching_files
 from .data import IGNORE, Batch, Shape, TextSource, epoch_rows, load_tokenizer
 from .resolve import BuildError
 
@@ -99,8 +99,7 @@ def to_example(where: str, record: dict, data: RecordsData, key: str) -> Example
     values = []
     for name, setting in ((data.input_field, "input_field"), (data.target_field, "target_field")):
         if name not in record:
-            fields = ", ".join(map(str, list(record)[:8])) or "none"
-            raise BuildError(f"{key}.{setting}", f"{where}: no field {name!r} (it has {fields}); "
+            raise BuildError(f"{key}.{setting}", f"{where}: no field {name!r} (it has {field_list(record)}); "
                                                  f"fix the file or set {key}.{setting}")
         value = record[name]
         if isinstance(value, bool) or not isinstance(value, str | int) or (setting == "input_field" and not isinstance(value, str)):

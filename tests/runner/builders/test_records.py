@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import BERT_TINY, TINY_BERT, read_metrics
@@ -113,6 +113,7 @@ LINES = st.one_of(
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(LINES, max_size=6), suffix=st.sampled_from([".jsonl", ".csv"]))
+@example(lines=['{"text": "", "label": "", "other": ","}', '{"text": "0", "label": "a"}'], suffix=".csv")  # a quoted
 def test_any_records_file_builds_or_is_one_line_naming_it(tmp_path_factory, lines, suffix):
     path = tmp_path_factory.mktemp("records") / f"data{suffix}"
     path.write_text("\n".join(lines), encoding="utf-8", errors="surrogatepass")
