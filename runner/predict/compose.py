@@ -35,61 +35,21 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from ..memory.blocks import find_blocks
 from ..plan.memory_plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
 from ..recipe.recipe import Precision as PrecisionName
-from ..units import format_bytes
-from ..memory.tracker import CATEGORIES
 from .estimate import CPU, HOST, Estimate, micro_batch_of
-from .parts import BASE, PartsEstimator, Sid, Trace, parameter_signature, trace_step, trace_update
-from .roofline import AFTER_BLOCKS, StepWork
-from .step_time import step_time
+from .parts import PartsEstimator, Trace, parameter_signature, trace_step, trace_update
+from .placement import Composition, Layout, NotComposable, trace_around
+from .roofline import AFTER_BLOCKS
 
 log = logging.getLogger(__name__)
 
-END = 1 << 62  # a position after every allocation of a part
-MADE_KEPT = 24  # compositions kept (each the events of a step: megabytes for a deep model)
 OPTIMIZER_POOLS = ("optimizer_state", "gradients")  # pools that only the update touches, unless it hooks the backward
-
-
-class NotComposable(Exception):
-    """Why a plan's prediction cannot be composed from parts (the whole-model step is the answer)."""
-
-
-@dataclass
-class _Bytes:
-    """The composed step's allocations, as `Estimator._result` reads a tracker."""
-
-    events: list
-    peak_bytes: int
-    breakdown: dict[str, int]
-    peak_by_device: dict[str, int]
-    category_peaks: dict[str, int]
-    """Each category's own most on the step's device, as the tracker keeps it."""
-
-    @property
-    def breakdown_at_peak(self) -> dict[str, int]:
-        return dict(self.breakdown)  # a copy, as the tracker's: the estimate adds the allocator's parts to it
-
-
-@dataclass
-class _Layout:
-    """One plan on this model: each block's signature and representative, and the traces it is made of."""
-
-    plan: MemoryPlan
-    precision: str
-    key: str
-    micro_batches: int
-    signatures: list[tuple]
-    windows: list[tuple[int, int]]
-    """Per block, the first and last block traced beside its representative."""
-    reps: list[tuple[Trace, int]] = field(default_factory=list)
-    absolute: Trace | None = None
-    update: Trace | None = None
 
 
 class Composer:
@@ -131,10 +91,10 @@ class Composer:
     def composed(self, plan: MemoryPlan, precision: PrecisionName, over: int | None = None) -> Estimate:
         return self._composition(plan, precision).estimate(over)
 
-    def _composition(self, plan: MemoryPlan, precision: PrecisionName) -> _Composition:
+    def _composition(self, plan: MemoryPlan, precision: PrecisionName) -> Composition:
         layout = self._layout(plan, precision)
         self._represent(layout)
-        return _Composition(self, layout)
+        return Composition(self, layout)
 
     def block_bytes(self, plan: MemoryPlan, precision: PrecisionName) -> tuple[Estimate, list[int], list[int]]:
         """(the estimate, per block the device bytes and the host bytes its first forward leaves), as
@@ -192,7 +152,7 @@ class Composer:
     def around(self, trace: Trace, t: int) -> list[int]:
         key = (id(trace), t)
         if key not in self._around:
-            self._around[key] = _around(trace, t)
+            self._around[key] = trace_around(trace, t)
         return self._around[key]
 
     def ready(self, plan: MemoryPlan, precision: PrecisionName | None = None) -> bool:
@@ -206,7 +166,7 @@ class Composer:
             key = self._parts_key(plan, precision)
             if key not in self.absolute:
                 return False
-            layout = _Layout(plan, precision, key, 1 if micro_batch_of(plan, self.estimator.recipe.train.batch_size)
+            layout = Layout(plan, precision, key, 1 if micro_batch_of(plan, self.estimator.recipe.train.batch_size)
                              >= self.estimator.recipe.train.batch_size else 2, *self._signatures(plan, key))
         except ValueError:
             return False
@@ -223,14 +183,14 @@ class Composer:
             self.found[plan.blocks] = find_blocks(self.model, plan.blocks)
         return self.found[plan.blocks]
 
-    def _layout(self, plan: MemoryPlan, precision: str) -> _Layout:
+    def _layout(self, plan: MemoryPlan, precision: str) -> Layout:
         why = _not_composed(plan, self.estimator)
         if why:
             raise NotComposable(why)
         batch = self.estimator.recipe.train.batch_size
         micro = micro_batch_of(plan, batch)
         key = self._parts_key(plan, precision)
-        return _Layout(plan, precision, key, 1 if micro >= batch else 2, *self._signatures(plan, key))
+        return Layout(plan, precision, key, 1 if micro >= batch else 2, *self._signatures(plan, key))
 
     def _parts_key(self, plan: MemoryPlan, precision: str) -> str:
         """What the blocks', embedding's and loss's parts depend on: the plan but its per-block actions,
@@ -262,7 +222,7 @@ class Composer:
             self._around[key] = (type(block.module).__qualname__, parameter_signature(block.module))
         return self._around[key]
 
-    def _parameters(self, block) -> list:
+    def block_parameters(self, block) -> list:
         """A block's parameters, listed once."""
         key = ("parameters", block.name)
         if key not in self._around:
@@ -275,7 +235,7 @@ class Composer:
         planned = self.estimator._optimizing(plan)
         planned.install()
         try:
-            return {b.index: tuple(bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in self._parameters(b))
+            return {b.index: tuple(bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in self.block_parameters(b))
                     for b in blocks}
         finally:
             planned.remove()
@@ -303,7 +263,7 @@ class Composer:
                       for i, (lo, hi) in enumerate(windows)]
         return signatures, [(max(lo, 0), min(hi, count - 1)) for lo, hi in windows]
 
-    def _represent(self, layout: _Layout) -> None:
+    def _represent(self, layout: Layout) -> None:
         """Trace what the plan's blocks need and is not traced yet; a first trace of a parts key learns
         what each block is given, which may show kinds it had not told apart (then one more trace)."""
         for _ in range(3):
@@ -328,7 +288,7 @@ class Composer:
         layout.absolute = self.absolute[layout.key]
         layout.update = self._update(layout)
 
-    def _with_companion(self, layout: _Layout, chosen: set[int]) -> tuple[MemoryPlan, set[int]]:
+    def _with_companion(self, layout: Layout, chosen: set[int]) -> tuple[MemoryPlan, set[int]]:
         """The plan to trace, and its blocks to make real: the layout's own; where its blocks are kept or
         recomputed one by one and only one of the two is traced, a block with the other action beside them
         (the same trace then serves every plan that keeps some blocks and recomputes the rest)."""
@@ -348,7 +308,7 @@ class Composer:
         checkpointing = LayerListCheckpointing(policy="layers", layers=layers) if layers else NoCheckpointing()
         return plan.model_copy(update={"checkpointing": checkpointing}), chosen | {companion}
 
-    def _trace(self, layout: _Layout, traced: MemoryPlan, real: set[int], chosen: set[int]) -> None:
+    def _trace(self, layout: Layout, traced: MemoryPlan, real: set[int], chosen: set[int]) -> None:
         trace = trace_step(self.estimator, traced, layout.precision, real, self.templates)
         self.traces += 1
         if trace.problems:
@@ -361,7 +321,7 @@ class Composer:
         for i in sorted(chosen):
             self.represented.setdefault((layout.key, signatures[i]), (trace, i))
 
-    def _update(self, layout: _Layout) -> Trace:
+    def _update(self, layout: Layout) -> Trace:
         """The update's trace for the plan's optimizer, after the gradients its blocks accumulate."""
         key = self._update_key(layout)
         if key not in self.updates:
@@ -372,16 +332,16 @@ class Composer:
                 raise NotComposable("; ".join(self.updates[key].problems))
         return self.updates[key]
 
-    def _update_key(self, layout: _Layout) -> tuple:
+    def _update_key(self, layout: Layout) -> tuple:
         """What the update's trace depends on: the pools' policies, the micro-batches run and the parameters
         whose gradients the backward accumulates (read off the representatives)."""
         accumulated = set()
         blocks = self.blocks(layout.plan)
         for i, (trace, t) in enumerate(layout.reps):
-            for mine, theirs in zip(self._parameters(blocks[i]), self._parameters(blocks[t]), strict=True):
+            for mine, theirs in zip(self.block_parameters(blocks[i]), self.block_parameters(blocks[t]), strict=True):
                 if self.param_index[id(theirs)] in trace.accumulated:
                     accumulated.add(self.param_index[id(mine)])
-        in_blocks = {id(p) for b in blocks for p in self._parameters(b)}
+        in_blocks = {id(p) for b in blocks for p in self.block_parameters(b)}
         accumulated |= {i for i in layout.absolute.accumulated if id(self.params[i]) not in in_blocks}
         return (tuple(p.model_dump_json() for p in layout.plan.pool_policies()), layout.micro_batches,
                 frozenset(accumulated))
@@ -396,470 +356,3 @@ def _not_composed(plan: MemoryPlan, estimator) -> str | None:
     if not hasattr(torch._C._autograd, "_get_sequence_nr"):
         return f"torch {torch.__version__} does not number autograd nodes where parts can read it"
     return None
-
-
-# --- composing -----------------------------------------------------------------------------------------
-
-
-class _Composition:
-    """One plan's parts put in order, its storages joined and placed (module docstring)."""
-
-    def __init__(self, composer: Composer, layout: _Layout):
-        self.composer, self.layout = composer, layout
-        self.count = len(layout.signatures)
-        self.order = self._order()
-        self.at = {sid: n for n, sid in enumerate(self.order)}
-        self.frees: dict[tuple, tuple] = {}  # store -> latest position it was seen let go
-        self.labels: dict[tuple, list[tuple[tuple, str]]] = {}
-        self.memo: dict[tuple, tuple] = {}
-        self.wiring: dict[tuple, dict[int, int]] = {}
-        self.cuts: dict[Sid, tuple[int, int]] = {}  # part -> (events before it, events before what goes after it)
-
-    def _order(self) -> list[Sid]:
-        order: list[Sid] = [("head",)]
-        for m in range(1, self.layout.micro_batches + 1):
-            order += [("pre", m, "f"), *[("blk", i, m, "f") for i in range(self.count)], ("post", m, "f"),
-                      ("post", m, "b"), *[("blk", i, m, "b") for i in reversed(range(self.count))], ("pre", m, "b"),
-                      ("tail", m)]
-        return order + [("update",), ("end",)]
-
-    def source(self, sid: Sid) -> tuple[Trace, Sid, int]:
-        """The trace, its part and the shift (full block less traced block) that a full part is copied from."""
-        if sid[0] == "blk":
-            trace, t = self.layout.reps[sid[1]]
-            return trace, ("blk", t, *sid[2:]), sid[1] - t
-        if sid == ("update",):
-            return self.layout.update, sid, 0
-        return self.layout.absolute, sid, 0
-
-    # --- naming storages ---------------------------------------------------------------------------
-
-    def store(self, trace: Trace, serial: int, shift: int) -> tuple:
-        """The full step's name for `serial` of `trace` seen from a block `shift` away."""
-        key = (id(trace), serial, shift)
-        if key not in self.memo:
-            self.memo[key] = self._name(trace, serial, shift)
-        return self.memo[key]
-
-    def _name(self, trace: Trace, serial: int, shift: int) -> tuple:
-        stored = trace.stores[serial]
-        owner = stored.owner
-        if owner == BASE:
-            if trace is not self.layout.update:
-                raise NotComposable("a part frees a storage that existed before the step")
-            return (BASE, stored.ordinal)
-        if owner[0] != "blk":
-            if trace is self.layout.update and owner == ("head",):
-                raise NotComposable("the update's placeholder gradient reached another part")
-            self._same_as_absolute(trace, owner, stored)
-            return (owner, stored.ordinal)
-        j, m, phase = owner[1], owner[2], owner[3]
-        full = j + shift
-        if 0 <= full < self.count and self.layout.reps[full][0] is trace and self.layout.reps[full][1] == j:
-            return (("blk", full, m, phase), stored.ordinal)  # the block that stands for `full` made it
-        boundary = trace.boundaries.get((j, m))
-        if phase == "f" and boundary is not None and serial in boundary.outputs:
-            return self.output(full, m, boundary.outputs.index(serial))
-        if phase == "b" and boundary is not None and serial in boundary.din.values():
-            leaf = next(k for k, s in boundary.din.items() if s == serial)
-            if 0 <= full < self.count:
-                return self.gradient_in(full, m, leaf)
-            before = trace.boundaries.get((j - 1, m))  # past the last block: what the head's backward sends
-            if full == self.count and before is not None and boundary.inputs[leaf] in before.outputs:
-                return self.arriving(full - 1, m, before.outputs.index(boundary.inputs[leaf]))
-            raise NotComposable("a block is given a tensor needing gradients that its predecessor did not return")
-        if j in trace.real and 0 <= full < self.count:  # a neighbour's own, traced beside its representative
-            self._same_as_copied(("blk", full, m, phase), stored)
-            return (("blk", full, m, phase), stored.ordinal)
-        raise NotComposable("a block's storage is named past the model's blocks")
-
-    def output(self, block: int, m: int, leaf: int) -> tuple:
-        """Block `block`'s output leaf `leaf` in micro-batch `m`."""
-        if not 0 <= block < self.count:
-            raise NotComposable("a block's output is named past the model's blocks")
-        trace, t = self.layout.reps[block]
-        return self.store(trace, trace.boundaries[(t, m)].outputs[leaf], block - t)
-
-    def arriving(self, block: int, m: int, leaf: int) -> tuple:
-        """The gradient that arrives for block `block`'s output leaf `leaf`: what the next block computes
-        for the input it made of it, or for the last block what the head's backward computes."""
-        absolute = self.layout.absolute
-        if block == self.count - 1:
-            return self.store(absolute, absolute.boundaries[(block, m)].dout[leaf], 0)
-        return self.gradient_in(block + 1, m, self._wired(block, m)[leaf])
-
-    def gradient_in(self, block: int, m: int, leaf: int) -> tuple:
-        """The gradient block `block` computes for its input leaf `leaf`, or passes on (a residual's: then it
-        is the one that arrived for its output, whoever sent it)."""
-        trace, t = self.layout.reps[block]
-        boundary = trace.boundaries[(t, m)]
-        serial = boundary.din[leaf]
-        passed = [k for k, s in boundary.dout.items() if s == serial]
-        if passed:
-            return self.arriving(block, m, passed[0])
-        return self.store(trace, serial, block - t)
-
-    def _wired(self, block: int, m: int) -> dict[int, int]:
-        """Which input leaf of block+1 each output leaf of `block` becomes (read in the absolute trace)."""
-        if (block, m) not in self.wiring:
-            bounds = self.layout.absolute.boundaries
-            outputs, inputs = bounds[(block, m)].outputs, bounds[(block + 1, m)].inputs
-            self.wiring[(block, m)] = {k: inputs.index(s) for k, s in enumerate(outputs) if s is not None and s in inputs}
-        return self.wiring[(block, m)]
-
-    def _same_as_absolute(self, trace: Trace, owner: Sid, stored) -> None:
-        absolute = self.layout.absolute
-        if trace is absolute or trace is self.layout.update:
-            return
-        part = absolute.parts.get(owner)
-        if part is None or len(part.allocs) < stored.ordinal or \
-                absolute.stores[part.allocs[stored.ordinal - 1]].nbytes != stored.nbytes:
-            raise NotComposable(f"the {owner[0]} part differs between traces")
-
-    def _same_as_copied(self, sid: Sid, stored) -> None:
-        trace, tsid, _ = self.source(sid)
-        part = trace.parts.get(tsid)
-        if part is None or len(part.allocs) < stored.ordinal or \
-                trace.stores[part.allocs[stored.ordinal - 1]].nbytes != stored.nbytes:
-            raise NotComposable("a block's neighbours differ from those it was traced with")
-
-    # --- placing frees -----------------------------------------------------------------------------
-
-    def position(self, trace: Trace, sid: Sid, k: int, shift: int, boundary: bool = False) -> tuple | None:
-        """Where in the full step a trace's position (part, allocations made) falls, seen `shift` away, or
-        None where that trace cannot say. A real block's part speaks for the full block it stands for;
-        another real block's (a neighbour traced beside it) only where its allocations are the same, and
-        never of a boundary tensor (the neighbour's own trace says when it lets go). A relay's part is
-        the full block's start (a relay holds nothing: someone let go no later), the gap after it its
-        end. The embedding's and head's parts speak of a block's boundary only for the block itself."""
-        if sid[0] == "blk":
-            full = sid[1] + shift
-            if not 0 <= full < self.count:
-                return None
-            if sid[1] not in trace.real:
-                return (self.at[("blk", full, *sid[2:])], 0)
-            rep_trace, t = self.layout.reps[full]
-            if not (rep_trace is trace and t == sid[1]):
-                if boundary:
-                    return None
-                self._same_part(trace, sid, ("blk", full, *sid[2:]))
-            return (self.at[("blk", full, *sid[2:])], k)
-        if sid[0] == "gap":
-            full = sid[1] + shift
-            return (self.at[("blk", full, sid[2], "f")], END) if 0 <= full < self.count else None
-        if sid[0] == "gapb" or sid == BASE or (boundary and shift):
-            return None
-        return (self.at[sid], k)
-
-    def _same_part(self, trace: Trace, sid: Sid, full: Sid) -> None:
-        source, tsid, _ = self.source(full)
-        mine, theirs = trace.parts.get(sid), source.parts.get(tsid)
-        sizes = lambda t, part: [t.stores[s].nbytes for s in part.allocs] if part else []  # noqa: E731
-        if sizes(trace, mine) != sizes(source, theirs):
-            raise NotComposable("a block's neighbours differ from those it was traced with")
-
-    def seen(self, trace: Trace, serial: int, shift: int, store: tuple | None = None, boundary: bool = False) -> None:
-        """Note where `trace` saw `serial` let go and re-labelled, seen `shift` away (`boundary`: it crosses
-        between blocks, so only the parts of whoever holds it in the full step may say: `position`)."""
-        stored = trace.stores[serial]
-        store = store or self.store(trace, serial, shift)
-        if stored.freed is not None:
-            at = self.position(trace, *stored.freed, shift, boundary)
-            if at is not None and (store not in self.frees or at > self.frees[store]):
-                self.frees[store] = at
-        for sid, k, category in stored.labels[1:]:  # the first is its category when made
-            at = self.position(trace, sid, k, shift)
-            if at is not None:
-                self.labels.setdefault(store, []).append((at, category))
-
-    def observe(self) -> None:
-        """Every trace's view of what its real blocks, and (the absolute trace) the model's own code, let go."""
-        for i, (trace, t) in enumerate(self.layout.reps):
-            edges = self.composer.edges(trace, t)
-            for serial in self.composer.around(trace, t):
-                self.seen(trace, serial, i - t, self._given(trace, t, serial, i), serial in edges)
-            for copy, shared in trace.copies.items():  # when this block lets go of an input it shares
-                stored = trace.stores[copy]
-                if stored.owner[1] == t and stored.freed is not None:
-                    at = self.position(trace, *stored.freed, i - t)
-                    store = self.store(trace, shared, i - t)
-                    if at is not None and (store not in self.frees or at > self.frees[store]):
-                        self.frees[store] = at
-        self._passed_on()
-        absolute = self.layout.absolute
-        edges = self.composer.edges(absolute, None)
-        for serial in _outside_blocks(absolute, edges):
-            self.seen(absolute, serial, 0, boundary=serial in edges)
-        update = self.layout.update
-        for serial, stored in enumerate(update.stores):
-            if stored.owner != ("head",) and (stored.owner in (BASE, ("update",)) or stored.freed is not None):
-                if stored.owner == BASE and stored.freed is None and not any(s[0] == ("update",) for s in stored.labels):
-                    continue
-                self.seen(update, serial, 0)
-        self._gradients()
-
-    def _passed_on(self) -> None:
-        """What a block returns and the next is given lives at least until the next block's forward returns
-        (its call holds it): a trace whose next block is real and holds it longer cannot say when it would
-        otherwise go, which is then when the model's loop lets go of it."""
-        for m in range(1, self.layout.micro_batches + 1):
-            for block in range(self.count - 1):
-                at = (self.at[("blk", block + 1, m, "f")], END)
-                for leaf in self._wired(block, m):
-                    store = self.output(block, m, leaf)
-                    if store not in self.frees or at > self.frees[store]:
-                        self.frees[store] = at
-
-    def _given(self, trace: Trace, t: int, serial: int, block: int) -> tuple | None:
-        """The full step's name of a boundary tensor of representative `t` standing for `block`: the gradient
-        that arrives for its output, the one it computes for its input, and its input (its predecessor's
-        output, or the embedding's for the first block); None for the rest (named by who made them)."""
-        if block == t:
-            return None  # the representative stands for itself: its trace names its boundary
-        for m in range(1, self.layout.micro_batches + 1):
-            boundary = trace.boundaries.get((t, m))
-            if boundary is None:
-                continue
-            arrived = [k for k, s in boundary.dout.items() if s == serial]
-            if arrived:
-                return self.arriving(block, m, arrived[0])
-            computed = [k for k, s in boundary.din.items() if s == serial]
-            if computed:
-                return self.gradient_in(block, m, computed[0])
-            if serial not in boundary.inputs:
-                continue
-            leaf = boundary.inputs.index(serial)
-            if block == 0:  # the first block's inputs are the embedding's: the absolute trace's
-                absolute = self.layout.absolute
-                return self.store(absolute, absolute.boundaries[(0, m)].inputs[leaf], 0)
-            fed = {into: out for out, into in self._wired(block - 1, m).items()}.get(leaf)
-            if fed is not None:
-                return self.output(block - 1, m, fed)
-        return None
-
-    def _gradients(self) -> None:
-        """A parameter's gradient is let go where the update lets go of its placeholder."""
-        update, blocks = self.layout.update, self.composer.blocks(self.layout.plan)
-        released = {index: update.stores[serial].freed for index, serial in update.grads.items()}
-        owner = {id(p): (b.index, q) for b in blocks for q, p in enumerate(self.composer._parameters(b))}
-        for index, param in enumerate(self.composer.params):
-            if index not in released or released[index] is None:
-                continue
-            if id(param) in owner:
-                block, q = owner[id(param)]
-                trace, t = self.layout.reps[block]
-                theirs = self.composer.param_index[id(self.composer._parameters(blocks[t])[q])]
-                serial, shift = trace.grads.get(theirs), block - t
-            else:
-                trace, serial, shift = self.layout.absolute, self.layout.absolute.grads.get(index), 0
-            if serial is None:
-                raise NotComposable("a parameter has a gradient in the update but none in the backward")
-            store = self.store(trace, serial, shift)
-            self.frees[store] = self.position(update, *released[index], 0)
-
-    # --- the result --------------------------------------------------------------------------------
-
-    def events(self) -> tuple[list, int, dict[int, str], list]:
-        """(events, baseline, first category of each allocation by event index, re-labels): the composed
-        allocations and frees in order as `(key, bytes, device)`, re-labels as `(events so far, key, category)`."""
-        self.observe()
-        out = _Emitted()
-        for stored in self.layout.update.stores:
-            if stored.owner == BASE:
-                out.allocate((BASE, stored.ordinal), stored)
-        baseline = len(out.events)
-        pending: dict[int, dict[int, list]] = {}  # part's place -> allocations made -> frees and re-labels
-        for store, changes in self.labels.items():  # a re-label placed where its storage goes came before it
-            for at, category in changes:
-                pending.setdefault(at[0], {}).setdefault(at[1], []).append(("label", store, category))
-        for store, at in self.frees.items():
-            pending.setdefault(at[0], {}).setdefault(at[1], []).append(("free", store))
-        for sid in self.order:
-            trace, tsid, _ = self.source(sid)
-            part = trace.parts.get(tsid)
-            n, begun = self.at[sid], len(out.events)
-            here = pending.pop(n, {})
-            out.flush(here.pop(0, ()))
-            for k, serial in enumerate(part.allocs if part is not None else [], 1):
-                out.allocate((sid, k), trace.stores[serial])
-                out.flush(here.pop(k, ()))
-            for k in sorted(here):
-                if k == END:
-                    self.cuts[sid] = (begun, len(out.events))
-                out.flush(here[k])
-            self.cuts.setdefault(sid, (begun, len(out.events)))
-        if out.early:
-            raise NotComposable("a storage was placed as let go before it was made")
-        unfreed = [store for store in out.keys if store not in self.frees and self._freed_in_trace(store)]
-        if unfreed:
-            raise NotComposable(f"no trace saw where {len(unfreed)} storage(s) are let go")
-        return out.events, baseline, out.initial, out.labels
-
-    def _freed_in_trace(self, store: tuple) -> bool:
-        sid, ordinal = store
-        if sid == BASE:
-            return False
-        trace, tsid, _ = self.source(sid)
-        return trace.stores[trace.parts[tsid].allocs[ordinal - 1]].freed is not None
-
-    def work(self) -> StepWork:
-        """The op clock's records of every part, blocks renumbered as the full step's."""
-        recipe = self.composer.estimator.recipe
-        work = StepWork(world_size=self.composer.estimator.world_size, matmul_tf32=bool(recipe.tf32),
-                        conv_tf32=recipe.tf32 is not False)
-        for sid in self.order:
-            trace, tsid, shift = self.source(sid)
-            part = trace.parts.get(tsid)
-            if part is None:
-                continue
-            if shift and sid[0] == "blk":
-                ops, to_host = self.composer.renumbered(part, shift)
-                work.ops += ops
-                work.to_host += to_host
-            else:
-                work.ops += part.ops
-                work.to_host += part.to_host
-            work.update_copies += part.update_copies
-            work.gradients_to_host += part.gradients_to_host
-        plan, batch = self.layout.plan, recipe.train.batch_size
-        hosted = self.layout.update.host_work(batch // micro_batch_of(plan, batch))
-        if hosted:
-            work.host_updates.append(("first" if self.layout.micro_batches == 1 else "repeat", "update", hosted))
-        return work
-
-    def estimate(self, over: int | None = None) -> Estimate:
-        """The plan's estimate; what only its parts decide (the events, the live peak, the step's work and
-        time) is kept per set of parts, so plans that differ in the allocator or the cap alone reuse it.
-        `over`: see `Composer.estimate`."""
-        estimator, layout = self.composer.estimator, self.layout
-        key = (tuple((id(trace), t) for trace, t in layout.reps), id(layout.absolute), id(layout.update),
-               layout.micro_batches)
-        made = self.composer.made.get(key)
-        if made is None:
-            made = self.composer.made[key] = self._made()
-            while len(self.composer.made) > MADE_KEPT:
-                self.composer.made.pop(next(iter(self.composer.made)))
-        composed, baseline, self.cuts, timed = made
-        self.emitted = composed.events
-        plan, precision = layout.plan, layout.precision
-        if over is not None and estimator.cuda and composed.peak_bytes > over:
-            return Estimate(composed.peak_bytes, composed.breakdown_at_peak, [
-                f"over {format_bytes(over)} by its live tensors alone ({format_bytes(composed.peak_bytes)}): the caching "
-                "allocator's reserve, which holds at least as much, is not replayed"], composed.peak_bytes, "cuda",
-                **timed)
-        estimate = estimator._result(composed, baseline, plan, precision, estimator._optimizing(plan))
-        estimate.notes.extend(estimator.routed.notes())
-        estimate.warnings.extend(dict.fromkeys(w for trace in self._traces() for w in trace.warnings))
-        return replace(estimate, **timed)
-
-    def _made(self) -> tuple:
-        estimator = self.composer.estimator
-        events, baseline, initial, labels = self.events()
-        timed = {}
-        if estimator.facts is not None:
-            micro = micro_batch_of(self.layout.plan, estimator.recipe.train.batch_size)
-            shape, work = estimator._shape(micro, self.layout.precision), self.work()
-            timed = {"work": work, "shape": shape, "time": step_time(work, shape, estimator.facts)}
-        return _replayed(events, initial, labels), baseline, dict(self.cuts), timed
-
-    def _traces(self) -> list[Trace]:
-        return list({id(t): t for t in [*(trace for trace, _ in self.layout.reps), self.layout.absolute]}.values())
-
-
-class _Emitted:
-    """The composed events as they are written: each storage's key, size and device."""
-
-    def __init__(self):
-        self.events: list[tuple[int, int, torch.device]] = []
-        self.initial: dict[int, str] = {}
-        self.labels: list[tuple[int, int, str]] = []
-        self.keys: dict[tuple, int] = {}
-        self.sizes: dict[tuple, tuple[int, torch.device]] = {}
-        self.early: list[tuple] = []
-
-    def allocate(self, store: tuple, stored) -> None:
-        key = self.keys.setdefault(store, len(self.keys))
-        device = torch.device(stored.device)
-        self.sizes[store] = (stored.nbytes, device)
-        if stored.labels:
-            self.initial[len(self.events)] = stored.labels[0][2]
-        self.events.append((key, stored.nbytes, device))
-
-    def flush(self, items) -> None:
-        for item in items:
-            store = item[1]
-            if store not in self.keys:
-                self.early.append(store)
-            elif item[0] == "free":
-                nbytes, device = self.sizes[store]
-                self.events.append((self.keys[store], -nbytes, device))
-            else:
-                self.labels.append((len(self.events), self.keys[store], item[2]))
-
-
-def _around(trace: Trace, t: int) -> list[int]:
-    """The serials a representative block's own work touches: what it allocates, what is let go or
-    re-labelled during its parts, and its boundary tensors."""
-    mine = {sid for sid in trace.parts if sid[0] == "blk" and sid[1] == t}
-    serials = []
-    for serial, stored in enumerate(trace.stores):
-        if stored.owner[0] == "copies":
-            continue  # a shared input's own copy: `_Composition.observe` reads when it goes
-        if stored.owner in mine or (stored.freed is not None and stored.freed[0] in mine) or \
-                any(sid in mine for sid, _, _ in stored.labels):
-            serials.append(serial)
-    for (block, _), boundary in trace.boundaries.items():
-        if block == t:
-            serials += [s for s in (*boundary.inputs, *boundary.outputs, *boundary.din.values(), *boundary.dout.values())
-                        if s is not None]
-    return list(dict.fromkeys(serials))
-
-
-def _outside(sid: Sid) -> bool:
-    """A part of the model's own code or the step's (embedding, head, loss, the step's head and tail)."""
-    return sid[0] not in ("blk", "gap", "gapb", "copies") and sid != BASE
-
-
-def _outside_blocks(trace: Trace, edges: set[int]) -> list[int]:
-    """Serials the model's own code (embedding, head, loss, the step's head and tail) makes, and the
-    blocks' boundary tensors it lets go or re-labels (what a block makes on its own, its trace says)."""
-    return [serial for serial, stored in enumerate(trace.stores)
-            if _outside(stored.owner) or (serial in edges and (
-                (stored.freed is not None and _outside(stored.freed[0])) or any(_outside(sid) for sid, _, _ in stored.labels)))]
-
-
-def _replayed(events: list, initial: dict[int, str], labels: list) -> _Bytes:
-    """Live bytes per device over the composed events, as the tracker counts them: the peak of the step's
-    device and the bytes per category at that peak, and each device's peak."""
-    totals: dict[str, int] = {}
-    peaks: dict[str, int] = {}
-    category: dict[int, str] = {}
-    size: dict[int, int] = {}
-    where: dict[int, str] = {}
-    by_category = dict.fromkeys(CATEGORIES, 0)
-    peak, breakdown, at, device_name = 0, dict(by_category), 0, str(CPU)
-    most = dict(by_category)
-    for index, (key, nbytes, device) in enumerate(events):
-        while at < len(labels) and labels[at][0] <= index:
-            _, relabelled, new = labels[at]
-            if relabelled in category and where[relabelled] == device_name:
-                by_category[category[relabelled]] -= size[relabelled]
-                by_category[new] += size[relabelled]
-                most[new] = max(most[new], by_category[new])
-            if relabelled in category:
-                category[relabelled] = new
-            at += 1
-        name = str(device)
-        totals[name] = totals.get(name, 0) + nbytes
-        peaks[name] = max(peaks.get(name, 0), totals[name])
-        if nbytes > 0:
-            category[key], size[key], where[key] = initial.get(index, "activations"), nbytes, name
-        on_device = name == device_name
-        if on_device:
-            by_category[category[key]] += nbytes
-            most[category[key]] = max(most[category[key]], by_category[category[key]])
-        if nbytes < 0:
-            category.pop(key, None)
-        if on_device and totals[name] > peak:
-            peak, breakdown = totals[name], dict(by_category)
-    return _Bytes(events, peak, breakdown, peaks, most)
