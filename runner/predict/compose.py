@@ -23,8 +23,10 @@ what they are: a block's input is its predecessor's output, the gradient arrivin
 what its successor computes for its input (the head's backward for the last block), a parameter's
 gradient is freed where the update lets it go. A storage is freed at the latest point any trace saw it
 released: a relay holds nothing, so each trace shows when its real blocks and the model's own code let
-go, and the latest of them is the whole step's. The composed allocations and frees then go through the
-same reporting as the estimator's (live peak and breakdown; on CUDA the caching allocator's replay).
+go (a real block is given its own copy of what the model or another real block holds too: a kept block
+holding its output would hide when its real successor lets go of it), and the latest of them is the whole
+step's. The composed allocations and frees then go through the same reporting as the estimator's (live
+peak and breakdown; on CUDA the caching allocator's replay).
 
 Where a plan or model is outside this (the model runs code between its blocks, a block runs twice, a
 region of blocks checkpointed as one, adaptive plans, ranks), the composer says why and the caller
