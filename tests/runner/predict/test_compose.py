@@ -27,7 +27,7 @@ from tests.runner.memory.tiny_lm import HAS_TORCHAO
 ROOT = Path(__file__).resolve().parents[3]
 FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 60.0, "tf32": 400.0, "bf16": 900.0, "fp16": 900.0},
                     memory_gbs=3000.0, peer_gbs=400.0, host_gbs=50.0, capability=(9, 0), memory_bytes=80 * 10**9)
-LLAMA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=6",
+LLAMA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=4",
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.vocab_size=256",
          "data.seq_len=32", "train.batch_size=4"]
 TINY = {  # a library recipe, made small: a fake step of it takes a second or two here
