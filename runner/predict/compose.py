@@ -88,6 +88,16 @@ class Composer:
             estimate.notes.append(f"the whole-model fake step (not composed from parts: {why})")
             return estimate
 
+    def step_time(self, plan: MemoryPlan, precision: PrecisionName | None = None):
+        """The plan's predicted step time alone (`StepTime`, the figure `estimate` gives it), its parts' work
+        priced and no storage placed: a fraction of a composition (an exhaustive search orders plans by it)."""
+        precision = precision or self.estimator.recipe.precision
+        self.estimator.check(plan, precision)
+        try:
+            return self._composition(plan, precision).timed().get("time")
+        except NotComposable:
+            return self.estimate(plan, precision).time
+
     def composed(self, plan: MemoryPlan, precision: PrecisionName, over: int | None = None) -> Estimate:
         return self._composition(plan, precision).estimate(over)
 
@@ -147,6 +157,25 @@ class Composer:
         if key not in self._around:
             self._around[key] = {s for (block, _), b in trace.boundaries.items() if t is None or block == t
                                  for s in (*b.inputs, *b.outputs, *b.din.values(), *b.dout.values()) if s is not None}
+        return self._around[key]
+
+    def boundary_roles(self, trace: Trace, t: int) -> dict[int, list[tuple[int, str, int]]]:
+        """Per serial, what it is at representative `t`'s boundary, in the order `Composition._given` asks:
+        by micro-batch, the gradient arriving for an output leaf ("dout"), the one leaving for an input leaf
+        ("din"), an input leaf ("inputs"); each the first leaf of its kind (made once per trace and block)."""
+        key = ("roles", id(trace), t)
+        if key not in self._around:
+            roles: dict[int, list] = {}
+            for m in sorted(m for block, m in trace.boundaries if block == t):
+                boundary = trace.boundaries[(t, m)]
+                for kind, leaves in (("dout", boundary.dout.items()), ("din", boundary.din.items()),
+                                     ("inputs", enumerate(boundary.inputs))):
+                    first: dict[int, int] = {}
+                    for leaf, serial in leaves:
+                        first.setdefault(serial, leaf)
+                    for serial, leaf in first.items():
+                        roles.setdefault(serial, []).append((m, kind, leaf))
+            self._around[key] = roles
         return self._around[key]
 
     def around(self, trace: Trace, t: int) -> list[int]:
