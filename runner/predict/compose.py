@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
+import time
 from dataclasses import replace
 
 import torch
@@ -68,6 +70,7 @@ class Composer:
         self._around: dict[tuple, object] = {}
         self.made: dict[tuple, tuple] = {}  # a composition's parts -> what they decide (`_Composition.estimate`)
         self.traces = 0  # traces made so far (each a fake step of a few real blocks)
+        self.traced_s: list[float] = []  # the seconds each took
         self.params = list(self.model.parameters())
         self.frozen = any(not p.requires_grad for p in self.params)
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
@@ -337,9 +340,16 @@ class Composer:
         checkpointing = LayerListCheckpointing(policy="layers", layers=layers) if layers else NoCheckpointing()
         return plan.model_copy(update={"checkpointing": checkpointing}), chosen | {companion}
 
+    def trace_s(self) -> float:
+        """What a trace has taken here (the median; 0 before the first): a caller with a deadline starts none
+        with less time left (autotune/search/solver.py)."""
+        return statistics.median(self.traced_s) if self.traced_s else 0.0
+
     def _trace(self, layout: Layout, traced: MemoryPlan, real: set[int], chosen: set[int]) -> None:
+        started = time.monotonic()
         trace = trace_step(self.estimator, traced, layout.precision, real, self.templates)
         self.traces += 1
+        self.traced_s.append(time.monotonic() - started)
         if trace.problems:
             raise NotComposable("; ".join(trace.problems))
         if layout.key not in self.inputs:
@@ -354,9 +364,11 @@ class Composer:
         """The update's trace for the plan's optimizer, after the gradients its blocks accumulate."""
         key = self._update_key(layout)
         if key not in self.updates:
+            started = time.monotonic()
             self.updates[key] = trace_update(self.estimator, layout.plan, layout.precision, set(key[-1]),
                                              layout.micro_batches)
             self.traces += 1
+            self.traced_s.append(time.monotonic() - started)
             if self.updates[key].problems:
                 raise NotComposable("; ".join(self.updates[key].problems))
         return self.updates[key]
