@@ -237,7 +237,7 @@ class Composition:
                 stored = trace.stores[copy]
                 if stored.owner[1] == t and stored.freed is not None:
                     at = self.position(trace, *stored.freed, i - t)
-                    store = self._given(trace, t, shared, i) or self.store(trace, shared, i - t)
+                    store = self._given(roles, t, shared, i) or self.store(trace, shared, i - t)
                     if at is not None and (store not in self.frees or at > self.frees[store]):
                         self.frees[store] = at
         self._passed_on()
