@@ -217,6 +217,9 @@ def leaf_signature(leaves: list) -> tuple:
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
+    local = getattr(tensor, "_local_tensor", None)  # a DTensor (FSDP2's gradients, one of several ranks) holds its shard
+    if isinstance(local, torch.Tensor):
+        tensor = local
     if is_traceable_wrapper_subclass(tensor):
         return None
     try:
