@@ -1,0 +1,40 @@
+"""One rank's step composed from parts: `tune --predict --nproc N` at the cost of a few traced blocks.
+
+A rank's step (runner/predict/per_rank.py) is the training step on its share of the batch, with the model
+split over a fake process group. Run whole, it costs the depth of the model for every plan (a 70B shape's
+80 blocks: most of a minute a plan here). Composed as one process's step is (runner/predict/compose.py): one
+fake step in which only a few blocks are real and the others relays, cut into parts, a traced block
+standing for every block of its kind; a generated test holds the composed peak equal to the whole-rank
+step to the byte, and its time within 1 % (tests/runner/predict/test_rank_parts.py).
+
+What a rank adds to one process's composition:
+- FSDP2's work reaches past a block: in the backward a block gathers the previous block's parameters
+  (implicit backward prefetch) and lets go of the next block's reduce-scatter input; the root gathers the
+  last block's. So each representative is traced with `NEIGHBOURS` real blocks on either side: one for the
+  reach, and one more so that its neighbours' own neighbours are alike (the first and the last block
+  prefetch and are prefetched unlike the others, which a block's signature then sees).
+- The embedding's and head's parts are traced per plan (`Composer(neighbours=...)`): the root's prefetch of
+  the last block is let go inside that block's backward, which differs between a kept and a recomputed block.
+- The optimizer state is made by one update alone on the split model (`PartsEstimator`), not by a whole step.
+- ddp: the whole model on every rank, so one process's composition with the world size (the gradient
+  buckets are added after, as for the whole-rank step).
+
+Where a plan does not compose (the composer says why: a model that runs code between its blocks, adaptive
+plans, ...), the whole-rank step is the answer and the estimate's notes say so.
+"""
+
+from __future__ import annotations
+
+from .compose import Composer
+from .parts import PartsEstimator
+
+NEIGHBOURS = 2  # blocks traced real on either side of a sharded representative (module docstring)
+
+
+class RankComposer(Composer):
+    """The composer of one rank's step: one process's rules, the world size and the split model allowed."""
+
+    ranks = True
+
+    def __init__(self, estimator: PartsEstimator, sharded: bool):
+        super().__init__(estimator, NEIGHBOURS if sharded else 0)
