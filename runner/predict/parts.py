@@ -190,7 +190,8 @@ def _learn(module: torch.nn.Module, args, kwargs, leaves: list, trainable: bool)
     keys = {_storage(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
     # no gradients, and autocast's cast copies not cached: nothing of this forward outlives it
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.get_autocast_dtype("cpu"),
-                                         enabled=torch.is_autocast_enabled("cpu"), cache_enabled=False):
+                                         enabled=torch.is_autocast_enabled("cpu"), cache_enabled=False), \
+            _gathered(module):
         output = type(module).forward(module, *args, **kwargs)
     out_leaves, tree = tree_flatten(output)
     described = []
@@ -202,6 +203,21 @@ def _learn(module: torch.nn.Module, args, kwargs, leaves: list, trainable: bool)
         else:
             described.append(_Fresh(leaf.shape, leaf.stride(), leaf.dtype, needs_grad and leaf.is_floating_point()))
     return Template(tree, tuple(described))
+
+
+@contextlib.contextmanager
+def _gathered(module: torch.nn.Module):
+    """A block FSDP2 split holds its shards only; its forward runs on its gathered parameters, which its
+    hooks gather in a step (a relay of one of several ranks runs without them: runner/predict/rank_parts.py)."""
+    unshard, reshard = getattr(module, "unshard", None), getattr(module, "reshard", None)
+    if unshard is None or reshard is None:
+        yield
+        return
+    unshard()
+    try:
+        yield
+    finally:
+        reshard()
 
 
 def parameter_signature(module: torch.nn.Module) -> tuple:
