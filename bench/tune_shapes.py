@@ -83,11 +83,13 @@ def run_row(name: str) -> dict:
     bounded = [t for t in trials if t["state"] == "screened" and "lower bound" in (t.get("reason") or "")]
     winner = next((t for t in trials if t["number"] == report.get("winner")), None)
     first = _first_priced(done.stderr, clock)
+    first_cpu = next((float(line.split(" CPU s since")[0].rsplit("(", 1)[1]) for line in done.stderr.splitlines()
+                      if "first plan priced" in line and " CPU s since" in line), None)
     return {"name": name, "what": what, "command": " ".join(["ckrun", "tune", recipe, *overrides, *flags, "--predict",
                                                                  "--no-train"]),
             "exit": done.returncode, "wall": wall, "cpu": cpu, "load": (load_before, load_after),
             "priced": len(priced), "screened_out": len([t for t in trials if t["state"] == "screened"]) - len(bounded),
-            "bounded": len(bounded), "winner": winner, "first_priced_s": first,
+            "bounded": len(bounded), "winner": winner, "first_priced_s": first, "first_priced_cpu": first_cpu,
             "screening": report.get("screening", {}), "tail": done.stderr.strip().splitlines()[-2:]}
 
 
@@ -161,7 +163,8 @@ def markdown(rows: list[dict], checks: dict, started: str) -> str:
         won = (f"{winner['label']}", f"{winner['measured_peak'] / 1e9:.1f} GB, {1000 * winner['step_s']:.0f} ms"
                if winner.get("step_s") else f"{winner['measured_peak'] / 1e9:.1f} GB") if winner else ("none", "-")
         busy = max(row["load"]) > 2.5
-        first = "-" if row["first_priced_s"] is None else f"{row['first_priced_s']:.0f} s"
+        first = "-" if row["first_priced_s"] is None else f"{row['first_priced_s']:.0f} s" + (
+            f" ({row['first_priced_cpu']:.0f} CPU s)" if row.get("first_priced_cpu") is not None else "")
         lines.append(f"| {row['what']} | `{row['command']}` | {row['exit']} | {row['wall']:.0f} s"
                      f"{' (*re-measure*)' if busy else ''} | {row['cpu']:.0f} | {row['load'][0]:.1f} / {row['load'][1]:.1f} "
                      f"| {row['priced']} ({row['bounded']} / {row['screened_out']}) | "
