@@ -73,6 +73,8 @@ class Part:
     to_host: list = field(default_factory=list)
     gradients_to_host: list = field(default_factory=list)
     update_copies: list = field(default_factory=list)
+    collectives: list = field(default_factory=list)
+    """(compute ops of its micro-batch's kind this part ran before it, the collective): a rank's step's."""
 
 
 @dataclass
@@ -265,7 +267,8 @@ class Cutter(TorchDispatchMode):
         self.parts: dict[Sid, Part] = {}
         self.serial: dict[int, int] = {}  # storage key -> its serial while it lives
         self.events_done = self.labels_done = 0
-        self.ops_done = self.to_host_done = self.copies_done = self.gradients_done = 0
+        self.ops_done = self.to_host_done = self.copies_done = self.gradients_done = self.collectives_done = 0
+        self.computed = {"first": 0, "repeat": 0}  # compute ops filed so far, per micro-batch kind (a collective's position)
         self.boundaries: dict[tuple[int, int], Boundary] = {}
         self.signatures: dict[int, tuple] = {}
         self.problems: list[str] = []
@@ -305,12 +308,24 @@ class Cutter(TorchDispatchMode):
         clock = self.run.clock
         if clock is not None and part is not None:
             work = clock.work
+            self._file_collectives(part, work)
             part.ops += work.ops[self.ops_done:]
             part.to_host += work.to_host[self.to_host_done:]
             part.update_copies += work.update_copies[self.copies_done:]
             part.gradients_to_host += work.gradients_to_host[self.gradients_done:]
             self.ops_done, self.to_host_done, self.copies_done = len(work.ops), len(work.to_host), len(work.update_copies)
             self.gradients_done = len(work.gradients_to_host)
+
+    def _file_collectives(self, part: Part, work) -> None:
+        """The clock's new collectives, each placed by the compute ops of its kind its part ran before it (the
+        clock counts them from the micro-batch's start; the composition counts them again: placement.py)."""
+        for collective in work.collectives[self.collectives_done:]:
+            mine = sum(1 for op in part.ops if op.kind == collective.kind and op.phase != "update")
+            part.collectives.append((mine + collective.position - self.computed[collective.kind], collective))
+        self.collectives_done = len(work.collectives)
+        for op in work.ops[self.ops_done:]:
+            if op.phase != "update":
+                self.computed[op.kind] += 1
 
     def _allocated(self, key: int, nbytes: int, device: str, part: Part | None) -> None:
         serial = len(self.stores)
