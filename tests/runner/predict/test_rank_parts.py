@@ -1,7 +1,7 @@
 """A rank's step composed from parts (runner/predict/rank_parts.py) equals the whole rank's fake step: over
 tiny Llamas of 2-6 blocks and of 12 (the shallow ones all real, the deep one with relays), 2-8 fake ranks, every strategy (ddp, fsdp, hsdp, tp) and plans drawn from the
 activation and pool knobs, a composed estimate has the whole step's peak to the byte (the CUDA allocator's
-reserve and the live tensors), its breakdown, and its time within 1 %; the plans are drawn in any order
+reserve and the live tensors), its breakdown, and its time (to rounding: the collectives placed as run); the plans are drawn in any order
 against one predictor, so traces made for one plan serve later ones. Counted, not timed: the traces and
 their real blocks do not grow with depth."""
 
@@ -72,7 +72,7 @@ def check(world: int, recipes: list) -> None:
         assert not [note for note in mine.notes if "not composed" in note], recipe.distributed
         assert (mine.peak_bytes, mine.live_peak_bytes, mine.breakdown) == \
             (reference.peak_bytes, reference.live_peak_bytes, reference.breakdown)
-        assert mine.time.seconds == pytest.approx(reference.time.seconds, rel=0.01)
+        assert mine.time.seconds == pytest.approx(reference.time.seconds, rel=1e-9)  # the collectives placed too
 
 
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)  # a failing draw is printed whole; shrinking it takes minutes
