@@ -1,9 +1,10 @@
 """A rank's step composed from parts (runner/predict/rank_parts.py) equals the whole rank's fake step: over
-tiny Llamas of 2-6 blocks and of 12 (the shallow ones all real, the deep one with relays), 2-8 fake ranks, every strategy (ddp, fsdp, hsdp, tp) and plans drawn from the
-activation and pool knobs, a composed estimate has the whole step's peak to the byte (the CUDA allocator's
-reserve and the live tensors), its breakdown, and its time (to rounding: the collectives placed as run); the plans are drawn in any order
-against one predictor, so traces made for one plan serve later ones. Counted, not timed: the traces and
-their real blocks do not grow with depth."""
+tiny Llamas of 2-6 blocks and of 12 (the shallow ones all real, the deep one with relays), 2-8 fake ranks,
+every strategy (ddp, fsdp, hsdp, tp) and plans drawn from the activation and pool knobs, a composed estimate
+has the whole step's peak to the byte (the CUDA allocator's reserve and the live tensors), its breakdown,
+and its time (to rounding: the collectives placed as they ran); the plans are drawn in any order against
+one predictor, so traces made for one plan serve later ones. Counted, not timed: the traces and their real
+blocks do not grow with depth."""
 
 from __future__ import annotations
 
