@@ -24,8 +24,9 @@ from .study import PRE_PROBE_SHARE, Budget
 log = logging.getLogger(__name__)
 
 TIMED_BUDGET_S = 600.0  # a --time-budget under this predicts block times instead of timing them
-PREDICTED_SOLVER_S = 30.0  # the most a solver on predicted block times gets: the starting points and TPE need the rest
-# (its costs come from traced parts: a deep model's first micro-batch is solved in seconds, the rest are the search's)
+PREDICTED_SOLVER_S = 15.0  # the most a solver on predicted block times gets: the starting points and TPE need the rest
+# (its costs come from traced parts: an 8B's cost table of its first micro-batch is four traces, 7 s on a core, and each
+# solution that offloads another set of blocks one more; at 30 s it held half of the 60 s an 8B's tune is to answer in)
 TIMED_STEPS = 1  # real steps (after a warm-up) that time each block's recompute: ranking, not benchmarking
 
 

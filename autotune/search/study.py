@@ -89,7 +89,7 @@ def open_study(directory: Path, config: dict, resume: bool) -> tuple[optuna.Stud
                                   "or --output ANOTHER_DIR to start a new one")])
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ckrun logs each trial itself, with the plan
     directory.mkdir(parents=True, exist_ok=True)
-    storage = JournalStorage(JournalFileBackend(str(path)))
+    storage = JournalStorage(_Journal(str(path)))
     study = optuna.create_study(study_name=STUDY_NAME, storage=storage, direction="maximize", load_if_exists=True)
     config = json.loads(json.dumps(config))  # as the storage gives it back: tuples become lists
     stored = study.user_attrs.get("config")
@@ -101,6 +101,23 @@ def open_study(directory: Path, config: dict, resume: bool) -> tuple[optuna.Stud
         raise InputError([Problem(Place(str(directory)), "", f"--resume: this study was started with other "
                                   f"{', '.join(changed)}; use the same recipe and options, or --output ANOTHER_DIR")])
     return study, False
+
+
+class _Journal(JournalFileBackend):
+    """optuna's journal file, each write flushed but not fsync'ed: a killed tune loses nothing (what is written
+    is the kernel's), only a machine's crash may lose its last lines; optuna's fsync per write (about 11 a
+    plan) took 6 ms each on this machine's disk, 13 s of a predicted 8B tune that prices 150 plans."""
+
+    def append_logs(self, logs: list[dict]) -> None:
+        try:
+            from optuna.storages.journal._file import get_lock_file  # private: another optuna keeps its own write
+            lock = self._lock
+        except (ImportError, AttributeError):
+            return super().append_logs(logs)
+        with get_lock_file(lock):
+            with open(self._file_path, "ab") as journal:
+                journal.write(("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode())
+                journal.flush()
 
 
 def trial_records(study: optuna.Study) -> list[TrialRecord]:

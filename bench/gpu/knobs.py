@@ -139,8 +139,13 @@ def _knob_overrides(knob: dict) -> list[str]:
 
 
 # a mixture of experts: transformers' grouped_mm experts (one grouped product over all experts) against its
-# eager loop over the experts hit, on Mixtral's layer at a width that fills an H100 (the dry run: the recipe's)
+# eager loop over the experts hit, on Mixtral's layer at a width that fills an H100 (the dry run: a toy's)
 EXPERTS = ("experts grouped_mm", "experts eager")
+# the dry run's: recipes/mixtral_tiny.yaml made smaller still (2 blocks of 32, 4 experts, 32 positions), so its two
+# measured plans and predictions take a second each on a CPU, not several
+MOE_DRY_RUN = ("train.device=cpu", "model.config.vocab_size=256", "model.config.hidden_size=32",
+               "model.config.intermediate_size=64", "model.config.num_hidden_layers=2", "model.config.num_local_experts=4",
+               "model.config.max_position_embeddings=32", "data.seq_len=32", "train.batch_size=4")
 MOE_GPU = ("train.device=cuda", "model.config.hidden_size=1024", "model.config.intermediate_size=2048",
            "model.config.num_attention_heads=16", "model.config.num_key_value_heads=4",
            "model.config.max_position_embeddings=1024", "data.seq_len=1024", "train.batch_size=16")
@@ -152,7 +157,7 @@ def experts_campaign(dry_run: bool):
     from bench.gpu import plans
 
     base = plans.DRY_RUN if dry_run else plans.GPU
-    return replace(base, recipe="recipes/mixtral_tiny.yaml", base=("train.device=cpu",) if dry_run else MOE_GPU,
+    return replace(base, recipe="recipes/mixtral_tiny.yaml", base=MOE_DRY_RUN if dry_run else MOE_GPU,
                    micro_batches=(None,), solver_limit=None)
 
 

@@ -43,6 +43,7 @@ if str(REPO) not in sys.path:  # bench/ is no installed package: `python bench/g
 from pydantic import ByteSize, TypeAdapter  # noqa: E402
 
 from ckrun.autotune.probes.probe import ProbeRunner, ProbeSettings  # noqa: E402
+from ckrun.autotune.probes.warm import WarmServer, preload_for  # noqa: E402
 from bench.gpu import tables, tune_verdict  # noqa: E402
 from bench.gpu.budget import Budget, write_json  # noqa: E402
 from bench.gpu.facts import versions  # noqa: E402
@@ -198,10 +199,12 @@ RUN_KEYS = ("status", "samples_per_s", "step_time_s", "card_peak_bytes", "peak_m
             "cuda_context_bytes", "probe_s", "reason", "device", "other_gpu_processes")
 
 
-def measure(candidate: dict, setup: Setup, work: Path, number: int, limit_s: float) -> dict:
+def measure(candidate: dict, setup: Setup, work: Path, number: int, limit_s: float,
+            warm: WarmServer | None = None) -> dict:
     if candidate["role"] == "hf_full_checkpointing":
         return measure_hf(setup, work, number, limit_s)
-    probe_runner = ProbeRunner(work, ProbeSettings(limit_s, setup.warmup_steps, setup.timed_steps, compile_timeout_s=limit_s))
+    probe_runner = ProbeRunner(work, ProbeSettings(limit_s, setup.warmup_steps, setup.timed_steps, compile_timeout_s=limit_s),
+                               warm)
     # a row of tune.json, as hf_loop.py's result is: the fields the probe set
     return probe_runner.probe(candidate["recipe"], number).model_dump(mode="json", exclude_defaults=True)
 
@@ -222,9 +225,29 @@ def measure_hf(setup: Setup, work: Path, number: int, limit_s: float) -> dict:
     return {**found, "probe_s": round(time.monotonic() - started, 2)}
 
 
+def warm_probes(setup: Setup, work: Path, dry_run: bool) -> WarmServer | None:
+    """The dry run's comparison probes fork from one process that has imported torch and the model, as a CPU
+    tune's probes do (autotune/probes/warm.py: a toy's probe is mostly its imports); on a GPU each starts cold."""
+    if not dry_run:
+        return None
+    server = WarmServer(work, preload_for(load_recipe(REPO / setup.recipe, list(setup.base)).model))
+    server.start()
+    return server
+
+
 def measure_all(candidates: list[dict], setup: Setup, args, work: Path, results: dict, budget: Budget) -> None:
     """Every candidate once per round, in the same order each round, while the budget lasts."""
     work.mkdir(parents=True, exist_ok=True)
+    warm = warm_probes(setup, work, args.dry_run)
+    try:
+        measure_rounds(candidates, setup, args, work, results, budget, warm)
+    finally:
+        if warm is not None:
+            warm.stop()
+
+
+def measure_rounds(candidates: list[dict], setup: Setup, args, work: Path, results: dict, budget: Budget,
+                   warm: WarmServer | None) -> None:
     number = 0
     for round_number in range(args.repeats):
         if not budget.allows(setup.probe_s * len(candidates)) and round_number > 0:
@@ -234,7 +257,7 @@ def measure_all(candidates: list[dict], setup: Setup, args, work: Path, results:
             if not budget.allows(setup.probe_s):
                 candidate["runs"].append({"status": "skipped", "reason": "the call's budget ran out"})
                 continue
-            result = measure(candidate, setup, work, number, budget.limit(4 * setup.probe_s, keep=5))
+            result = measure(candidate, setup, work, number, budget.limit(4 * setup.probe_s, keep=5), warm)
             number += 1
             candidate["runs"].append({k: result[k] for k in RUN_KEYS if k in result})
             print(f"{candidate['name']} (round {round_number + 1}): {result.get('status')} "

@@ -23,8 +23,10 @@ what they are: a block's input is its predecessor's output, the gradient arrivin
 what its successor computes for its input (the head's backward for the last block), a parameter's
 gradient is freed where the update lets it go. A storage is freed at the latest point any trace saw it
 released: a relay holds nothing, so each trace shows when its real blocks and the model's own code let
-go, and the latest of them is the whole step's. The composed allocations and frees then go through the
-same reporting as the estimator's (live peak and breakdown; on CUDA the caching allocator's replay).
+go (a real block is given its own copy of what the model or another real block holds too: a kept block
+holding its output would hide when its real successor lets go of it), and the latest of them is the whole
+step's. The composed allocations and frees then go through the same reporting as the estimator's (live
+peak and breakdown; on CUDA the caching allocator's replay).
 
 Where a plan or model is outside this (the model runs code between its blocks, a block runs twice, a
 region of blocks checkpointed as one, adaptive plans, ranks), the composer says why and the caller
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
+import time
 from dataclasses import replace
 
 import torch
@@ -73,6 +77,7 @@ class Composer:
         self._around: dict[tuple, object] = {}
         self.made: dict[tuple, tuple] = {}  # a composition's parts -> what they decide (`_Composition.estimate`)
         self.traces = 0  # traces made so far (each a fake step of a few real blocks)
+        self.traced_s: list[float] = []  # the seconds each took
         self.params = list(self.model.parameters())
         self.frozen = any(not p.requires_grad for p in self.params)
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
@@ -92,6 +97,16 @@ class Composer:
             estimate = self.estimator.estimate(plan, precision)
             estimate.notes.append(f"the whole-model fake step (not composed from parts: {why})")
             return estimate
+
+    def step_time(self, plan: MemoryPlan, precision: PrecisionName | None = None):
+        """The plan's predicted step time alone (`StepTime`, the figure `estimate` gives it), its parts' work
+        priced and no storage placed: a fraction of a composition (an exhaustive search orders plans by it)."""
+        precision = precision or self.estimator.recipe.precision
+        self.estimator.check(plan, precision)
+        try:
+            return self._composition(plan, precision).timed().get("time")
+        except NotComposable:
+            return self.estimate(plan, precision).time
 
     def composed(self, plan: MemoryPlan, precision: PrecisionName, over: int | None = None) -> Estimate:
         return self._composition(plan, precision).estimate(over)
@@ -152,6 +167,25 @@ class Composer:
         if key not in self._around:
             self._around[key] = {s for (block, _), b in trace.boundaries.items() if t is None or block == t
                                  for s in (*b.inputs, *b.outputs, *b.din.values(), *b.dout.values()) if s is not None}
+        return self._around[key]
+
+    def boundary_roles(self, trace: Trace, t: int) -> dict[int, list[tuple[int, str, int]]]:
+        """Per serial, what it is at representative `t`'s boundary, in the order `Composition._given` asks:
+        by micro-batch, the gradient arriving for an output leaf ("dout"), the one leaving for an input leaf
+        ("din"), an input leaf ("inputs"); each the first leaf of its kind (made once per trace and block)."""
+        key = ("roles", id(trace), t)
+        if key not in self._around:
+            roles: dict[int, list] = {}
+            for m in sorted(m for block, m in trace.boundaries if block == t):
+                boundary = trace.boundaries[(t, m)]
+                for kind, leaves in (("dout", boundary.dout.items()), ("din", boundary.din.items()),
+                                     ("inputs", enumerate(boundary.inputs))):
+                    first: dict[int, int] = {}
+                    for leaf, serial in leaves:
+                        first.setdefault(serial, leaf)
+                    for serial, leaf in first.items():
+                        roles.setdefault(serial, []).append((m, kind, leaf))
+            self._around[key] = roles
         return self._around[key]
 
     def around(self, trace: Trace, t: int) -> list[int]:
@@ -319,9 +353,16 @@ class Composer:
         checkpointing = LayerListCheckpointing(policy="layers", layers=layers) if layers else NoCheckpointing()
         return plan.model_copy(update={"checkpointing": checkpointing}), chosen | {companion}
 
+    def trace_s(self) -> float:
+        """What a trace has taken here (the median; 0 before the first): a caller with a deadline starts none
+        with less time left (autotune/search/solver.py)."""
+        return statistics.median(self.traced_s) if self.traced_s else 0.0
+
     def _trace(self, layout: Layout, traced: MemoryPlan, real: set[int], chosen: set[int]) -> None:
+        started = time.monotonic()
         trace = trace_step(self.estimator, traced, layout.precision, real, self.templates)
         self.traces += 1
+        self.traced_s.append(time.monotonic() - started)
         if trace.problems:
             raise NotComposable("; ".join(trace.problems))
         if layout.key not in self.inputs:
@@ -336,9 +377,11 @@ class Composer:
         """The update's trace for the plan's optimizer, after the gradients its blocks accumulate."""
         key = self._update_key(layout)
         if key not in self.updates:
+            started = time.monotonic()
             self.updates[key] = trace_update(self.estimator, layout.plan, layout.precision, set(key[-1]),
                                              layout.micro_batches)
             self.traces += 1
+            self.traced_s.append(time.monotonic() - started)
             if self.updates[key].problems:
                 raise NotComposable("; ".join(self.updates[key].problems))
         return self.updates[key]

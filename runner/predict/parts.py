@@ -435,12 +435,13 @@ class Cutter(TorchDispatchMode):
             return self._own_copies(index, leaves, boundary, tree)
 
     def _own_copies(self, index: int, leaves: list, boundary: Boundary, tree):
-        """A real block is given its own copy of each input the model shares between blocks (made by its
-        own code, not a block: position embeddings, masks), made in a part of its own that no plan copies:
-        when the copy goes is when this block lets go of it, whatever the other real blocks of the trace
-        hold (one block holding a shared input to its backward would hide when another lets go)."""
-        shared = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and not leaf.requires_grad
-                  and boundary.inputs[k] is not None and self.stores[boundary.inputs[k]].owner[0] not in ("blk", "gap")]
+        """A real block is given its own copy of each input another holds too, made in a part of its own that
+        no plan copies: when the copy goes is when this block lets go of it, whatever the others hold. Such
+        inputs are those the model shares between blocks (made by its own code, not a block: position
+        embeddings, masks) and the outputs of another real block (a kept predecessor holding its output to
+        its backward, as a ReLU that saves it, would hide when a recomputed block lets go of its input)."""
+        shared = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+                  and boundary.inputs[k] is not None and self._held_elsewhere(index, leaf, boundary.inputs[k])]
         if not shared:
             return None
         part = self.sid
@@ -451,10 +452,20 @@ class Cutter(TorchDispatchMode):
         self.enter(part)
         return tree_unflatten(leaves, tree)
 
+    def _held_elsewhere(self, index: int, leaf: torch.Tensor, serial: int) -> bool:
+        """Whether input `serial` of real block `index` may be held by other code of the trace than this block:
+        the model's own (an input needing no gradient it made) or another real block (its output)."""
+        owner = self.stores[serial].owner
+        if owner[0] == "blk":
+            return owner[1] in self.real and owner[1] != index
+        return owner[0] != "gap" and not leaf.requires_grad
+
     def _block_ends(self, index: int, _module, _args, _kwargs, output):
         boundary = self.boundaries[(index, self.micro)]
         leaves, _ = tree_flatten(output)
         boundary.outputs = [self.serial_of(x) for x in leaves]
+        if any(serial in self.copies for serial in boundary.outputs):  # named by no part a plan copies
+            self.problems.append(f"block {index} returns an input it was given its own copy of")
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(functools.partial(self._gradient, boundary.dout, k))

@@ -230,14 +230,14 @@ class Composition:
     def observe(self) -> None:
         """Every trace's view of what its real blocks, and (the absolute trace) the model's own code, let go."""
         for i, (trace, t) in enumerate(self.layout.reps):
-            edges = self.composer.edges(trace, t)
+            edges, roles = self.composer.edges(trace, t), self.composer.boundary_roles(trace, t)
             for serial in self.composer.around(trace, t):
-                self.seen(trace, serial, i - t, self._given(trace, t, serial, i), serial in edges)
+                self.seen(trace, serial, i - t, self._given(roles, t, serial, i), serial in edges)
             for copy, shared in trace.copies.items():  # when this block lets go of an input it shares
                 stored = trace.stores[copy]
                 if stored.owner[1] == t and stored.freed is not None:
                     at = self.position(trace, *stored.freed, i - t)
-                    store = self.store(trace, shared, i - t)
+                    store = self._given(trace, t, shared, i) or self.store(trace, shared, i - t)
                     if at is not None and (store not in self.frees or at > self.frees[store]):
                         self.frees[store] = at
         self._passed_on()
@@ -265,32 +265,34 @@ class Composition:
                     if store not in self.frees or at > self.frees[store]:
                         self.frees[store] = at
 
-    def _given(self, trace: Trace, t: int, serial: int, block: int) -> tuple | None:
+    def _given(self, roles: dict, t: int, serial: int, block: int) -> tuple | None:
         """The full step's name of a boundary tensor of representative `t` standing for `block`: the gradient
         that arrives for its output, the one it computes for its input, and its input (its predecessor's
-        output, or the embedding's for the first block); None for the rest (named by who made them)."""
+        output, or the embedding's for the first block); None for the rest (named by who made them).
+        `roles`: what each serial is at `t`'s boundary (`Composer.boundary_roles`)."""
         if block == t:
             return None  # the representative stands for itself: its trace names its boundary
-        for m in range(1, self.layout.micro_batches + 1):
-            boundary = trace.boundaries.get((t, m))
-            if boundary is None:
-                continue
-            arrived = [k for k, s in boundary.dout.items() if s == serial]
-            if arrived:
-                return self.arriving(block, m, arrived[0])
-            computed = [k for k, s in boundary.din.items() if s == serial]
-            if computed:
-                return self.gradient_in(block, m, computed[0])
-            if serial not in boundary.inputs:
-                continue
-            leaf = boundary.inputs.index(serial)
+        for m, kind, leaf in roles.get(serial, ()):
+            if m > self.layout.micro_batches:
+                break
+            if kind == "dout":
+                return self.arriving(block, m, leaf)
+            if kind == "din":
+                return self.gradient_in(block, m, leaf)
             if block == 0:  # the first block's inputs are the embedding's: the absolute trace's
                 absolute = self.layout.absolute
                 return self.store(absolute, absolute.boundaries[(0, m)].inputs[leaf], 0)
-            fed = {into: out for out, into in self._wired(block - 1, m).items()}.get(leaf)
+            fed = self._fed(block - 1, m).get(leaf)
             if fed is not None:
                 return self.output(block - 1, m, fed)
         return None
+
+    def _fed(self, block: int, m: int) -> dict[int, int]:
+        """Which output leaf of `block` each input leaf of block+1 is (`_wired` turned round)."""
+        key = ("fed", block, m)
+        if key not in self.wiring:
+            self.wiring[key] = {into: out for out, into in self._wired(block, m).items()}
+        return self.wiring[key]
 
     def _gradients(self) -> None:
         """A parameter's gradient is let go where the update lets go of its placeholder."""
@@ -412,14 +414,17 @@ class Composition:
         return replace(estimate, **timed)
 
     def _made(self) -> tuple:
-        estimator = self.composer.estimator
         events, baseline, initial, labels = self.events()
-        timed = {}
-        if estimator.facts is not None:
-            micro = micro_batch_of(self.layout.plan, estimator.recipe.train.batch_size)
-            shape, work = estimator._shape(micro, self.layout.precision), self.work()
-            timed = {"work": work, "shape": shape, "time": step_time(work, shape, estimator.facts)}
-        return _replayed(events, initial, labels), baseline, dict(self.cuts), timed
+        return _replayed(events, initial, labels), baseline, dict(self.cuts), self.timed()
+
+    def timed(self) -> dict:
+        """The step's work, shape and time on the estimator's device ({} without its facts): no storage placed."""
+        estimator = self.composer.estimator
+        if estimator.facts is None:
+            return {}
+        micro = micro_batch_of(self.layout.plan, estimator.recipe.train.batch_size)
+        shape, work = estimator._shape(micro, self.layout.precision), self.work()
+        return {"work": work, "shape": shape, "time": step_time(work, shape, estimator.facts)}
 
     def _traces(self) -> list[Trace]:
         return list({id(t): t for t in [*(trace for trace, _ in self.layout.reps), self.layout.absolute]}.values())
@@ -435,10 +440,13 @@ class _Emitted:
         self.keys: dict[tuple, int] = {}
         self.sizes: dict[tuple, tuple[int, torch.device]] = {}
         self.early: list[tuple] = []
+        self.devices: dict[str, torch.device] = {}  # one object per device named: the replay looks its name up by it
 
     def allocate(self, store: tuple, stored) -> None:
         key = self.keys.setdefault(store, len(self.keys))
-        device = torch.device(stored.device)
+        device = self.devices.get(stored.device)
+        if device is None:
+            device = self.devices[stored.device] = torch.device(stored.device)
         self.sizes[store] = (stored.nbytes, device)
         if stored.labels:
             self.initial[len(self.events)] = stored.labels[0][2]
@@ -489,36 +497,45 @@ def _outside_blocks(trace: Trace, edges: set[int]) -> list[int]:
 
 def _replayed(events: list, initial: dict[int, str], labels: list) -> _Bytes:
     """Live bytes per device over the composed events, as the tracker counts them: the peak of the step's
-    device and the bytes per category at that peak, and each device's peak."""
+    device and the bytes per category at that peak, and each device's peak (a loop over every event of
+    the step, for each plan composed: its names are bound once, the device's name looked up once)."""
     totals: dict[str, int] = {}
     peaks: dict[str, int] = {}
     category: dict[int, str] = {}
     size: dict[int, int] = {}
     where: dict[int, str] = {}
+    names: dict = {}
     by_category = dict.fromkeys(CATEGORIES, 0)
     peak, breakdown, at, device_name = 0, dict(by_category), 0, str(CPU)
     most = dict(by_category)
+    next_label = labels[0][0] if labels else len(events)
     for index, (key, nbytes, device) in enumerate(events):
-        while at < len(labels) and labels[at][0] <= index:
-            _, relabelled, new = labels[at]
-            if relabelled in category and where[relabelled] == device_name:
-                by_category[category[relabelled]] -= size[relabelled]
-                by_category[new] += size[relabelled]
-                most[new] = max(most[new], by_category[new])
-            if relabelled in category:
-                category[relabelled] = new
-            at += 1
-        name = str(device)
-        totals[name] = totals.get(name, 0) + nbytes
-        peaks[name] = max(peaks.get(name, 0), totals[name])
+        if next_label <= index:
+            while at < len(labels) and labels[at][0] <= index:
+                _, relabelled, new = labels[at]
+                if relabelled in category and where[relabelled] == device_name:
+                    by_category[category[relabelled]] -= size[relabelled]
+                    by_category[new] += size[relabelled]
+                    most[new] = max(most[new], by_category[new])
+                if relabelled in category:
+                    category[relabelled] = new
+                at += 1
+            next_label = labels[at][0] if at < len(labels) else len(events)
+        name = names.get(device)
+        if name is None:
+            name = names[device] = str(device)
+        total = totals[name] = totals.get(name, 0) + nbytes
+        if total > peaks.setdefault(name, 0):
+            peaks[name] = total
         if nbytes > 0:
             category[key], size[key], where[key] = initial.get(index, "activations"), nbytes, name
-        on_device = name == device_name
-        if on_device:
-            by_category[category[key]] += nbytes
-            most[category[key]] = max(most[category[key]], by_category[category[key]])
+        if name == device_name:
+            kind = category[key]
+            now = by_category[kind] = by_category[kind] + nbytes
+            if now > most[kind]:
+                most[kind] = now
+            if total > peak:
+                peak, breakdown = total, dict(by_category)
         if nbytes < 0:
             category.pop(key, None)
-        if on_device and totals[name] > peak:
-            peak, breakdown = totals[name], dict(by_category)
     return _Bytes(events, peak, breakdown, peaks, most)

@@ -88,6 +88,20 @@ def test_interrupted_study_resumes_without_rerunning_and_ends_the_same(tmp_path,
     assert [r.state for r in resumed].count("interrupted") == 1
 
 
+def test_the_journal_is_written_without_fsync_and_read_back_whole(tmp_path, setting, monkeypatch):
+    """A kill loses nothing written (the kernel holds it): the journal's writes skip optuna's fsync per write
+    (6 ms each on a busy disk, about 11 a plan), and a resumed study reads every trial back."""
+    import os
+
+    def refused(_):
+        raise AssertionError("the study's journal called fsync")
+
+    monkeypatch.setattr(os, "fsync", refused)
+    written = _tune(tmp_path, setting, Counting(setting[0]), trials=3, seed=1)
+    study, fresh = open_study(tmp_path, {"seed": 1}, resume=True)
+    assert not fresh and [r.key for r in trial_records(study)] == [r.key for r in written]
+
+
 def test_resume_with_other_options_is_refused(tmp_path, setting):
     _tune(tmp_path, setting, Counting(setting[0]), trials=1, seed=1)
     with pytest.raises(InputError, match="started with other seed"):

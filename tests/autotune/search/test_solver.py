@@ -189,3 +189,30 @@ def test_the_solvers_time_ends_between_any_two_estimates(monkeypatch):
     proposals, lines = frontier(SimpleNamespace(estimate=slow), [(4, "fp32"), (2, "fp32")], 10**9,
                                 MemoryPlan(micro_batch=4), seconds=0.01)
     assert proposals == [] and len(lines) == 1 and "stopped mid-way" in lines[0]
+
+
+def test_the_solver_starts_no_trace_its_time_cannot_hold(monkeypatch):
+    """A composer's estimate that needs a new trace is not started with less time left than a trace takes, nor
+    is a cost table's block bytes past the deadline (an 8B's cost table ran 16 s past its share before):
+    what was solved is kept, the rest said."""
+    from types import SimpleNamespace
+
+    from ckrun.autotune.search.solver import frontier
+    from ckrun.runner.predict import block_costs
+
+    asked = []
+
+    def estimate(plan, precision):
+        asked.append(plan.micro_batch)
+        return SimpleNamespace(peak_bytes=10**12)  # nothing fits: the cost table is asked for next
+
+    def table(estimator, *args, **kwargs):
+        estimator.block_bytes(MemoryPlan(), "fp32")
+        raise AssertionError("the block bytes above needed a trace the time left cannot hold")
+
+    monkeypatch.setattr(block_costs, "cost_table", table)
+    composer = SimpleNamespace(estimate=estimate, block_bytes=lambda plan, precision: None, trace_s=lambda: 60.0,
+                               ready=lambda plan, precision: plan.micro_batch == 4)
+    proposals, lines = frontier(composer, [(4, "fp32"), (2, "fp32")], 10**9, MemoryPlan(micro_batch=4), seconds=30)
+    assert asked == [4]  # traced already: estimated; its cost table's trace, and micro-batch 2's, not started
+    assert proposals == [] and len(lines) == 1 and "stopped mid-way" in lines[0]

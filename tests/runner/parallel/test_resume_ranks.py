@@ -46,6 +46,7 @@ def test_a_single_process_checkpoint_resumes_on_two_fsdp_ranks(runs):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (resumed, single)
 
 
+@pytest.mark.slow  # the fixture's 25 s; by default test_pool_knobs_ranks.py's fsdp run checks its export the same way
 def test_the_fsdp_export_stores_tied_weights_once(runs):
     from safetensors.torch import load_file
 

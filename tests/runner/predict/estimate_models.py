@@ -118,3 +118,26 @@ class _ConvBnNet(nn.Module):
 
 def conv_bn_net(**config) -> nn.Module:
     return _ConvBnNet(**config)
+
+
+class _ResidualNet(nn.Module):
+    """torchvision's ResNet in small: a stem, a widening residual block, then `depth` alike, each ending
+    in a ReLU that saves its output for its backward (torchvision's BasicBlock)."""
+
+    def __init__(self, channels: int = 8, depth: int = 2, num_classes: int = 4):
+        super().__init__()
+        from torchvision.models.resnet import BasicBlock
+
+        wide = 2 * channels
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        widen = nn.Sequential(nn.Conv2d(channels, wide, 1, bias=False), nn.BatchNorm2d(wide))
+        self.layers = nn.Sequential(BasicBlock(channels, wide, downsample=widen),
+                                    *(BasicBlock(wide, wide) for _ in range(depth)))
+        self.head = nn.Linear(wide, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.stem(images)).mean((2, 3)))
+
+
+def residual_net(**config) -> nn.Module:
+    return _ResidualNet(**config)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ckrun.runner.plan.choices import choice_fields
-from ckrun.runner.recipe.load import load_recipe
+from ckrun.runner.recipe.load import load_recipe, recipe_from_text
 from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.plan.policies import CHECKPOINTING, COMPRESSION, OFFLOAD, checkpointing_choices
 from ckrun.runner.plan.pool_policies import POOL_KINDS
@@ -27,7 +27,7 @@ from tests.runner.memory.tiny_lm import HAS_TORCHAO
 ROOT = Path(__file__).resolve().parents[3]
 FACTS = DeviceFacts(name="test gpu", matmul_tflops={"fp32": 60.0, "tf32": 400.0, "bf16": 900.0, "fp16": 900.0},
                     memory_gbs=3000.0, peer_gbs=400.0, host_gbs=50.0, capability=(9, 0), memory_bytes=80 * 10**9)
-LLAMA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=6",
+LLAMA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=4",
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.vocab_size=256",
          "data.seq_len=32", "train.batch_size=4"]
 TINY = {  # a library recipe, made small: a fake step of it takes a second or two here
@@ -148,6 +148,28 @@ def test_traces_grow_with_kinds_and_actions_not_depth_or_plans():
         memory = {**recipe.memory.model_dump(mode="json"), "checkpointing": choice_fields(CHECKPOINTING, label)}
         composer.estimate(MemoryPlan.model_validate(memory))
     assert composer.traces == 2 + 1
+
+
+@pytest.mark.parametrize(("device", "precision"), [("cuda", "bf16"), ("cpu", "fp32")])
+def test_a_recomputed_block_traced_beside_a_kept_one_says_when_it_lets_go_of_its_input(device, precision):
+    """torchvision's residual blocks end in a ReLU that saves its output: traced for `none`, a kept block
+    holds its output (the recomputed companion's input) to its own backward, which hid when the companion
+    lets go of it; `full` composed from that trace freed it as the next block's forward returned (ResNet-50:
+    16,384 B under its whole-model step). Each real block now holds its own copy of such an input."""
+    recipe = recipe_from_text(f"""
+model: {{source: python, name: "estimate_models:residual_net", config: {{depth: 2}}}}
+data: {{source: synthetic, task: image_classification, image_size: 8, num_classes: 4}}
+train: {{batch_size: 2, steps: 2, grad_clip: null}}
+precision: {precision}
+memory: {{micro_batch: 1}}
+""")
+    reference, composer = Estimator(recipe, device, FACTS), Composer(PartsEstimator(recipe, device, FACTS))
+    for policy in ["none", "full"]:
+        plan = MemoryPlan.model_validate({**recipe.memory.model_dump(mode="json"), "checkpointing": {"policy": policy}})
+        composed = composer.estimate(plan)
+        assert not [note for note in composed.notes if note.startswith("the whole-model fake step")]
+        assert answer(composed) == answer(reference.estimate(plan)), policy
+    assert composer.traces == 3  # none's (with a recomputed companion), its update, full's widening block
 
 
 ORDERED = [  # one composer, plans in an order where later ones reuse the traces of earlier ones
