@@ -72,7 +72,7 @@ def run_row(name: str) -> dict:
         command = [sys.executable, "-m", "ckrun", "tune", str(ROOT / recipe), *overrides, *flags, "--predict",
                    "--no-train", "--output", f"{directory}/tune", f"output.dir={directory}/run"]
         load_before, before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.monotonic()
+        started, clock = time.monotonic(), time.time()
         done = subprocess.run(command, capture_output=True, text=True, cwd=directory,
                               env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         wall = time.monotonic() - started
@@ -84,23 +84,29 @@ def run_row(name: str) -> dict:
     priced = [t for t in trials if t.get("probe_s") is not None and t["state"] != "duplicate"]
     bounded = [t for t in trials if t["state"] == "screened" and "lower bound" in (t.get("reason") or "")]
     winner = next((t for t in trials if t["number"] == report.get("winner")), None)
-    first = _first_priced(done.stderr)
+    first = _first_priced(done.stderr, clock)
+    first_cpu = next((float(line.split(" CPU s since")[0].rsplit("(", 1)[1]) for line in done.stderr.splitlines()
+                      if "first plan priced" in line and " CPU s since" in line), None)
     return {"name": name, "what": what, "command": " ".join(["ckrun", "tune", recipe, *overrides, *flags, "--predict",
                                                                  "--no-train"]),
             "exit": done.returncode, "wall": wall, "cpu": cpu, "load": (load_before, load_after),
             "priced": len(priced), "screened_out": len([t for t in trials if t["state"] == "screened"]) - len(bounded),
-            "bounded": len(bounded), "winner": winner, "first_priced_s": first,
+            "bounded": len(bounded), "winner": winner, "first_priced_s": first, "first_priced_cpu": first_cpu,
             "screening": report.get("screening", {}), "tail": done.stderr.strip().splitlines()[-2:]}
 
 
-def _first_priced(log: str) -> float | None:
-    """Seconds from the tune's first log line to its first line that reports a plan priced."""
-    stamps = [line[:8] for line in log.splitlines() if len(line) > 8 and line[2] == ":" and line[5] == ":"]
-    priced = [line[:8] for line in log.splitlines() if "trial " in line and ("predicted" in line or "screened" in line)]
-    if not stamps or not priced:
+def _first_priced(log: str, started: float) -> float | None:
+    """Seconds from the tune's start (`started`, a time.time()) to the log line of its first plan priced (the
+    screening's, else the first trial line that reports one), to the second of the log's stamps: the process's
+    start and imports included, as a user waits for them."""
+    priced = [line[:8] for line in log.splitlines() if "first plan priced" in line or
+              ("trial " in line and ("predicted" in line or "screened" in line))]
+    if not priced:
         return None
-    seconds = lambda stamp: int(stamp[:2]) * 3600 + int(stamp[3:5]) * 60 + int(stamp[6:8])  # noqa: E731
-    return float(seconds(priced[0]) - seconds(stamps[0]))
+    stamp = priced[0]
+    day = time.localtime(started)
+    at = time.mktime((*day[:3], int(stamp[:2]), int(stamp[3:5]), int(stamp[6:8]), 0, 0, day.tm_isdst))
+    return max(at - started, 0.0)
 
 
 def exhaustive(name: str, cap_text: str) -> dict:
@@ -163,7 +169,8 @@ def markdown(rows: list[dict], checks: dict, started: str) -> str:
         won = (f"{winner['label']}", f"{winner['measured_peak'] / 1e9:.1f} GB, {1000 * winner['step_s']:.0f} ms"
                if winner.get("step_s") else f"{winner['measured_peak'] / 1e9:.1f} GB") if winner else ("none", "-")
         busy = max(row["load"]) > 2.5
-        first = "-" if row["first_priced_s"] is None else f"{row['first_priced_s']:.0f} s"
+        first = "-" if row["first_priced_s"] is None else f"{row['first_priced_s']:.0f} s" + (
+            f" ({row['first_priced_cpu']:.0f} CPU s)" if row.get("first_priced_cpu") is not None else "")
         lines.append(f"| {row['what']} | `{row['command']}` | {row['exit']} | {row['wall']:.0f} s"
                      f"{' (*re-measure*)' if busy else ''} | {row['cpu']:.0f} | {row['load'][0]:.1f} / {row['load'][1]:.1f} "
                      f"| {row['priced']} ({row['bounded']} / {row['screened_out']}) | "

@@ -59,8 +59,13 @@ OPTIMIZER_POOLS = ("optimizer_state", "gradients")  # pools that only the update
 class Composer:
     """Predictions of many plans of one recipe from shared traces (module docstring)."""
 
-    def __init__(self, estimator: PartsEstimator):
-        self.estimator = estimator
+    ranks = False  # whether one of several ranks' steps compose here (runner/predict/rank_parts.py)
+
+    def __init__(self, estimator: PartsEstimator, neighbours: int = 0):
+        """`neighbours`: how many blocks on either side of a block are traced real beside it, because their
+        work lands in its parts (one of several ranks: runner/predict/rank_parts.py); then the embedding's and
+        head's parts are traced per plan, since what they hand to the blocks is let go inside them."""
+        self.estimator, self.neighbours = estimator, neighbours
         self.model = estimator.model
         self.templates: dict = {}  # relays' output layouts, by block kind and input
         self.found: dict[str | None, object] = {}
@@ -193,7 +198,7 @@ class Composer:
         """Whether `plan` composes from what is traced already: no trace to make, no optimizer to warm up
         (a search prices such plans first: each costs a fraction of a trace)."""
         precision = precision or self.estimator.recipe.precision
-        if _not_composed(plan, self.estimator) or self.estimator.optimizer_key(plan) not in self.estimator._optimizers:
+        if self._not_composed(plan) or self.estimator.optimizer_key(plan) not in self.estimator._optimizers:
             return False
         try:
             self.estimator.check(plan, precision)
@@ -212,13 +217,16 @@ class Composer:
 
     # --- which traces a plan needs -------------------------------------------------------------------
 
+    def _not_composed(self, plan: MemoryPlan) -> str | None:
+        return _not_composed(plan, self.estimator, self.ranks)
+
     def blocks(self, plan: MemoryPlan):
         if plan.blocks not in self.found:
             self.found[plan.blocks] = find_blocks(self.model, plan.blocks)
         return self.found[plan.blocks]
 
     def _layout(self, plan: MemoryPlan, precision: str) -> Layout:
-        why = _not_composed(plan, self.estimator)
+        why = self._not_composed(plan)
         if why:
             raise NotComposable(why)
         batch = self.estimator.recipe.train.batch_size
@@ -227,10 +235,12 @@ class Composer:
         return Layout(plan, precision, key, 1 if micro >= batch else 2, *self._signatures(plan, key))
 
     def _parts_key(self, plan: MemoryPlan, precision: str) -> str:
-        """What the blocks', embedding's and loss's parts depend on: the plan but its per-block actions,
-        the allocator and the cap, and the optimizer's pools unless the optimizer hooks the backward."""
-        data = plan.model_dump(mode="json", exclude={"checkpointing", "offload", "allocator", "max_mem", "allow_lossy",
-                                                     "compile", "activation_memory_budget"})
+        """What the blocks', embedding's and loss's parts depend on: the plan but its per-block actions (with
+        `neighbours`, them too), the allocator and the cap, and the optimizer's pools unless the optimizer hooks
+        the backward."""
+        per_block = set() if self.neighbours else {"checkpointing", "offload"}
+        data = plan.model_dump(mode="json", exclude={*per_block, "allocator", "max_mem", "allow_lossy", "compile",
+                                                     "activation_memory_budget"})
         if not self._hooks_backward(plan):
             for policy in plan.pool_policies():
                 if policy.pool in OPTIMIZER_POOLS:
@@ -290,7 +300,7 @@ class Composer:
         inputs = self.inputs.get(key, {})
         own = [(*self._kind(block), inputs.get(block.index), action if block.index in chosen else ("keep",),
                 block.index in moved, hooks.get(block.index, ())) for block in blocks]
-        reach = 2 if plan.offload.moves else 0
+        reach = max(2 if plan.offload.moves else 0, self.neighbours)
         windows = [(min(regions.get(i, (i, i))[0], i - reach), max(regions.get(i, (i, i))[1], i + reach))
                    for i in range(count)]
         signatures = [(i - lo, tuple(own[j] if 0 <= j < count else None for j in range(lo, hi + 1)))
@@ -328,7 +338,8 @@ class Composer:
         (the same trace then serves every plan that keeps some blocks and recomputes the rest)."""
         plan, blocks = layout.plan, self.blocks(layout.plan)
         policy = plan.checkpointing
-        if plan.offload.moves or policy.spans_blocks or policy.kept_ops() is not None or len(blocks) < 2:
+        if plan.offload.moves or policy.spans_blocks or policy.kept_ops() is not None or len(blocks) < 2 or \
+                self.neighbours:  # a companion would be a neighbour, and change the signature it is traced for
             return plan, chosen
         recomputed = set(policy.chosen(blocks))
         kept, redone = chosen - recomputed, chosen & recomputed
@@ -390,11 +401,11 @@ class Composer:
                 frozenset(accumulated))
 
 
-def _not_composed(plan: MemoryPlan, estimator) -> str | None:
-    """Why a plan is not composed from parts, or None."""
+def _not_composed(plan: MemoryPlan, estimator, ranks: bool = False) -> str | None:
+    """Why a plan is not composed from parts, or None (`ranks`: a rank's composer, which composes them)."""
     if plan.adaptive:
         return "memory.adaptive switches plans per batch length"
-    if plan.sharding is not None or estimator.world_size > 1:
+    if (plan.sharding is not None or estimator.world_size > 1) and not ranks:
         return "the step of one of several ranks"
     if not hasattr(torch._C._autograd, "_get_sequence_nr"):
         return f"torch {torch.__version__} does not number autograd nodes where parts can read it"

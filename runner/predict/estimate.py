@@ -130,10 +130,14 @@ class Estimator:
         if torch.device(device).type not in ("cpu", "cuda"):
             raise ValueError(f"cannot estimate for device {device!r}; use cpu or cuda")
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with unavailable_on_fake_errors("building the model"), self.fake_mode, self._device_behaviour(MemoryPlan()):
-            torch.manual_seed(recipe.train.seed)
-            with weight_init_skipped():
-                self.model = self._prepare(self._build_model())
+        with unavailable_on_fake_errors("building the model"), self.fake_mode:
+            with self._device_behaviour(MemoryPlan()):
+                torch.manual_seed(recipe.train.seed)
+                with weight_init_skipped():
+                    model = self._build_model()
+            # outside the step's dispatch modes, which change no op of a split: FSDP2 chunks every parameter
+            # once per rank, several ops each (a 70B shape over 64 ranks: 5 CPU seconds of the modes' overhead)
+            self.model = self._prepare(model)
             self.model.train()
         self.routed = BalancedRouting(self.model)  # eager experts' routing, assumed (predict/routing.py); the model is its own
         self.batch, self.batch_only = batch_to_fake(self._stand_in_batch(), self.fake_mode)

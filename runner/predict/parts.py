@@ -73,6 +73,8 @@ class Part:
     to_host: list = field(default_factory=list)
     gradients_to_host: list = field(default_factory=list)
     update_copies: list = field(default_factory=list)
+    collectives: list = field(default_factory=list)
+    """(compute ops of its micro-batch's kind this part ran before it, the collective): a rank's step's."""
 
 
 @dataclass
@@ -190,7 +192,8 @@ def _learn(module: torch.nn.Module, args, kwargs, leaves: list, trainable: bool)
     keys = {_storage(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
     # no gradients, and autocast's cast copies not cached: nothing of this forward outlives it
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.get_autocast_dtype("cpu"),
-                                         enabled=torch.is_autocast_enabled("cpu"), cache_enabled=False):
+                                         enabled=torch.is_autocast_enabled("cpu"), cache_enabled=False), \
+            _gathered(module):
         output = type(module).forward(module, *args, **kwargs)
     out_leaves, tree = tree_flatten(output)
     described = []
@@ -202,6 +205,21 @@ def _learn(module: torch.nn.Module, args, kwargs, leaves: list, trainable: bool)
         else:
             described.append(_Fresh(leaf.shape, leaf.stride(), leaf.dtype, needs_grad and leaf.is_floating_point()))
     return Template(tree, tuple(described))
+
+
+@contextlib.contextmanager
+def _gathered(module: torch.nn.Module):
+    """A block FSDP2 split holds its shards only; its forward runs on its gathered parameters, which its
+    hooks gather in a step (a relay of one of several ranks runs without them: runner/predict/rank_parts.py)."""
+    unshard, reshard = getattr(module, "unshard", None), getattr(module, "reshard", None)
+    if unshard is None or reshard is None:
+        yield
+        return
+    unshard()
+    try:
+        yield
+    finally:
+        reshard()
 
 
 def parameter_signature(module: torch.nn.Module) -> tuple:
@@ -217,6 +235,9 @@ def leaf_signature(leaves: list) -> tuple:
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
+    local = getattr(tensor, "_local_tensor", None)  # a DTensor (FSDP2's gradients, one of several ranks) holds its shard
+    if isinstance(local, torch.Tensor):
+        tensor = local
     if is_traceable_wrapper_subclass(tensor):
         return None
     try:
@@ -246,7 +267,8 @@ class Cutter(TorchDispatchMode):
         self.parts: dict[Sid, Part] = {}
         self.serial: dict[int, int] = {}  # storage key -> its serial while it lives
         self.events_done = self.labels_done = 0
-        self.ops_done = self.to_host_done = self.copies_done = self.gradients_done = 0
+        self.ops_done = self.to_host_done = self.copies_done = self.gradients_done = self.collectives_done = 0
+        self.computed = {"first": 0, "repeat": 0}  # compute ops filed so far, per micro-batch kind (a collective's position)
         self.boundaries: dict[tuple[int, int], Boundary] = {}
         self.signatures: dict[int, tuple] = {}
         self.problems: list[str] = []
@@ -286,12 +308,24 @@ class Cutter(TorchDispatchMode):
         clock = self.run.clock
         if clock is not None and part is not None:
             work = clock.work
+            self._file_collectives(part, work)
             part.ops += work.ops[self.ops_done:]
             part.to_host += work.to_host[self.to_host_done:]
             part.update_copies += work.update_copies[self.copies_done:]
             part.gradients_to_host += work.gradients_to_host[self.gradients_done:]
             self.ops_done, self.to_host_done, self.copies_done = len(work.ops), len(work.to_host), len(work.update_copies)
             self.gradients_done = len(work.gradients_to_host)
+
+    def _file_collectives(self, part: Part, work) -> None:
+        """The clock's new collectives, each placed by the compute ops of its kind its part ran before it (the
+        clock counts them from the micro-batch's start; the composition counts them again: placement.py)."""
+        for collective in work.collectives[self.collectives_done:]:
+            mine = sum(1 for op in part.ops if op.kind == collective.kind and op.phase != "update")
+            part.collectives.append((mine + collective.position - self.computed[collective.kind], collective))
+        self.collectives_done = len(work.collectives)
+        for op in work.ops[self.ops_done:]:
+            if op.phase != "update":
+                self.computed[op.kind] += 1
 
     def _allocated(self, key: int, nbytes: int, device: str, part: Part | None) -> None:
         serial = len(self.stores)

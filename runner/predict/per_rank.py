@@ -19,6 +19,11 @@ runs. On top of it:
   which it reduces).
 The fake process group is a torch testing API; where a torch lacks it, the prediction says so.
 
+A plan's step is composed from parts (runner/predict/rank_parts.py: a few real blocks traced on the split
+model, the others relays), so its cost does not grow with depth; where a plan does not compose, the whole
+rank's step is run, and the estimate's notes say so (`RankPredictor(compose=False)` runs every step whole:
+the reference tests/runner/predict/test_rank_parts.py holds the composition to).
+
 `tune --predict --nproc N` asks for many plans of one recipe: `RankPredictor` makes what no plan changes
 once and keeps it (the fake group; a mesh per strategy; per layout, `layout_key`, the estimator with its
 split fake model and warmed-up optimizer, and the gradient bytes counted on it), and applies each plan to the
@@ -46,6 +51,8 @@ from ..recipe.recipe import Recipe
 from ..units import format_bytes
 from .estimate import Estimate, EstimateUnavailable, Estimator
 from .device_facts import DeviceFacts
+from .parts import PartsEstimator
+from .rank_parts import RankComposer
 
 
 def per_rank(nproc: int, source: str = "<recipe>"):
@@ -78,9 +85,12 @@ class RankPredictor:
     kept model and removed again, as `Estimator.estimate` does for one process. Use it as a context manager:
     leaving it takes the fake group down."""
 
-    def __init__(self, nproc: int, device: str, facts: DeviceFacts | None = None, source: str = "<recipe>"):
-        self.nproc, self.device, self.facts, self.source = nproc, device, facts, source
+    def __init__(self, nproc: int, device: str, facts: DeviceFacts | None = None, source: str = "<recipe>",
+                 compose: bool = True):
+        """`compose`: each plan's step composed from parts (runner/predict/rank_parts.py), else run whole."""
+        self.nproc, self.device, self.facts, self.source, self.compose = nproc, device, facts, source, compose
         self.estimators: dict[str, Estimator] = {}
+        self.composers: dict[str, RankComposer] = {}
         self.meshes: dict[str, object] = {}
         self._group = contextlib.ExitStack()
 
@@ -93,6 +103,7 @@ class RankPredictor:
     def close(self) -> None:
         """Drop the kept estimators and meshes, and take the fake process group down."""
         self.estimators.clear()
+        self.composers.clear()
         self.meshes.clear()
         self._group.close()
 
@@ -104,7 +115,7 @@ class RankPredictor:
             estimator = self.estimator(share)
             _set_reshard(estimator.model, share.memory)
             with _meshes_outside_fake_mode(), self._dropped_on_failure(share):
-                estimate = estimator.estimate(share.memory, share.precision)
+                estimate = self._step(estimator, share)
             if _fully_sharded(estimator.model):  # tp alone reduce-scatters nothing
                 estimate = _add_reduce_in_flight(estimate, _unit_gradient_bytes(estimator.model, share.memory.blocks))
         else:
@@ -112,7 +123,7 @@ class RankPredictor:
             if self._buckets(share):  # counted on the kept model between plans, in the dtype the plan holds
                 estimator.ddp_gradient_bytes = _gradient_bytes(estimator.model, share.memory)
             with self._dropped_on_failure(share):
-                estimate = estimator.estimate(share.memory, share.precision)
+                estimate = self._step(estimator, share)
             if estimator.ddp_gradient_bytes:
                 estimate = _add_gradient_buckets(estimate, estimator.ddp_gradient_bytes)
         estimate.notes.insert(0, f"one of {self.nproc} ranks ({strategy.label()}): its share of "
@@ -131,6 +142,16 @@ class RankPredictor:
                                       "pinned host copies cannot run on fake tensors; measure it on the GPU "
                                       "(`ckrun tune` without --predict)")
 
+    def _step(self, estimator: Estimator, share: Recipe) -> Estimate:
+        """The rank's step for `share`'s plan: composed from parts (falling back to the whole step, said in a
+        note, where it does not compose), or run whole."""
+        if not self.compose:
+            return estimator.estimate(share.memory, share.precision)
+        key = layout_key(share)
+        if key not in self.composers:
+            self.composers[key] = RankComposer(estimator, share.distributed.shards and self.nproc > 1)
+        return self.composers[key].estimate(share.memory, share.precision)
+
     def estimator(self, share: Recipe) -> Estimator:
         """The kept estimator of `share`'s layout, built (and its model split) the first time it is asked for."""
         key = layout_key(share)
@@ -146,13 +167,15 @@ class RankPredictor:
             yield
         except BaseException:
             self.estimators.pop(layout_key(share), None)
+            self.composers.pop(layout_key(share), None)
             raise
 
     def _build(self, share: Recipe) -> Estimator:
         if share.distributed.shards and self.nproc > 1:
             with _meshes_outside_fake_mode():
-                return _ShardedEstimator(share, self.device, self._mesh(share.distributed), self.source, self.facts)
-        estimator = Estimator(share, self.device, self.facts)
+                sharded = _ShardedParts if self.compose else _ShardedEstimator
+                return sharded(share, self.device, self._mesh(share.distributed), self.source, self.facts)
+        estimator = (PartsEstimator if self.compose else Estimator)(share, self.device, self.facts)
         estimator.world_size = self.nproc
         return estimator
 
@@ -239,6 +262,11 @@ class _ShardedEstimator(Estimator):
         between = "kept from its forward to its backward" if kept else "freed after its forward and gathered again for its backward"
         return (f"weights: this rank's fp32 shards (4 B a parameter of its share) for the optimizer; FSDP2 gathers "
                 f"each block's weights in {precision} (its mixed precision; autocast casts none), {between}")
+
+
+class _ShardedParts(_ShardedEstimator, PartsEstimator):
+    """The split fake model the parts of a rank's step are traced on (runner/predict/rank_parts.py): its
+    optimizer state made by one update alone, not by a whole step."""
 
 
 def _fully_sharded(model: torch.nn.Module) -> bool:

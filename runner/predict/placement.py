@@ -364,11 +364,15 @@ class Composition:
         recipe = self.composer.estimator.recipe
         work = StepWork(world_size=self.composer.estimator.world_size, matmul_tf32=bool(recipe.tf32),
                         conv_tf32=recipe.tf32 is not False)
+        computed = {"first": 0, "repeat": 0}  # compute ops so far, per micro-batch kind: where a collective runs
         for sid in self.order:
             trace, tsid, shift = self.source(sid)
             part = trace.parts.get(tsid)
             if part is None:
                 continue
+            work.collectives += [replace(c, position=computed[c.kind] + before) for before, c in part.collectives]
+            for op in part.ops:
+                computed[op.kind] += op.phase != "update"
             if shift and sid[0] == "blk":
                 ops, to_host = self.composer.renumbered(part, shift)
                 work.ops += ops

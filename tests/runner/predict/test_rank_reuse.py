@@ -116,10 +116,10 @@ def test_a_failed_plan_drops_its_layout(monkeypatch):
         def fails(*args, **kwargs):
             raise RuntimeError("half-way")
 
-        monkeypatch.setattr(ranks.estimators[key], "estimate", fails)
+        monkeypatch.setattr(ranks.estimators[key], "fake_step", fails)  # whole or composed, a step runs it
         with pytest.raises(RuntimeError):
             ranks.estimate(recipe(STRATEGIES[1], CHECKPOINTING[1]))
-        assert key not in ranks.estimators
+        assert key not in ranks.estimators and key not in ranks.composers
 
 
 def test_cpu_offload_for_a_gpu_is_refused_as_unpredictable_not_as_a_cpu_run(monkeypatch):
