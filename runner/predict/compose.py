@@ -47,8 +47,9 @@ from ..memory.blocks import find_blocks
 from ..plan.memory_plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
 from ..recipe.recipe import Precision as PrecisionName
 from .estimate import CPU, HOST, Estimate, micro_batch_of
-from .parts import PartsEstimator, Trace, parameter_signature, trace_step, trace_update
+from .parts import PartsEstimator, Trace, trace_step, trace_update
 from .placement import Composition, Layout, NotComposable, trace_around
+from .relays import parameter_signature
 from .roofline import AFTER_BLOCKS
 
 log = logging.getLogger(__name__)
