@@ -31,6 +31,7 @@ from ..space.candidate import Candidate
 from ..space.knobs import describe
 from ..space.space import Space
 from ..space.validity import invalid_reason
+from .descent import Descent
 from .screening import Screening
 from .study import PRE_PROBE_SHARE, Budget, Evaluate, Predict, trial_records
 
@@ -56,10 +57,14 @@ class Tuner:
         self.evaluate, self.predict = evaluate, predict
         self.screening = Screening(space, cap, predict)  # each plan predicted once, its answer kept
         self.first_of: dict[str, FrozenTrial] = {}  # plan key -> the trial that evaluated it
+        # tune --predict: the walks from the plans priced so far (a resumed study's included)
+        self.descent = Descent(space, cap.limit) if predicted else None
         for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             record = read_record(trial)
             if record.duplicate_of is None and record.repeat_of is None:
                 self.first_of.setdefault(record.key, trial)
+                if self.descent is not None:
+                    self.descent.add(trial.number, trial.params, record)
         self.duplicates_in_a_row = 0
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
         self.priced_first: list = []  # candidates the starting points' choice predicted (each becomes a trial)
@@ -219,7 +224,35 @@ class Tuner:
             trial = self.study.ask(self.space.distributions())
             self._evaluate(trial, self.space.candidate(trial.params))
             self.origins.append(trial.params)
+            self._descend(budget)
             self._price_ready(budget)
+
+    def _descend(self, budget: Budget) -> None:
+        """tune --predict: the walks from the plans priced so far (autotune/search/descent.py), each plan
+        they lead to one trial, until they lead nowhere new or the budget is spent. Not while starting
+        points are queued (a queued trial is the next one asked)."""
+        if self.descent is None or self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
+        while (step := self.descent.next_moves()) is not None:
+            walk, start, points = step
+            fresh = [p for p in points if self._unpriced(self.space.candidate(p))]
+            if not fresh:
+                continue
+            log.info("tune: %d plan(s) one knob %s from trial %d (%s at %.2f s a step%s)", len(fresh), walk,
+                     start.number, "the fastest predicted to fit" if walk == "faster" else
+                     f"predicted {format_bytes(start.peak)}, over the limit", start.seconds,
+                     "" if walk == "faster" else ", faster than any fit so far")
+            for point in fresh:
+                if self._stop_reason(budget):
+                    return
+                self.study.enqueue_trial(point, user_attrs={"proposed_by": walk})
+                self._evaluate(self.study.ask(self.space.distributions()), self.space.candidate(point))
+                self.origins.append(point)  # its neighbours already traced are priced after the walks
+
+    def _unpriced(self, candidate: Candidate) -> bool:
+        """Not yet evaluated, valid, and not ruled out by its pools' lower bound."""
+        return candidate.key not in self.first_of and not invalid_reason(candidate, self.space) and \
+            not self.screening.bound(candidate)
 
     def _price_ready(self, budget: Budget) -> None:
         """tune --predict: the plans one knob from those predicted so far (`origins`) that cost little to
@@ -244,6 +277,7 @@ class Tuner:
                 self.study.enqueue_trial(point, user_attrs={"proposed_by": "neighbour"})
                 self._evaluate(self.study.ask(self.space.distributions()), candidate)
                 queue.append(point)
+                self._descend(budget)  # a new fastest fit, or a faster plan over the limit, is gone on from first
 
     def _neighbours(self, params: dict):
         """The points one searched knob away from `params`, in the table's order."""
@@ -367,6 +401,8 @@ class Tuner:
         store_record(trial, record)
         told = self.study.tell(trial, record.samples_per_s or 0.0)
         self.first_of.setdefault(candidate.key, told)
+        if self.descent is not None and not repeat:
+            self.descent.add(trial.number, trial.params, record)
         _log_trial(trial.number, candidate, record, self.predicted_search)
 
     def _tell_duplicate(self, trial: Trial, earlier: FrozenTrial) -> None:

@@ -32,7 +32,7 @@ from .facts import Device, ModelFacts
 from .pool_knobs import POOL_KNOBS
 from ..records import TrialRecord
 from .sharding import SHARDING
-from .space import UNSAID, Asked, Flag, Knob, Space
+from .space import UNSAID, Asked, Flag, Knob, Space, later_choices
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATOR_SETTINGS = ("default", "expandable_segments:True")  # "default": PYTORCH_CUDA_ALLOC_CONF left alone
@@ -217,6 +217,16 @@ def _policy_starts(kind) -> list[str]:
     return [label for cls in kind for label in cls.tuner_starts]
 
 
+def _smaller_micro_batches(space: Space, value: int) -> list[int]:
+    return sorted((micro for micro in space.choices.get("micro_batch", []) if micro < value), reverse=True)
+
+
+def _offload_everything(space: Space, value: str) -> list[str]:
+    """Every block's activations on the host holds the least (a solver's per-block label holds more)."""
+    everything = AllBlocksOffload(policy="all").label()
+    return [everything] if value != everything and space.allows("offload", everything) else []
+
+
 def _offload_starts(space: Space) -> list[str]:
     """No offload; where the pools leave the activations little room (`space.tight`), every block's too."""
     starts, everything = _policy_starts(OFFLOAD), AllBlocksOffload(policy="all").label()
@@ -315,7 +325,7 @@ KNOBS: tuple[Knob, ...] = (
          lambda c: f"micro_batch {c.plan.micro_batch}",
          flag=Flag("--search-micro-batch", "search micro_batch also for a model with BatchNorm, whose statistics then "
                    "cover a micro-batch, not the batch (default: keep the recipe's)"),
-         fits_first=True, solver=True, note=micro_batch_comment),
+         fits_first=True, solver=True, note=micro_batch_comment, lighter=_smaller_micro_batches),
     Knob("checkpointing", add_checkpointing, _policy(CHECKPOINTING, "checkpointing"),
          lambda c, space: c.plan.checkpointing.label(), lambda space, recipe, p: _policy_starts(CHECKPOINTING),
          lambda c: f"checkpointing {c.plan.checkpointing.label()}", joins=True, solver=True),
@@ -323,7 +333,8 @@ KNOBS: tuple[Knob, ...] = (
          _buckets_words),
     Knob("offload", add_offload, _policy(OFFLOAD, "offload"), lambda c, space: c.plan.offload.label(),
          lambda space, recipe, p: _offload_starts(space),
-         lambda c: f"offload {c.plan.offload.label()}" if c.plan.offload.moves else None, joins=True, solver=True),
+         lambda c: f"offload {c.plan.offload.label()}" if c.plan.offload.moves else None, joins=True, solver=True,
+         lighter=_offload_everything),
     Knob("allocator", add_allocator, _memory("allocator", lambda a: None if a == "default" else a),
          lambda c, space: c.plan.allocator or "default", lambda space, recipe, p: [recipe.memory.allocator or "default"],
          lambda c: f"allocator {c.plan.allocator}" if c.plan.allocator is not None else None),
@@ -341,7 +352,7 @@ KNOBS: tuple[Knob, ...] = (
          flag=Flag("--allow-lossy", "also search the lossy knobs: memory.compression (saved activations in bf16/fp8), "
                    "which changes the gradients, memory.weights bf16 and memory.optimizer_state 8bit/4bit/fp8, which "
                    "change the update; each such plan's error is measured and tuned.yaml marks it"),
-         note=compression_comment),
+         note=compression_comment, lighter=later_choices("compression")),
     *POOL_KNOBS,  # weights, optimizer_state, optimizer_step, optimizer_offload, loss (autotune/space/pool_knobs.py)
 )
 

@@ -29,7 +29,7 @@ from ckrun.runner.plan.pool_policies import (BF16Weights, ChunkedLoss, LowBitSta
 from ckrun.runner.units import format_bytes
 
 from .pool_floor import Bound, default_label, least, nothing_fits_line, pool_floor, pool_plan, settings
-from .space import Asked, Knob, Space
+from .space import Asked, Knob, Space, later_choices
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def lossy_comment(section: str, space: Space, record) -> str | None:
 def pool_knob(section: str) -> Knob:
     return Knob(section, ADDERS.get(section, partial(add_pool, section)), partial(to_plan, section),
                 partial(from_plan, section), partial(start, section), partial(words, section), joins=True,
-                solver=True, note=partial(lossy_comment, section))
+                solver=True, note=partial(lossy_comment, section), lighter=later_choices(section))
 
 
 ADDERS = {"weights": add_weights, "optimizer_state": add_optimizer_state, "optimizer_step": add_optimizer_step,

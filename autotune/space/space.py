@@ -84,6 +84,18 @@ class Knob:
     note: Callable[[Space, Any], str | None] | None = None
     """tuned.yaml's line on what the winner's value does to the result (given the space and the
     winner's TrialRecord), or None."""
+    lighter: Callable[[Space, Any], list] | None = None
+    """Its values in the space that hold less memory than the given one, the nearest first (where the
+    predicted search goes from a plan over the limit: autotune/search/descent.py); None where its values
+    have no such order (checkpointing, the allocator)."""
+
+
+def later_choices(name: str) -> Callable[[Space, Any], list]:
+    """`Knob.lighter` of a knob whose choices go from mild to strong: the values after the given one."""
+    def lighter(space: Space, value) -> list:
+        values = space.choices.get(name, [])
+        return values[values.index(value) + 1:] if value in values else []
+    return lighter
 
 
 @dataclass
