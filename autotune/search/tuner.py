@@ -66,6 +66,7 @@ class Tuner:
                 if self.descent is not None:
                     self.descent.add(trial.number, trial.params, record)
         self.duplicates_in_a_row = 0
+        self.predicting_s: list[float] = []  # tune --predict: each new plan's prediction, in wall seconds
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
         self.priced_first: list = []  # candidates the starting points' choice predicted (each becomes a trial)
         self.origins: list[dict] = []  # points predicted whose neighbours are not yet looked at (`_price_ready`)
@@ -316,12 +317,15 @@ class Tuner:
         if left <= 0:
             return f"the time budget of {budget.time_s:g} s is spent"
         if expected > left:
-            return (f"the time budget of {budget.time_s:g} s has {left:.0f} s left, less than a probe takes "
-                    f"(median {expected:.0f} s)")
+            return (f"the time budget of {budget.time_s:g} s has {left:.0f} s left, less than a "
+                    f"{'prediction' if self.predicted_search else 'probe'} takes (median {expected:.1f} s)")
         return None
 
     def expected_probe_s(self) -> float:
-        """How long a probe takes here: the median of the probes so far (re-runs included)."""
+        """How long a probe takes here: the median of the probes so far (re-runs included); under --predict,
+        of the predictions so far (a probe's record holds only the cached answer's)."""
+        if self.predicted_search:
+            return statistics.median(self.predicting_s) if self.predicting_s else 0.0
         records = map(read_record, self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         seconds = [r.probe_s for r in records if r.probe_s and r.duplicate_of is None]
         return statistics.median(seconds) if seconds else 0.0
@@ -396,7 +400,10 @@ class Tuner:
             self._tell_duplicate(trial, earlier)
             return
         self.duplicates_in_a_row = 0
+        started = time.monotonic()
         record, constraint = self._record(trial.number, candidate, screen=not repeat)
+        if self.predicted_search:
+            self.predicting_s.append(time.monotonic() - started)
         trial.set_constraint("peak", constraint)
         store_record(trial, record)
         told = self.study.tell(trial, record.samples_per_s or 0.0)

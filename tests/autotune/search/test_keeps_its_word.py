@@ -127,6 +127,36 @@ def test_out_of_time_a_predicted_search_answers_with_its_best_fit(monkeypatch):
     assert any("the answer is the best plan predicted to fit" in line for line in lines)
 
 
+def test_a_predicted_search_starts_no_prediction_its_time_budget_cannot_hold(monkeypatch):
+    """--predict: a prediction is not started where the predictions so far say it would end past the budget
+    (a probe's record of a prediction holds only its cached answer's time, near zero)."""
+    clock = Clock()
+    for module in (study_module, tuner_module):
+        monkeypatch.setattr(module.time, "monotonic", clock)
+    space = build_space(RECIPE, FACTS, CPU)
+    ends = []
+
+    def predict(candidate: Candidate) -> Prediction:
+        clock.now += 3.5
+        ends.append(clock.now)
+        seconds = 0.5 + (sum(map(ord, candidate.key)) % 5) / 10
+        return Prediction(10**6, time={"seconds": seconds, "samples_per_s": 16 / seconds, "mfu": 0.3, "hfu": 0.3})
+
+    def evaluate(candidate: Candidate, number: int) -> ProbeResult:
+        prediction = predict(candidate)
+        return ProbeResult(status="ok", measured_peak_bytes=prediction.peak, predicted=True, probe_s=0.0,
+                           samples_per_s=prediction.time["samples_per_s"], step_s=prediction.time["seconds"],
+                           device="cpu", device_total_bytes=CPU.total_bytes, torch=torch.__version__)
+
+    with tempfile.TemporaryDirectory() as directory, _logged() as lines:
+        study, fresh = open_study(Path(directory), {"cap": 10**8}, False)
+        started = clock.now
+        search(study, fresh, RECIPE, space, Cap(10**8, 0.05), CPU, Budget(trials=150, time_s=100.0, started=started),
+               evaluate, predict, SearchSettings(0, 0, "off", timed_steps=0, predicted=True))
+    assert len(ends) > 5 and max(ends) - started <= 100.0
+    assert any("less than a prediction takes" in line for line in lines)
+
+
 def _plan(record):
     from ckrun.runner.plan.memory_plan import MemoryPlan
 
