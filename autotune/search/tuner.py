@@ -66,7 +66,8 @@ class Tuner:
                 if self.descent is not None:
                     self.descent.add(trial.number, trial.params, record)
         self.duplicates_in_a_row = 0
-        self.predicting_s: list[float] = []  # tune --predict: each new plan's prediction, in wall seconds
+        # tune --predict: each new plan's prediction in wall seconds, by whether its parts were traced before it
+        self.predicting_s: dict[bool, list[float]] = {True: [], False: []}
         self.budget: Budget | None = None  # set by start(): bounds the predictions before the first probe
         self.priced_first: list = []  # candidates the starting points' choice predicted (each becomes a trial)
         self.origins: list[dict] = []  # points predicted whose neighbours are not yet looked at (`_price_ready`)
@@ -244,11 +245,16 @@ class Tuner:
                      f"predicted {format_bytes(start.peak)}, over the limit", start.seconds,
                      "" if walk == "faster" else ", faster than any fit so far")
             for point in fresh:
-                if self._stop_reason(budget):
+                if self._stop_reason(budget, self.space.candidate(point)):
                     return
                 self.study.enqueue_trial(point, user_attrs={"proposed_by": walk})
                 self._evaluate(self.study.ask(self.space.distributions()), self.space.candidate(point))
                 self.origins.append(point)  # its neighbours already traced are priced after the walks
+
+    def _ready(self, candidate: Candidate) -> bool:
+        """Whether the predictor composes the plan from parts already traced (False where it cannot say)."""
+        ready = getattr(self.predict, "ready", None)
+        return bool(ready and ready(candidate))
 
     def _unpriced(self, candidate: Candidate) -> bool:
         """Not yet evaluated, valid, and not ruled out by its pools' lower bound."""
@@ -273,7 +279,7 @@ class Tuner:
                 seen.add(candidate.key)
                 if invalid_reason(candidate, self.space) or self.screening.bound(candidate) or not ready(candidate):
                     continue
-                if self._stop_reason(budget):
+                if self._stop_reason(budget, candidate):
                     return
                 self.study.enqueue_trial(point, user_attrs={"proposed_by": "neighbour"})
                 self._evaluate(self.study.ask(self.space.distributions()), candidate)
@@ -297,35 +303,40 @@ class Tuner:
             return True
         return self.predicted_search and record.state == "screened" and record.predicted_s is not None
 
-    def _stop_reason(self, budget: Budget) -> str | None:
+    def _stop_reason(self, budget: Budget, candidate: Candidate | None = None) -> str | None:
         if self.probes >= budget.trials:
             return f"{self.probes} plans {'predicted' if self.predicted_search else 'measured'} (--trials {budget.trials})"
         if len(self.first_of) >= self.space.size:
             return f"every plan in the space ({self.space.size}) has been tried"
         if self.duplicates_in_a_row >= CONVERGED_AFTER:
             return f"the sampler proposed {CONVERGED_AFTER} already-measured plans in a row: it has converged"
-        return self._out_of_time(budget)
+        return self._out_of_time(budget, candidate)
 
-    def _out_of_time(self, budget: Budget) -> str | None:
+    def _out_of_time(self, budget: Budget, candidate: Candidate | None = None) -> str | None:
         """Why no probe may start now: the time budget is spent, or the next probe (as long as the
         median probe so far) would end past it. The first probe always runs: without one measured
         plan there is nothing to choose."""
         left = budget.time_left()
         if left is None or (self.probes == 0 and not self.predicted_search):  # predictions: the budget holds
             return None
-        expected = self.expected_probe_s()
+        expected = self.expected_probe_s(candidate)
         if left <= 0:
             return f"the time budget of {budget.time_s:g} s is spent"
         if expected > left:
             return (f"the time budget of {budget.time_s:g} s has {left:.0f} s left, less than a "
-                    f"{'prediction' if self.predicted_search else 'probe'} takes (median {expected:.1f} s)")
+                    f"{'prediction' if self.predicted_search else 'probe'} takes ({'mean' if self.predicted_search else 'median'} "
+                    f"{expected:.1f} s)")
         return None
 
-    def expected_probe_s(self) -> float:
-        """How long a probe takes here: the median of the probes so far (re-runs included); under --predict,
-        of the predictions so far (a probe's record holds only the cached answer's)."""
+    def expected_probe_s(self, candidate: Candidate | None = None) -> float:
+        """How long a probe takes here: the median of the probes so far (re-runs included). Under --predict (a
+        probe's record holds only the cached answer's time) the mean of the predictions so far of the candidate's
+        kind: composed from parts already traced (a fraction of a second) or not (seconds: a trace); the mean of
+        all where the candidate is not known yet (the sampler's next)."""
         if self.predicted_search:
-            return statistics.median(self.predicting_s) if self.predicting_s else 0.0
+            kind = self.predicting_s[self._ready(candidate)] if candidate is not None else \
+                [*self.predicting_s[True], *self.predicting_s[False]]
+            return statistics.fmean(kind) if kind else 0.0
         records = map(read_record, self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         seconds = [r.probe_s for r in records if r.probe_s and r.duplicate_of is None]
         return statistics.median(seconds) if seconds else 0.0
@@ -400,10 +411,10 @@ class Tuner:
             self._tell_duplicate(trial, earlier)
             return
         self.duplicates_in_a_row = 0
-        started = time.monotonic()
+        started, ready = time.monotonic(), self.predicted_search and self._ready(candidate)
         record, constraint = self._record(trial.number, candidate, screen=not repeat)
         if self.predicted_search:
-            self.predicting_s.append(time.monotonic() - started)
+            self.predicting_s[ready].append(time.monotonic() - started)
         trial.set_constraint("peak", constraint)
         store_record(trial, record)
         told = self.study.tell(trial, record.samples_per_s or 0.0)
