@@ -76,8 +76,12 @@ class Model:
         return self.floors[pools]
 
 
-def predicted_search(model: Model, trials: int) -> list:
-    """Every trial record of a predicted search on the model's space whose predictions are the model's."""
+def predicted_search(model: Model, trials: int, directory: str | None = None, resume: bool = False) -> list:
+    """Every trial record of a predicted search on the model's space whose predictions are the model's (its
+    study in `directory`, a new one unless `resume`)."""
+    if directory is None:
+        with tempfile.TemporaryDirectory() as directory:
+            return predicted_search(model, trials, directory)
     space = model.space
 
     def predict(candidate: Candidate) -> Prediction:
@@ -90,10 +94,9 @@ def predicted_search(model: Model, trials: int) -> list:
                            samples_per_s=prediction.time["samples_per_s"], step_s=prediction.time["seconds"],
                            device="H100", device_total_bytes=GPU.total_bytes, torch=torch.__version__)
 
-    with tempfile.TemporaryDirectory() as directory:
-        study, fresh = open_study(Path(directory), {"cap": CAP.bytes}, False)
-        return search(study, fresh, RECIPE, space, CAP, GPU, Budget(trials=trials), evaluate, predict,
-                      SearchSettings(0, 0, "off", timed_steps=0, predicted=True))
+    study, fresh = open_study(Path(directory), {"cap": CAP.bytes}, resume)
+    return search(study, fresh, RECIPE, space, CAP, GPU, Budget(trials=trials), evaluate, predict,
+                  SearchSettings(0, 0, "off", timed_steps=0, predicted=True))
 
 
 def best_fit(model: Model) -> float:
@@ -123,6 +126,18 @@ def test_the_fastest_fit_three_knobs_away_and_first_over_the_limit_is_found():
     first = next(r for r in records if r.state == "feasible" and r.step_s == best)
     assert first.proposed_by == "lighter"  # brought under the limit from a faster plan over it
     assert first.number < 50
+
+
+def test_a_resumed_predicted_search_walks_on_to_the_same_best_plan_pricing_no_plan_twice():
+    model = eight_b()
+    with tempfile.TemporaryDirectory() as directory:
+        stopped = predicted_search(model, 20, directory)
+        records = predicted_search(model, 150, directory, resume=True)
+    best = best_fit(model)
+    assert min(r.step_s for r in stopped if r.state == "feasible") > best  # stopped before the walks got there
+    assert ranked_feasible(records)[0].step_s == best
+    keys = [r.key for r in records if r.duplicate_of is None and r.key]
+    assert len(keys) == len(set(keys))
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
