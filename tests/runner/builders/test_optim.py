@@ -161,7 +161,10 @@ def test_a_warm_up_as_long_as_the_run_is_said_in_one_line_with_the_rate_its_last
     assert len(said) == (length >= steps)
     if said:
         last = _rates(scheduler, steps)[-1] / 0.01
-        assert f"its last step takes {100 * last:.0f}% of train.optimizer.lr" in said[0], (said, last)
+        # the line rounds the exact share; the scheduler's rate carries float error, so a share of x.5 % may
+        # round either way: the percent said is the rate's within half a percent
+        percent = re.search(r"its last step takes (\d+)% of train\.optimizer\.lr", said[0])
+        assert percent and abs(int(percent[1]) - 100 * last) <= 0.5 + 1e-9, (said, last)
 
 
 def test_warmup_steps_and_warmup_ratio_are_one_or_the_other(ckrun):
