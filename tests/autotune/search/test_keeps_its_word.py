@@ -111,16 +111,10 @@ def test_out_of_time_a_predicted_search_answers_with_its_best_fit(monkeypatch):
         return Prediction(10**6 if fits else 10**9, time={"seconds": seconds, "samples_per_s": 16 / seconds,
                                                            "mfu": 0.3, "hfu": 0.3})
 
-    def evaluate(candidate: Candidate, number: int) -> ProbeResult:
-        prediction = predict(candidate)
-        return ProbeResult(status="ok", measured_peak_bytes=prediction.peak, predicted=True, probe_s=0.0,
-                           samples_per_s=prediction.time["samples_per_s"], step_s=prediction.time["seconds"],
-                           device="cpu", device_total_bytes=CPU.total_bytes, torch=torch.__version__)
-
     with tempfile.TemporaryDirectory() as directory, _logged() as lines:
         study, fresh = open_study(Path(directory), {"cap": 10**8}, False)
         budget = Budget(trials=150, time_s=20.0, started=clock.now)
-        records = search(study, fresh, RECIPE, space, Cap(10**8, 0.05), CPU, budget, evaluate, predict,
+        records = search(study, fresh, RECIPE, space, Cap(10**8, 0.05), CPU, budget, _answered(predict), predict,
                          SearchSettings(0, 0, "off", timed_steps=0, predicted=True))
     ranked = ranked_feasible(records)
     assert ranked and checkpointing(space, Candidate(_plan(ranked[0]), ranked[0].precision)) == "full"
@@ -142,19 +136,24 @@ def test_a_predicted_search_starts_no_prediction_its_time_budget_cannot_hold(mon
         seconds = 0.5 + (sum(map(ord, candidate.key)) % 5) / 10
         return Prediction(10**6, time={"seconds": seconds, "samples_per_s": 16 / seconds, "mfu": 0.3, "hfu": 0.3})
 
+    with tempfile.TemporaryDirectory() as directory, _logged() as lines:
+        study, fresh = open_study(Path(directory), {"cap": 10**8}, False)
+        started = clock.now
+        search(study, fresh, RECIPE, space, Cap(10**8, 0.05), CPU, Budget(trials=150, time_s=100.0, started=started),
+               _answered(predict), predict, SearchSettings(0, 0, "off", timed_steps=0, predicted=True))
+    assert len(ends) > 5 and max(ends) - started <= 100.0
+    assert any("less than a prediction takes" in line for line in lines)
+
+
+def _answered(predict):
+    """A predicted search's probe: the prediction's peak and throughput."""
+
     def evaluate(candidate: Candidate, number: int) -> ProbeResult:
         prediction = predict(candidate)
         return ProbeResult(status="ok", measured_peak_bytes=prediction.peak, predicted=True, probe_s=0.0,
                            samples_per_s=prediction.time["samples_per_s"], step_s=prediction.time["seconds"],
                            device="cpu", device_total_bytes=CPU.total_bytes, torch=torch.__version__)
-
-    with tempfile.TemporaryDirectory() as directory, _logged() as lines:
-        study, fresh = open_study(Path(directory), {"cap": 10**8}, False)
-        started = clock.now
-        search(study, fresh, RECIPE, space, Cap(10**8, 0.05), CPU, Budget(trials=150, time_s=100.0, started=started),
-               evaluate, predict, SearchSettings(0, 0, "off", timed_steps=0, predicted=True))
-    assert len(ends) > 5 and max(ends) - started <= 100.0
-    assert any("less than a prediction takes" in line for line in lines)
+    return evaluate
 
 
 def _plan(record):
