@@ -23,7 +23,7 @@ lighter value adds work (a recompute, a copy, a rounding) and so never makes a s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..records import TrialRecord
 from ..space.pool_floor import least
@@ -35,6 +35,10 @@ FASTER = 1 - 1e-9  # relative: composed step times are sums of floats in differe
 CLOSES = 1 / 16  # the least share of a plan's gap over the limit one lighter knob must close to be gone on from
 
 
+def point_key(params: dict) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class Priced:
     """A plan the search has predicted: its trial, point, predicted peak (CUDA context included) and step time."""
@@ -43,10 +47,10 @@ class Priced:
     params: dict
     peak: int
     seconds: float
+    key: str = field(init=False)
 
-    @property
-    def key(self) -> str:
-        return json.dumps(self.params, sort_keys=True)
+    def __post_init__(self):
+        object.__setattr__(self, "key", point_key(self.params))  # read in every walk's choice: made once
 
 
 class Descent:
@@ -92,7 +96,7 @@ class Descent:
 
     def _led_from(self, start: Priced, points: list[dict]) -> list[dict]:
         for point in points:
-            self.came_from.setdefault(json.dumps(point, sort_keys=True), start)
+            self.came_from.setdefault(point_key(point), start)
         return points
 
     def _nearer(self, plan: Priced) -> bool:
@@ -107,16 +111,15 @@ class Descent:
         """The points one searched knob away that hold more, or whose knob has no such order (checkpointing),
         in the table's order: the only ones that may be faster."""
         lighter = {knob.name: knob.lighter for knob in self.space.knobs}
-        for name, values in self.space.choices.items():
-            for value in values:
-                ordered = lighter.get(name)
-                if value != params.get(name) and (ordered is None or params.get(name) in ordered(self.space, value)):
-                    yield {**params, name: value}
+        for name, point in self.space.neighbours(params):
+            ordered = lighter.get(name)
+            if ordered is None or params.get(name) in ordered(self.space, point[name]):
+                yield point
 
     def _lighter(self, start: Priced) -> list[dict]:
         """Each ordered knob's nearest valid value that holds less, and where the pools' bound knows better, the
         nearest that lowers it (weights fp32:uncached saves activations only, bf16 the pools) (module docstring)."""
-        floor = self._floor(start.params)
+        floor = self._floor(self.space.candidate(start.params))
         pools_may_close = floor is None or self.least_floor is None or start.peak - floor + self.least_floor <= self.limit
         moves = []
         for knob in self.space.knobs:
@@ -125,17 +128,18 @@ class Descent:
             kinds = set()  # "same" (the bound unmoved, or unknown), "lower": at most the nearest of each
             for value in knob.lighter(self.space, start.params[knob.name]):
                 point = {**start.params, knob.name: value}
-                moved = self._floor(point)
+                candidate = self.space.candidate(point)
+                moved = self._floor(candidate)
                 kind = "same" if moved is None or floor is None or moved == floor else \
                     "lower" if moved < floor and pools_may_close else None
-                if kind is None or kind in kinds or invalid_reason(self.space.candidate(point), self.space):
+                if kind is None or kind in kinds or invalid_reason(candidate, self.space):
                     continue  # holds more by the bound (fp8 after 4bit), or the pools cannot close the gap
                 kinds.add(kind)
                 moves.append(point)
         return moves
 
-    def _floor(self, params: dict) -> int | None:
-        """The pools' lower bound of a point (None where there is none: under --nproc)."""
+    def _floor(self, candidate) -> int | None:
+        """The pools' lower bound of a plan (None where there is none: under --nproc)."""
         bound = self.space.bound
-        floor = bound.floor(self.space.candidate(params)) if bound is not None else None
+        floor = bound.floor(candidate) if bound is not None else None
         return None if floor is None else floor.total

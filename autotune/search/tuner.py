@@ -237,18 +237,18 @@ class Tuner:
             return
         while (step := self.descent.next_moves()) is not None:
             walk, start, points = step
-            fresh = [p for p in points if self._unpriced(self.space.candidate(p))]
+            fresh = [(p, c) for p in points if self._unpriced(c := self.space.candidate(p))]
             if not fresh:
                 continue
             log.info("tune: %d plan(s) one knob %s from trial %d (%s at %.2f s a step%s)", len(fresh), walk,
                      start.number, "the fastest predicted to fit" if walk == "faster" else
                      f"predicted {format_bytes(start.peak)}, over the limit", start.seconds,
                      "" if walk == "faster" else ", faster than any fit so far")
-            for point in fresh:
-                if self._stop_reason(budget, self.space.candidate(point)):
+            for point, candidate in fresh:
+                if self._stop_reason(budget, candidate):
                     return
                 self.study.enqueue_trial(point, user_attrs={"proposed_by": walk})
-                self._evaluate(self.study.ask(self.space.distributions()), self.space.candidate(point))
+                self._evaluate(self.study.ask(self.space.distributions()), candidate)
                 self.origins.append(point)  # its neighbours already traced are priced after the walks
 
     def _ready(self, candidate: Candidate) -> bool:
@@ -272,12 +272,12 @@ class Tuner:
             return
         queue, seen, self.origins = self.origins, set(), []
         while queue:
-            for point in self._neighbours(queue.pop(0)):
+            for _, point in self.space.neighbours(queue.pop(0)):
                 candidate = self.space.candidate(point)
-                if candidate.key in self.first_of or candidate.key in seen:
+                if candidate.key in seen:
                     continue
                 seen.add(candidate.key)
-                if invalid_reason(candidate, self.space) or self.screening.bound(candidate) or not ready(candidate):
+                if not self._unpriced(candidate) or not ready(candidate):
                     continue
                 if self._stop_reason(budget, candidate):
                     return
@@ -285,13 +285,6 @@ class Tuner:
                 self._evaluate(self.study.ask(self.space.distributions()), candidate)
                 queue.append(point)
                 self._descend(budget)  # a new fastest fit, or a faster plan over the limit, is gone on from first
-
-    def _neighbours(self, params: dict):
-        """The points one searched knob away from `params`, in the table's order."""
-        for name, values in self.space.choices.items():
-            for value in values:
-                if value != params.get(name):
-                    yield {**params, name: value}
 
     @property
     def probes(self) -> int:

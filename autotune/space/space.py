@@ -165,6 +165,13 @@ class Space:
             parts.update(part)
         return Candidate(MemoryPlan.model_validate(memory), parts["precision"], parts.get("strategy"))
 
+    def neighbours(self, params: dict[str, Any]):
+        """The points one searched knob away from `params`, in the table's order: (knob name, point)."""
+        for name, values in self.choices.items():
+            for value in values:
+                if value != params.get(name):
+                    yield name, {**params, name: value}
+
     def all_params(self) -> list[dict[str, Any]]:
         """Every point, in a fixed order: the grid the benchmark compares against."""
         grids = {**self.choices, **{name: grid_of(d) for name, d in self.numeric.items()}}
