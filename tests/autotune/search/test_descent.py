@@ -140,7 +140,7 @@ def test_a_resumed_predicted_search_walks_on_to_the_same_best_plan_pricing_no_pl
     assert len(keys) == len(set(keys))
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_each_walk_goes_one_knob_from_a_plan_it_had_priced(data):
     """A 'faster' trial is one knob from a fit priced before it, holding more (or along an unordered knob); a
