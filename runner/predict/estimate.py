@@ -39,7 +39,6 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ..builders.data import Batch
-from ..builders.experts import GroupedMmOnFake
 from ..builders.adapters import lora_note
 from ..builders.sources import stand_in_batch
 from ..memory.apply import apply_plan, check_combination
@@ -55,7 +54,7 @@ from ..units import format_bytes
 from .cuda_model import CudaOnCpu, in_cuda_mode
 from .compiled_updates import compiled_updates
 from .shapes import batch_to_fake, build_for_shapes, weight_init_skipped
-from .fake_gaps import BatchNormStats, FakeGapWatch, WorkspaceFill
+from .fake_gaps import FakeGapWatch, FakeKernelFixes
 from .device_facts import DeviceFacts
 from .real_paths import real_mask_paths
 from .reserved import cuda_reserve
@@ -224,7 +223,7 @@ class Estimator:
                       OpClock(self.world_size, self.recipe.tf32, self._moded_blocks(plan)) if self.facts else None,
                       self._optimizing(plan))
         planned = run.planned
-        with self.fake_mode, self._device_behaviour(plan), self._applied(plan, run.clock) as run.applied:
+        with self.fake_mode, self._device_behaviour(plan) as run.fixes, self._applied(plan, run.clock) as run.applied:
             planned.hold()  # before the tracker counts the parameters: the bf16 copies of host masters
             run.tracker.track(self.model, planned.optimizer, [*self.batch.tensors(), *self.batch_only])
             run.baseline = len(run.tracker.events or ())
@@ -260,17 +259,18 @@ class Estimator:
                          ddp_gradient_bytes=self.ddp_gradient_bytes, data_parallel=self.data_parallel,
                          tf32=self.recipe.tf32)
 
+    @contextlib.contextmanager
     def _device_behaviour(self, plan: MemoryPlan):
-        """What the step does on the target device and not on fake CPU tensors, for `plan`."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(real_mask_paths())  # the attention paths a real step takes
-        stack.enter_context(WorkspaceFill())  # the bytes oneDNN's LSTM keeps, which its fake kernel leaves out
-        stack.enter_context(BatchNormStats(self.cuda))  # a half-precision BatchNorm's float32 statistics
-        stack.enter_context(GroupedMmOnFake())  # mixture-of-experts' grouped kernel in fp32, which its fake kernel refuses
-        stack.enter_context(compiled_updates(self.cuda, any(p.library for p in plan.pool_policies())))  # torchao's update
-        if self.cuda:
-            stack.enter_context(CudaOnCpu())
-        return stack
+        """What the step does on the target device and not on fake CPU tensors, for `plan`; yields the fake
+        kernels' mends (`FakeKernelFixes`), whose `seen` names the gaps left unmended."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(real_mask_paths())  # the attention paths a real step takes
+            # oneDNN LSTM's workspace, a half-precision BatchNorm's float32 statistics, experts' grouped kernel in fp32
+            fixes = stack.enter_context(FakeKernelFixes(self.cuda))
+            stack.enter_context(compiled_updates(self.cuda, any(p.library for p in plan.pool_policies())))  # torchao's update
+            if self.cuda:
+                stack.enter_context(CudaOnCpu())
+            yield fixes
 
     @contextlib.contextmanager
     def _applied(self, plan: MemoryPlan, clock: OpClock | None = None):
@@ -380,6 +380,8 @@ class FakeRun:
     """The tracker's events that existed before the step (parameters, optimizer state, the batch)."""
     applied: object = None
     """The plan as apply_plan put it on the model (memory.apply.AppliedPlan)."""
+    fixes: FakeKernelFixes | None = None
+    """The fake kernels' mends the step ran under; their `seen` names the gaps they left."""
 
 
 def host_work(planned: PlannedOptimizer, micro_batches: int) -> int:

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..builders.contract import logits_from
 from ..builders.data import Batch
+from ..plan.memory_plan import MemoryPlan
 from .estimate import Estimator, unavailable_on_fake_errors
 
 LABELS = "labels"  # the key of the labels in a batch given as a dict, as transformers' Trainer names them
@@ -85,7 +86,7 @@ class GivenModelEstimator(Estimator):
         return Batch(inputs, labels.detach().to("cpu"), by_keyword)
 
     def _logits_shape(self, inputs: dict[str, torch.Tensor], by_keyword: bool) -> torch.Size:
-        with unavailable_on_fake_errors("the example batch's forward"), self.fake_mode, torch.no_grad(), self._device_behaviour():
+        with unavailable_on_fake_errors("the example batch's forward"), self.fake_mode, torch.no_grad(), self._device_behaviour(MemoryPlan()):
             fake = {k: self.fake_mode.from_tensor(v) for k, v in inputs.items()}
             output = self.model(**fake) if by_keyword else self.model(*fake.values())
             return logits_from(output, self.model).shape

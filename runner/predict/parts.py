@@ -42,7 +42,6 @@ from ..plan.memory_plan import MemoryPlan
 from ..recipe.recipe import Precision as PrecisionName
 from ..train.step import Accumulated, Precision, accumulate, label_count, update
 from .estimate import MICRO_BATCHES_RUN, Estimator, FakeRun, host_work, unavailable_on_fake_errors
-from .fake_gaps import FakeGapWatch
 from .relays import leaf_signature, relay_forward, storage_id
 
 Sid = tuple  # a part: ("head",), ("pre", m, "f"|"b"), ("blk", j, m, "f"|"b"), ("gap", j, m), ("post", m, "f"|"b"),
@@ -395,7 +394,7 @@ def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: Precision
                          if b.index not in real])
         cutter.install(estimator.model)
         try:
-            with cutter, gaps:
+            with cutter:
                 yield
         finally:
             cutter.remove()
@@ -403,13 +402,12 @@ def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: Precision
             cutter.catch_up()
 
     grads: dict[int, int] = {}
-    gaps = FakeGapWatch()
     with unavailable_on_fake_errors("a part of the step"):
         run = estimator.fake_step(plan, precision, step, watch, record_labels=True)
     for param in estimator.model.parameters():
         param.grad = None  # no update ran to let them go; the next step starts without them, as after one
     return _trace(cutter, run, frozenset(real), 1 if micro >= estimator.recipe.train.batch_size else MICRO_BATCHES_RUN,
-                  grads, gaps.warnings())
+                  grads, run.fixes.warnings())
 
 
 def trace_update(estimator: PartsEstimator, plan: MemoryPlan, precision: PrecisionName, accumulated: set[int],
