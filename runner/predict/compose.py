@@ -388,8 +388,9 @@ class Composer:
         return self.updates[key]
 
     def _update_key(self, layout: Layout) -> tuple:
-        """What the update's trace depends on: the pools' policies, the micro-batches run and the parameters
-        whose gradients the backward accumulates (read off the representatives)."""
+        """What the update's trace depends on: the optimizer the plan asks for (`Estimator.optimizer_key`: not
+        the loss's split nor autocast's cast cache, which only the forward and backward see), the micro-batches
+        run and the parameters whose gradients the backward accumulates (read off the representatives)."""
         accumulated = set()
         blocks = self.blocks(layout.plan)
         for i, (trace, t) in enumerate(layout.reps):
@@ -398,8 +399,7 @@ class Composer:
                     accumulated.add(self.param_index[id(mine)])
         in_blocks = {id(p) for b in blocks for p in self.block_parameters(b)}
         accumulated |= {i for i in layout.absolute.accumulated if id(self.params[i]) not in in_blocks}
-        return (tuple(p.model_dump_json() for p in layout.plan.pool_policies()), layout.micro_batches,
-                frozenset(accumulated))
+        return (self.estimator.optimizer_key(layout.plan), layout.micro_batches, frozenset(accumulated))
 
 
 def _not_composed(plan: MemoryPlan, estimator, ranks: bool = False) -> str | None:

@@ -172,6 +172,21 @@ memory: {{micro_batch: 1}}
     assert composer.traces == 3  # none's (with a recomputed companion), its update, full's widening block
 
 
+def test_plans_that_differ_in_what_only_the_step_sees_share_the_update_trace():
+    """The loss's split and autocast's cast cache act in the forward and backward, not in the update: plans
+    that differ only there trace their own steps and share one update (an 8B search went through three more
+    update traces, a second each), and each still equals its whole-model step."""
+    recipe = load_recipe(ROOT / "recipes" / "llama3_8b.yaml", [*LLAMA, "memory.micro_batch=2"])
+    reference, composer = Estimator(recipe, "cuda", FACTS), Composer(PartsEstimator(recipe, "cuda", FACTS))
+    memory = {**recipe.memory.model_dump(mode="json"), "checkpointing": {"policy": "full"},
+              "optimizer_offload": {"policy": "none"}}
+    for change in [{"loss": {"policy": "whole"}}, {"loss": {"policy": "chunked", "chunks": 4}},
+                   {"weights": {"policy": "fp32", "cast_cache": False}}]:
+        plan = MemoryPlan.model_validate({**memory, **change})
+        assert answer(composer.estimate(plan)) == answer(reference.estimate(plan)), change
+    assert len(composer.updates) == 1
+
+
 ORDERED = [  # one composer, plans in an order where later ones reuse the traces of earlier ones
     {"checkpointing": {"policy": "none"}},
     {"checkpointing": {"policy": "every", "every": 3}},
