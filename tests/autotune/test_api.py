@@ -279,3 +279,11 @@ def _quick_probes(monkeypatch):
     tune = ckrun.tune
     monkeypatch.setattr(ckrun, "tune", lambda *args, **kw: tune(*args, **kw, no_solver=True, no_screen=True))
     return ckrun.tune
+
+
+def test_a_batch_without_labels_is_planned_from_the_models_own_output():
+    """A batch of inputs alone (a tensor, no labels): the stand-in labels take their shape from a fake forward
+    of the model, which ran without the plan its device behaviour needs (a TypeError before any plan)."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    planned = plan_memory(model, torch.randn(8, 16), max_mem="1GB")
+    assert isinstance(planned, PlannedMemory) and 0 < planned.peak_bytes <= 10**9 and not planned.measured
