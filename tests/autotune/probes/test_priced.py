@@ -1,0 +1,51 @@
+"""Predictions in the tuner's process (autotune/probes/priced.py): what the pricer holds is frozen out of the
+garbage collector's full collections while the search prices, and given back when it closes. Counted: the
+objects the collector tracks, not seconds."""
+
+from __future__ import annotations
+
+import gc
+
+from ckrun.autotune.probes.model_child import model_facts
+from ckrun.autotune.probes.priced import PricedPredictor
+from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.knobs import build_space
+from ckrun.runner.predict.hardware import resolve_device
+from ckrun.runner.recipe.load import load_recipe
+from conftest import BERT_TINY, TINY_BERT
+
+GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x", "12.8")
+
+
+def test_the_pricers_objects_are_frozen_while_it_traces_and_given_back_at_close():
+    recipe = load_recipe(BERT_TINY, [*TINY_BERT, "model.config.num_hidden_layers=3", "train.device=auto"])
+    space = build_space(recipe, ModelFacts.from_json(model_facts(recipe)), GPU)
+    predictor = PricedPredictor(recipe, "cuda", resolve_device("h100"))
+    first, again = (space.candidate(point) for point in space.starting_points(recipe)[:2])
+    assert gc.get_freeze_count() == 0
+    try:
+        assert predictor(first).peak > 0
+        frozen = gc.get_freeze_count()
+        assert frozen > 0  # the fake model and the traces the first prediction made
+        assert predictor(first).peak > 0 and gc.get_freeze_count() <= frozen  # no new trace: nothing more frozen
+        predictor(again)
+    finally:
+        predictor.close()
+    assert gc.get_freeze_count() == 0  # the caller's collector as it was
+
+
+def test_a_caller_that_froze_objects_of_its_own_keeps_them_frozen():
+    """gc.unfreeze gives back every frozen object: where the caller froze some (a server before it forks),
+    the pricer freezes nothing, so its close unfreezes nothing of theirs."""
+    recipe = load_recipe(BERT_TINY, [*TINY_BERT, "model.config.num_hidden_layers=3", "train.device=auto"])
+    space = build_space(recipe, ModelFacts.from_json(model_facts(recipe)), GPU)
+    predictor = PricedPredictor(recipe, "cuda", resolve_device("h100"))
+    gc.freeze()
+    theirs = gc.get_freeze_count()
+    try:
+        assert predictor(space.candidate(space.starting_points(recipe)[0])).peak > 0
+        assert gc.get_freeze_count() <= theirs  # none of the pricer's (theirs may die meanwhile: refcounting)
+        predictor.close()
+        assert 0 < gc.get_freeze_count() <= theirs  # theirs still frozen
+    finally:
+        gc.unfreeze()
