@@ -22,8 +22,9 @@ lighter value adds work (a recompute, a copy, a rounding) and so never makes a s
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..records import TrialRecord
 from ..space.pool_floor import least
@@ -47,10 +48,10 @@ class Priced:
     params: dict
     peak: int
     seconds: float
-    key: str = field(init=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "key", point_key(self.params))  # read in every walk's choice: made once
+    @functools.cached_property
+    def key(self) -> str:  # read in every walk's choice: made once
+        return point_key(self.params)
 
 
 class Descent:

@@ -21,6 +21,8 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..builders.experts import GroupedMmOnFake
+
 # op (the overload packet's qualified name) -> what its fake kernel leaves out
 FAKE_GAPS = {
     "aten::mkldnn_rnn_layer": "its fake kernel returns a 0-byte workspace where the real one (oneDNN's, kept "
@@ -78,8 +80,6 @@ class FakeKernelFixes(TorchDispatchMode):
 
     def __init__(self, cuda: bool):
         super().__init__()
-        from ..builders.experts import GroupedMmOnFake
-
         self.seen: dict[str, None] = {}  # as FakeGapWatch's: the unmended gaps, in the order they ran
         fill, stats, grouped = WorkspaceFill(), BatchNormStats(cuda), GroupedMmOnFake()
         # op -> what runs it: a mode's __torch_dispatch__, called as the mode stack would (this mode is off inside)

@@ -17,11 +17,16 @@ from conftest import BERT_TINY, TINY_BERT
 GPU = Device("cuda", "NVIDIA H100", 80 * 10**9, ("fp32", "fp16", "bf16"), "2.x", "12.8")
 
 
-def test_the_pricers_objects_are_frozen_while_it_traces_and_given_back_at_close():
+def _pricer() -> tuple[PricedPredictor, list]:
+    """A pricer of tiny BERT for an H100, and the candidates of its first two starting points."""
     recipe = load_recipe(BERT_TINY, [*TINY_BERT, "model.config.num_hidden_layers=3", "train.device=auto"])
     space = build_space(recipe, ModelFacts.from_json(model_facts(recipe)), GPU)
-    predictor = PricedPredictor(recipe, "cuda", resolve_device("h100"))
-    first, again = (space.candidate(point) for point in space.starting_points(recipe)[:2])
+    return PricedPredictor(recipe, "cuda", resolve_device("h100")), \
+        [space.candidate(point) for point in space.starting_points(recipe)[:2]]
+
+
+def test_the_pricers_objects_are_frozen_while_it_traces_and_given_back_at_close():
+    predictor, (first, again) = _pricer()
     assert gc.get_freeze_count() == 0
     try:
         assert predictor(first).peak > 0
@@ -37,13 +42,11 @@ def test_the_pricers_objects_are_frozen_while_it_traces_and_given_back_at_close(
 def test_a_caller_that_froze_objects_of_its_own_keeps_them_frozen():
     """gc.unfreeze gives back every frozen object: where the caller froze some (a server before it forks),
     the pricer freezes nothing, so its close unfreezes nothing of theirs."""
-    recipe = load_recipe(BERT_TINY, [*TINY_BERT, "model.config.num_hidden_layers=3", "train.device=auto"])
-    space = build_space(recipe, ModelFacts.from_json(model_facts(recipe)), GPU)
-    predictor = PricedPredictor(recipe, "cuda", resolve_device("h100"))
+    predictor, (first, _) = _pricer()
     gc.freeze()
     theirs = gc.get_freeze_count()
     try:
-        assert predictor(space.candidate(space.starting_points(recipe)[0])).peak > 0
+        assert predictor(first).peak > 0
         assert gc.get_freeze_count() <= theirs  # none of the pricer's (theirs may die meanwhile: refcounting)
         predictor.close()
         assert 0 < gc.get_freeze_count() <= theirs  # theirs still frozen
