@@ -120,9 +120,13 @@ class Cutter(TorchDispatchMode):
     """Follows the step from part to part (module docstring) and files the tracker's events and the op
     clock's records under the part they happen in."""
 
-    def __init__(self, run: FakeRun, blocks: BlockList, real: frozenset[int] = frozenset()):
+    def __init__(self, run: FakeRun, blocks: BlockList, real: frozenset[int] = frozenset(),
+                 regions: list[list[int]] = ()):
+        """`regions`: runs of blocks checkpointed as one (sqrt), within which a block is given what the block
+        before it returned as it was (the region's replay finds it by identity)."""
         super().__init__()
         self.run, self.blocks, self.last, self.real = run, blocks, len(blocks) - 1, real
+        self.region_of = {block: n for n, region in enumerate(regions) for block in region}
         self.copies: dict[int, int] = {}  # a real block's own copy of a shared input (serial) -> the input's
         self.sid: Sid = BASE
         self.micro = 0
@@ -321,10 +325,13 @@ class Cutter(TorchDispatchMode):
 
     def _held_elsewhere(self, index: int, leaf: torch.Tensor, serial: int) -> bool:
         """Whether input `serial` of real block `index` may be held by other code of the trace than this block:
-        the model's own (an input needing no gradient it made) or another real block (its output)."""
+        the model's own (an input needing no gradient it made) or another real block (its output), but not an
+        earlier block of its checkpoint region: nothing holds that but the block given it, and a copy would be
+        an input the region keeps."""
         owner = self.stores[serial].owner
         if owner[0] == "blk":
-            return owner[1] in self.real and owner[1] != index
+            same_region = self.region_of.get(owner[1], -1) == self.region_of.get(index, -2)
+            return owner[1] in self.real and owner[1] != index and not same_region
         return owner[0] != "gap" and not leaf.requires_grad
 
     def _block_ends(self, index: int, _module, _args, _kwargs, output):
@@ -388,7 +395,8 @@ def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: Precision
     @contextlib.contextmanager
     def watch(run: FakeRun):
         nonlocal cutter
-        cutter = Cutter(run, blocks, frozenset(real))
+        regions = plan.checkpointing.regions(blocks) if plan.checkpointing.spans_blocks else []
+        cutter = Cutter(run, blocks, frozenset(real), regions)
         cutter.enter(("head",))
         undo = undo_all([wrap_forward(b.module, relay_forward, b.module, templates, trigger) for b in blocks
                          if b.index not in real])

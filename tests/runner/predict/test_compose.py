@@ -172,6 +172,18 @@ memory: {{micro_batch: 1}}
     assert composer.traces == 3  # none's (with a recomputed companion), its update, full's widening block
 
 
+@pytest.mark.parametrize("name", ALWAYS)
+def test_a_sqrt_region_traced_real_is_the_whole_model_step(name):
+    """sqrt checkpoints blocks 0-1 of four as one region, traced real together: the second block was given its
+    own copy of the first's output (as a real neighbour's), which the region's replay did not know as the first
+    block's and kept, and the copy's release freed the original in the backward, not as the second block's
+    forward returned: 8,192 B over the whole-model step at micro-batch 1 (4,096 on the LoRA's bf16 base)."""
+    estimator, composer = pair(name, "cuda")
+    plan = MemoryPlan.model_validate({"micro_batch": 1, "checkpointing": {"policy": "sqrt"}, "allow_lossy": True,
+                                      "optimizer_offload": {"policy": "none"}})
+    check_plan(estimator, composer, plan)
+
+
 def test_plans_that_differ_in_what_only_the_step_sees_share_the_update_trace():
     """The loss's split and autocast's cast cache act in the forward and backward, not in the update: plans
     that differ only there trace their own steps and share one update (an 8B search went through three more
