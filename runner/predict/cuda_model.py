@@ -68,12 +68,17 @@ class CudaOnCpu:
         F.scaled_dot_product_attention, F.dropout = self._saved
 
 
+_LISTED = _FP32_OPS | _FP32_DTYPE_OPS | _NOT_CAST_ON_CUDA
+
+
 class _CudaAutocastLists(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not torch.is_autocast_enabled("cpu"):
-            return func(*args, **kwargs)
+        # every torch call of the step comes here (a fake step's own modes' too: ~4 per op dispatched), and
+        # few are listed: one set lookup for the rest
         name = getattr(func, "__name__", "")
+        if name not in _LISTED or not torch.is_autocast_enabled("cpu"):
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if name in _FP32_OPS:
             args, kwargs = _to_fp32((args, kwargs))
         elif name in _FP32_DTYPE_OPS and "dtype" not in kwargs and _has_half(args):

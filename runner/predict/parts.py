@@ -41,6 +41,7 @@ from ..memory.blocks import BlockList, find_blocks, undo_all, wrap_forward
 from ..plan.memory_plan import MemoryPlan
 from ..recipe.recipe import Precision as PrecisionName
 from ..train.step import Accumulated, Precision, accumulate, label_count, update
+from .device_query import DEVICE_QUERY, fake_device
 from .estimate import MICRO_BATCHES_RUN, Estimator, FakeRun, host_work, unavailable_on_fake_errors
 from .relays import leaf_signature, relay_forward, storage_id
 
@@ -247,6 +248,8 @@ class Cutter(TorchDispatchMode):
         elif self.in_backward:
             self.in_backward = False
             self.enter(("tail", self.micro))
+        if func is DEVICE_QUERY and (device := fake_device(args)) is not None:
+            return device  # the modes below have nothing to do with a read of a device (device_query.py)
         return func(*args, **(kwargs or {}))
 
     def _backward_ends(self) -> None:

@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory.selective import learning
 from .device_facts import DeviceFacts
+from .device_query import DEVICE_QUERY, fake_device
 from .op_work import is_causal, layout_bytes, measure, op_class
 from .overlap import Collective, exposed
 
@@ -348,6 +349,8 @@ class OpClock(TorchDispatchMode):
     # --- recording --------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY and (device := fake_device(args)) is not None:
+            return device  # not priced, and nothing below acts on it (device_query.py)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         try:
