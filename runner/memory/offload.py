@@ -306,15 +306,18 @@ class ActivationOffload:
         if not self.transport.accepts(tensor) or not offloadable(tensor, self.device, self.min_bytes, own):
             return tensor
         hit = seen.get(id(tensor))
-        if hit is not None and hit[0]() is tensor:
-            return hit[1]
+        entry = hit[1]() if hit is not None and hit[0]() is tensor else None
+        if entry is not None:  # saved twice in this forward: copied once
+            return entry
         entry = _Offloaded(group)
         entry.host, copied = self.transport.to_host(tensor, entry)
         group.entries.append(weakref.ref(entry))
         # detached: the stash keeps the memory until its copy is done, not the graph (a forward that
         # never reaches backward must let its entries go, which is how `_abandoned` knows it)
         group.stash.append((tensor.detach(), weakref.ref(entry), copied))
-        seen[id(tensor)] = (weakref.ref(tensor), entry)
+        # weak: autograd keeps this hook (and `seen`) as long as any tensor the block saved, and a strong reference
+        # held every copy of the block, host and fetched device copy, until the block's last node was done
+        seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(entry))
         self.offloaded_bytes += tensor.numel() * tensor.element_size()
         self.offloaded_count += 1
         return entry
