@@ -275,12 +275,17 @@ class ActivationOffload:
         def run(*args, **kwargs):
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
+            copied: dict = {}
             try:
-                with self.hooks(module):
+                with self.hooks(module, copied):
                     return forward(*args, **kwargs)
             except BaseException:
                 self.reset()  # an out-of-memory mid-forward: this forward will see no backward
                 raise
+            finally:  # autograd keeps the pack hook as long as any tensor the block saved: were its note of what it
+                # copied kept too, each copy (host, and the device copy fetched back) would live until the block's
+                # last node is done, not its own
+                copied.clear()
         return run
 
     def reset(self) -> None:
@@ -292,32 +297,30 @@ class ActivationOffload:
             self._release(group)
             group.previous, group = None, group.previous
 
-    def hooks(self, module: nn.Module) -> saved_tensors_hooks:
-        """The hooks for one forward of `module`; a tensor saved twice in it is copied once."""
+    def hooks(self, module: nn.Module, seen: dict | None = None) -> saved_tensors_hooks:
+        """The hooks for one forward of `module`; a tensor saved twice in it is copied once (`seen`: the note of
+        what was copied, for the caller to clear when the forward is over)."""
         if self._last is not None and self._abandoned():
             self.reset()  # the last forward failed after the offloaded blocks (in the head, the loss)
         if self._last is not None and self._last.previous is not None:
             self._release(self._last.previous)  # block k starts: block k-2's copies must be done
         group = self._last = _Group(self._last)
-        own, seen = ModuleStorages(module), {}
+        own, seen = ModuleStorages(module), {} if seen is None else seen
         return saved_tensors_hooks(functools.partial(self._pack, group, own, seen), self._unpack)
 
     def _pack(self, group: _Group, own: ModuleStorages, seen: dict, tensor: torch.Tensor):
         if not self.transport.accepts(tensor) or not offloadable(tensor, self.device, self.min_bytes, own):
             return tensor
         hit = seen.get(id(tensor))
-        entry = hit[1]() if hit is not None and hit[0]() is tensor else None
-        if entry is not None:  # saved twice in this forward: copied once
-            return entry
+        if hit is not None and hit[0]() is tensor:
+            return hit[1]
         entry = _Offloaded(group)
         entry.host, copied = self.transport.to_host(tensor, entry)
         group.entries.append(weakref.ref(entry))
         # detached: the stash keeps the memory until its copy is done, not the graph (a forward that
         # never reaches backward must let its entries go, which is how `_abandoned` knows it)
         group.stash.append((tensor.detach(), weakref.ref(entry), copied))
-        # weak: autograd keeps this hook (and `seen`) as long as any tensor the block saved, and a strong reference
-        # held every copy of the block, host and fetched device copy, until the block's last node was done
-        seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(entry))
+        seen[id(tensor)] = (weakref.ref(tensor), entry)
         self.offloaded_bytes += tensor.numel() * tensor.element_size()
         self.offloaded_count += 1
         return entry
