@@ -12,7 +12,8 @@ The schedule is torchtune's OffloadActivations, per block:
 - Backward. The first unpack of a block's tensors brings the block back (unless prefetched) and
   prefetches the block before it on the side stream, into memory allocated on the compute stream;
   compute waits only for the copy of the tensor it needs. Blocks whose copies were still stashed
-  when backward began (the last ones) use their device tensors: no round trip.
+  when backward began (the last ones) use their device tensors: no round trip. Each copy (host and
+  device) goes as the node that saved it is done, not with its block's last node.
 - A forward that never reaches backward (an out-of-memory mid-step, inside an offloaded block or
   after them) leaves no state behind: its stashed device tensors are let go once their copies are
   done, and the next forward starts a chain of its own.
