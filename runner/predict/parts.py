@@ -333,7 +333,8 @@ class Cutter(TorchDispatchMode):
         an input the region keeps."""
         owner = self.stores[serial].owner
         if owner[0] == "blk":
-            same_region = self.region_of.get(owner[1], -1) == self.region_of.get(index, -2)
+            region = self.region_of.get(index)
+            same_region = region is not None and self.region_of.get(owner[1]) == region
             return owner[1] in self.real and owner[1] != index and not same_region
         return owner[0] != "gap" and not leaf.requires_grad
 

@@ -152,15 +152,12 @@ def test_an_offloaded_tensor_goes_when_its_own_node_is_done_not_with_its_blocks_
     held every copy of the block until the block's last saved tensor went: on the Llama 8B's offloaded plans up to
     4 GB more at the peak, and since when that went followed the order autograd let go of its hooks, a peak that
     differed between runs of the same plan. The note is cleared as the block's forward returns."""
-    seen_at_the_linear = []
-    model = nn.Sequential(_Probed(seen_at_the_linear), _Probed(seen_at_the_linear))
+    seen_at_the_linear, entries = [], []
+    model = nn.Sequential(_Probed(seen_at_the_linear, entries), _Probed(seen_at_the_linear, entries))
     offload = cpu_offload()
     offload_all(model, offload)
-    entries = []
     pack = offload._pack
     offload._pack = lambda *args: _kept(entries, pack(*args))
-    for block in model:
-        block.entries = entries
     model(torch.randn(8, 64, requires_grad=True)).sum().backward()
     # block 1's backward, as its linear's begins: its input's copy is still to be used, tanh's output went
     assert seen_at_the_linear[0] == [True, False]
@@ -189,9 +186,9 @@ class _Probed(nn.Module):
     """Linear then tanh (which saves its output); at the linear's backward, which of the last two tensors this
     block offloaded (its input, tanh's output) are still alive."""
 
-    def __init__(self, seen: list):
+    def __init__(self, seen: list, entries: list):
         super().__init__()
-        self.linear, self.seen, self.entries = nn.Linear(64, 64), seen, None
+        self.linear, self.seen, self.entries = nn.Linear(64, 64), seen, entries
 
     def forward(self, x):
         hidden = self.linear(x)
