@@ -383,7 +383,7 @@ class Composition:
             work.update_copies += part.update_copies
             work.gradients_to_host += part.gradients_to_host
         plan, batch = self.layout.plan, recipe.train.batch_size
-        hosted = self.layout.update.host_work(batch // micro_batch_of(plan, batch))
+        hosted = self.layout.update.host_work[batch // micro_batch_of(plan, batch)]
         if hosted:
             work.host_updates.append(("first" if self.layout.micro_batches == 1 else "repeat", "update", hosted))
         return work
