@@ -62,11 +62,13 @@ class Composer:
 
     ranks = False  # whether one of several ranks' steps compose here (runner/predict/rank_parts.py)
 
-    def __init__(self, estimator: PartsEstimator, neighbours: int = 0):
+    def __init__(self, estimator: PartsEstimator, neighbours: int = 0, tracer: Tracer | None = None):
         """`neighbours`: how many blocks on either side of a block are traced real beside it, because their
         work lands in its parts (one of several ranks: runner/predict/rank_parts.py); then the embedding's and
-        head's parts are traced per plan, since what they hand to the blocks is let go inside them."""
+        head's parts are traced per plan, since what they hand to the blocks is let go inside them. `tracer`
+        makes the traces (`Tracer`: here, unless a second process made one already)."""
         self.estimator, self.neighbours = estimator, neighbours
+        self.tracer = tracer or Tracer()
         self.model = estimator.model
         self.templates: dict = {}  # relays' output layouts, by block kind and input
         self.found: dict[str | None, object] = {}
@@ -312,26 +314,54 @@ class Composer:
         """Trace what the plan's blocks need and is not traced yet; a first trace of a parts key learns
         what each block is given, which may show kinds it had not told apart (then one more trace)."""
         for _ in range(3):
-            missing = [i for i, signature in enumerate(layout.signatures)
-                       if (layout.key, signature) not in self.represented]
-            if not missing:
+            wanted = self._wanted(layout)
+            if wanted is None:
                 break
-            first = {}
-            for i in missing:
-                first.setdefault(layout.signatures[i], i)
-            traced, chosen = self._with_companion(layout, set(first.values()))
-            signatures, windows = self._signatures(traced, layout.key)
-            if layout.key not in self.inputs and self.frozen:
-                # kinds not yet told apart by their inputs, and frozen parameters (an adapter's base) may give
-                # the first of them an input that needs no gradient: the next of each is traced too
-                chosen |= {i + 1 for i in chosen if i + 1 < len(signatures) and signatures[i + 1] == signatures[i]}
-            real = {j for i in chosen for j in range(windows[i][0], windows[i][1] + 1)}
-            self._trace(layout, traced, real, chosen)
+            self._trace(layout, *wanted)
         else:
             raise NotComposable("its blocks' inputs changed between traces")
         layout.reps = [self.represented[(layout.key, signature)] for signature in layout.signatures]
         layout.absolute = self.absolute[layout.key]
         layout.update = self._update(layout)
+
+    def _wanted(self, layout: Layout) -> tuple[MemoryPlan, set[int], set[int]] | None:
+        """The next trace the layout needs (the plan to trace, its real blocks, the blocks it represents), or None
+        where every block is represented."""
+        missing = [i for i, signature in enumerate(layout.signatures) if (layout.key, signature) not in self.represented]
+        if not missing:
+            return None
+        first = {}
+        for i in missing:
+            first.setdefault(layout.signatures[i], i)
+        traced, chosen = self._with_companion(layout, set(first.values()))
+        signatures, windows = self._signatures(traced, layout.key)
+        if layout.key not in self.inputs and self.frozen:
+            # kinds not yet told apart by their inputs, and frozen parameters (an adapter's base) may give
+            # the first of them an input that needs no gradient: the next of each is traced too
+            chosen |= {i + 1 for i in chosen if i + 1 < len(signatures) and signatures[i + 1] == signatures[i]}
+        real = {j for i in chosen for j in range(windows[i][0], windows[i][1] + 1)}
+        return traced, real, chosen
+
+    def next_trace(self, plan: MemoryPlan, precision: PrecisionName) -> tuple | None:
+        """The first trace pricing `plan` would make now, named as `Tracer` is asked for it, with what it is
+        given: ("step", key, plan to trace, precision, real blocks) or ("update", key, plan, precision, the
+        parameters accumulated, micro-batches); None where it needs none, or is not composed. A search hands the
+        traces of plans it will price next to a second process with it (autotune/probes/beside.py)."""
+        try:
+            self.estimator.check(plan, precision)
+            layout = self._layout(plan, precision)
+        except (NotComposable, ValueError):
+            return None
+        wanted = self._wanted(layout)
+        if wanted is not None:
+            traced, real, _ = wanted
+            return "step", trace_key(layout.key, traced, real), traced, precision, frozenset(real)
+        layout.reps = [self.represented[(layout.key, signature)] for signature in layout.signatures]
+        layout.absolute = self.absolute[layout.key]
+        key = self._update_key(layout)
+        if key in self.updates:
+            return None
+        return "update", ("update", *key), plan, precision, frozenset(key[-1]), layout.micro_batches
 
     def _with_companion(self, layout: Layout, chosen: set[int]) -> tuple[MemoryPlan, set[int]]:
         """The plan to trace, and its blocks to make real: the layout's own; where its blocks are kept or
@@ -361,7 +391,8 @@ class Composer:
 
     def _trace(self, layout: Layout, traced: MemoryPlan, real: set[int], chosen: set[int]) -> None:
         started = time.monotonic()
-        trace = trace_step(self.estimator, traced, layout.precision, real, self.templates)
+        trace = self.tracer.step(trace_key(layout.key, traced, real), self.estimator, traced, layout.precision,
+                                 frozenset(real), self.templates)
         self.traces += 1
         self.traced_s.append(time.monotonic() - started)
         if trace.problems:
@@ -379,8 +410,8 @@ class Composer:
         key = self._update_key(layout)
         if key not in self.updates:
             started = time.monotonic()
-            self.updates[key] = trace_update(self.estimator, layout.plan, layout.precision, set(key[-1]),
-                                             layout.micro_batches)
+            self.updates[key] = self.tracer.update(("update", *key), self.estimator, layout.plan, layout.precision,
+                                                   set(key[-1]), layout.micro_batches)
             self.traces += 1
             self.traced_s.append(time.monotonic() - started)
             if self.updates[key].problems:
@@ -400,6 +431,28 @@ class Composer:
         in_blocks = {id(p) for b in blocks for p in self.block_parameters(b)}
         accumulated |= {i for i in layout.absolute.accumulated if id(self.params[i]) not in in_blocks}
         return (self.estimator.optimizer_key(layout.plan), layout.micro_batches, frozenset(accumulated))
+
+
+class Tracer:
+    """Makes a composer's traces, each named by a key that says all it depends on (`trace_key`): here, in this
+    process. A search's second process (autotune/probes/beside.py) may have made one already: a subclass
+    answers with it, which composes the same (what a trace holds beyond the key, the relays' learning of their
+    output layouts, lands in parts no composition reads)."""
+
+    def step(self, key: tuple, estimator: PartsEstimator, plan: MemoryPlan, precision: PrecisionName,
+             real: frozenset[int], templates: dict) -> Trace:
+        return trace_step(estimator, plan, precision, set(real), templates)
+
+    def update(self, key: tuple, estimator: PartsEstimator, plan: MemoryPlan, precision: PrecisionName,
+               accumulated: set[int], micro_batches: int) -> Trace:
+        return trace_update(estimator, plan, precision, accumulated, micro_batches)
+
+
+def trace_key(parts_key: str, traced: MemoryPlan, real: set[int]) -> tuple:
+    """What a block trace depends on: the parts key (`Composer._parts_key`), the traced plan's per-block actions
+    and its real blocks."""
+    actions = traced.model_dump_json(include={"checkpointing", "offload"})
+    return ("step", parts_key, actions, tuple(sorted(real)))
 
 
 def _not_composed(plan: MemoryPlan, estimator, ranks: bool = False) -> str | None:
