@@ -163,7 +163,9 @@ def tune(request: TuneRequest, on_found: Callable[[Found], None] | None = None) 
                 "wait for it to finish, or give this one --output ANOTHER_DIR", Place(str(directory))):
         if not options.no_train and not options.predict:
             _check_training_output(request)  # before the search, not an hour later
-        warm = _warm_server(request.recipe, options.nproc, directory)  # importing in the background from now on
+        # importing in the background from now on; a search predicted in this process starts no child from it
+        warm = None if options.predict and in_process(request.recipe, True, "cuda") else \
+            _warm_server(request.recipe, options.nproc, directory)
         try:
             records, space, device, config, screening = _tuned_search(request, warm)
         finally:
@@ -201,10 +203,15 @@ def _tuned_search(request: TuneRequest, warm: WarmServer | None) -> tuple[list[T
         with located_errors(request.doc):
             facts = ModelFacts.from_json(read_facts(model, str(request.source)))
         space = build_space(recipe, facts, device, options.nproc, **options.opened)
-        hopeless = bound_space(space, recipe, facts, device, cap, options.nproc)
-        if hopeless:
-            raise NothingFits(hopeless)
-        records, config, screening = _search(request, probe_runner, space, device, model)
+        beside = _second_pricer(request, facts, device, model)  # importing on the other core from now on
+        try:
+            hopeless = bound_space(space, recipe, facts, device, cap, options.nproc)
+            if hopeless:
+                raise NothingFits(hopeless)
+            records, config, screening = _search(request, probe_runner, space, device, model, beside)
+        finally:
+            if beside is not None:
+                beside.close()
     finally:
         model.stop()
     return records, space, device, config, screening
@@ -223,8 +230,22 @@ def _warm_server(recipe: Recipe, nproc: int, directory: Path) -> WarmServer | No
     return server
 
 
+def _second_pricer(request: TuneRequest, facts: ModelFacts, device: Device, model: ModelChild):
+    """A second pricer beside a search predicted in this process (autotune/probes/beside.py), where it pays."""
+    options, recipe = request.options, request.recipe
+    if not options.predict or not in_process(recipe, options.predict, device.kind):
+        return None
+    from .probes.beside import Beside, wanted  # torch's and the predictor's imports: only a predicted search needs them
+
+    why = wanted(facts.parameters.count if facts.parameters else 0, options.nproc)
+    if why is None:
+        return None
+    log.info("pricing: a second process makes traces beside this one (%s)", why)
+    return Beside(recipe, device.kind, model.time_facts, request.directory / "probes")
+
+
 def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, device: Device,
-            model: ModelChild) -> tuple[list[TrialRecord], dict, dict]:
+            model: ModelChild, beside=None) -> tuple[list[TrialRecord], dict, dict]:
     options, recipe, cap = request.options, request.recipe, request.cap
     config = _config(request, space, device)
     study, fresh = open_study(request.directory, config, options.resume)
@@ -233,7 +254,8 @@ def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, devic
         log.info("screening: off (--no-screen): every new plan is probed")
     elif in_process(recipe, options.predict, device.kind):
         predictor = CachedPredictor(PricedPredictor(recipe, device.kind, model.time_facts, device.context_bytes,
-                                                    options.nproc, cap.screen_above if options.predict else None))
+                                                    options.nproc, cap.screen_above if options.predict else None,
+                                                    beside))
         log.info("screening: every plan is predicted in this process (a library model: no code of the user's runs)")
     else:
         predictor = CachedPredictor(IsolatedPredictor(model, device.context_bytes))

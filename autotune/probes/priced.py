@@ -43,10 +43,12 @@ class PricedPredictor(Screening):
     """Predicted peaks and step times for the tuner, made in this process (module docstring)."""
 
     def __init__(self, recipe: Recipe, device_kind: str, time_facts, context_bytes: int = 0, nproc: int = 1,
-                 screen_above: int | None = None):
+                 screen_above: int | None = None, beside=None):
         """`screen_above`: the peak (CUDA context included) over which a plan is screened out whatever its
-        exact figure: past it, its live tensors' peak is enough (no allocator replay)."""
+        exact figure: past it, its live tensors' peak is enough (no allocator replay). `beside`: a second
+        pricer (autotune/probes/beside.py `Beside`) that makes traces on another core, or None."""
         super().__init__()
+        self.beside = beside
         self.recipe, self.device_kind, self.time_facts, self.nproc = recipe, device_kind, time_facts, nproc
         self.context_bytes, self.screen_above = context_bytes, screen_above
         self.priced = 0  # plans answered, composed or not
@@ -112,7 +114,36 @@ class PricedPredictor(Screening):
         from ckrun.runner.predict.compose import Composer
         from ckrun.runner.predict.parts import PartsEstimator
 
-        return Composer(PartsEstimator(self.recipe, self.device_kind, self.time_facts))
+        tracer = None
+        if self.beside is not None:
+            from .beside import Taking
+
+            tracer = Taking(self.beside)
+        return Composer(PartsEstimator(self.recipe, self.device_kind, self.time_facts), tracer=tracer)
+
+    def prefetch(self, candidates: list[Candidate]) -> None:
+        """These plans are priced next, in this order: the second pricer makes their first traces, the last first
+        (this process prices from the first; autotune/probes/beside.py)."""
+        if self.beside is None or self.beside.broken or self.nproc > 1 or not self._started():
+            return
+        wanted = [self._pricer.next_trace(c.plan, c.precision) for c in reversed(candidates)
+                  if not self._pricer.ready(c.plan, c.precision)]
+        self.beside.ask([request for request in wanted if request is not None])
+
+    def frontier_later(self, request: dict):
+        """`frontier`, started now: a function that answers it. With a second pricer it solves there while this
+        process goes on; should that one break, this one solves when asked (with the time the request gave)."""
+        if self.beside is None or self.nproc > 1 or not self.beside.solve(request):
+            answer = self.frontier(request)
+            return lambda: answer
+        given = None if request.get("deadline") is None else request["deadline"] - time.monotonic()
+
+        def answer() -> dict:
+            solved = self.beside.solved()
+            if solved is not None:
+                return solved
+            return self.frontier({**request, "deadline": None if given is None else time.monotonic() + given})
+        return answer
 
     def frontier(self, request: dict) -> dict:
         """The solver's plans (autotune/search/solver.py), answered as the model child answers them."""
@@ -138,9 +169,10 @@ class PricedPredictor(Screening):
     def summary(self) -> dict:
         """What report.json says about screening."""
         traces = getattr(self._pricer, "traces", None)
+        beside = {} if self.beside is None else {"traced_beside": self.beside.taken}
         return {"state": "off" if self.off else "on", "reason": self.off or "", "faults": [],
                 "warnings": list(self.warnings), "in_process": True, "priced": self.priced,
-                "predict_s": round(self.seconds, 3), **({"traces": traces} if traces is not None else {})}
+                "predict_s": round(self.seconds, 3), **({"traces": traces} if traces is not None else {}), **beside}
 
     def _keep_long_lived(self) -> None:
         """Everything the pricer holds now (the fake model, its traces: millions of objects for an 8B) lives
@@ -160,6 +192,8 @@ class PricedPredictor(Screening):
         close = getattr(self._pricer, "close", None)
         if close is not None:
             close()
+        if self.beside is not None:
+            self.beside.close()
         if self._frozen_at is not None:
             self._frozen_at = None
             gc.unfreeze()

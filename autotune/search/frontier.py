@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import optuna
 
@@ -31,11 +32,13 @@ TIMED_STEPS = 1  # real steps (after a warm-up) that time each block's recompute
 
 
 def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, device: Device, predictor,
-                  off_reason: str | None = None, timed_steps: int | None = None, budget: Budget | None = None) -> list[dict]:
-    """The solver's plans as params of `space` (whose choices grow by their per-block labels).
-    `timed_steps` 0: block times from the predictor's time model instead of a real run. Under a time
-    budget the solver gets what is left of its share before the first probe, and under
-    TIMED_BUDGET_S it predicts the block times instead of timing them (that run costs a probe's time)."""
+                  off_reason: str | None = None, timed_steps: int | None = None,
+                  budget: Budget | None = None) -> Callable[[], list[dict]]:
+    """The solver started: a function that gives its plans as params of `space` (whose choices grow by their
+    per-block labels) once it has answered (a predictor with a second pricer solves there meanwhile:
+    autotune/probes/beside.py). `timed_steps` 0: block times from the predictor's time model instead of a
+    real run. Under a time budget the solver gets what is left of its share before the first probe, and
+    under TIMED_BUDGET_S it predicts the block times instead of timing them (that run costs a probe's time)."""
     stored = study.user_attrs.get("solver")
     if fresh:
         timed_steps = TIMED_STEPS if timed_steps is None else timed_steps
@@ -53,13 +56,23 @@ def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, devi
             log.info("solver: block times predicted, not timed: --time-budget %g s is under %g s, and timing the "
                      "blocks takes about a probe", budget.time_s, TIMED_BUDGET_S)
             timed_steps = 0
-        stored = _solve(space, cap, device, predictor, off_reason, timed_steps, seconds)
-        study.set_user_attr("solver", stored)
-    elif stored is None:  # new choices now would clash with the distributions its trials were told with
+        solving = _solve(space, cap, device, predictor, off_reason, timed_steps, seconds)
+
+        def solved() -> list[dict]:
+            answer = solving()
+            study.set_user_attr("solver", answer)
+            return _points(space, answer)
+        return solved
+    if stored is None:  # new choices now would clash with the distributions its trials were told with
         log.info("solver: --resume: the study started without the solver's plans, so it goes on without them")
-        return []
-    elif stored["proposals"]:
+        return list
+    if stored["proposals"]:
         log.info("solver: --resume: the %d plan(s) the study started with", len(stored["proposals"]))
+    return lambda: _points(space, stored)
+
+
+def _points(space: Space, stored: dict) -> list[dict]:
+    """The stored answer's plans as points of `space`, its lines logged."""
     for line in stored["lines"]:
         log.info("solver: %s", line)
     points = space.add_proposals(stored["proposals"])
@@ -70,9 +83,10 @@ def solver_points(study: optuna.Study, fresh: bool, space: Space, cap: Cap, devi
 
 
 def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | None, timed_steps: int,
-           seconds: float | None = None) -> dict:
+           seconds: float | None = None) -> Callable[[], dict]:
     if off_reason or predictor is None:
-        return {"proposals": [], "lines": [f"off ({off_reason or 'no estimator'}): no per-block plans"]}
+        off = {"proposals": [], "lines": [f"off ({off_reason or 'no estimator'}): no per-block plans"]}
+        return lambda: off
     precisions = space.choices.get("precision") or [space.fixed["precision"]]
     compile_ = space.choices.get("compile", [space.fixed.get("compile", False)])[0]
     request = {"pairs": [[m, p] for p in precisions for m in space.micro_batches()],
@@ -85,7 +99,16 @@ def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | 
                            "micro_batch": space.base.memory.micro_batch if space.base else None}).model_dump(mode="json"),
                # monotonic time is the machine's: the child stops there, its estimator's warm-up counted
                "deadline": None if seconds is None else time.monotonic() + seconds}
-    answer = predictor.frontier(request)
-    if answer.get("status") != "ok":
-        return {"proposals": [], "lines": [f"no per-block plans: {answer.get('reason', answer.get('status'))}"]}
-    return {"proposals": answer["proposals"], "lines": answer["lines"]}
+    later = getattr(predictor, "frontier_later", None)
+    if later is not None:
+        answered = later(request)
+    else:
+        answer_now = predictor.frontier(request)
+        answered = lambda: answer_now  # noqa: E731
+
+    def stored() -> dict:
+        answer = answered()
+        if answer.get("status") != "ok":
+            return {"proposals": [], "lines": [f"no per-block plans: {answer.get('reason', answer.get('status'))}"]}
+        return {"proposals": answer["proposals"], "lines": answer["lines"]}
+    return stored

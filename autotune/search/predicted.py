@@ -105,6 +105,21 @@ class CachedPredictor:
     def frontier(self, request: dict) -> dict:
         return self.predictor.frontier(request)
 
+    def frontier_later(self, request: dict):
+        """The solver started now, answered when the returned function is called (where the predictor can
+        solve beside the search: autotune/probes/beside.py); else solved now."""
+        later = getattr(self.predictor, "frontier_later", None)
+        if later is not None:
+            return later(request)
+        answer = self.predictor.frontier(request)
+        return lambda: answer
+
+    def prefetch(self, candidates: list[Candidate]) -> None:
+        """These plans are asked next, in this order (a predictor with a second pricer starts on them)."""
+        prefetch = getattr(self.predictor, "prefetch", None)
+        if prefetch is not None:
+            prefetch([c for c in candidates if c.key not in self.answers])
+
     def ready(self, candidate: Candidate) -> bool:
         """Whether the plan costs little to predict now: answered already, or composed from parts made."""
         if candidate.key in self.answers:

@@ -1,8 +1,9 @@
 """One search, whoever answers its probes: `ckrun tune` (real probes), `ckrun tune --predict`
 (predictions in their place) and `bench/tune_oracle.py` (an oracle's fixed numbers) all run this.
 
-The order: the solver's per-block plans (computed once per study), the recipe's own plan and the
-known starting points, TPE until the budget is spent, then the finalists measured again. What
+The order: the solver's per-block plans (computed once per study, while the starting points are
+chosen where a second pricer solves: autotune/probes/beside.py), the recipe's own plan and the known
+starting points, TPE until the budget is spent, then the finalists measured again. What
 answers a probe (`evaluate`), what predicts a plan (`predictor`: its peak, and its step time when it
 knows the device) and how many re-runs settle the winner are the caller's.
 """
@@ -55,10 +56,12 @@ def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, dev
            evaluate: Evaluate, predictor=None, settings: SearchSettings = SearchSettings()) -> list[TrialRecord]:
     """Run the search on `study` and return every trial as a record (`study.trial_records`)."""
     off = settings.solver_off or (None if predictor is not None else "no predictions")
-    first = solver_points(study, fresh, space, cap, device, predictor, off, settings.timed_steps, budget)
+    solved = solver_points(study, fresh, space, cap, device, predictor, off, settings.timed_steps, budget)
+    if not fresh:
+        solved()  # the plans the study started with: their per-block labels join the space's choices
     tuner = Tuner(study, space, cap, evaluate, predictor, settings.seed, settings.predicted)
     if fresh:
-        tuner.start(recipe, first, budget.trials, budget)
+        tuner.start(recipe, solved, budget.trials, budget)
     else:
         log.info("tune: --resume: %d trials already in the study are kept, not run again", len(study.trials))
     stopped = tuner.run(budget)

@@ -19,6 +19,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import optuna
 from optuna.trial import FrozenTrial, Trial, TrialState
@@ -74,9 +75,10 @@ class Tuner:
         self.exhaustive = False  # set by start() when it queued every plan of a small space
         self.starts_cut = False  # the starting points' predictions stopped at START_SHARE of the budget
 
-    def start(self, recipe, first: list[dict] | None = None, trials: int | None = None,
+    def start(self, recipe, first: Callable[[], list[dict]] | list[dict] | None = None, trials: int | None = None,
               budget: Budget | None = None) -> None:
-        """Queue `first` (the solver's plans), the recipe's own plan, then the starting points; with
+        """Queue `first` (the solver's plans: a list, or a function that waits for them, called once the
+        starting points are chosen), the recipe's own plan, then the starting points; with
         predictions, each at the largest micro-batch predicted to fit, the predicted fastest first.
         A small space is predicted whole, and searched exhaustively when no more plans are predicted
         to fit than `trials` allows. Under a time budget, that whole-space prediction stops when the
@@ -84,15 +86,19 @@ class Tuner:
         (a few predictions, each a fraction of a probe) are always predicted: a probe of a plan far
         over the cap would cost more."""
         self.budget = budget
-        first = list(first or [])
+        own = self._own_plan(recipe)
+        fits = self._start_fits if self.predict else None
+        starts = [p for p in self.space.starting_points(recipe, fits) if p not in own]
+        first = list((first() if callable(first) else first) or [])
         for params in first:
             self.study.enqueue_trial(params, user_attrs={"proposed_by": "solver"})
         if first:
             log.info("tune: %s the solver's %d plan(s) first: %s", self.doing, len(first),
                      "; ".join(describe(self.space.candidate(p)) for p in first))
-        own = self._own_plan(recipe, first)
-        fits = self._start_fits if self.predict else None
-        starts = self._fastest_first([p for p in self.space.starting_points(recipe, fits) if p not in first + own])
+        own = [p for p in own if p not in first]
+        if own:
+            log.info("tune: the recipe's own plan first: %s", describe(self.space.candidate(own[0])))
+        starts = self._fastest_first([p for p in starts if p not in first + own])
         for params in own + starts:
             self.study.enqueue_trial(params)
         if self.predicted_search:
@@ -123,15 +129,12 @@ class Tuner:
         if kept:
             log.info("tune: %d more plan(s) predicted while choosing the starting points are trials too", kept)
 
-    def _own_plan(self, recipe, first: list[dict]) -> list[dict]:
+    def _own_plan(self, recipe) -> list[dict]:
         """The recipe's own memory plan (a hand-written one, or a tuned.yaml from `tune --predict`),
-        unless it is the solver's, or predicted not to fit."""
+        unless it is predicted not to fit."""
         point = self.space.own_point(recipe)
-        own = [point] if point is not None and point not in first else []
-        own = [p for p in own if not self.predict or self.screening.fits(self.space.candidate(p))]
-        if own:
-            log.info("tune: the recipe's own plan first: %s", describe(self.space.candidate(own[0])))
-        return own
+        own = [point] if point is not None else []
+        return [p for p in own if not self.predict or self.screening.fits(self.space.candidate(p))]
 
     def _fastest_first(self, starts: list[dict]) -> list[dict]:
         """Starting points in order of predicted step time, when there are predicted times (past the starting
@@ -240,6 +243,7 @@ class Tuner:
             fresh = [(p, c) for p in points if self._unpriced(c := self.space.candidate(p))]
             if not fresh:
                 continue
+            self._prefetch([c for _, c in fresh])
             log.info("tune: %d plan(s) one knob %s from trial %d (%s at %.2f s a step%s)", len(fresh), walk,
                      start.number, "the fastest predicted to fit" if walk == "faster" else
                      f"predicted {format_bytes(start.peak)}, over the limit", start.seconds,
@@ -250,6 +254,12 @@ class Tuner:
                 self.study.enqueue_trial(point, user_attrs={"proposed_by": walk})
                 self._evaluate(self.study.ask(self.space.distributions()), candidate)
                 self.origins.append(point)  # its neighbours already traced are priced after the walks
+
+    def _prefetch(self, candidates: list[Candidate]) -> None:
+        """A predictor with a second pricer (autotune/probes/beside.py) traces these plans beside this process."""
+        prefetch = getattr(self.predict, "prefetch", None)
+        if prefetch is not None:
+            prefetch(candidates)
 
     def _ready(self, candidate: Candidate) -> bool:
         """Whether the predictor composes the plan from parts already traced (False where it cannot say)."""

@@ -304,7 +304,7 @@ def test_the_work_before_the_first_probe_keeps_to_its_share_of_the_budget(tmp_pa
         patch.setattr(Timed, "frontier", lambda self, request: {"status": "ok", "proposals": [], "lines": ["asked"]})
         share_left = budget_s is None or spent_s < PRE_PROBE_SHARE * budget_s
         first = solver_points(study, fresh, space, CAP, Device("cpu", "cpu", 0, ("fp32",), "2.x"), predictor,
-                              budget=budget if budget_s else None)
+                              budget=budget if budget_s else None)()  # the solver started, then its plans
     assert first == []
     solver = [r.getMessage() for r in caplog.records if r.getMessage().startswith("solver:")]
     assert ("solver: asked" in solver) == share_left, solver
