@@ -240,8 +240,13 @@ def _second_pricer(request: TuneRequest, facts: ModelFacts, device: Device, mode
     why = wanted(facts.parameters.count if facts.parameters else 0, options.nproc)
     if why is None:
         return None
+    try:
+        beside = Beside(recipe, device.kind, model.time_facts, request.directory / "probes")
+    except OSError as err:  # no process to be had (a limit on processes, no memory to fork): it prices alone
+        log.warning("pricing: no second process (%s): this one makes every trace", err)
+        return None
     log.info("pricing: a second process makes traces beside this one (%s)", why)
-    return Beside(recipe, device.kind, model.time_facts, request.directory / "probes")
+    return beside
 
 
 def _search(request: TuneRequest, probe_runner: ProbeRunner, space: Space, device: Device,

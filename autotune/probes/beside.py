@@ -46,6 +46,7 @@ from ckrun.runner.predict.compose import Tracer
 from ckrun.runner.problems import first_line
 
 from .probe import kill_group
+from .warm import note_launch
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class Beside:
             self.process = subprocess.Popen([sys.executable, "-P", "-m", __name__, *argv], stdin=theirs.fileno(),
                                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         theirs.close()
+        note_launch(directory, "beside", None, self.process.pid)  # a test checks no child outlived the tuner
         self.connection = Connection(ours.detach())
         self.made: dict[tuple, object] = {}  # key -> a trace made there, not yet taken
         self.ahead: dict[tuple, object] = {}  # key -> a trace the tuner made ahead while it waited (`take`)

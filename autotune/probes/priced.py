@@ -123,11 +123,12 @@ class PricedPredictor(Screening):
 
     def prefetch(self, candidates: list[Candidate]) -> None:
         """These plans are priced next, in this order: the second pricer makes their first traces, the last first
-        (this process prices from the first; autotune/probes/beside.py)."""
+        (this process prices from the first, and traces the first that needs a trace at once;
+        autotune/probes/beside.py)."""
         if self.beside is None or self.beside.broken or self.nproc > 1 or not self._started():
             return
-        wanted = [self._pricer.next_trace(c.plan, c.precision) for c in reversed(candidates)
-                  if not self._pricer.ready(c.plan, c.precision)]
+        unready = [c for c in candidates if not self._pricer.ready(c.plan, c.precision)]
+        wanted = [self._pricer.next_trace(c.plan, c.precision) for c in reversed(unready[1:])]
         self.beside.ask([request for request in wanted if request is not None])
 
     def frontier_later(self, request: dict):

@@ -11,7 +11,7 @@ from ckrun.autotune.probes.beside import SWITCH_ENV
 from ckrun.runner.cli import main
 from conftest import BERT_TINY
 from test_tune_predict import FOR_GPU
-from tune_helpers import report
+from tune_helpers import launches, report, survivors
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 SEEN = ("number", "key", "state", "measured_peak", "step_s", "samples_per_s", "proposed_by")
@@ -36,3 +36,5 @@ def test_a_search_with_a_second_pricer_prices_every_plan_as_one_without(tmp_path
     assert not any("second pricer stopped" in r.getMessage() for r in caplog.records)
     assert [[t.get(k) for k in SEEN] for t in beside["trials"]] == [[t.get(k) for k in SEEN] for t in alone["trials"]]
     assert beside["winner"] == alone["winner"] and len(alone["trials"]) >= 20
+    started = [launch["pid"] for launch in launches(tmp_path / "on" / "tune") if launch["what"] == "beside"]
+    assert len(started) == 1 and not survivors(started)  # gone with the search
