@@ -171,7 +171,8 @@ def markdown(rows: list[dict], checks: dict, started: str) -> str:
         busy = max(row["load"]) > 2.5
         first = "-" if row["first_priced_s"] is None else f"{row['first_priced_s']:.0f} s" + (
             f" ({row['first_priced_cpu']:.0f} CPU s)" if row.get("first_priced_cpu") is not None else "")
-        lines.append(f"| {row['what']} | `{row['command']}` | {row['exit']} | {row['wall']:.0f} s"
+        when = f" (run {row['date']})" if row.get("date") and row["date"] != started else ""  # a row kept from before
+        lines.append(f"| {row['what']}{when} | `{row['command']}` | {row['exit']} | {row['wall']:.0f} s"
                      f"{' (*re-measure*)' if busy else ''} | {row['cpu']:.0f} | {row['load'][0]:.1f} / {row['load'][1]:.1f} "
                      f"| {row['priced']} ({row['bounded']} / {row['screened_out']}) | "
                      f"{first} | {won[0]} | {won[1]} |")

@@ -11,10 +11,12 @@ builds the same fake model and makes traces the tuner will want, while the tuner
   the first, and takes each trace of a plan it reaches that is made here (or being made: it waits for it),
   making the rest itself (those not started are cancelled).
 
-Nothing the tuner decides depends on what this process did: a trace is taken only where the tuner asks
-for one of the same key (`compose.trace_key`), which composes the same wherever it was made, so a search
-prices the same plans to the byte with it or without it; only its wall time changes. Should this process
-die or stop answering, the tuner says so in a line and makes its traces itself.
+Nothing the tuner decides depends on what this process did: the tuner asks for the traces it would make
+alone, and takes one made here only where it serves that key (`serves`: the same key, or a block trace of the
+same parts and actions with more blocks real), which composes the same wherever it was made; so a search
+prices the same plans to the byte with it or without it (the solver's own traces apart: they stay here), and
+only its wall time changes. Should this process die or stop answering, the tuner says so in a line and
+makes its traces itself.
 
     python -m ckrun.autotune.probes.beside RECIPE.json --parent PID --device cpu|cuda [--time-facts FACTS.json]
 
@@ -119,7 +121,7 @@ class Beside:
             if nearest is not None and make is not None:
                 self._make_ahead(nearest, self._cancel(nearest), make)
             else:
-                self._receive(WAIT_S, f"tracing {key[2]} on blocks {list(key[3])}")
+                self._receive(WAIT_S, _named(key))
             self._drain()
         for queued in [k for k in self.queued if serves(k, key)]:
             self._cancel(queued)
@@ -205,6 +207,11 @@ class Beside:
             log.warning("pricing: the second pricer stopped (%s): this process makes its traces from here on", why)
             self.current, self.queued = None, {}
             self.close()
+
+
+def _named(key: tuple) -> str:
+    """A trace's key in words, for the line that says what the tuner waited for."""
+    return f"the trace of {key[2]} on blocks {list(key[3])}" if key[0] == "step" else "an update's trace"
 
 
 def serves(made: tuple, wanted: tuple) -> bool:
