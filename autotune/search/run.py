@@ -56,6 +56,9 @@ def search(study: optuna.Study, fresh: bool, recipe, space: Space, cap: Cap, dev
            evaluate: Evaluate, predictor=None, settings: SearchSettings = SearchSettings()) -> list[TrialRecord]:
     """Run the search on `study` and return every trial as a record (`study.trial_records`)."""
     off = settings.solver_off or (None if predictor is not None else "no predictions")
+    if not fresh and not study.trials:  # killed before its first trial (the starting points were being chosen)
+        log.info("tune: --resume: the study has no trial yet, so it starts as a new one")
+        fresh = True
     solved = solver_points(study, fresh, space, cap, device, predictor, off, settings.timed_steps, budget)
     if not fresh:
         solved()  # the plans the study started with: their per-block labels join the space's choices
