@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import yaml
 
 from conftest import BERT_TINY, TINY_BERT
 from ckrun.runner.cli import main
-from tune_helpers import launches, report
+from ckrun.autotune.probes.beside import SWITCH_ENV
+from tune_helpers import launches, report, survivors
 
 # the tiny BERT for a GPU: bf16, 4 blocks, batch 16; its peaks sit just above the CUDA context
 FOR_GPU = [*[o for o in TINY_BERT if not o.startswith(("train.device", "train.batch_size"))],
@@ -105,3 +107,51 @@ def test_a_predicted_search_says_predicted_never_probing_or_measured(predicted):
     assert trials and not [line for line in trials if "probing" in line or ": feasible:" in line]
     assert any(": predicted to fit:" in line and "predicted peak" in line for line in trials)
     assert not [line for line in lines if "measured" in line and line.startswith(("tune: searched", "tune: stopping"))]
+
+
+def _again(directory, *extra) -> list[str]:
+    """The module's predicted tune (`predicted`), into `directory`."""
+    return ["tune", BERT_TINY, *FOR_GPU, f"output.dir={directory / 'run'}", "--max-mem", "1GB", "--predict", "--gpu",
+            "a100-40gb", "--output", str(directory / "tune"), "--trials", "6", *extra]
+
+
+def _trials(directory) -> list[list]:
+    return [[t.get(k) for k in ("number", "key", "state", "measured_peak", "step_s", "proposed_by")]
+            for t in report(directory)["trials"]]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a second pricer needs a second CPU")
+def test_a_search_with_a_second_pricer_prices_every_plan_as_the_search_without(predicted, tmp_path, monkeypatch,
+                                                                               caplog):
+    """`predicted` is a small model's: it had no second pricer (autotune/probes/beside.py). The same tune with one
+    (CKRUN_BESIDE=on) prices the same plans in the same order to the byte, and leaves no process behind."""
+    out, _, _ = predicted
+    monkeypatch.setenv(SWITCH_ENV, "on")
+    with caplog.at_level("INFO", logger="ckrun.autotune"):
+        assert main(_again(tmp_path)) == 0
+    alone, beside = report(out / "tune"), report(tmp_path / "tune")
+    assert "traced_beside" not in alone["screening"] and "traced_beside" in beside["screening"]
+    assert any("a second process makes traces beside this one" in r.getMessage() for r in caplog.records)
+    assert not any("second pricer stopped" in r.getMessage() for r in caplog.records)
+    assert _trials(tmp_path / "tune") == _trials(out / "tune") and beside["winner"] == alone["winner"]
+    started = [launch["pid"] for launch in launches(tmp_path / "tune") if launch["what"] == "beside"]
+    assert len(started) == 1 and not survivors(started)  # gone with the search
+
+
+def test_a_study_killed_before_its_first_trial_resumes_as_a_new_one(predicted, tmp_path, monkeypatch):
+    """A tune stopped while it chose its starting points (an 8B's first 20 s) left a study with no trial: resumed, it
+    starts as a new one (the solver, the starting points), where it went on with the sampler alone (290 s to the
+    8B's winner where 65 s): the trials of `predicted`, which was not stopped."""
+    from ckrun.autotune.search.tuner import Tuner
+
+    out, _, _ = predicted
+
+    def killed(*_args, **_kwargs):
+        raise RuntimeError("the tuner's process ends here")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Tuner, "start", killed)
+        assert main(_again(tmp_path)) != 0  # said in one line, as any crash of the tuner is
+    assert not (tmp_path / "tune" / "report.json").exists()
+    assert main(_again(tmp_path, "--resume")) == 0
+    assert _trials(tmp_path / "tune") == _trials(out / "tune")

@@ -113,3 +113,23 @@ def test_a_second_pricer_that_dies_leaves_the_tuner_pricing_alone_and_saying_so(
         second.ask([request])  # asks nothing of a broken second pricer
     assert estimate.peak_bytes > 0 and second.broken and second.taken == 0
     assert len([r for r in caplog.records if "second pricer stopped" in r.getMessage()]) == 1
+
+
+def test_a_trace_with_more_blocks_real_than_asked_prices_a_plan_as_the_trace_asked_for(recipe, beside):
+    """The trace `serves` gives where the tuner asks for fewer real blocks (a plan's trace chosen before the traces
+    ahead of it were made): every block real, taken for the plan's first trace, the estimate to the byte."""
+    from ckrun.runner.predict.compose import trace_key
+
+    plan = _plan(recipe, PLANS[1])  # full: its first trace makes two of the four blocks real
+    expected = Composer(PartsEstimator(recipe, "cuda", resolve_device("h100"))).estimate(plan, "bf16")
+    there = Composer(PartsEstimator(recipe, "cuda", resolve_device("h100")), tracer=Taking(beside))
+    kind, key, traced, precision, real = there.next_trace(plan, "bf16")
+    every = frozenset(range(len(there.blocks(plan))))
+    assert kind == "step" and real < every
+    wider = trace_key(key[1], traced, every)
+    beside.ask([(kind, wider, traced, precision, every)])
+    _made_there(beside, wider)
+    taken = beside.taken
+    got = there.estimate(plan, "bf16")
+    assert beside.taken == taken + 1 and wider not in beside.made
+    assert (got.peak_bytes, got.time.seconds) == (expected.peak_bytes, expected.time.seconds)
