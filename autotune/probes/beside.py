@@ -337,7 +337,8 @@ class Sending(Tracer):
 
 
 class Taking(Tracer):
-    """The tuner's: a trace made beside is taken where there is one of the key asked for."""
+    """The tuner's: a trace made there (or here, ahead, while it waited) is taken where one serves the key asked
+    for (`Beside.take`); else this process makes it."""
 
     def __init__(self, beside: Beside):
         self.beside = beside
