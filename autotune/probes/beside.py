@@ -22,8 +22,8 @@ makes its traces itself.
 
 Its stdin is a socket: `multiprocessing.connection` messages (pickled tuples). Tuner -> here: ("step", key,
 plan JSON, precision, real blocks), ("update", key, plan JSON, precision, parameters accumulated,
-micro-batches), ("cancel", key), ("frontier", request). Here -> tuner: ("ready",) or
-("broken", reason) once the model is built; ("started", key) before each trace asked for; ("trace", key,
+micro-batches), ("cancel", key), ("frontier", request). Here -> tuner: ("broken", reason) where the
+model cannot be built; ("started", key) before each trace asked for; ("trace", key,
 Trace) for each trace made (the solver's unasked); ("failed", key, reason); ("frontier", answer).
 """
 
@@ -240,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # the tuner builds the same model: it says what is wrong, this only says it broke
         connection.send(("broken", f"the fake model could not be built here: {first_line(err)}"))
         return 1
-    connection.send(("ready",))
     _serve(composer, connection)
     return 0
 

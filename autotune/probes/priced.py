@@ -127,9 +127,8 @@ class PricedPredictor(Screening):
         autotune/probes/beside.py)."""
         if self.beside is None or self.beside.broken or self.nproc > 1 or not self._started():
             return
-        unready = [c for c in candidates if not self._pricer.ready(c.plan, c.precision)]
-        wanted = [self._pricer.next_trace(c.plan, c.precision) for c in reversed(unready[1:])]
-        self.beside.ask([request for request in wanted if request is not None])
+        wanted = [request for c in candidates if (request := self._pricer.next_trace(c.plan, c.precision)) is not None]
+        self.beside.ask(list(reversed(wanted[1:])))
 
     def frontier_later(self, request: dict):
         """`frontier`, started now: a function that answers it. With a second pricer it solves there while this

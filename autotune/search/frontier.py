@@ -82,6 +82,16 @@ def _points(space: Space, stored: dict) -> list[dict]:
     return points
 
 
+def start_solving(predictor, request: dict) -> Callable[[], dict]:
+    """The solver's `request` started: a function that answers it. A predictor that can solve beside the search
+    (`frontier_later`: autotune/probes/beside.py) goes on meanwhile; any other solves now."""
+    later = getattr(predictor, "frontier_later", None)
+    if later is not None:
+        return later(request)
+    answer = predictor.frontier(request)
+    return lambda: answer
+
+
 def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | None, timed_steps: int,
            seconds: float | None = None) -> Callable[[], dict]:
     if off_reason or predictor is None:
@@ -99,12 +109,7 @@ def _solve(space: Space, cap: Cap, device: Device, predictor, off_reason: str | 
                            "micro_batch": space.base.memory.micro_batch if space.base else None}).model_dump(mode="json"),
                # monotonic time is the machine's: the child stops there, its estimator's warm-up counted
                "deadline": None if seconds is None else time.monotonic() + seconds}
-    later = getattr(predictor, "frontier_later", None)
-    if later is not None:
-        answered = later(request)
-    else:
-        answer_now = predictor.frontier(request)
-        answered = lambda: answer_now  # noqa: E731
+    answered = start_solving(predictor, request)
 
     def stored() -> dict:
         answer = answered()

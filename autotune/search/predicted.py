@@ -24,6 +24,7 @@ from ckrun.runner.problems import InputError, Place, Problem
 from ckrun.runner.units import format_bytes
 
 from ..records import ProbeResult, TrialRecord
+from .frontier import start_solving
 from .run import SearchSettings
 from ..space.candidate import Candidate
 from ..space.facts import Device
@@ -108,11 +109,7 @@ class CachedPredictor:
     def frontier_later(self, request: dict):
         """The solver started now, answered when the returned function is called (where the predictor can
         solve beside the search: autotune/probes/beside.py); else solved now."""
-        later = getattr(self.predictor, "frontier_later", None)
-        if later is not None:
-            return later(request)
-        answer = self.predictor.frontier(request)
-        return lambda: answer
+        return start_solving(self.predictor, request)
 
     def prefetch(self, candidates: list[Candidate]) -> None:
         """These plans are asked next, in this order (a predictor with a second pricer starts on them)."""

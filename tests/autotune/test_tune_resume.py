@@ -60,4 +60,3 @@ def test_killed_study_resumes_to_the_same_winner(ckrun, monkeypatch, tmp_path):
     assert _first_evaluations(cut) == _first_evaluations(tmp_path / "whole")
     whole, resumed = report(tmp_path / "whole"), report(cut)
     assert resumed["trials"][resumed["winner"]]["key"] == whole["trials"][whole["winner"]]["key"]
-
