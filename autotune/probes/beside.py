@@ -90,7 +90,6 @@ class Beside:
         self.queued: dict[tuple, tuple] = {}  # asked for, not yet started: key -> (plan, precision, ...), in order
         self.current: tuple | None = None  # being made now
         self.answer: dict | None = None  # the solver's
-        self.solving = False  # asked to solve, not answered yet
         self.broken: str | None = None  # why the tuner works alone now
         self.taken = 0  # traces the tuner took from here
 
@@ -103,11 +102,6 @@ class Beside:
                 continue
             if self._send((kind, key, plan.model_dump_json(), precision, *given)):
                 self.queued[key] = (plan, precision, *given)
-
-    def idle(self) -> bool:
-        """Whether this process works on nothing the tuner asked (its core is free)."""
-        self._drain()
-        return self.broken is None and not self.queued and self.current is None and not self.solving
 
     def take(self, key: tuple, make: Callable[[MemoryPlan, str, frozenset[int]], object] | None):
         """A trace that serves `key` (`serves`), made there or by `make` (plan, precision, real blocks: the tuner's
@@ -149,8 +143,7 @@ class Beside:
     def solve(self, request: dict) -> bool:
         """Start the solver here (autotune/search/solver.py `frontier`); False where this process cannot."""
         self.answer = None
-        self.solving = self._send(("frontier", request))
-        return self.solving
+        return self._send(("frontier", request))
 
     def solved(self) -> dict | None:
         """The solver's answer, waited for; None where this process broke first (the tuner solves itself)."""
@@ -202,7 +195,7 @@ class Beside:
         elif kind == "trace":
             self.made.setdefault(message[1], message[2])
         elif kind == "frontier":
-            self.answer, self.solving = message[1], False
+            self.answer = message[1]
         elif kind == "broken":
             self._break(message[1])
         if kind in ("trace", "failed") and message[1] == self.current:

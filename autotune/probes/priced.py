@@ -23,7 +23,6 @@ from ckrun.runner.problems import first_line
 from ckrun.runner.recipe.recipe import Recipe
 
 from ..search.study import Prediction
-from .ahead import LEAST_PLANS, Ahead, NoTracing, forks
 from .screen import CHILD_ENV, Screening
 from ..space.candidate import Candidate
 from ..space.knobs import describe
@@ -56,38 +55,28 @@ class PricedPredictor(Screening):
         self._frozen_at: int | None = None  # the pricer's trace count when the heap was last frozen
         self.seconds = 0.0  # spent predicting
         self._pricer = None
-        self.ahead: Ahead | None = None  # a forked copy composing plans ahead (ahead.py)
-        self.forked, self.composed_ahead = 0, 0  # copies forked; plans they answered
 
     def __call__(self, candidate: Candidate) -> Prediction | None:
-        if self.off or not self._started():
-            return None
-        taken = self.ahead.take(candidate.key) if self.ahead is not None else None
-        self.composed_ahead += taken is not None
-        prediction, warnings, priced = taken or self._answer(candidate)
-        self.priced += priced
-        self._warn(warnings)
-        return prediction
-
-    def _answer(self, candidate: Candidate) -> tuple[Prediction, list[str], bool]:
-        """The candidate's prediction, its estimate's warnings, and whether it was priced (else why not is said)."""
         from ckrun.runner.predict.estimate import EstimateUnavailable
 
+        if self.off or not self._started():
+            return None
         started = time.monotonic()
         try:
             estimate = self._estimate(candidate)
         except (EstimateUnavailable, ValueError) as err:
             log.info("screening: no prediction for %s (%s)", describe(candidate), first_line(err))
-            return Prediction(None, f"unscreened: {first_line(err)}"), [], False
+            return Prediction(None, f"unscreened: {first_line(err)}")
         finally:
             self.seconds += time.monotonic() - started
             self._keep_long_lived()
-        if self.priced == 0:  # what a user waits for first (bench/tune_shapes.py reads this line)
+        self.priced += 1
+        if self.priced == 1:  # what a user waits for first (bench/tune_shapes.py reads this line)
             log.info("screening: first plan priced: %s, %s in %.1f s (%.1f CPU s since the process began)",
                      describe(candidate), "its whole step" if any("not composed" in n for n in estimate.notes) else
                      "composed from parts", time.monotonic() - started, time.process_time())
-        peak = estimate.peak_bytes + self.context_bytes
-        return Prediction(peak, time=estimate.time.record() if estimate.time else None), list(estimate.warnings), True
+        self._warn(estimate.warnings)
+        return Prediction(estimate.peak_bytes + self.context_bytes, time=estimate.time.record() if estimate.time else None)
 
     def ready(self, candidate: Candidate) -> bool:
         """Whether the candidate is priced without tracing anything new (a fraction of a trace's time)."""
@@ -141,24 +130,6 @@ class PricedPredictor(Screening):
         wanted = [request for c in candidates if (request := self._pricer.next_trace(c.plan, c.precision)) is not None]
         self.beside.ask(list(reversed(wanted[1:])))
 
-    def price_ahead(self, listing) -> None:
-        """The plans `listing()` lists, each composed from parts traced already (`ready`), are priced next in this
-        order: where the second pricer leaves its core idle, a forked copy of this process composes them from the
-        last (autotune/probes/ahead.py)."""
-        if self.ahead is not None and not self.ahead.done or self.beside is None or self.nproc > 1 or \
-                self._pricer is None or not forks() or not self.beside.idle():
-            return
-        candidates = listing()
-        if len(candidates) < LEAST_PLANS:
-            return
-
-        def price(i: int) -> tuple:  # in the copy
-            self._pricer.tracer = NoTracing()
-            return self._answer(candidates[i])
-
-        self.ahead = Ahead([c.key for c in candidates], price)
-        self.forked += 1
-
     def frontier_later(self, request: dict):
         """`frontier`, started now: a function that answers it. With a second pricer it solves there while this
         process goes on; should that one break, this one solves when asked (with the time the request gave)."""
@@ -198,8 +169,7 @@ class PricedPredictor(Screening):
     def summary(self) -> dict:
         """What report.json says about screening."""
         traces = getattr(self._pricer, "traces", None)
-        beside = {} if self.beside is None else {"traced_beside": self.beside.taken, "forked": self.forked,
-                                                 "composed_ahead": self.composed_ahead}
+        beside = {} if self.beside is None else {"traced_beside": self.beside.taken}
         return {"state": "off" if self.off else "on", "reason": self.off or "", "faults": [],
                 "warnings": list(self.warnings), "in_process": True, "priced": self.priced,
                 "predict_s": round(self.seconds, 3), **({"traces": traces} if traces is not None else {}), **beside}
@@ -222,8 +192,6 @@ class PricedPredictor(Screening):
         close = getattr(self._pricer, "close", None)
         if close is not None:
             close()
-        if self.ahead is not None:
-            self.ahead.stop()
         if self.beside is not None:
             self.beside.close()
         if self._frozen_at is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -117,13 +116,6 @@ class CachedPredictor:
         prefetch = getattr(self.predictor, "prefetch", None)
         if prefetch is not None:
             prefetch([c for c in candidates if c.key not in self.answers])
-
-    def price_ahead(self, listing: Callable[[], list[Candidate]]) -> None:
-        """The plans `listing()` lists, composed from parts traced already, are asked next in this order (a
-        predictor that can composes them ahead elsewhere; it lists them only then)."""
-        price_ahead = getattr(self.predictor, "price_ahead", None)
-        if price_ahead is not None:
-            price_ahead(lambda: [c for c in listing() if c.key not in self.answers])
 
     def ready(self, candidate: Candidate) -> bool:
         """Whether the plan costs little to predict now: answered already, or composed from parts made."""

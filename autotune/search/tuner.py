@@ -244,7 +244,6 @@ class Tuner:
             if not fresh:
                 continue
             self._prefetch([c for _, c in fresh])
-            self._price_ahead(lambda walk_plans=fresh: [c for _, c in walk_plans if self._ready(c)])
             log.info("tune: %d plan(s) one knob %s from trial %d (%s at %.2f s a step%s)", len(fresh), walk,
                      start.number, "the fastest predicted to fit" if walk == "faster" else
                      f"predicted {format_bytes(start.peak)}, over the limit", start.seconds,
@@ -261,14 +260,6 @@ class Tuner:
         prefetch = getattr(self.predict, "prefetch", None)
         if prefetch is not None:
             prefetch(candidates)
-
-    def _price_ahead(self, listing: Callable[[], list[Candidate]]) -> None:
-        """The plans `listing()` lists, composed from parts traced already, are priced next in this order, as they
-        stand now (a walk on the way may price some first): a predictor that can composes them ahead elsewhere
-        (it lists them only then)."""
-        price_ahead = getattr(self.predict, "price_ahead", None)
-        if price_ahead is not None:
-            price_ahead(listing)
 
     def _ready(self, candidate: Candidate) -> bool:
         """Whether the predictor composes the plan from parts already traced (False where it cannot say)."""
@@ -291,10 +282,7 @@ class Tuner:
             return
         queue, seen, self.origins = self.origins, set(), []
         while queue:
-            origin = queue.pop(0)
-            self._price_ahead(lambda around=origin: [c for _, point in self.space.neighbours(around) if (
-                c := self.space.candidate(point)).key not in seen and self._unpriced(c) and self._ready(c)])
-            for _, point in self.space.neighbours(origin):
+            for _, point in self.space.neighbours(queue.pop(0)):
                 candidate = self.space.candidate(point)
                 if candidate.key in seen:
                     continue
