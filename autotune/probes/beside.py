@@ -36,7 +36,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -301,19 +300,12 @@ def _made(composer, connection: Connection, kind: str, key: tuple, plan_json: st
 
 
 def _frontier(composer, request: dict) -> dict:
-    from ckrun.runner.plan.memory_plan import MemoryPlan
+    from ..search.solver import answer_request
 
-    from ..search.solver import frontier
-
-    deadline = request.get("deadline")
     try:
-        proposals, lines = frontier(composer, [tuple(pair) for pair in request["pairs"]], int(request["limit"]),
-                                    MemoryPlan.model_validate(request["base"]), bool(request["offload"]),
-                                    int(request["timed_steps"]), int(request.get("context", 0)),
-                                    None if deadline is None else deadline - time.monotonic())
+        return answer_request(composer, request)
     except ValueError as err:
         return {"status": "unavailable", "reason": first_line(err)}
-    return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
 
 
 class Sending(Tracer):

@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import os
-import time
 import traceback
 from pathlib import Path
 
@@ -200,16 +199,9 @@ def _rank_estimate(ranks: _Ranks, candidate, nproc: int):
 
 
 def _frontier(estimator, request: dict) -> dict:
-    from ckrun.runner.plan.memory_plan import MemoryPlan
+    from ..search.solver import answer_request
 
-    from ..search.solver import frontier
-
-    asked = request["frontier"]
-    proposals, lines = frontier(estimator, [tuple(pair) for pair in asked["pairs"]], int(asked["limit"]),
-                                MemoryPlan.model_validate(asked["base"]), bool(asked["offload"]),
-                                int(asked["timed_steps"]), int(asked.get("context", 0)),
-                                None if asked.get("deadline") is None else asked["deadline"] - time.monotonic())
-    return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
+    return answer_request(estimator, request["frontier"])
 
 
 def _unavailable() -> tuple[type, ...]:

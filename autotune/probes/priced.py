@@ -149,22 +149,14 @@ class PricedPredictor(Screening):
         """The solver's plans (autotune/search/solver.py), answered as the model child answers them."""
         if self.nproc > 1 or self.off or not self._started():
             return {"status": "unavailable", "reason": f"no estimator ({self.off or 'ranks'})"}
-        from ckrun.runner.plan.memory_plan import MemoryPlan
+        from ..search.solver import answer_request
 
-        from ..search.solver import frontier
-
-        deadline = request.get("deadline")
         try:
-            proposals, lines = frontier(self._pricer, [tuple(pair) for pair in request["pairs"]],
-                                        int(request["limit"]), MemoryPlan.model_validate(request["base"]),
-                                        bool(request["offload"]), int(request["timed_steps"]),
-                                        int(request.get("context", 0)),
-                                        None if deadline is None else deadline - time.monotonic())
+            return answer_request(self._pricer, request)
         except ValueError as err:
             return {"status": "unavailable", "reason": first_line(err)}
         finally:
             self._keep_long_lived()
-        return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
 
     def summary(self) -> dict:
         """What report.json says about screening."""

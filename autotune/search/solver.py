@@ -308,6 +308,17 @@ def frontier(estimator, pairs: list[tuple[int, str]], limit: int, base: MemoryPl
     return proposals, lines
 
 
+def answer_request(estimator, request: dict) -> dict:
+    """`frontier` asked as the tuner asks it (autotune/search/frontier.py `_solve`: JSON, its deadline on the
+    machine's monotonic clock), answered as the tuner reads it. Where the plans do not apply, ValueError."""
+    deadline = request.get("deadline")
+    proposals, lines = frontier(estimator, [tuple(pair) for pair in request["pairs"]], int(request["limit"]),
+                                MemoryPlan.model_validate(request["base"]), bool(request["offload"]),
+                                int(request["timed_steps"]), int(request.get("context", 0)),
+                                None if deadline is None else deadline - time.monotonic())
+    return {"status": "ok", "proposals": [p.record() for p in proposals], "lines": lines}
+
+
 class _OutOfTime(Exception):
     pass
 
