@@ -111,9 +111,9 @@ class Trace:
     """A real block's own copy of a shared input (serial, made in a "copies" part) -> the input (`Cutter._own_copies`)."""
     warnings: list[str] = field(default_factory=list)
     host_work: dict[int, int] = field(default_factory=dict)
-    """Micro-batches per step -> the host's work in the step (`estimate.host_work` of the trace's optimizer), for
-    each count the recipe's batch splits into: a table, not the optimizer, so a trace pickles (a second process
-    makes some: autotune/probes/beside.py)."""
+    """An update's trace: micro-batches per step -> the host's work in the step (`estimate.host_work` of the trace's
+    optimizer), for each count the recipe's batch splits into: a table, not the optimizer, so a trace pickles (a
+    second process makes some: autotune/probes/beside.py). A block trace's is empty: no composition reads it."""
 
 
 # --- cutting a step into its parts -------------------------------------------------------------------
@@ -421,7 +421,7 @@ def trace_step(estimator: PartsEstimator, plan: MemoryPlan, precision: Precision
     for param in estimator.model.parameters():
         param.grad = None  # no update ran to let them go; the next step starts without them, as after one
     return _trace(cutter, run, frozenset(real), 1 if micro >= estimator.recipe.train.batch_size else MICRO_BATCHES_RUN,
-                  grads, run.fixes.warnings(), estimator.recipe.train.batch_size)
+                  grads, run.fixes.warnings())
 
 
 def trace_update(estimator: PartsEstimator, plan: MemoryPlan, precision: PrecisionName, accumulated: set[int],
@@ -457,7 +457,9 @@ def trace_update(estimator: PartsEstimator, plan: MemoryPlan, precision: Precisi
 
     with unavailable_on_fake_errors("the update"):
         run = estimator.fake_step(plan, precision, step, watch, record_labels=True)
-    return _trace(cutter, run, frozenset(), micro_batches, grads, [], estimator.recipe.train.batch_size)
+    batch = estimator.recipe.train.batch_size
+    hosted = {batch // micro: host_work(run.planned, batch // micro) for micro in range(1, batch + 1) if batch % micro == 0}
+    return _trace(cutter, run, frozenset(), micro_batches, grads, [], hosted)
 
 
 def _gradient_serials(cutter: Cutter, model: torch.nn.Module, stepper) -> dict[int, int | None]:
@@ -469,7 +471,7 @@ def _gradient_serials(cutter: Cutter, model: torch.nn.Module, stepper) -> dict[i
 
 
 def _trace(cutter: Cutter, run: FakeRun, real: frozenset[int], micro_batches: int, grads: dict, warnings,
-           batch: int) -> Trace:
+           hosted: dict[int, int] | None = None) -> Trace:
     cutter.catch_up()
     problems = list(dict.fromkeys(cutter.problems))
     for sid, part in cutter.parts.items():
@@ -477,8 +479,7 @@ def _trace(cutter: Cutter, run: FakeRun, real: frozenset[int], micro_batches: in
             problems.append("the model runs code that allocates between its blocks")
     return Trace(cutter.stores, cutter.parts, real, micro_batches, cutter.boundaries, cutter.signatures,
                  {k: v for k, v in grads.items() if v is not None}, frozenset(cutter.accumulated), problems,
-                 dict(cutter.copies), list(warnings),
-                 {batch // micro: host_work(run.planned, batch // micro) for micro in range(1, batch + 1) if batch % micro == 0})
+                 dict(cutter.copies), list(warnings), hosted or {})
 
 
 def _trigger(estimator: Estimator) -> torch.Tensor:
