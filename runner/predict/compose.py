@@ -214,8 +214,7 @@ class Composer:
             return False
         if any((key, signature) not in self.represented for signature in layout.signatures):
             return False
-        layout.reps = [self.represented[(key, signature)] for signature in layout.signatures]
-        layout.absolute = self.absolute[key]
+        self._place(layout)
         return self._update_key(layout) in self.updates
 
     # --- which traces a plan needs -------------------------------------------------------------------
@@ -320,9 +319,13 @@ class Composer:
             self._trace(layout, *wanted)
         else:
             raise NotComposable("its blocks' inputs changed between traces")
+        self._place(layout)
+        layout.update = self._update(layout)
+
+    def _place(self, layout: Layout) -> None:
+        """Give a layout whose blocks are all represented its representatives and the trace of its head."""
         layout.reps = [self.represented[(layout.key, signature)] for signature in layout.signatures]
         layout.absolute = self.absolute[layout.key]
-        layout.update = self._update(layout)
 
     def _wanted(self, layout: Layout) -> tuple[MemoryPlan, set[int], set[int]] | None:
         """The next trace the layout needs (the plan to trace, its real blocks, the blocks it represents), or None
@@ -356,8 +359,7 @@ class Composer:
         if wanted is not None:
             traced, real, _ = wanted
             return "step", trace_key(layout.key, traced, real), traced, precision, frozenset(real)
-        layout.reps = [self.represented[(layout.key, signature)] for signature in layout.signatures]
-        layout.absolute = self.absolute[layout.key]
+        self._place(layout)
         key = self._update_key(layout)
         if key in self.updates:
             return None
