@@ -29,6 +29,8 @@ from ..space.knobs import describe
 
 log = logging.getLogger(__name__)
 
+FULL_EVERY = 100  # while a pricer lives, collections of the middle generation per full one (Python's default: 10)
+
 
 def in_process(recipe: Recipe, predict: bool, device_kind: str) -> bool:
     """Whether this tune's predictions run in its own process: a model whose code is a library's (a python
@@ -53,6 +55,7 @@ class PricedPredictor(Screening):
         self.context_bytes, self.screen_above = context_bytes, screen_above
         self.priced = 0  # plans answered, composed or not
         self._frozen_at: int | None = None  # the pricer's trace count when the heap was last frozen
+        self._thresholds: tuple[int, int, int] | None = None  # the collector's before the pricer spaced its full collections
         self.seconds = 0.0  # spent predicting
         self._pricer = None
 
@@ -177,10 +180,15 @@ class PricedPredictor(Screening):
             return
         self._frozen_at = traces
         gc.freeze()
+        if self._thresholds is None:
+            # frozen objects no longer count as long-lived, so a full collection came after few new ones: 102 of
+            # them in the 8B's search (2.4 s); one after FULL_EVERY collections of the middle generation: 6 (0.7 s)
+            self._thresholds = gc.get_threshold()
+            gc.set_threshold(*self._thresholds[:2], max(self._thresholds[2], FULL_EVERY))
 
     def close(self) -> None:
         """Take down what the pricer holds (the rank predictor's fake process group), and give the objects
-        frozen while it priced back to the garbage collector."""
+        frozen while it priced back to the garbage collector, its thresholds as they were."""
         close = getattr(self._pricer, "close", None)
         if close is not None:
             close()
@@ -189,3 +197,6 @@ class PricedPredictor(Screening):
         if self._frozen_at is not None:
             self._frozen_at = None
             gc.unfreeze()
+        if self._thresholds is not None:
+            gc.set_threshold(*self._thresholds)
+            self._thresholds = None

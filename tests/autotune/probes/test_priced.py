@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 
 from ckrun.autotune.probes.model_child import model_facts
-from ckrun.autotune.probes.priced import PricedPredictor
+from ckrun.autotune.probes.priced import FULL_EVERY, PricedPredictor
 from ckrun.autotune.space.facts import Device, ModelFacts
 from ckrun.autotune.space.knobs import build_space
 from ckrun.runner.predict.hardware import resolve_device
@@ -26,17 +26,21 @@ def _pricer() -> tuple[PricedPredictor, list]:
 
 
 def test_the_pricers_objects_are_frozen_while_it_traces_and_given_back_at_close():
+    """Frozen, and the full collections spaced out (frozen objects are not counted as long-lived, so they would
+    come after few new ones); both as they were once it closes."""
     predictor, (first, again) = _pricer()
     assert gc.get_freeze_count() == 0
+    thresholds = gc.get_threshold()
     try:
         assert predictor(first).peak > 0
         frozen = gc.get_freeze_count()
         assert frozen > 0  # the fake model and the traces the first prediction made
+        assert gc.get_threshold() == (*thresholds[:2], max(thresholds[2], FULL_EVERY))
         assert predictor(first).peak > 0 and gc.get_freeze_count() <= frozen  # no new trace: nothing more frozen
         predictor(again)
     finally:
         predictor.close()
-    assert gc.get_freeze_count() == 0  # the caller's collector as it was
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds  # the caller's collector as it was
 
 
 def test_a_caller_that_froze_objects_of_its_own_keeps_them_frozen():
