@@ -6,10 +6,11 @@ builds the same fake model and makes traces the tuner will want, while the tuner
 
 - the solver's per-block plans (autotune/search/frontier.py) are solved here while the tuner chooses its
   starting points (its time was the search's until then), every trace it makes sent to the tuner too;
-- the plans a walk of the search will price next (autotune/search/descent.py) are handed over, the last
-  first, each as the first trace pricing it would make now (`Composer.next_trace`); the tuner prices from
-  the first, and takes each trace of a plan it reaches that is made here (or being made: it waits for it),
-  making the rest itself (those not started are cancelled).
+- the plans a walk of the search will price next (autotune/search/descent.py), in the order the tuner
+  prices them (the cheapest to trace first: `PricedPredictor.prefetch`), are handed over, the last first,
+  each as the first trace pricing it would make once those before it are priced (`Composer.traces_ahead`);
+  the tuner prices from the first, and takes each trace of a plan it reaches that is made here (or being
+  made: it waits for it), making the rest itself (those not started are cancelled).
 
 Nothing the tuner decides depends on what this process did: the tuner asks for the traces it would make
 alone, and takes one made here only where it serves that key (`serves`: the same key, or a block trace of the
@@ -94,7 +95,7 @@ class Beside:
 
     def ask(self, requests: list[tuple]) -> None:
         """Make these traces, in this order: (kind, key, plan, precision, what else it is given), as
-        `Composer.next_trace` gives them."""
+        `Composer.traces_ahead` names them."""
         self._drain()
         for kind, key, plan, precision, *given in requests:
             if key in self.made or key in self.ahead or key in self.queued or key == self.current:

@@ -124,14 +124,25 @@ class PricedPredictor(Screening):
             tracer = Taking(self.beside)
         return Composer(PartsEstimator(self.recipe, self.device_kind, self.time_facts), tracer=tracer)
 
-    def prefetch(self, candidates: list[Candidate]) -> None:
-        """These plans are priced next, in this order: the second pricer makes their first traces, the last first
-        (this process prices from the first, and traces the first that needs a trace at once;
-        autotune/probes/beside.py)."""
-        if self.beside is None or self.beside.broken or self.nproc > 1 or not self._started():
-            return
-        wanted = [request for c in candidates if (request := self._pricer.next_trace(c.plan, c.precision)) is not None]
-        self.beside.ask(list(reversed(wanted[1:])))
+    def prefetch(self, candidates: list[Candidate]) -> list[Candidate]:
+        """These plans are priced next: returned in the order to price them, those composed from what is traced
+        first, then by the cost of the first trace each needs now, the cheapest first (`trace_cost`). The second
+        pricer makes the traces they will need in that order (`Composer.traces_ahead`: a trace the plans before
+        make is not asked again) but the first, from the last, while this process prices from the first
+        (autotune/probes/beside.py): the two meet in the middle, where in the walk's own order the dear offloaded
+        plan's trace, often its first, fell to this process, and the second one made traces of plans whose
+        blocks cheaper ones had traced by then. The order is the same with a second pricer or without one, so
+        is the search."""
+        if self.nproc > 1 or self.off or not self._started():
+            return candidates
+        from ckrun.runner.predict.compose import trace_cost
+
+        alone = [self._pricer.next_trace(c.plan, c.precision) for c in candidates]
+        ordered = [candidates[i] for i in sorted(range(len(candidates)), key=lambda i: trace_cost(alone[i]))]
+        if self.beside is not None and not self.beside.broken:
+            needed = [t for t in self._pricer.traces_ahead([(c.plan, c.precision) for c in ordered]) if t is not None]
+            self.beside.ask(list(reversed(needed[1:])))
+        return ordered
 
     def frontier_later(self, request: dict):
         """`frontier`, started now: a function that answers it. With a second pricer it solves there while this

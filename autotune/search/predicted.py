@@ -111,11 +111,13 @@ class CachedPredictor:
         solve beside the search: autotune/probes/beside.py); else solved now."""
         return start_solving(self.predictor, request)
 
-    def prefetch(self, candidates: list[Candidate]) -> None:
-        """These plans are asked next, in this order (a predictor with a second pricer starts on them)."""
+    def prefetch(self, candidates: list[Candidate]) -> list[Candidate]:
+        """These plans are asked next: returned in the order to ask them, those answered first, the rest in the
+        predictor's order (a predictor with a second pricer starts on them)."""
+        answered = [c for c in candidates if c.key in self.answers]
+        rest = [c for c in candidates if c.key not in self.answers]
         prefetch = getattr(self.predictor, "prefetch", None)
-        if prefetch is not None:
-            prefetch([c for c in candidates if c.key not in self.answers])
+        return answered + (prefetch(rest) if prefetch is not None and rest else rest)
 
     def ready(self, candidate: Candidate) -> bool:
         """Whether the plan costs little to predict now: answered already, or composed from parts made."""

@@ -240,10 +240,9 @@ class Tuner:
             return
         while (step := self.descent.next_moves()) is not None:
             walk, start, points = step
-            fresh = [(p, c) for p in points if self._unpriced(c := self.space.candidate(p))]
+            fresh = self._pricing_order([(p, c) for p in points if self._unpriced(c := self.space.candidate(p))])
             if not fresh:
                 continue
-            self._prefetch([c for _, c in fresh])
             log.info("tune: %d plan(s) one knob %s from trial %d (%s at %.2f s a step%s)", len(fresh), walk,
                      start.number, "the fastest predicted to fit" if walk == "faster" else
                      f"predicted {format_bytes(start.peak)}, over the limit", start.seconds,
@@ -255,11 +254,14 @@ class Tuner:
                 self._evaluate(self.study.ask(self.space.distributions()), candidate)
                 self.origins.append(point)  # its neighbours already traced are priced after the walks
 
-    def _prefetch(self, candidates: list[Candidate]) -> None:
-        """A predictor with a second pricer (autotune/probes/beside.py) traces these plans beside this process."""
+    def _pricing_order(self, fresh: list[tuple[dict, Candidate]]) -> list[tuple[dict, Candidate]]:
+        """A walk's plans in the order the predictor prices them soonest (`prefetch`: a second pricer starts on
+        the last of them while this process prices the first); as the walk gives them where it cannot say."""
         prefetch = getattr(self.predict, "prefetch", None)
-        if prefetch is not None:
-            prefetch(candidates)
+        if prefetch is None or len(fresh) < 2:
+            return fresh
+        point_of = {id(candidate): point for point, candidate in fresh}
+        return [(point_of[id(candidate)], candidate) for candidate in prefetch([c for _, c in fresh])]
 
     def _ready(self, candidate: Candidate) -> bool:
         """Whether the predictor composes the plan from parts already traced (False where it cannot say)."""

@@ -327,10 +327,11 @@ class Composer:
         layout.reps = [self.represented[(layout.key, signature)] for signature in layout.signatures]
         layout.absolute = self.absolute[layout.key]
 
-    def _wanted(self, layout: Layout) -> tuple[MemoryPlan, set[int], set[int]] | None:
+    def _wanted(self, layout: Layout, assumed: frozenset | set = frozenset()) -> tuple[MemoryPlan, set[int], set[int]] | None:
         """The next trace the layout needs (the plan to trace, its real blocks, the blocks it represents), or None
-        where every block is represented."""
-        missing = [i for i, signature in enumerate(layout.signatures) if (layout.key, signature) not in self.represented]
+        where every block is represented (or `assumed` to be: (parts key, signature) pairs of traces to come)."""
+        missing = [i for i, signature in enumerate(layout.signatures)
+                   if (layout.key, signature) not in self.represented and (layout.key, signature) not in assumed]
         if not missing:
             return None
         first = {}
@@ -350,20 +351,46 @@ class Composer:
         given: ("step", key, plan to trace, precision, real blocks) or ("update", key, plan, precision, the
         parameters accumulated, micro-batches); None where it needs none, or is not composed. A search hands the
         traces of plans it will price next to a second process with it (autotune/probes/beside.py)."""
-        try:
-            self.estimator.check(plan, precision)
-            layout = self._layout(plan, precision)
-        except (NotComposable, ValueError):
-            return None
-        wanted = self._wanted(layout)
+        return self.traces_ahead([(plan, precision)])[0]
+
+    def traces_ahead(self, plans: list[tuple[MemoryPlan, PrecisionName]]) -> list[tuple | None]:
+        """Per plan, the first trace pricing it would make (as `next_trace` names it) once the plans before it are
+        priced, in this order: what their traces will represent is taken as traced. None where it needs none;
+        also after a plan whose parts key has no trace yet, for the later plans of that key, since that first
+        trace learns what the blocks are given, which may tell their signatures apart differently."""
+        assumed, unsettled, updates, ahead = set(), set(), set(), []
+        for plan, precision in plans:
+            try:
+                self.estimator.check(plan, precision)
+                layout = self._layout(plan, precision)
+            except (NotComposable, ValueError):
+                ahead.append(None)
+                continue
+            if layout.key in unsettled:
+                ahead.append(None)
+                continue
+            ahead.append(self._first_wanted(layout, assumed, updates))
+            if ahead[-1] is not None and ahead[-1][0] == "step" and layout.key not in self.inputs:
+                unsettled.add(layout.key)
+        return ahead
+
+    def _first_wanted(self, layout: Layout, assumed: set, updates: set) -> tuple | None:
+        """`traces_ahead` for one layout, adding what its trace will represent to `assumed` (its update to
+        `updates`)."""
+        wanted = self._wanted(layout, assumed)
         if wanted is not None:
-            traced, real, _ = wanted
-            return "step", trace_key(layout.key, traced, real), traced, precision, frozenset(real)
+            traced, real, chosen = wanted
+            signatures, _ = self._signatures(traced, layout.key)
+            assumed.update((layout.key, signatures[i]) for i in chosen)
+            return "step", trace_key(layout.key, traced, real), traced, layout.precision, frozenset(real)
+        if any((layout.key, signature) not in self.represented for signature in layout.signatures):
+            return None  # its blocks are represented by traces to come: its update's key is read off them
         self._place(layout)
         key = self._update_key(layout)
-        if key in self.updates:
+        if key in self.updates or key in updates:
             return None
-        return "update", ("update", *key), plan, precision, frozenset(key[-1]), layout.micro_batches
+        updates.add(key)
+        return "update", ("update", *key), layout.plan, layout.precision, frozenset(key[-1]), layout.micro_batches
 
     def _with_companion(self, layout: Layout, chosen: set[int]) -> tuple[MemoryPlan, set[int]]:
         """The plan to trace, and its blocks to make real: the layout's own; where its blocks are kept or
@@ -455,6 +482,14 @@ def trace_key(parts_key: str, traced: MemoryPlan, real: set[int]) -> tuple:
     and its real blocks."""
     actions = traced.model_dump_json(include={"checkpointing", "offload"})
     return ("step", parts_key, actions, tuple(sorted(real)))
+
+
+def trace_cost(request: tuple | None) -> int:
+    """What the trace `Composer.next_trace` names costs, in blocks traced real: an update's counted as two (about
+    its time beside a transformer block's), none as nothing. Orders plans to price (autotune/probes/priced.py)."""
+    if request is None:
+        return 0
+    return len(request[4]) if request[0] == "step" else 2
 
 
 def _not_composed(plan: MemoryPlan, estimator, ranks: bool = False) -> str | None:

@@ -1,6 +1,6 @@
 """Predictions in the tuner's process (autotune/probes/priced.py): what the pricer holds is frozen out of the
-garbage collector's full collections while the search prices, and given back when it closes. Counted: the
-objects the collector tracks, not seconds."""
+garbage collector's full collections while the search prices, and given back when it closes; plans asked next
+are priced cheapest first. Counted: the objects the collector tracks, traces, not seconds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import gc
 from ckrun.autotune.probes.model_child import model_facts
 from ckrun.autotune.probes.priced import FULL_EVERY, PricedPredictor
 from ckrun.autotune.space.facts import Device, ModelFacts
+from ckrun.autotune.space.candidate import Candidate
 from ckrun.autotune.space.knobs import build_space
+from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.hardware import resolve_device
 from ckrun.runner.recipe.load import load_recipe
 from conftest import BERT_TINY, TINY_BERT
@@ -56,3 +58,24 @@ def test_a_caller_that_froze_objects_of_its_own_keeps_them_frozen():
         assert 0 < gc.get_freeze_count() <= theirs  # theirs still frozen
     finally:
         gc.unfreeze()
+
+
+def test_plans_asked_next_are_priced_those_traced_first_then_the_fewest_blocks_to_trace_first():
+    """A walk's plans, in the order the pricer gives: one composed from what is traced, one needing one block
+    traced (selective), one needing blocks around each offloaded one; the same order with or without a second
+    pricer (none here), so the search is the same."""
+    predictor, _ = _pricer()
+    recipe = predictor.recipe
+
+    def candidate(fields: dict) -> Candidate:
+        return Candidate(MemoryPlan.model_validate({"blocks": recipe.memory.blocks, "micro_batch": 4, **fields}), "bf16")
+
+    try:
+        predictor(candidate({"checkpointing": {"policy": "full"}}))  # traced with a kept block beside
+        offloaded = candidate({"checkpointing": {"policy": "every", "every": 2}, "offload": {"policy": "all"}})
+        selective, kept = candidate({"checkpointing": {"policy": "selective"}}), candidate({})
+        traces = predictor._pricer.traces
+        assert [id(c) for c in predictor.prefetch([offloaded, selective, kept])] == [id(kept), id(selective), id(offloaded)]
+        assert predictor._pricer.traces == traces  # ordering traced nothing
+    finally:
+        predictor.close()
