@@ -203,9 +203,10 @@ class CachingAllocatorModel:
         self.reserved = 0
         self.allocated = 0
         self.peak_allocated = 0
-        self._free = {True: [], False: []}  # small pool? -> sorted (size, segment, offset) of free blocks
-        self._blocks: dict[tuple[int, int], _Block] = {}  # (segment, offset) -> free block
-        self._live: dict[int, list[_Block]] = {}  # key -> its blocks (a key reused while live stacks)
+        # small pool? -> its free blocks as (size, segment, offset, block), sorted: the first three tell any two apart
+        self._free: dict[bool, list[tuple]] = {True: [], False: []}
+        self._live: dict[int, _Block] = {}  # key -> its block
+        self._stacked: dict[int, list[_Block]] = {}  # key -> its earlier blocks still live (a key reused while live)
         self._segment_small: list[bool] = []  # per segment: in the small pool?
 
     def alloc(self, key: int, nbytes: int) -> None:
@@ -215,17 +216,23 @@ class CachingAllocatorModel:
         small = size <= SMALL_SIZE
         block = self._take(small, size) or self._new_segment(small, size)
         block.free = False
-        self._live.setdefault(key, []).append(block)
+        held = self._live.get(key)
+        if held is not None:
+            self._stacked.setdefault(key, []).append(held)
+        self._live[key] = block
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
 
     def free(self, key: int) -> None:
-        blocks = self._live.get(key)
-        if not blocks:
+        block = self._live.pop(key, None)
+        if block is None:
             return
-        block = blocks.pop()
-        if not blocks:
-            del self._live[key]
+        stacked = self._stacked.get(key)
+        if stacked:  # the key's block before this one is live again (the last made is the first let go)
+            self._live[key] = stacked.pop()
+            if not stacked:
+                del self._stacked[key]
         self.allocated -= block.size
         small = self._segment_small[block.segment]
         for neighbour in (block.prev, block.next):
@@ -236,10 +243,10 @@ class CachingAllocatorModel:
 
     def _take(self, small: bool, size: int) -> _Block | None:
         pool = self._free[small]
-        at = bisect.bisect_left(pool, (size, -1, -1))
+        at = bisect.bisect_left(pool, (size,))
         if at == len(pool):
             return None
-        block = self._blocks.pop(pool.pop(at)[1:])
+        block = pool.pop(at)[3]
         rest = block.size - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
             tail = _Block(block.segment, block.offset + size, rest, block, block.next)
@@ -299,7 +306,8 @@ class CachingAllocatorModel:
 
     def _grow(self, nbytes: int) -> None:
         self.reserved += nbytes
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
 
     def _make_room(self, nbytes: int, keep: _Block | None = None) -> None:
         """Past the capacity: release what no live block uses, then see whether `nbytes` more fits."""
@@ -307,8 +315,7 @@ class CachingAllocatorModel:
             return
         self.releases += 1
         for small in (True, False):
-            for _size, segment, offset in list(self._free[small]):
-                block = self._blocks[(segment, offset)]
+            for *_, block in list(self._free[small]):
                 if block is keep:
                     continue
                 if self.expandable and block.next is None:  # a pool's free tail: its whole pages unmapped
@@ -350,13 +357,11 @@ class CachingAllocatorModel:
 
     def _list(self, small: bool, block: _Block) -> None:
         block.free = True
-        bisect.insort(self._free[small], (block.size, block.segment, block.offset))
-        self._blocks[(block.segment, block.offset)] = block
+        bisect.insort(self._free[small], (block.size, block.segment, block.offset, block))
 
     def _unlist(self, small: bool, block: _Block) -> None:
         pool = self._free[small]
-        del pool[bisect.bisect_left(pool, (block.size, block.segment, block.offset))]
-        del self._blocks[(block.segment, block.offset)]
+        del pool[bisect.bisect_left(pool, (block.size, block.segment, block.offset))]  # shorter: before its entry
 
 
 def replay(events, device: torch.device, baseline: int, repeats: int = 2, kept: tuple[int, ...] = (),
@@ -367,11 +372,12 @@ def replay(events, device: torch.device, baseline: int, repeats: int = 2, kept: 
     model = CachingAllocatorModel(expandable, capacity)
     steps = [e for e in events[baseline:] if e[2] == device]
     workspaces = [(-1 - i, nbytes, device) for i, nbytes in enumerate(kept)]  # keys no tensor has
+    alloc, free = model.alloc, model.free
     for key, nbytes, _device in [e for e in events[:baseline] if e[2] == device] + workspaces + steps * repeats:
         if nbytes > 0:
-            model.alloc(key, nbytes)
+            alloc(key, nbytes)
         else:
-            model.free(key)
+            free(key)
     return model
 
 

@@ -58,11 +58,14 @@ def test_backward_scratch_is_held_while_the_gradient_passes_and_then_freed():
 
 def _check_bookkeeping(allocator: CachingAllocatorModel, live: dict[int, int]) -> None:
     """Blocks tile the reserve exactly; no two free neighbours are left unmerged; counts add up."""
-    free_bytes = sum(size for size, _, _ in allocator._free[True] + allocator._free[False])
-    used_bytes = sum(block.size for blocks in allocator._live.values() for block in blocks)
+    free = allocator._free[True] + allocator._free[False]
+    free_bytes = sum(size for size, *_ in free)
+    used = [*allocator._live.values(), *(block for blocks in allocator._stacked.values() for block in blocks)]
+    used_bytes = sum(block.size for block in used)
     assert free_bytes + used_bytes == allocator.reserved
     assert used_bytes == allocator.allocated >= sum(live.values())
-    for block in allocator._blocks.values():
+    for size, segment, offset, block in free:
+        assert (size, segment, offset) == (block.size, block.segment, block.offset) and block.free
         assert not (block.next is not None and block.next.free)
 
 
