@@ -48,7 +48,7 @@ from ..plan.memory_plan import LayerListCheckpointing, MemoryPlan, NoCheckpointi
 from ..recipe.recipe import Precision as PrecisionName
 from .estimate import CPU, HOST, Estimate, micro_batch_of
 from .parts import PartsEstimator, Trace, trace_step, trace_update
-from .placement import Composition, Layout, NotComposable, trace_around
+from .placement import Composition, Layout, NotComposable, allocations, trace_around
 from .relays import parameter_signature
 from .roofline import AFTER_BLOCKS
 
@@ -189,6 +189,20 @@ class Composer:
                     for serial, leaf in first.items():
                         roles.setdefault(serial, []).append((m, kind, leaf))
             self._around[key] = roles
+        return self._around[key]
+
+    def allocations(self, trace: Trace, tsid: tuple):
+        """A traced part's allocations as a composition writes them (placement.py `Allocations`), made once."""
+        key = ("allocations", id(trace), tsid)
+        if key not in self._around:
+            self._around[key] = allocations(trace, tsid, self.device)
+        return self._around[key]
+
+    def device(self, name: str) -> torch.device:
+        """One device object per name: the allocator's replay looks a device's name up by it."""
+        key = ("device", name)
+        if key not in self._around:
+            self._around[key] = torch.device(name)
         return self._around[key]
 
     def around(self, trace: Trace, t: int) -> list[int]:

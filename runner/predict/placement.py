@@ -323,7 +323,7 @@ class Composition:
         out = _Emitted()
         for stored in self.layout.update.stores:
             if stored.owner == BASE:
-                out.allocate((BASE, stored.ordinal), stored)
+                out.allocate_base((BASE, stored.ordinal), stored, self.composer.device(stored.device))
         baseline = len(out.events)
         pending: dict[int, dict[int, list]] = {}  # part's place -> allocations made -> frees and re-labels
         for store, changes in self.labels.items():  # a re-label placed where its storage goes came before it
@@ -333,13 +333,10 @@ class Composition:
             pending.setdefault(at[0], {}).setdefault(at[1], []).append(("free", store))
         for sid in self.order:
             trace, tsid, _ = self.source(sid)
-            part = trace.parts.get(tsid)
             n, begun = self.at[sid], len(out.events)
             here = pending.pop(n, {})
             out.flush(here.pop(0, ()))
-            for k, serial in enumerate(part.allocs if part is not None else [], 1):
-                out.allocate((sid, k), trace.stores[serial])
-                out.flush(here.pop(k, ()))
+            out.emit(sid, self.composer.allocations(trace, tsid), here)
             for k in sorted(here):
                 if k == END:
                     self.cuts[sid] = (begun, len(out.events))
@@ -347,17 +344,10 @@ class Composition:
             self.cuts.setdefault(sid, (begun, len(out.events)))
         if out.early:
             raise NotComposable("a storage was placed as let go before it was made")
-        unfreed = [store for store in out.keys if store not in self.frees and self._freed_in_trace(store)]
+        unfreed = [store for store in out.freed_in_trace() if store not in self.frees]
         if unfreed:
             raise NotComposable(f"no trace saw where {len(unfreed)} storage(s) are let go")
         return out.events, baseline, out.initial, out.labels
-
-    def _freed_in_trace(self, store: tuple) -> bool:
-        sid, ordinal = store
-        if sid == BASE:
-            return False
-        trace, tsid, _ = self.source(sid)
-        return trace.stores[trace.parts[tsid].allocs[ordinal - 1]].freed is not None
 
     def work(self) -> StepWork:
         """The op clock's records of every part, blocks renumbered as the full step's."""
@@ -431,37 +421,81 @@ class Composition:
 
 
 class _Emitted:
-    """The composed events as they are written: each storage's key, size and device."""
+    """The composed events as they are written. A part's allocations are keyed in a run (`emit`): its store
+    (part, k) is the part's first key plus k - 1, its size and device read off the part's `Allocations`."""
 
     def __init__(self):
         self.events: list[tuple[int, int, torch.device]] = []
         self.initial: dict[int, str] = {}
         self.labels: list[tuple[int, int, str]] = []
-        self.keys: dict[tuple, int] = {}
-        self.sizes: dict[tuple, tuple[int, torch.device]] = {}
         self.early: list[tuple] = []
-        self.devices: dict[str, torch.device] = {}  # one object per device named: the replay looks its name up by it
+        self.base: dict[tuple, tuple[int, int, torch.device]] = {}  # a storage from before the step -> (key, bytes, device)
+        self.parts: dict[tuple, tuple[int, Allocations, int]] = {}  # part -> (its first key, its allocations, made so far)
+        self.count = 0  # keys given
 
-    def allocate(self, store: tuple, stored) -> None:
-        key = self.keys.setdefault(store, len(self.keys))
-        device = self.devices.get(stored.device)
-        if device is None:
-            device = self.devices[stored.device] = torch.device(stored.device)
-        self.sizes[store] = (stored.nbytes, device)
+    def allocate_base(self, store: tuple, stored, device: torch.device) -> None:
+        self.base[store] = (self.count, stored.nbytes, device)
         if stored.labels:
             self.initial[len(self.events)] = stored.labels[0][2]
-        self.events.append((key, stored.nbytes, device))
+        self.events.append((self.count, stored.nbytes, device))
+        self.count += 1
+
+    def emit(self, sid: tuple, made: Allocations, here: dict[int, list]) -> None:
+        """The part's allocations in order, after its k-th what `here[k]` holds (taken out of `here`)."""
+        first, events, initial, sizes, devices, labels = self.count, self.events, self.initial, made.sizes, made.devices, made.labels
+        done = 0
+        for k in [*sorted(k for k in here if 0 < k <= len(sizes)), len(sizes)]:
+            for j in range(done, k):
+                if labels[j] is not None:
+                    initial[len(events)] = labels[j]
+                events.append((first + j, sizes[j], devices[j]))
+            done = k
+            self.parts[sid] = (first, made, done)
+            self.flush(here.pop(k, ()))
+        self.count = first + len(sizes)
+
+    def _find(self, store: tuple) -> tuple[int, int, torch.device] | None:
+        """(key, bytes, device) of a storage allocated so far, or None."""
+        found = self.parts.get(store[0])
+        if found is None:
+            return self.base.get(store)
+        first, made, done = found
+        k = store[1]
+        return (first + k - 1, made.sizes[k - 1], made.devices[k - 1]) if 0 < k <= done else None
 
     def flush(self, items) -> None:
         for item in items:
-            store = item[1]
-            if store not in self.keys:
-                self.early.append(store)
+            found = self._find(item[1])
+            if found is None:
+                self.early.append(item[1])
             elif item[0] == "free":
-                nbytes, device = self.sizes[store]
-                self.events.append((self.keys[store], -nbytes, device))
+                self.events.append((found[0], -found[1], found[2]))
             else:
-                self.labels.append((len(self.events), self.keys[store], item[2]))
+                self.labels.append((len(self.events), found[0], item[2]))
+
+    def freed_in_trace(self) -> list[tuple]:
+        """The storages allocated that their trace saw let go (one from before the step: none)."""
+        return [(sid, k) for sid, (_, made, done) in self.parts.items() for k in made.freed if k <= done]
+
+
+@dataclass(frozen=True)
+class Allocations:
+    """A traced part's allocations as a composition writes them (`Composer.allocations`: made once per part): per
+    allocation its bytes, device and first category (None: none), and which of them (k from 1) its trace saw let go."""
+
+    sizes: list[int]
+    devices: list[torch.device]
+    labels: list[str | None]
+    freed: list[int]
+
+
+def allocations(trace: Trace, tsid: tuple, device) -> Allocations:
+    """`Allocations` of a trace's part (none where it has no such part); `device(name)` gives one object per name."""
+    part = trace.parts.get(tsid)
+    stored = [trace.stores[serial] for serial in part.allocs] if part is not None else []
+    return Allocations([s.nbytes for s in stored], [device(s.device) for s in stored],
+                       [s.labels[0][2] if s.labels else None for s in stored],
+                       [k for k, s in enumerate(stored, 1) if s.freed is not None])
 
 
 def trace_around(trace: Trace, t: int) -> list[int]:
