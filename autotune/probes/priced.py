@@ -140,8 +140,11 @@ class PricedPredictor(Screening):
         alone = [self._pricer.next_trace(c.plan, c.precision) for c in candidates]
         ordered = [candidates[i] for i in sorted(range(len(candidates)), key=lambda i: trace_cost(alone[i]))]
         if self.beside is not None and not self.beside.broken:
-            needed = [t for t in self._pricer.traces_ahead([(c.plan, c.precision) for c in ordered]) if t is not None]
-            self.beside.ask(list(reversed(needed[1:])))
+            ahead = self._pricer.traces_ahead([(c.plan, c.precision) for c in ordered])
+            needed = [t for t in ahead if t is not None]
+            # this process makes the first trace itself where it needs it at once; after plans composed from what
+            # is traced (a tenth of a second each), the other process has it under way by then
+            self.beside.ask(list(reversed(needed[1:] if ahead and ahead[0] is not None else needed)))
         return ordered
 
     def frontier_later(self, request: dict):
