@@ -46,6 +46,7 @@ from ..memory.blocks import find_blocks, undo_all, wrap_forward
 from ..memory.offload import ActivationOffload, CopyTransport
 from ..memory.optimizers import PlannedOptimizer, accumulates_in_float32, build_planned_optimizer
 from ..memory.tracker import LiveBytesTracker
+from ..memory.weights import KeptCopies, copies_kept
 from ..plan.memory_plan import MemoryPlan, NoOffload, NoOptimizerOffload, gradients_final
 from ..recipe.recipe import Precision as PrecisionName, Recipe
 from ..train.step import Precision, label_count, run_step
@@ -129,6 +130,7 @@ class Estimator:
         if torch.device(device).type not in ("cpu", "cuda"):
             raise ValueError(f"cannot estimate for device {device!r}; use cpu or cuda")
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.kept_copies = KeptCopies()  # memory.weights bf16's copies of the fake parameters (`_applied`)
         with unavailable_on_fake_errors("building the model"), self.fake_mode:
             with self._device_behaviour(MemoryPlan()):
                 torch.manual_seed(recipe.train.seed)
@@ -286,7 +288,8 @@ class Estimator:
             if self.cuda and plan.checkpointing.recomputes:  # inside the checkpoint: its recompute too
                 undos += [wrap_forward(block.module, in_cuda_mode) for block in blocks]
             # the CUDA-only parts are the estimator's own: the activations' copies here, the optimizer's in _optimizing
-            applied = apply_plan(self.model, plan.model_copy(update={"offload": NoOffload(), **DEFAULT_OPTIMIZER}), CPU)
+            with copies_kept(self.kept_copies):  # bf16 weights: each parameter's fake copy made once, not per step
+                applied = apply_plan(self.model, plan.model_copy(update={"offload": NoOffload(), **DEFAULT_OPTIMIZER}), CPU)
             undos.append(applied.remove)
             if plan.offload.moves:  # outside the checkpoint, as apply_plan stacks them
                 # training's own offloader and schedule; only the copies are fake (host = meta)

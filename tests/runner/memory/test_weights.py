@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ckrun.runner.plan.memory_plan import MemoryPlan
+from ckrun.runner.memory.weights import KeptCopies, apply_weights, copies_kept
 from ckrun.runner.predict.estimate import Estimator
 from ckrun.runner.problems import InputError
 from tests.runner.memory.tiny_lm import GPT2, LLAMA, WIDE, identical, needs_torchao, recipe, train
@@ -61,6 +62,26 @@ def test_bf16_weights_hold_half_the_bytes_and_the_estimate_puts_the_model_back()
     trainer = train(recipe(memory, WIDE, "bf16"), steps=1)[2]
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in trainer.model.buffers() if b.is_floating_point()} == {torch.float32}  # RoPE's stay
+
+
+def test_the_estimators_copies_are_made_once_and_its_undo_gives_the_fp32_data_back():
+    """The estimator applies a plan for every step it fakes: within `copies_kept` each parameter's bf16 copy is
+    made the first time and given again, the same estimate each time, and the undo restores the very data the
+    copy replaced (training's undo casts back, a new float32 tensor)."""
+    bf16 = MemoryPlan.model_validate({"weights": {"policy": "bf16"}, "allow_lossy": True})
+    estimator = Estimator(recipe("{}", WIDE, "bf16"), "cpu")
+    first = estimator.estimate(bf16)
+    copies = dict(estimator.kept_copies.copies)
+    assert copies and {c.dtype for c in copies.values()} == {torch.bfloat16}
+    assert estimator.estimate(bf16) == first and estimator.kept_copies.copies == copies  # none made again
+    data = {p: p.data for p in estimator.model.parameters()}
+    with copies_kept(KeptCopies()):
+        undo = apply_weights(estimator.model, bf16.weights)
+    undo()
+    assert all(p.data.data_ptr() == data[p].data_ptr() for p in data)
+    undo = apply_weights(estimator.model, bf16.weights)  # outside it: cast, and cast back
+    undo()
+    assert {p.dtype for p in estimator.model.parameters()} == {torch.float32}
 
 
 def test_bf16_weights_are_refused_outside_bf16_autocast():
