@@ -46,7 +46,7 @@ import torch
 from ..memory.blocks import find_blocks
 from ..plan.memory_plan import LayerListCheckpointing, MemoryPlan, NoCheckpointing
 from ..recipe.recipe import Precision as PrecisionName
-from .estimate import CPU, HOST, Estimate, micro_batch_of
+from .estimate import CPU, HOST, Estimate, EstimateUnavailable, micro_batch_of
 from .parts import PartsEstimator, Trace, trace_step, trace_update
 from .placement import Composition, Layout, NotComposable, allocations, trace_around
 from .relays import parameter_signature
@@ -369,21 +369,19 @@ class Composer:
 
     def traces_ahead(self, plans: list[tuple[MemoryPlan, PrecisionName]]) -> list[tuple | None]:
         """Per plan, the first trace pricing it would make (as `next_trace` names it) once the plans before it are
-        priced, in this order: what their traces will represent is taken as traced. None where it needs none;
-        also after a plan whose parts key has no trace yet, for the later plans of that key, since that first
-        trace learns what the blocks are given, which may tell their signatures apart differently."""
+        priced, in this order: what their traces will represent is taken as traced. None where it needs none, or
+        is not composed (its pricing says why); also after a plan whose parts key has no trace yet, for the later
+        plans of that key, since that first trace learns what the blocks are given, which may tell their
+        signatures apart differently."""
         assumed, unsettled, updates, ahead = set(), set(), set(), []
         for plan, precision in plans:
             try:
                 self.estimator.check(plan, precision)
                 layout = self._layout(plan, precision)
-            except (NotComposable, ValueError):
+                ahead.append(None if layout.key in unsettled else self._first_wanted(layout, assumed, updates))
+            except (NotComposable, ValueError, EstimateUnavailable):  # pricing it says why: no trace to name
                 ahead.append(None)
                 continue
-            if layout.key in unsettled:
-                ahead.append(None)
-                continue
-            ahead.append(self._first_wanted(layout, assumed, updates))
             if ahead[-1] is not None and ahead[-1][0] == "step" and layout.key not in self.inputs:
                 unsettled.add(layout.key)
         return ahead

@@ -8,6 +8,7 @@ import pytest
 
 from ckrun.runner.plan.memory_plan import MemoryPlan
 from ckrun.runner.predict.compose import Composer, trace_cost
+from ckrun.runner.predict.estimate import EstimateUnavailable
 from ckrun.runner.predict.hardware import resolve_device
 from ckrun.runner.predict.parts import PartsEstimator
 from ckrun.runner.recipe.load import load_recipe
@@ -51,6 +52,21 @@ def test_a_parts_key_not_traced_yet_names_only_its_first_trace(recipe):
     ahead = composer.traces_ahead([(plan, "bf16") for plan in plans])
     assert ahead[0] == composer.next_trace(plans[0], "bf16") and ahead[0][0] == "step" and ahead[1] is None
     assert composer.traces == 0  # nothing was traced to name them
+
+
+def test_a_plan_the_fake_step_cannot_price_is_named_no_trace(recipe, monkeypatch):
+    """Its optimizer's warm-up fails on fake tensors (an op without a fake kernel): naming traces ahead says
+    nothing of it, and pricing it says why (the search orders plans by this before pricing any)."""
+    composer = _composer(recipe)
+
+    def unavailable(plan, watch=None):
+        raise EstimateUnavailable("the warm-up step: an op without a fake kernel")
+
+    monkeypatch.setattr(composer.estimator, "_optimizing", unavailable)
+    plans = [_plan(recipe, {"checkpointing": {"policy": "full"}}), _plan(recipe, OFFLOADED)]
+    assert composer.traces_ahead([(plan, "bf16") for plan in plans]) == [None, None]
+    with pytest.raises(EstimateUnavailable):
+        composer.estimate(plans[0], "bf16")
 
 
 def test_a_trace_costs_its_real_blocks_an_update_two_and_none_nothing():
